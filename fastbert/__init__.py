@@ -1,0 +1,28 @@
+"""fastbert: a fast, correct BERT-family encoder for PyTorch.
+
+- `fastbert.from_pretrained(dir, task=None, ...)`: fastbert's own model from an HF checkpoint directory, offline.
+- `fastbert.optimize(model)`: speed up a live transformers (or sentence-transformers) model in place.
+- `fastbert.ops`: the fused ops, each with backends eager | triton | cpp (`fastbert.backends`).
+"""
+
+from fastbert import backends, ops
+from fastbert.backends import BackendUnavailable
+from fastbert.config import FastBertConfig
+from fastbert.loading import CheckpointError, from_pretrained
+from fastbert.model import EncoderOutput, FastBertModel
+from fastbert.optimize import is_optimized, optimize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable",
+    "CheckpointError",
+    "EncoderOutput",
+    "FastBertConfig",
+    "FastBertModel",
+    "backends",
+    "from_pretrained",
+    "is_optimized",
+    "ops",
+    "optimize",
+]

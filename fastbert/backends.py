@@ -1,0 +1,135 @@
+"""One dispatch for every fused op: backends ``eager`` | ``triton`` | ``cpp``.
+
+Each backend registers, per op, an implementation and a ``supports`` check that returns ``None`` when it can run
+the given inputs and otherwise the reason it cannot. ``backend="auto"`` walks the preference list for the inputs'
+device and takes the first backend whose check passes; a forced backend whose check fails raises
+:class:`BackendUnavailable` carrying that reason. The env var ``FASTBERT_BACKEND`` forces a backend wherever
+``"auto"`` was asked for.
+
+Backends other than ``eager`` are loaded lazily on first use (importing triton costs about a second), so
+``import fastbert`` stays cheap; a backend that fails to load is remembered with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("eager", "triton", "cpp")
+# Preference of `auto` by device type. Triton on CPU only runs under TRITON_INTERPRET=1, which is far too slow to
+# be picked automatically, so `auto` never takes it for CPU tensors.
+AUTO_ORDER = {"cuda": ("triton", "eager"), "cpu": ("cpp", "eager")}
+_BACKEND_MODULES = {"triton": "fastbert.kernels", "cpp": "fastbert.cpp_backend"}
+
+
+class BackendUnavailable(RuntimeError):
+    """A forced backend cannot run the given inputs; the message says why."""
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    fn: Callable
+    supports: Callable[..., str | None]
+    has_backward: bool = False
+
+
+_REGISTRY: dict[str, dict[str, OpImpl]] = {}
+_LOAD_ERRORS: dict[str, str] = {}
+_LOADED: set[str] = {"eager"}
+
+
+def register(op: str, backend: str, fn: Callable, supports: Callable[..., str | None] | None = None,
+             has_backward: bool = False) -> None:
+    """Register ``fn`` as ``backend``'s implementation of ``op`` (called by the backend modules at import)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    _REGISTRY.setdefault(op, {})[backend] = OpImpl(fn, supports or (lambda *a, **k: None), has_backward)
+
+
+def _load(backend: str) -> str | None:
+    """Import a backend's module once; returns the reason it is unavailable, or None."""
+    if backend in _LOADED:
+        return None
+    if backend in _LOAD_ERRORS:
+        return _LOAD_ERRORS[backend]
+    try:
+        importlib.import_module(_BACKEND_MODULES[backend])
+    except Exception as err:  # noqa: BLE001 - any import failure makes the backend unavailable, with its reason
+        _LOAD_ERRORS[backend] = f"{backend} backend failed to load: {type(err).__name__}: {err}"
+        return _LOAD_ERRORS[backend]
+    _LOADED.add(backend)
+    return None
+
+
+def requested_backend(backend: str | None) -> str:
+    """Resolve the user's request: an explicit backend wins, ``auto``/None defers to ``FASTBERT_BACKEND``."""
+    if backend in (None, "auto"):
+        backend = os.environ.get("FASTBERT_BACKEND", "auto") or "auto"
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+    return backend
+
+
+def _tensors(args: Iterable, kwargs: dict) -> list[torch.Tensor]:
+    found = []
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def why_not(op: str, backend: str, *args, **kwargs) -> str | None:
+    """The reason ``backend`` cannot run ``op`` on these inputs, or None if it can."""
+    reason = _load(backend)
+    if reason:
+        return reason
+    impl = _REGISTRY.get(op, {}).get(backend)
+    if impl is None:
+        return f"{backend} backend has no implementation of {op}"
+    tensors = _tensors(args, kwargs)
+    if not impl.has_backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return f"{backend} backend has no backward for {op} and an input requires grad"
+    return impl.supports(*args, **kwargs)
+
+
+def choose(op: str, backend: str | None, *args, **kwargs) -> tuple[str, dict[str, str]]:
+    """Pick the backend for ``op``: returns (backend, {skipped backend: reason})."""
+    backend = requested_backend(backend)
+    if backend != "auto":
+        reason = why_not(op, backend, *args, **kwargs)
+        if reason:
+            raise BackendUnavailable(f"fastbert.ops.{op}: backend {backend!r} cannot run these inputs: {reason}")
+        return backend, {}
+    tensors = _tensors(args, kwargs)
+    device_type = tensors[0].device.type if tensors else "cpu"
+    skipped: dict[str, str] = {}
+    for candidate in AUTO_ORDER.get(device_type, ()) + ("eager",):
+        reason = why_not(op, candidate, *args, **kwargs)
+        if reason is None:
+            return candidate, skipped
+        skipped[candidate] = reason
+    raise BackendUnavailable(f"fastbert.ops.{op}: no backend can run these inputs: {skipped}")
+
+
+def dispatch(op: str, backend: str | None, *args, **kwargs):
+    """Run ``op`` on the chosen backend."""
+    chosen, _ = choose(op, backend, *args, **kwargs)
+    return _REGISTRY[op][chosen].fn(*args, **kwargs)
+
+
+def explain(op: str, *args, backend: str | None = "auto", **kwargs) -> str:
+    """A one-line human answer: which backend runs ``op`` on these inputs and why the others were not used."""
+    chosen, skipped = choose(op, backend, *args, **kwargs)
+    others = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+    return f"{op}: {chosen}" + (f" (not used: {others})" if others else "")
+
+
+def available() -> dict[str, str | None]:
+    """Each backend and the reason it failed to load (None when it loaded)."""
+    return {name: _load(name) for name in BACKENDS}

@@ -1,0 +1,184 @@
+"""fastbert's model configuration, read from a Hugging Face ``config.json`` of the BERT family.
+
+Every family is normalised onto one set of fields (BERT's names); the per-family differences that change the
+computation (embedding size, position ids, layer sharing, pooler) are explicit fields, not `model_type` checks
+spread over the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# model_type -> family. MiniLM and bge checkpoints declare model_type "bert".
+FAMILIES: dict[str, str] = {
+    "bert": "bert",
+    "roberta": "roberta",
+    "xlm-roberta": "roberta",
+    "camembert": "roberta",
+    "distilbert": "distilbert",
+    "albert": "albert",
+    "electra": "electra",
+}
+
+# HF activation name -> fastbert activation name (the names every backend of `linear_activation` accepts).
+ACTIVATIONS: dict[str, str] = {
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+
+
+@dataclass
+class FastBertConfig:
+    """The shape and numerics of a BERT-family encoder.
+
+    ``embedding_size`` differs from ``hidden_size`` for ALBERT and ELECTRA (factorised embeddings projected to H).
+    ``position_offset`` is RoBERTa's: position ids start at ``pad_token_id + 1`` and skip padding tokens.
+    ``num_hidden_groups``/``inner_group_num`` are ALBERT's layer sharing (1/1 and unshared for the others).
+    """
+
+    model_type: str = "bert"
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    embedding_size: int | None = None
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    num_hidden_groups: int = 1
+    inner_group_num: int = 1
+    shared_layers: bool = False
+    has_pooler: bool = True
+    num_labels: int = 2
+    problem_type: str | None = None
+    classifier_activation: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported by fastbert; supported: {sorted(FAMILIES)}"
+            )
+        if self.embedding_size is None:
+            self.embedding_size = self.hidden_size
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_hidden_layers % self.num_hidden_groups:
+            raise ValueError("num_hidden_layers must be a multiple of num_hidden_groups")
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.model_type]
+
+    @property
+    def activation(self) -> str:
+        """The encoder FFN activation, as a `fastbert.ops.linear_activation` name."""
+        return ACTIVATIONS[self.hidden_act]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def position_offset(self) -> int | None:
+        """RoBERTa-style position ids start after the padding index; None for absolute arange positions."""
+        return self.pad_token_id + 1 if self.family == "roberta" else None
+
+    @property
+    def num_unique_layers(self) -> int:
+        return self.num_hidden_groups * self.inner_group_num if self.shared_layers else self.num_hidden_layers
+
+    def layer_schedule(self) -> list[int]:
+        """Indices of the unique layers applied in order (ALBERT repeats its groups across depth)."""
+        if not self.shared_layers:
+            return list(range(self.num_hidden_layers))
+        schedule = []
+        for depth in range(self.num_hidden_layers):
+            group = int(depth / (self.num_hidden_layers / self.num_hidden_groups))
+            schedule.extend(group * self.inner_group_num + j for j in range(self.inner_group_num))
+        return schedule
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> FastBertConfig:
+        """Normalise an HF config dict of any supported family onto fastbert's fields."""
+        model_type = raw.get("model_type")
+        if model_type is None:
+            raise ValueError("config.json has no 'model_type'; cannot tell which BERT-family model this is")
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type {model_type!r} is not supported by fastbert; supported: {sorted(FAMILIES)}")
+        if raw.get("is_decoder") or raw.get("add_cross_attention"):
+            raise ValueError("fastbert runs encoders only: is_decoder / add_cross_attention are not supported")
+        position_type = raw.get("position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise ValueError(f"position_embedding_type {position_type!r} is not supported (only 'absolute')")
+        num_labels = raw.get("num_labels", len(raw.get("id2label", {}) or {}) or 2)
+        common = dict(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            max_position_embeddings=raw.get("max_position_embeddings", 512),
+            pad_token_id=raw.get("pad_token_id") if raw.get("pad_token_id") is not None else 0,
+            num_labels=num_labels,
+            problem_type=raw.get("problem_type"),
+            extra=raw,
+        )
+        family = FAMILIES[model_type]
+        if family == "distilbert":
+            return cls(
+                hidden_size=raw.get("dim", 768),
+                num_hidden_layers=raw.get("n_layers", 6),
+                num_attention_heads=raw.get("n_heads", 12),
+                intermediate_size=raw.get("hidden_dim", 3072),
+                hidden_act=raw.get("activation", "gelu"),
+                type_vocab_size=0,
+                layer_norm_eps=1e-12,  # DistilBERT hard-codes it
+                has_pooler=False,
+                **common,
+            )
+        fields = dict(
+            hidden_size=raw.get("hidden_size", 768),
+            num_hidden_layers=raw.get("num_hidden_layers", 12),
+            num_attention_heads=raw.get("num_attention_heads", 12),
+            intermediate_size=raw.get("intermediate_size", 3072),
+            hidden_act=raw.get("hidden_act", "gelu"),
+            type_vocab_size=raw.get("type_vocab_size", 2),
+            layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+        )
+        if family == "albert":
+            fields.update(
+                embedding_size=raw.get("embedding_size", 128),
+                num_hidden_groups=raw.get("num_hidden_groups", 1),
+                inner_group_num=raw.get("inner_group_num", 1),
+                shared_layers=True,
+                hidden_act=raw.get("hidden_act", "gelu_new"),
+            )
+        elif family == "electra":
+            fields.update(embedding_size=raw.get("embedding_size", fields["hidden_size"]), has_pooler=False)
+        return cls(**fields, **common)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> FastBertConfig:
+        with open(path, encoding="utf-8") as handle:
+            try:
+                raw = json.load(handle)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} is not valid JSON: {err}") from err
+        return cls.from_hf_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("extra")
+        return out

@@ -1,0 +1,212 @@
+"""Loading HF checkpoints of the BERT family into fastbert, without importing transformers.
+
+`encoder_key_map` names, for each fastbert encoder parameter, the HF keys it is made of (Q, K and V are three
+keys concatenated into one packed weight). The same map serves `from_pretrained` (tensors from a checkpoint file)
+and `fastbert.optimize` (parameters shared with a live transformers module).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from fastbert.config import FastBertConfig
+
+# Base-model attribute name of each family in HF's task classes ("bert.embeddings...").
+BASE_PREFIX = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta",
+               "distilbert": "distilbert", "albert": "albert", "electra": "electra"}
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# Non-persistent buffers that older checkpoints saved; they carry no weights.
+_IGNORED_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded: a file missing, keys missing or unexpected, wrong shapes."""
+
+
+def _linear(ours: str, theirs: str) -> list[tuple[str, list[str]]]:
+    return [(f"{ours}_weight", [f"{theirs}.weight"]), (f"{ours}_bias", [f"{theirs}.bias"])]
+
+
+def encoder_key_map(config: FastBertConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """[(fastbert key, [HF keys concatenated along dim 0])] for the encoder, HF keys under ``prefix``."""
+    p = prefix
+    family = config.family
+    emb = f"{p}embeddings."
+    pairs = [
+        ("embeddings.word_embeddings", [f"{emb}word_embeddings.weight"]),
+        ("embeddings.position_embeddings", [f"{emb}position_embeddings.weight"]),
+        ("embeddings.norm_weight", [f"{emb}LayerNorm.weight"]),
+        ("embeddings.norm_bias", [f"{emb}LayerNorm.bias"]),
+    ]
+    if config.type_vocab_size:
+        pairs.append(("embeddings.token_type_embeddings", [f"{emb}token_type_embeddings.weight"]))
+    if config.embedding_size != config.hidden_size:
+        proj = f"{p}encoder.embedding_hidden_mapping_in" if family == "albert" else f"{p}embeddings_project"
+        pairs += [("embed_proj.weight", [f"{proj}.weight"]), ("embed_proj.bias", [f"{proj}.bias"])]
+    for index in range(config.num_unique_layers):
+        ours = f"layers.{index}."
+        if family == "distilbert":
+            layer = f"{p}transformer.layer.{index}."
+            names = dict(q=f"{layer}attention.q_lin", k=f"{layer}attention.k_lin", v=f"{layer}attention.v_lin",
+                         attn_out=f"{layer}attention.out_lin", attn_norm=f"{layer}sa_layer_norm",
+                         ffn_in=f"{layer}ffn.lin1", ffn_out=f"{layer}ffn.lin2", ffn_norm=f"{layer}output_layer_norm")
+        elif family == "albert":
+            group, inner = divmod(index, config.inner_group_num)
+            layer = f"{p}encoder.albert_layer_groups.{group}.albert_layers.{inner}."
+            names = dict(q=f"{layer}attention.query", k=f"{layer}attention.key", v=f"{layer}attention.value",
+                         attn_out=f"{layer}attention.dense", attn_norm=f"{layer}attention.LayerNorm",
+                         ffn_in=f"{layer}ffn", ffn_out=f"{layer}ffn_output", ffn_norm=f"{layer}full_layer_layer_norm")
+        else:
+            layer = f"{p}encoder.layer.{index}."
+            names = dict(q=f"{layer}attention.self.query", k=f"{layer}attention.self.key",
+                         v=f"{layer}attention.self.value", attn_out=f"{layer}attention.output.dense",
+                         attn_norm=f"{layer}attention.output.LayerNorm", ffn_in=f"{layer}intermediate.dense",
+                         ffn_out=f"{layer}output.dense", ffn_norm=f"{layer}output.LayerNorm")
+        for part in ("weight", "bias"):
+            pairs.append((f"{ours}qkv_{part}", [f"{names[n]}.{part}" for n in "qkv"]))
+        for name in ("attn_out", "attn_norm", "ffn_in", "ffn_out", "ffn_norm"):
+            pairs += [(f"{ours}{key}", theirs) for key, theirs in _linear(name, names[name])]
+    if config.has_pooler:
+        pooler = f"{p}pooler" if family == "albert" else f"{p}pooler.dense"
+        pairs += [("pooler.weight", [f"{pooler}.weight"]), ("pooler.bias", [f"{pooler}.bias"])]
+    return pairs
+
+
+def _rename_legacy(key: str) -> str:
+    """TF-era checkpoints name LayerNorm parameters gamma/beta."""
+    if key.endswith(".gamma"):
+        return key[: -len("gamma")] + "weight"
+    if key.endswith(".beta"):
+        return key[: -len("beta")] + "bias"
+    return key
+
+
+def read_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint directory (model.safetensors preferred, else pytorch_model.bin)."""
+    directory = Path(directory)
+    for name in WEIGHT_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        return {_rename_legacy(k): v for k, v in state.items()}
+    raise CheckpointError(f"{directory} holds no weights: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def detect_prefix(config: FastBertConfig, keys) -> str:
+    """'bert.' for a checkpoint saved from a task class, '' for one saved from the bare base model."""
+    prefix = BASE_PREFIX[config.model_type] + "."
+    return prefix if any(k.startswith(prefix + "embeddings.") for k in keys) else ""
+
+
+def map_state_dict(pairs: list[tuple[str, list[str]]], source: dict[str, torch.Tensor],
+                   expected_shapes: dict[str, torch.Size], where: str) -> dict[str, torch.Tensor]:
+    """Assemble fastbert tensors from HF ones; raises CheckpointError listing every missing key or bad shape."""
+    out, missing, bad = {}, [], []
+    for ours, theirs in pairs:
+        absent = [k for k in theirs if k not in source]
+        if absent:
+            missing.extend(absent)
+            continue
+        tensor = source[theirs[0]] if len(theirs) == 1 else torch.cat([source[k] for k in theirs], dim=0)
+        if tensor.shape != expected_shapes[ours]:
+            bad.append(f"{' + '.join(theirs)}: {tuple(tensor.shape)}, expected {tuple(expected_shapes[ours])}")
+            continue
+        out[ours] = tensor
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
+    if bad:
+        problems.append("wrong shapes: " + "; ".join(bad[:20]))
+    if problems:
+        raise CheckpointError(f"{where}: " + " | ".join(problems))
+    return out
+
+
+def unexpected_keys(source: dict[str, torch.Tensor], used: set[str]) -> list[str]:
+    return sorted(k for k in source if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    task: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    backend: str = "auto",
+) -> torch.nn.Module:
+    """Build fastbert's model from an HF checkpoint directory (config.json + model.safetensors or
+    pytorch_model.bin), offline and without transformers.
+
+    task: None for the bare encoder (`FastBertModel`), else one of `fastbert.heads.TASKS`. Encoder keys that are
+    missing, or tensors of the wrong shape, raise `CheckpointError`; checkpoint keys fastbert does not use are
+    reported in a warning and in ``model.loading_info``; head keys that are missing (a base checkpoint loaded for
+    fine-tuning) are initialised randomly and reported the same way.
+    """
+    import warnings
+
+    from fastbert.model import FastBertModel
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    config = FastBertConfig.from_json_file(config_path)
+    source = read_state_dict(directory)
+    prefix = detect_prefix(config, source)
+    has_pooler_weights = any(k.startswith(f"{prefix}pooler") for k in source)
+    if task is None and not has_pooler_weights:
+        config.has_pooler = False  # saved without one (e.g. from a masked-LM class): no pooler_output
+    if task is None:
+        model = FastBertModel(config, backend=backend)
+        encoder, own_prefix, head_pairs = model, "", []
+    else:
+        from fastbert.heads import build_task_model, head_key_map
+
+        model = build_task_model(config, task, backend=backend)
+        encoder, own_prefix = model.encoder, "encoder."
+        head_pairs = head_key_map(config, task)
+    encoder_pairs = encoder_key_map(config, prefix)
+    # A task checkpoint may lack the pooler (HF then initialises it): treat it like head weights.
+    head_pairs = head_pairs + [pair for pair in encoder_pairs if pair[0].startswith("pooler.")]
+    head_pairs = [(own_prefix + ours if ours.startswith("pooler.") else ours, theirs) for ours, theirs in head_pairs]
+    encoder_pairs = [pair for pair in encoder_pairs if not pair[0].startswith("pooler.")]
+    shapes = {k: v.shape for k, v in encoder.state_dict().items()}
+
+    state = {own_prefix + k: v for k, v in map_state_dict(encoder_pairs, source, shapes, str(directory)).items()}
+    model_shapes = {k: v.shape for k, v in model.state_dict().items()}
+    present = [(ours, theirs) for ours, theirs in head_pairs if all(k in source for k in theirs)]
+    missing_head = [theirs[0] for ours, theirs in head_pairs if not all(k in source for k in theirs)]
+    state.update(map_state_dict(present, source, model_shapes, str(directory)))
+    used = {k for _, theirs in encoder_pairs + present for k in theirs}
+    extra = unexpected_keys(source, used)
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in state:  # heads absent from the checkpoint: HF's initialisation
+                if name.endswith("bias"):
+                    param.zero_()
+                elif param.dim() == 1:
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, config.extra.get("initializer_range", 0.02))
+    model.loading_info = {"unexpected_keys": extra, "missing_head_keys": missing_head}
+    if extra:
+        warnings.warn(f"{directory}: {len(extra)} checkpoint keys unused by fastbert ({task or 'encoder'}): "
+                      f"{', '.join(extra[:10])}" + (" ..." if len(extra) > 10 else ""), stacklevel=2)
+    if missing_head:
+        warnings.warn(f"{directory}: no weights for the {task} head ({', '.join(missing_head[:6])}); initialised "
+                      "randomly: fine-tune before use", stacklevel=2)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    model.to(device=device, dtype=dtype)
+    return model.eval()

@@ -1,0 +1,227 @@
+"""fastbert's BERT-family encoder: embeddings, post-LN encoder stack, pooler.
+
+The encoder removes padding once at the entry (from ``attention_mask``), runs every token-wise op on
+[total_tokens, H] with packed variable-length attention, and restores padding once at the exit; padded positions
+of ``last_hidden_state`` are zeros. ``padding_free=False`` runs the same ops on the padded batch instead, with a
+key padding mask in attention (same numbers at real positions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastbert import ops
+from fastbert.config import FastBertConfig
+from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
+
+
+@dataclass
+class EncoderOutput:
+    """last_hidden_state [B, S, H] (zeros at padded positions); pooler_output [B, H] or None; hidden_states: the
+    embedding output and every layer's output, each [B, S, H], when asked for."""
+
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape))
+
+
+class Embeddings(nn.Module):
+    """Word + token type + learned absolute position embeddings, then LayerNorm (width E)."""
+
+    def __init__(self, config: FastBertConfig):
+        super().__init__()
+        width = config.embedding_size
+        self.word_embeddings = _param(config.vocab_size, width)
+        self.position_embeddings = _param(config.max_position_embeddings, width)
+        self.token_type_embeddings = _param(config.type_vocab_size, width) if config.type_vocab_size else None
+        self.norm_weight = _param(width)
+        self.norm_bias = _param(width)
+        self.eps = config.layer_norm_eps
+
+    def forward(self, input_ids, position_ids, token_type_ids, backend: str | None) -> torch.Tensor:
+        return ops.embedding_layernorm(input_ids, position_ids, token_type_ids, self.word_embeddings,
+                                       self.position_embeddings, self.token_type_embeddings, self.norm_weight,
+                                       self.norm_bias, self.eps, backend=backend)
+
+    def from_inputs_embeds(self, inputs_embeds, position_ids, token_type_ids) -> torch.Tensor:
+        """The same sum and LayerNorm for user-given word vectors (eager: there is nothing to gather)."""
+        summed = inputs_embeds + nn.functional.embedding(position_ids, self.position_embeddings)
+        if self.token_type_embeddings is not None:
+            summed = summed + nn.functional.embedding(token_type_ids, self.token_type_embeddings)
+        return nn.functional.layer_norm(summed, summed.shape[-1:], self.norm_weight, self.norm_bias, self.eps)
+
+
+class EncoderLayer(nn.Module):
+    """Post-LN transformer encoder layer with Q, K, V packed into one [3H, H] weight."""
+
+    def __init__(self, config: FastBertConfig):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.num_heads = config.num_attention_heads
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.activation = config.activation
+        self.eps = config.layer_norm_eps
+        self.qkv_weight, self.qkv_bias = _param(3 * hidden, hidden), _param(3 * hidden)
+        self.attn_out_weight, self.attn_out_bias = _param(hidden, hidden), _param(hidden)
+        self.attn_norm_weight, self.attn_norm_bias = _param(hidden), _param(hidden)
+        self.ffn_in_weight, self.ffn_in_bias = _param(inner, hidden), _param(inner)
+        self.ffn_out_weight, self.ffn_out_bias = _param(hidden, inner), _param(hidden)
+        self.ffn_norm_weight, self.ffn_norm_bias = _param(hidden), _param(hidden)
+
+    def forward(self, x: torch.Tensor, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,
+                backend: str | None) -> torch.Tensor:
+        """x: [T, H] packed tokens (padding_free) or [B*S, H] with key_padding_mask [B, S]."""
+        tokens, hidden = x.shape
+        q, k, v = ops.qkv_projection(x, self.qkv_weight, self.qkv_bias, self.num_heads, backend=backend)
+        if key_padding_mask is None:
+            context = ops.attention(q, k, v, cu_seqlens=varlen.cu_seqlens, max_seqlen=varlen.max_seqlen,
+                                    scale=self.scale, backend=backend)
+        else:
+            shape = (varlen.batch, varlen.seqlen, self.num_heads, hidden // self.num_heads)
+            context = ops.attention(q.view(shape), k.view(shape), v.view(shape), key_padding_mask=key_padding_mask,
+                                    scale=self.scale, backend=backend)
+        x = ops.linear_residual_layernorm(context.view(tokens, hidden), self.attn_out_weight, self.attn_out_bias, x,
+                                          self.attn_norm_weight, self.attn_norm_bias, self.eps, backend=backend)
+        inner = ops.linear_activation(x, self.ffn_in_weight, self.ffn_in_bias, self.activation, backend=backend)
+        return ops.linear_residual_layernorm(inner, self.ffn_out_weight, self.ffn_out_bias, x, self.ffn_norm_weight,
+                                             self.ffn_norm_bias, self.eps, backend=backend)
+
+
+def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int) -> torch.Tensor | None:
+    """Check a user's [B, S] attention mask (1 = token, 0 = padding) and return it as bool."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+    if tuple(attention_mask.shape) != (batch, seqlen):
+        raise ValueError(f"attention_mask must have shape [batch, seq] = [{batch}, {seqlen}] (1 for tokens, 0 for "
+                         f"padding), got {tuple(attention_mask.shape)}")
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if attention_mask.dtype.is_complex:
+        raise TypeError(f"attention_mask must be bool, integer or float 0/1, got {attention_mask.dtype}")
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError(f"attention_mask of dtype {attention_mask.dtype} must hold only 0 and 1 (1 = attend); "
+                         "additive float masks are not accepted")
+    return attention_mask != 0
+
+
+class FastBertModel(nn.Module):
+    """The encoder of any supported family: embeddings (+ E->H projection), the layer stack, the pooler."""
+
+    def __init__(self, config: FastBertConfig, backend: str = "auto", padding_free: bool = True):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.padding_free = padding_free
+        self.validate_inputs = True
+        self.embeddings = Embeddings(config)
+        self.embed_proj = (nn.Linear(config.embedding_size, config.hidden_size)
+                           if config.embedding_size != config.hidden_size else None)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_unique_layers))
+        self.schedule = config.layer_schedule()
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if config.has_pooler else None
+
+    # ----------------------------------------------------------------------------------------------- inputs
+    def _position_ids(self, input_ids, inputs_embeds, batch, seqlen, device):
+        offset = self.config.position_offset
+        if offset is None:
+            return torch.arange(seqlen, device=device).expand(batch, seqlen)
+        if input_ids is not None:
+            not_pad = input_ids.ne(self.config.pad_token_id).int()
+            return (torch.cumsum(not_pad, dim=1) * not_pad).long() + self.config.pad_token_id
+        return torch.arange(offset, offset + seqlen, device=device).expand(batch, seqlen)
+
+    def _validate(self, input_ids, position_ids, token_type_ids):
+        cfg = self.config
+        if input_ids is not None and input_ids.numel():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= cfg.vocab_size:
+                raise IndexError(f"input_ids hold token id {high if high >= cfg.vocab_size else low}, outside the "
+                                 f"vocabulary [0, {cfg.vocab_size})")
+        if position_ids.numel():
+            top = int(position_ids.max())
+            if top >= cfg.max_position_embeddings or int(position_ids.min()) < 0:
+                raise ValueError(f"sequence too long: position id {top} needs more than the model's "
+                                 f"max_position_embeddings={cfg.max_position_embeddings}")
+        if token_type_ids is not None and token_type_ids.numel():
+            if cfg.type_vocab_size == 0:
+                raise ValueError(f"{cfg.model_type} takes no token_type_ids")
+            if int(token_type_ids.max()) >= cfg.type_vocab_size or int(token_type_ids.min()) < 0:
+                raise IndexError(f"token_type_ids must lie in [0, {cfg.type_vocab_size})")
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+    ) -> EncoderOutput:
+        """Encode a batch. input_ids / attention_mask / token_type_ids / position_ids: [B, S]; inputs_embeds:
+        [B, S, E] instead of input_ids. Returns last_hidden_state [B, S, H] with zeros at padded positions."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids or inputs_embeds")
+        source = input_ids if input_ids is not None else inputs_embeds
+        if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if inputs_embeds is not None and inputs_embeds.dim() != 3:
+            raise ValueError(f"inputs_embeds must be [batch, seq, embedding], got {tuple(inputs_embeds.shape)}")
+        batch, seqlen = source.shape[:2]
+        device = source.device
+        mask = normalize_attention_mask(attention_mask, batch, seqlen)
+        for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            if ids is not None and tuple(ids.shape) != (batch, seqlen):
+                ids = ids.expand(batch, seqlen) if ids.dim() == 2 and ids.shape[0] == 1 else ids
+                if tuple(ids.shape) != (batch, seqlen):
+                    raise ValueError(f"{name} must have shape [{batch}, {seqlen}], got {tuple(ids.shape)}")
+        if position_ids is None:
+            position_ids = self._position_ids(input_ids, inputs_embeds, batch, seqlen, device)
+        else:
+            position_ids = position_ids.expand(batch, seqlen)
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids.expand(batch, seqlen)
+        elif self.config.type_vocab_size:
+            token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
+        if self.validate_inputs:
+            self._validate(input_ids, position_ids, token_type_ids)
+
+        varlen = varlen_from_mask(mask, batch, seqlen, device)
+        key_padding_mask = None
+        if not self.padding_free and varlen.indices is not None:
+            key_padding_mask = mask
+            varlen = varlen_from_mask(None, batch, seqlen, device)
+
+        backend = self.backend
+        types = None if token_type_ids is None else unpad_tokens(token_type_ids, varlen)
+        positions = unpad_tokens(position_ids, varlen)
+        if inputs_embeds is not None:
+            x = self.embeddings.from_inputs_embeds(unpad_tokens(inputs_embeds, varlen), positions, types)
+        else:
+            x = self.embeddings(unpad_tokens(input_ids, varlen), positions, types, backend)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
+
+        states = [x] if output_hidden_states else None
+        for index in self.schedule:
+            x = self.layers[index](x, varlen, key_padding_mask, backend)
+            if states is not None:
+                states.append(x)
+
+        hidden = pad_tokens(x, varlen)
+        if key_padding_mask is not None:  # the padded path computed rows for padding too: zero them as above
+            hidden = hidden * key_padding_mask[..., None].to(hidden.dtype)
+        pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
+        all_states = tuple(pad_tokens(s, varlen) for s in states) if states is not None else None
+        return EncoderOutput(hidden, pooled, all_states)

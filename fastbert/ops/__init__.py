@@ -1,0 +1,31 @@
+"""Functional entries of fastbert's fused ops, one per op, each dispatched over backends eager | triton | cpp.
+
+Every op file holds the eager (pure PyTorch) reference the other backends are checked against, and the
+functional entry that dispatches (see `fastbert.backends`).
+"""
+
+from fastbert.ops.attention import attention, attention_reference
+from fastbert.ops.embedding_layernorm import embedding_layernorm, embedding_layernorm_reference
+from fastbert.ops.linear_activation import ACTIVATIONS, apply_activation, linear_activation, linear_activation_reference
+from fastbert.ops.linear_residual_layernorm import linear_residual_layernorm, linear_residual_layernorm_reference
+from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
+from fastbert.ops.qkv_projection import qkv_projection, qkv_projection_reference
+
+__all__ = [
+    "ACTIVATIONS",
+    "VarlenBatch",
+    "apply_activation",
+    "attention",
+    "attention_reference",
+    "embedding_layernorm",
+    "embedding_layernorm_reference",
+    "linear_activation",
+    "linear_activation_reference",
+    "linear_residual_layernorm",
+    "linear_residual_layernorm_reference",
+    "pad_tokens",
+    "qkv_projection",
+    "qkv_projection_reference",
+    "unpad_tokens",
+    "varlen_from_mask",
+]

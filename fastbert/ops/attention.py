@@ -1,0 +1,99 @@
+"""Scaled dot-product attention with a key padding mask, in padded or packed variable-length form.
+
+Forms:
+- padded: q, k, v [B, S, heads, D], optional `key_padding_mask` bool [B, S] (True = attend to this key);
+- packed: q, k, v [T, heads, D] with `cu_seqlens` int32 [B + 1] and `max_seqlen`; tokens attend within their
+  own sequence only.
+Returns a contiguous tensor shaped like q. Softmax in fp32 in the fused backends; a query whose keys are all
+masked gets zeros, never NaN. Inputs may be strided views (what `qkv_projection` returns).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fastbert import backends
+from fastbert.ops.padding import varlen_positions
+
+
+def _padded_sdpa(q, k, v, key_padding_mask, scale):
+    """[B, S, h, D] attention through PyTorch's SDPA; fully masked rows zeroed."""
+    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         scale=scale)
+    out = out.transpose(1, 2)
+    if key_padding_mask is not None:
+        has_key = key_padding_mask.any(dim=1)
+        out = torch.where(has_key[:, None, None, None], out, out.new_zeros(()))
+    return out.contiguous()
+
+
+def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if cu_seqlens is None:
+        return _padded_sdpa(q, k, v, key_padding_mask, scale)
+    total, heads, dim = q.shape
+    batch = cu_seqlens.numel() - 1
+    seq_index, position = varlen_positions(cu_seqlens, total)
+    flat_index = seq_index * max_seqlen + position
+
+    def to_padded(t):
+        out = t.new_zeros(batch * max_seqlen, heads, dim)
+        out.index_copy_(0, flat_index, t)
+        return out.view(batch, max_seqlen, heads, dim)
+
+    mask = torch.zeros(batch * max_seqlen, dtype=torch.bool, device=q.device)
+    mask[flat_index] = True
+    out = _padded_sdpa(to_padded(q), to_padded(k), to_padded(v), mask.view(batch, max_seqlen), scale)
+    return out.view(batch * max_seqlen, heads, dim).index_select(0, flat_index)
+
+
+def attention_reference(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
+    """fp32 math reference (explicit softmax), for tests of every backend; returns q's dtype."""
+    out = _eager(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, key_padding_mask, scale)
+    return out.to(q.dtype)
+
+
+def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask) -> None:
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"attention: q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if cu_seqlens is not None:
+        if q.dim() != 3:
+            raise ValueError(f"attention: packed form takes q [total_tokens, heads, head_dim], got {tuple(q.shape)}")
+        if key_padding_mask is not None:
+            raise ValueError("attention: give either cu_seqlens (packed) or key_padding_mask (padded), not both")
+        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError("attention: cu_seqlens must be int32 [batch + 1]")
+        if max_seqlen is None:
+            raise ValueError("attention: the packed form needs max_seqlen")
+    else:
+        if q.dim() != 4:
+            raise ValueError(f"attention: padded form takes q [batch, seq, heads, head_dim], got {tuple(q.shape)}")
+        if key_padding_mask is not None and (
+            key_padding_mask.dtype != torch.bool or key_padding_mask.shape != q.shape[:2]
+        ):
+            raise ValueError(f"attention: key_padding_mask must be bool [{q.shape[0]}, {q.shape[1]}], got "
+                             f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+
+
+backends.register("attention", "eager", _eager, has_backward=True)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str | None = "auto",
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v per head, masked as described in the module docstring; scale defaults to D^-0.5."""
+    _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask)
+    return backends.dispatch("attention", backend, q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale)

@@ -1,0 +1,76 @@
+"""Embedding gather (word + position + token type) + LayerNorm.
+
+Shapes: ids of any shape [...]; tables [V, E], [P, E], [T, E] (token types optional: DistilBERT has none);
+returns [..., E] in the tables' dtype. LayerNorm statistics in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastbert import backends
+
+
+def embedding_layernorm_reference(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    token_type_ids: torch.Tensor | None,
+    word_embeddings: torch.Tensor,
+    position_embeddings: torch.Tensor,
+    token_type_embeddings: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Eager reference: three gathers, their sum, then LayerNorm (what BERT's embedding module does)."""
+    summed = F.embedding(input_ids, word_embeddings) + F.embedding(position_ids, position_embeddings)
+    if token_type_embeddings is not None:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        summed = summed + F.embedding(token_type_ids, token_type_embeddings)
+    if summed.dtype in (torch.float16, torch.bfloat16):
+        return F.layer_norm(summed.float(), summed.shape[-1:], weight.float(), bias.float(), eps).to(summed.dtype)
+    return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps)
+
+
+def _check(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
+           weight, bias, eps) -> None:
+    if input_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"embedding_layernorm: input_ids must be int32/int64, got {input_ids.dtype}")
+    if position_ids.shape != input_ids.shape:
+        raise ValueError(f"embedding_layernorm: position_ids {tuple(position_ids.shape)} must match input_ids "
+                         f"{tuple(input_ids.shape)}")
+    if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
+        raise ValueError(f"embedding_layernorm: token_type_ids {tuple(token_type_ids.shape)} must match input_ids "
+                         f"{tuple(input_ids.shape)}")
+    width = word_embeddings.shape[1]
+    for name, table in (("position_embeddings", position_embeddings), ("token_type_embeddings", token_type_embeddings)):
+        if table is not None and table.shape[1] != width:
+            raise ValueError(f"embedding_layernorm: {name} width {table.shape[1]} != word_embeddings width {width}")
+    if weight.shape != (width,) or bias.shape != (width,):
+        raise ValueError(f"embedding_layernorm: LayerNorm weight/bias must be [{width}]")
+
+
+backends.register("embedding_layernorm", "eager", embedding_layernorm_reference, has_backward=True)
+
+
+def embedding_layernorm(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    token_type_ids: torch.Tensor | None,
+    word_embeddings: torch.Tensor,
+    position_embeddings: torch.Tensor,
+    token_type_embeddings: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    *,
+    backend: str | None = "auto",
+) -> torch.Tensor:
+    """LayerNorm(word[ids] + position[pos] + token_type[types]) -> [..., E]. Ids are not range-checked here
+    (the model checks them once per batch)."""
+    args = (input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
+            weight, bias, eps)
+    _check(*args)
+    return backends.dispatch("embedding_layernorm", backend, *args)

@@ -1,0 +1,42 @@
+"""Linear + bias + activation (the BERT FFN's first half): act(x @ W^T + b).
+
+Activations: "gelu" (exact erf, BERT's), "gelu_tanh" (the tanh approximation), "relu".
+Shapes: x [..., K], weight [N, K], bias [N] -> [..., N].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastbert import backends
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+
+
+def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "gelu":
+        return F.gelu(x)
+    if activation == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if activation == "relu":
+        return F.relu(x)
+    raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+def linear_activation_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                activation: str) -> torch.Tensor:
+    return apply_activation(F.linear(x, weight, bias), activation)
+
+
+backends.register("linear_activation", "eager", linear_activation_reference, has_backward=True)
+
+
+def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, *,
+                      backend: str | None = "auto") -> torch.Tensor:
+    """act(x @ weight.T + bias) -> [..., N]."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"linear_activation: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear_activation: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
+    return backends.dispatch("linear_activation", backend, x, weight, bias, activation)

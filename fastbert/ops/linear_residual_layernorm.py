@@ -1,0 +1,43 @@
+"""Linear + bias + residual add + LayerNorm (BERT's post-LN sublayer output): LN(x @ W^T + b + residual).
+
+Shapes: x [..., K], weight [N, K], bias [N], residual [..., N], LayerNorm weight/bias [N] -> [..., N].
+LayerNorm statistics in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastbert import backends
+
+
+def linear_residual_layernorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    summed = F.linear(x, weight, bias) + residual
+    if summed.dtype in (torch.float16, torch.bfloat16):
+        out = F.layer_norm(summed.float(), summed.shape[-1:], ln_weight.float(), ln_bias.float(), eps)
+        return out.to(summed.dtype)
+    return F.layer_norm(summed, summed.shape[-1:], ln_weight, ln_bias, eps)
+
+
+backends.register("linear_residual_layernorm", "eager", linear_residual_layernorm_reference, has_backward=True)
+
+
+def linear_residual_layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    *,
+    backend: str | None = "auto",
+) -> torch.Tensor:
+    """LayerNorm(x @ weight.T + bias + residual) -> [..., N]."""
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear_residual_layernorm: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
+    expected = (*x.shape[:-1], weight.shape[0])
+    if tuple(residual.shape) != expected:
+        raise ValueError(f"linear_residual_layernorm: residual must be {expected}, got {tuple(residual.shape)}")
+    return backends.dispatch("linear_residual_layernorm", backend, x, weight, bias, residual, ln_weight, ln_bias, eps)

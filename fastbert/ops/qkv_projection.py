@@ -1,0 +1,35 @@
+"""QKV projection: one GEMM over the packed [3H, H] weight and [3H] bias.
+
+Shapes: x [..., H] -> (q, k, v), each [..., heads, head_dim]. Backends may return views into one buffer (the
+eager one does) or write straight into the layout their attention reads; callers must not assume contiguity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastbert import backends
+
+
+def qkv_projection_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
+    """Eager reference: one linear, then views of its output split into q, k, v and heads."""
+    packed = F.linear(x, weight, bias)
+    head_dim = weight.shape[0] // (3 * num_heads)
+    q, k, v = packed.view(*x.shape[:-1], 3, num_heads, head_dim).unbind(-3)
+    return q, k, v
+
+
+backends.register("qkv_projection", "eager", qkv_projection_reference, has_backward=True)
+
+
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, *,
+                   backend: str | None = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x @ weight.T + bias split into q, k, v of shape [..., num_heads, head_dim]; weight is [3H, H]."""
+    hidden = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] % (3 * num_heads):
+        raise ValueError(f"qkv_projection: weight must be [3*heads*head_dim, {hidden}] with heads={num_heads}, "
+                         f"got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"qkv_projection: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    return backends.dispatch("qkv_projection", backend, x, weight, bias, num_heads)
