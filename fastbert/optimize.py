@@ -16,7 +16,6 @@ Configurations fastbert cannot run at all (decoders, cross-attention, relative p
 from __future__ import annotations
 
 import inspect
-import typing
 import warnings
 from types import MethodType
 
@@ -33,16 +32,12 @@ _FALLBACK_ARGS = ("output_attentions", "head_mask", "encoder_hidden_states", "en
                   "past_key_values", "use_cache")
 
 
-def _output_class(base: nn.Module):
-    """The ModelOutput class the original forward returns, from its annotation."""
-    from transformers.modeling_outputs import BaseModelOutput
-    from transformers.utils import ModelOutput
-
-    hints = typing.get_type_hints(type(base).forward) if hasattr(type(base), "forward") else {}
-    for candidate in typing.get_args(hints.get("return", None)) or (hints.get("return", None),):
-        if isinstance(candidate, type) and issubclass(candidate, ModelOutput):
-            return candidate
-    return BaseModelOutput
+def _output_class(base: nn.Module) -> type:
+    """The ModelOutput class the original forward returns (annotations are not reliable: run it on one token)."""
+    param = next(base.parameters())
+    token = torch.full((1, 1), int(getattr(base.config, "pad_token_id", 0) or 0), device=param.device)
+    with torch.inference_mode():
+        return type(type(base).forward(base, input_ids=token, return_dict=True))
 
 
 class _Shared:

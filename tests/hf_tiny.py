@@ -1,0 +1,73 @@
+"""Tiny random transformers models of every supported family, and the error metric the tests share."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 97
+MAX_POSITIONS = 40
+
+# family -> (config class, extra config fields, head classes by task)
+FAMILIES = {
+    "bert": ("BertConfig", {}, "Bert"),
+    "roberta": ("RobertaConfig", {"pad_token_id": 1}, "Roberta"),
+    "xlm-roberta": ("XLMRobertaConfig", {"pad_token_id": 1}, "XLMRoberta"),
+    "camembert": ("CamembertConfig", {"pad_token_id": 1}, "Camembert"),
+    "distilbert": ("DistilBertConfig", {}, "DistilBert"),
+    "albert": ("AlbertConfig", {"embedding_size": 16, "num_hidden_groups": 2, "inner_group_num": 1,
+                                "num_hidden_layers": 4, "hidden_act": "gelu_new"}, "Albert"),
+    "electra": ("ElectraConfig", {"embedding_size": 24}, "Electra"),
+}
+HEADS = {
+    "bert": ["Model", "ForMaskedLM", "ForNextSentencePrediction", "ForPreTraining", "ForSequenceClassification",
+             "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice"],
+    "roberta": ["Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+                "ForQuestionAnswering", "ForMultipleChoice"],
+    "distilbert": ["Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+                   "ForQuestionAnswering", "ForMultipleChoice"],
+    "albert": ["Model", "ForMaskedLM", "ForPreTraining", "ForSequenceClassification", "ForTokenClassification",
+               "ForQuestionAnswering", "ForMultipleChoice"],
+    "electra": ["Model", "ForPreTraining", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+                "ForQuestionAnswering", "ForMultipleChoice"],
+}
+HEADS["xlm-roberta"] = HEADS["camembert"] = HEADS["roberta"]
+
+
+def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    config_name, extra, _ = FAMILIES[family]
+    cls = getattr(transformers, config_name)
+    if family == "distilbert":
+        fields = dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=37,
+                      max_position_embeddings=MAX_POSITIONS)
+    else:
+        fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=37, max_position_embeddings=MAX_POSITIONS, type_vocab_size=2)
+    fields.update(extra)
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def tiny_model(family: str, head: str = "Model", **overrides) -> torch.nn.Module:
+    """A seeded tiny random transformers model, eval mode, eager attention."""
+    torch.manual_seed(0)
+    cls = getattr(transformers, FAMILIES[family][2] + head)
+    config = tiny_config(family, **overrides)
+    config._attn_implementation = "eager"
+    return cls(config).eval()
+
+
+def padded_batch(batch: int = 4, seqlen: int = 9, pad_id: int = 0, generator_seed: int = 1):
+    """Token ids and a right-padded mask with lengths spread from 1 to seqlen."""
+    gen = torch.Generator().manual_seed(generator_seed)
+    ids = torch.randint(3, VOCAB, (batch, seqlen), generator=gen)
+    lengths = torch.linspace(1, seqlen, batch).round().long()
+    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, pad_id)
+    return ids, mask
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-6) -> float:
+    """max |actual - expected| / max(max |expected|, floor): one number per tensor."""
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).abs().max() / max(float(expected.abs().max()), floor))

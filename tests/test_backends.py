@@ -1,0 +1,65 @@
+"""The backend dispatch: forced backends, auto fallback, the env var, and the reasons it gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastbert import backends, ops
+
+
+def _linear_args(dtype=torch.float32):
+    x, w, b = torch.randn(7, 16, dtype=dtype), torch.randn(24, 16, dtype=dtype), torch.randn(24, dtype=dtype)
+    return x, w, b
+
+
+def test_eager_is_always_available():
+    assert backends.available()["eager"] is None
+    x, w, b = _linear_args(torch.float64)
+    out = ops.linear_activation(x, w, b, "gelu", backend="eager")
+    assert torch.allclose(out, torch.nn.functional.gelu(x @ w.T + b))
+
+
+def test_auto_falls_back_and_says_why():
+    x, w, b = _linear_args(torch.float64)  # float64: no fused backend takes it
+    chosen, skipped = backends.choose("linear_activation", "auto", x, w, b, "gelu")
+    assert chosen == "eager"
+    assert "cpp" in skipped and skipped["cpp"]
+    assert backends.explain("linear_activation", x, w, b, "gelu").startswith("linear_activation: eager")
+
+
+def test_forced_backend_that_cannot_run_raises_with_reason():
+    x, w, b = _linear_args()
+    with pytest.raises(backends.BackendUnavailable, match="triton.*cannot run"):
+        # CPU tensors: triton runs on CPU only under TRITON_INTERPRET=1 set before import; force a reason anyway
+        backends.choose("linear_activation", "triton", x.double(), w.double(), b.double(), "gelu")
+
+
+def test_env_var_forces_backend(monkeypatch):
+    x, w, b = _linear_args(torch.float64)
+    monkeypatch.setenv("FASTBERT_BACKEND", "eager")
+    assert backends.choose("linear_activation", "auto", x, w, b, "gelu") == ("eager", {})
+    monkeypatch.setenv("FASTBERT_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="unknown backend"):
+        backends.choose("linear_activation", "auto", x, w, b, "gelu")
+
+
+def test_grad_falls_back_to_a_backend_with_backward():
+    x, w, b = _linear_args()
+    w.requires_grad_(True)
+    out = ops.linear_activation(x, w, b, "relu")
+    out.sum().backward()
+    assert w.grad is not None
+
+
+def test_op_argument_errors():
+    x, w, b = _linear_args()
+    with pytest.raises(ValueError, match="unknown activation"):
+        ops.linear_activation(x, w, b, "swish")
+    with pytest.raises(ValueError, match="weight must be"):
+        ops.linear_residual_layernorm(x, w.T, b, x, b, b, 1e-5)
+    q = torch.randn(2, 5, 4, 8)
+    with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+        ops.attention(q, q, q, key_padding_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        ops.attention(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]), max_seqlen=5)

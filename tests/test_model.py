@@ -1,0 +1,180 @@
+"""fastbert's own encoder (from_pretrained) against transformers, padded vs packed execution, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fastbert
+from tests.hf_tiny import FAMILIES, MAX_POSITIONS, VOCAB, padded_batch, rel_err, tiny_model
+
+
+def _save(model, directory, safe: bool = True):
+    model.save_pretrained(directory, safe_serialization=safe)
+    return directory
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_from_pretrained_matches_transformers(family, tmp_path):
+    reference = tiny_model(family)
+    model = fastbert.from_pretrained(_save(reference, tmp_path))
+    ids, mask = padded_batch(5, 11, pad_id=reference.config.pad_token_id or 0)
+    with torch.inference_mode():
+        expected = reference(input_ids=ids, attention_mask=mask)
+        actual = model(ids, mask)
+    keep = mask.bool()
+    assert rel_err(actual.last_hidden_state[keep], expected.last_hidden_state[keep]) <= 1e-5
+    assert torch.all(actual.last_hidden_state[~keep] == 0)
+    if getattr(expected, "pooler_output", None) is not None:
+        assert rel_err(actual.pooler_output, expected.pooler_output) <= 1e-5
+    else:
+        assert actual.pooler_output is None
+
+
+def test_from_pretrained_reads_pytorch_bin_and_casts(tmp_path):
+    reference = tiny_model("bert")
+    model = fastbert.from_pretrained(_save(reference, tmp_path, safe=False), dtype="float64")
+    assert next(model.parameters()).dtype == torch.float64
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        expected = reference.double()(input_ids=ids, attention_mask=mask).last_hidden_state
+        actual = model(ids, mask).last_hidden_state
+    assert rel_err(actual[mask.bool()], expected[mask.bool()]) <= 1e-12
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
+def test_padded_and_packed_execution_agree(family, tmp_path):
+    reference = tiny_model(family)
+    model = fastbert.from_pretrained(_save(reference, tmp_path), dtype=torch.float64)
+    ids, mask = padded_batch(6, 13, pad_id=reference.config.pad_token_id or 0)
+    with torch.inference_mode():
+        packed = model(ids, mask).last_hidden_state
+        model.padding_free = False
+        padded = model(ids, mask).last_hidden_state
+    assert torch.allclose(packed, padded, rtol=0, atol=1e-12)
+
+
+def test_each_sequence_alone_equals_the_batch(tmp_path):
+    model = fastbert.from_pretrained(_save(tiny_model("bert"), tmp_path), dtype=torch.float64)
+    ids, mask = padded_batch(4, 10)
+    with torch.inference_mode():
+        batched = model(ids, mask).last_hidden_state
+        for row in range(4):
+            length = int(mask[row].sum())
+            alone = model(ids[row: row + 1, :length]).last_hidden_state[0]
+            assert torch.allclose(alone, batched[row, :length], atol=1e-12)
+
+
+def test_hidden_states_and_inputs_embeds(tmp_path):
+    reference = tiny_model("electra")
+    model = fastbert.from_pretrained(_save(reference, tmp_path))
+    ids, mask = padded_batch()
+    embeds = reference.embeddings.word_embeddings(ids).detach()
+    with torch.inference_mode():
+        expected = reference(inputs_embeds=embeds, attention_mask=mask, output_hidden_states=True)
+        actual = model(inputs_embeds=embeds, attention_mask=mask, output_hidden_states=True)
+    keep = mask.bool()
+    assert rel_err(actual.last_hidden_state[keep], expected.last_hidden_state[keep]) <= 1e-5
+    assert len(actual.hidden_states) == 3
+
+
+def test_all_padded_row_gives_zeros_not_nan(tmp_path):
+    model = fastbert.from_pretrained(_save(tiny_model("bert"), tmp_path))
+    ids, mask = padded_batch(3, 6)
+    mask[1] = 0
+    with torch.inference_mode():
+        out = model(ids, mask)
+    assert torch.isfinite(out.last_hidden_state).all() and torch.all(out.last_hidden_state[1] == 0)
+
+
+# --------------------------------------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    return _save(tiny_model("bert"), tmp_path_factory.mktemp("bert"))
+
+
+def test_token_id_outside_vocabulary(bert_dir):
+    model = fastbert.from_pretrained(bert_dir)
+    with pytest.raises(IndexError, match="vocabulary"):
+        model(torch.tensor([[1, VOCAB]]))
+    with pytest.raises(IndexError, match="vocabulary"):
+        model(torch.tensor([[-1, 2]]))
+
+
+def test_sequence_longer_than_positions(bert_dir):
+    model = fastbert.from_pretrained(bert_dir)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.ones(1, MAX_POSITIONS + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    ("mask", "error", "match"),
+    [
+        (torch.ones(2, 4), ValueError, r"shape \[batch, seq\]"),
+        (torch.ones(2, 1, 1, 5), ValueError, r"shape \[batch, seq\]"),
+        (torch.full((2, 5), -10000.0), ValueError, "only 0 and 1"),
+        (torch.ones(2, 5, dtype=torch.complex64), TypeError, "bool, integer or float"),
+        ([[1, 1, 1, 1, 1]] * 2, TypeError, "torch.Tensor"),
+    ],
+    ids=["wrong-length", "4d", "additive-float", "complex", "list"],
+)
+def test_bad_attention_mask(bert_dir, mask, error, match):
+    model = fastbert.from_pretrained(bert_dir)
+    with pytest.raises(error, match=match):
+        model(torch.ones(2, 5, dtype=torch.long), mask)
+
+
+def test_bad_input_ids(bert_dir):
+    model = fastbert.from_pretrained(bert_dir)
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.ones(2, 5))
+    with pytest.raises(ValueError, match="exactly one"):
+        model()
+
+
+def test_checkpoint_missing_files(bert_dir, tmp_path):
+    with pytest.raises(fastbert.CheckpointError, match="not a directory"):
+        fastbert.from_pretrained(tmp_path / "absent")
+    shutil.copy(bert_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(fastbert.CheckpointError, match="holds no weights"):
+        fastbert.from_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    shutil.copy(bert_dir / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(fastbert.CheckpointError, match="no config.json"):
+        fastbert.from_pretrained(tmp_path)
+
+
+def test_checkpoint_wrong_shapes_and_missing_keys(bert_dir, tmp_path):
+    shutil.copy(bert_dir / "config.json", tmp_path / "config.json")
+    state = load_file(bert_dir / "model.safetensors")
+    broken = dict(state)
+    broken["encoder.layer.1.intermediate.dense.weight"] = torch.zeros(5, 5)
+    del broken["encoder.layer.0.attention.self.key.bias"]
+    save_file(broken, tmp_path / "model.safetensors")
+    with pytest.raises(fastbert.CheckpointError) as info:
+        fastbert.from_pretrained(tmp_path)
+    assert "encoder.layer.0.attention.self.key.bias" in str(info.value)
+    assert "encoder.layer.1.intermediate.dense.weight: (5, 5)" in str(info.value)
+
+
+def test_checkpoint_unexpected_keys_are_reported(bert_dir, tmp_path):
+    shutil.copy(bert_dir / "config.json", tmp_path / "config.json")
+    state = dict(load_file(bert_dir / "model.safetensors"))
+    state["encoder.layer.0.extra.weight"] = torch.zeros(3)
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.warns(UserWarning, match="unused by fastbert"):
+        model = fastbert.from_pretrained(tmp_path)
+    assert model.loading_info["unexpected_keys"] == ["encoder.layer.0.extra.weight"]
+
+
+def test_unsupported_model_type(bert_dir, tmp_path):
+    config = json.loads((bert_dir / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shutil.copy(bert_dir / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="not supported"):
+        fastbert.from_pretrained(tmp_path)

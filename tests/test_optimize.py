@@ -1,0 +1,163 @@
+"""fastbert.optimize on live transformers models: every family, every head class, against the untouched model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from tests.hf_tiny import HEADS, VOCAB, padded_batch, rel_err, tiny_model
+
+PER_TOKEN = {"last_hidden_state", "prediction_logits", "start_logits", "end_logits"}
+CASES = [(family, head) for family, heads in HEADS.items() for head in heads]
+
+
+def _inputs(family: str, head: str, model) -> dict:
+    pad = model.config.pad_token_id or 0
+    batch, seqlen = 4, 9
+    full_length = head == "ForQuestionAnswering"  # HF's span loss also softmaxes padded positions: see README
+    ids, mask = padded_batch(batch, seqlen, pad_id=pad)
+    if full_length:
+        mask = torch.ones_like(mask)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if family in ("bert", "albert", "electra"):
+        inputs["token_type_ids"] = (torch.arange(seqlen) >= 4).long().expand(batch, seqlen).contiguous()
+    gen = torch.Generator().manual_seed(2)
+    token_labels = torch.randint(0, VOCAB, (batch, seqlen), generator=gen).masked_fill(mask == 0, -100)
+    if head == "ForMaskedLM":
+        inputs["labels"] = token_labels
+    elif head == "ForNextSentencePrediction":
+        inputs["labels"] = torch.tensor([0, 1, 1, 0])
+    elif head == "ForPreTraining":
+        if family == "electra":
+            inputs["labels"] = torch.randint(0, 2, (batch, seqlen), generator=gen)
+        else:
+            inputs["labels"] = token_labels
+            inputs["next_sentence_label" if family == "bert" else "sentence_order_label"] = torch.tensor([0, 1, 1, 0])
+    elif head == "ForSequenceClassification":
+        inputs["labels"] = torch.tensor([0, 1, 1, 0])
+    elif head == "ForTokenClassification":
+        inputs["labels"] = torch.randint(0, 2, (batch, seqlen), generator=gen).masked_fill(mask == 0, -100)
+    elif head == "ForQuestionAnswering":
+        inputs["start_positions"], inputs["end_positions"] = torch.tensor([0, 2, 5, 8]), torch.tensor([1, 3, 7, 8])
+    elif head == "ForMultipleChoice":
+        inputs = {k: v[None].expand(2, *v.shape).contiguous() for k, v in inputs.items()}  # [B=2, C=4, S]
+        inputs["labels"] = torch.tensor([1, 3])
+    return inputs
+
+
+def _compare(reference, optimized, mask: torch.Tensor) -> dict[str, float]:
+    errors = {}
+    keep = mask.bool().reshape(-1, mask.shape[-1])
+    for name, expected in reference.items():
+        if not isinstance(expected, torch.Tensor):
+            continue
+        actual = optimized[name]
+        assert actual.shape == expected.shape, name
+        if name in PER_TOKEN or (name == "logits" and expected.dim() >= 2 and expected.shape[1] == mask.shape[-1]):
+            expected, actual = expected.reshape(*keep.shape, -1)[keep], actual.reshape(*keep.shape, -1)[keep]
+        errors[name] = rel_err(actual, expected)
+    return errors
+
+
+@pytest.mark.parametrize(("family", "head"), CASES, ids=[f"{f}-{h}" for f, h in CASES])
+def test_optimize_matches_transformers(family, head):
+    reference = tiny_model(family, head)
+    optimized = fastbert.optimize(copy.deepcopy(reference))
+    assert type(optimized) is type(reference)
+    inputs = _inputs(family, head, reference)
+    with torch.inference_mode():
+        expected = reference(**inputs)
+        actual = optimized(**inputs)
+    assert type(actual) is type(expected)
+    errors = _compare(expected, actual, inputs["attention_mask"])
+    assert errors, "nothing compared"
+    if "labels" in inputs or "start_positions" in inputs:
+        assert "loss" in errors
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def test_optimize_keeps_state_dict_and_shares_weights():
+    model = tiny_model("bert", "ForSequenceClassification")
+    keys = list(model.state_dict())
+    fastbert.optimize(model)
+    assert list(model.state_dict()) == keys
+    layer = model.bert.encoder.layer[0].attention.self
+    packed = model.bert._fastbert.fast.layers[0].qkv_weight
+    assert layer.query.weight.data_ptr() == packed.data_ptr()  # Q/K/V are views of the packed tensor: no copy
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    with torch.no_grad():  # an in-place update of the original parameter must reach fastbert's packed weight
+        layer.key.weight.mul_(0.5)
+        model.bert.encoder.layer[1].output.dense.weight.mul_(2.0)
+    reference = copy.deepcopy(model)
+    del reference.bert.forward  # back to transformers' own forward
+    with torch.inference_mode():
+        after = model(input_ids=ids, attention_mask=mask).logits
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(before, after)
+    assert rel_err(after, expected) <= 1e-5
+
+
+def test_optimize_survives_dtype_and_device_moves():
+    model = fastbert.optimize(tiny_model("roberta"))
+    reference = tiny_model("roberta").double()
+    model.double()
+    ids, mask = padded_batch(pad_id=1)
+    with torch.inference_mode():
+        actual = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert actual.dtype == torch.float64
+    keep = mask.bool()
+    assert rel_err(actual[keep], expected[keep]) <= 1e-10
+
+
+def test_optimize_hidden_states_and_tuple_outputs():
+    reference = tiny_model("bert")
+    model = fastbert.optimize(copy.deepcopy(reference))
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        expected = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        actual = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        as_tuple = model(input_ids=ids, attention_mask=mask, return_dict=False)
+    assert len(actual.hidden_states) == len(expected.hidden_states) == 3
+    keep = mask.bool()
+    for got, want in zip(actual.hidden_states, expected.hidden_states):
+        assert rel_err(got[keep], want[keep]) <= 1e-5
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], actual.last_hidden_state)
+
+
+def test_optimize_runs_original_code_where_fastbert_cannot():
+    reference = tiny_model("bert")
+    model = fastbert.optimize(copy.deepcopy(reference))
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert out.attentions is not None and len(out.attentions) == 2
+    with pytest.warns(UserWarning, match="autograd"):  # grad enabled: the original, differentiable path runs
+        out = model(input_ids=ids, attention_mask=mask)
+    assert out.last_hidden_state.requires_grad
+    model.train()  # dropout: transformers' own code, so two calls differ
+    with torch.no_grad():
+        first, second = (model(input_ids=ids, attention_mask=mask).last_hidden_state for _ in range(2))
+    assert not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("option", ["is_decoder", "relative_key"])
+def test_optimize_rejects_unsupported_configurations(option):
+    kwargs = {"is_decoder": True} if option == "is_decoder" else {"position_embedding_type": "relative_key"}
+    model = tiny_model("bert", **kwargs)
+    with pytest.raises(ValueError, match=option.split("_")[0]):
+        fastbert.optimize(model)
+
+
+def test_optimize_rejects_models_without_supported_encoder():
+    with pytest.raises(ValueError, match="no transformers model"):
+        fastbert.optimize(torch.nn.Linear(2, 2))
+    gpt = transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="not supported"):
+        fastbert.optimize(gpt)
