@@ -126,7 +126,7 @@ def test_optimize_hidden_states_and_tuple_outputs():
         as_tuple = model(input_ids=ids, attention_mask=mask, return_dict=False)
     assert len(actual.hidden_states) == len(expected.hidden_states) == 3
     keep = mask.bool()
-    for got, want in zip(actual.hidden_states, expected.hidden_states):
+    for got, want in zip(actual.hidden_states, expected.hidden_states, strict=True):
         assert rel_err(got[keep], want[keep]) <= 1e-5
     assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], actual.last_hidden_state)
 
