@@ -1,4 +1,25 @@
 """fastbert's Triton kernels (installed as `fastbert.kernels`): the `triton` backend of `fastbert.ops`.
 
-Importing this package registers the triton implementations with `fastbert.backends`.
+Importing this package registers the triton implementations of the five ops with `fastbert.backends`:
+embedding_layernorm, qkv_projection, attention, linear_activation, linear_residual_layernorm. Each is a
+`torch.library.custom_op` (`torch.ops.fastbert.triton_*`) with a fake, so `torch.compile(fullgraph=True)` traces
+through them. They run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this package was
+imported (the Triton interpreter: for tests, far too slow for use). Inference only (no backward).
 """
+
+from fastbert import backends
+
+from . import (
+    attention,
+    embedding_layernorm,
+    linear_activation,
+    linear_residual_layernorm,
+    qkv_projection,
+)
+from ._common import INTERPRETER
+
+for _module in (embedding_layernorm, qkv_projection, attention, linear_activation, linear_residual_layernorm):
+    _name = _module.__name__.rpartition(".")[2]
+    backends.register(_name, "triton", getattr(_module, _name), supports=_module.supports)
+
+__all__ = ["INTERPRETER"]

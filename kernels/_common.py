@@ -1,0 +1,79 @@
+"""Shared pieces of the triton backend: where it can run, dtype checks, and the meta-parameter policy.
+
+Triton kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter. Whether the interpreter is on
+is decided by triton when a kernel is decorated (``TRITON_INTERPRET=1`` must be in the environment before
+`fastbert.kernels` is imported), so it is read once here from a decorated probe kernel, not from the environment.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _probe_kernel(ptr):
+    tl.store(ptr, 0)
+
+
+INTERPRETER: bool = type(_probe_kernel).__name__ == "InterpretedFunction"
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def device_reason(tensors: list[torch.Tensor | None]) -> str | None:
+    """Why these tensors cannot be handed to a triton kernel (device and dtype agreement), or None."""
+    present = [t for t in tensors if t is not None]
+    devices = {t.device for t in present}
+    if len(devices) > 1:
+        return f"tensors are on different devices {sorted(str(d) for d in devices)}"
+    device = next(iter(devices))
+    if device.type == "cpu":
+        if not INTERPRETER:
+            return "tensors are on cpu and TRITON_INTERPRET is not set (set it to 1 before importing fastbert.kernels)"
+    elif device.type != "cuda":
+        return f"tensors are on {device.type}; the triton backend runs on cuda (or cpu under TRITON_INTERPRET=1)"
+    return None
+
+
+def float_reason(tensors: list[torch.Tensor | None]) -> str | None:
+    """Why these floating tensors are not one dtype the kernels take (fp16, bf16, fp32), or None."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) > 1:
+        return f"mixed dtypes {sorted(str(d).removeprefix('torch.') for d in dtypes)}"
+    dtype = next(iter(dtypes))
+    if dtype not in FLOAT_DTYPES:
+        return f"dtype {str(dtype).removeprefix('torch.')} (the triton backend takes float16, bfloat16, float32)"
+    return None
+
+
+def first_reason(*reasons: str | None) -> str | None:
+    return next((r for r in reasons if r), None)
+
+
+def tl_dtype(dtype: torch.dtype):
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs are multiplied in full precision (not TF32) so the fp32 path matches PyTorch to ~1e-5."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def row_block(width: int) -> int:
+    """Power-of-two block covering a whole row of ``width`` elements (LayerNorm needs the full row)."""
+    return triton.next_power_of_2(width)
+
+
+def rows_per_program(width: int) -> int:
+    """Rows one LayerNorm-style program handles: several under the interpreter (per-program overhead dominates
+    there), one row per program on a GPU for wide rows, a few for narrow ones."""
+    if INTERPRETER:
+        return 16
+    return max(1, min(16, 4096 // row_block(width)))
+
+
+def row_warps(width: int) -> int:
+    block = row_block(width)
+    return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8

@@ -1,0 +1,164 @@
+"""Attention, flash style: softmax(q k^T * scale) v computed block by block with an online softmax in fp32.
+
+Forms (one kernel for both):
+- packed variable-length: q, k, v [T, heads, D] with int32 `cu_seqlens` [B + 1] and `max_seqlen`; a token
+  attends only within its own sequence;
+- padded: q, k, v [B, S, heads, D] with an optional bool `key_padding_mask` [B, S] (True = real key).
+q, k, v are read through their strides (the [T, 3, heads, D] views `qkv_projection` returns need no copy).
+The head dim is padded to a power-of-two block with masking: D is any multiple of 8 from 8 to 256 (32, 64, 80,
+96, 128 are the BERT-family sizes). Any sequence length (keys are streamed in blocks). A query whose keys are all
+masked gets zeros, never NaN (running max kept finite, zero denominator -> zero output).
+Output: contiguous, shaped like q, in q's dtype. fp16, bf16, fp32 (fp32 dots in IEEE, no TF32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fastbert.ops.attention import attention_reference
+
+from ._common import INTERPRETER, device_reason, dot_precision, first_reason, float_reason
+
+__all__ = ["attention", "attention_reference", "supports"]
+
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, stride_qb, stride_qs, stride_qh, stride_qd,  # q [B, S, heads, D] (packed form: stride_qb unused)
+    k_ptr, stride_kb, stride_ks, stride_kh, stride_kd,  # k, same layout as q
+    v_ptr, stride_vb, stride_vs, stride_vh, stride_vd,  # v, same layout as q
+    out_ptr, stride_ob, stride_os, stride_oh, stride_od,  # output, same layout as q
+    cu_seqlens_ptr,  # int32 [B + 1] sequence starts in the packed token dim (PACKED only)
+    mask_ptr, stride_mb, stride_ms,  # uint8 [B, S] key padding mask, 1 = real key (HAS_MASK only)
+    seqlen,  # padded form: S
+    head_dim,
+    qk_scale,  # softmax scale * log2(e): scores go straight to exp2
+    PACKED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    block_m = tl.program_id(0).to(tl.int64)
+    batch = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2).to(tl.int64)
+    if PACKED:
+        start = tl.load(cu_seqlens_ptr + batch).to(tl.int64)
+        length = tl.load(cu_seqlens_ptr + batch + 1).to(tl.int64) - start
+        q_base = q_ptr + start * stride_qs + head * stride_qh
+        k_base = k_ptr + start * stride_ks + head * stride_kh
+        v_base = v_ptr + start * stride_vs + head * stride_vh
+        out_base = out_ptr + start * stride_os + head * stride_oh
+    else:
+        length = seqlen
+        q_base = q_ptr + batch * stride_qb + head * stride_qh
+        k_base = k_ptr + batch * stride_kb + head * stride_kh
+        v_base = v_ptr + batch * stride_vb + head * stride_vh
+        out_base = out_ptr + batch * stride_ob + head * stride_oh
+    if block_m * BLOCK_M >= length:  # this sequence is shorter than the longest one
+        return
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q_mask = (offs_m < length)[:, None] & d_mask[None, :]
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for key_start in range(0, length, BLOCK_N):
+        keys = key_start + offs_n
+        key_valid = keys < length
+        if HAS_MASK:
+            real = tl.load(mask_ptr + batch * stride_mb + keys * stride_ms, mask=key_valid, other=0)
+            key_valid = key_valid & (real != 0)
+        kv_mask = (keys < length)[:, None] & d_mask[None, :]
+        k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        scores = tl.where(key_valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # While every key seen so far is masked the max is -inf; subtract 0 then so exp2 gives 0, not NaN.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probs = tl.math.exp2(scores - safe_max[:, None])
+        correction = tl.math.exp2(row_max - safe_max)
+        row_sum = row_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        row_max = new_max
+    out = tl.where(row_sum[:, None] > 0, acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None], 0.0)
+    tl.store(out_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=q_mask)
+
+
+def _meta(head_dim: int, max_seqlen: int) -> dict:
+    """Block sizes: a fixed small config under the interpreter, a table by head dim on a GPU (untested here)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    fit = max(16, triton.next_power_of_2(max_seqlen))
+    if INTERPRETER:
+        return {"BLOCK_M": min(32, fit), "BLOCK_N": min(32, fit), "BLOCK_D": block_d}
+    if block_d <= 64:
+        return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 4,
+                "num_stages": 3}
+    return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 8, "num_stages": 2}
+
+
+def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None) -> str | None:
+    head_dim = q.shape[-1]
+    return first_reason(
+        device_reason([q, k, v, cu_seqlens, key_padding_mask]),
+        float_reason([q, k, v]),
+        None if head_dim % 8 == 0 and 8 <= head_dim <= MAX_HEAD_DIM else
+        f"head_dim {head_dim} not supported (multiples of 8 up to {MAX_HEAD_DIM})",
+    )
+
+
+@torch.library.custom_op("fastbert::triton_attention", mutates_args=())
+def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int,
+        key_padding_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.numel() == 0:
+        return out
+    packed = cu_seqlens is not None
+    if packed:  # view packed [T, h, D] as [1, T, h, D]: the batch stride is never used
+        q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
+        batch, longest = cu_seqlens.numel() - 1, max_seqlen
+    else:
+        q4, k4, v4, o4 = q, k, v, out
+        batch, longest = q.shape[0], q.shape[1]
+    heads, head_dim = q.shape[-2], q.shape[-1]
+    if longest == 0 or batch == 0:
+        return out.zero_()
+    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else cu_seqlens
+    mask_strides = key_padding_mask.stride() if key_padding_mask is not None else (0, 0)
+    meta = _meta(head_dim, longest)
+    grid = (triton.cdiv(longest, meta["BLOCK_M"]), batch, heads)
+    _attention_kernel[grid](
+        q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(),
+        cu_seqlens if packed else q4, mask if mask is not None else q4, *mask_strides,
+        q4.shape[1], head_dim, scale * LOG2E,
+        PACKED=packed, HAS_MASK=key_padding_mask is not None, INPUT_PRECISION=dot_precision(q.dtype), **meta)
+    return out
+
+
+@_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+              max_seqlen: int | None = None, key_padding_mask: torch.Tensor | None = None,
+              scale: float | None = None) -> torch.Tensor:
+    """The triton backend of `fastbert.ops.attention` (forms and limits in the module docstring)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    longest = int(max_seqlen) if max_seqlen is not None else 0
+    return torch.ops.fastbert.triton_attention(q, k, v, cu_seqlens, longest, key_padding_mask, scale)
