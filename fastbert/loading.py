@@ -175,7 +175,8 @@ def from_pretrained(
         model = build_task_model(config, task, backend=backend)
         encoder, own_prefix = model.encoder, "encoder."
         head_pairs = head_key_map(config, task)
-    encoder_pairs = encoder_key_map(config, prefix)
+    # The task model's encoder has a pooler only where its head reads one: map the encoder as built.
+    encoder_pairs = encoder_key_map(encoder.config, prefix)
     # A task checkpoint may lack the pooler (HF then initialises it): treat it like head weights.
     head_pairs = head_pairs + [pair for pair in encoder_pairs if pair[0].startswith("pooler.")]
     head_pairs = [(own_prefix + ours if ours.startswith("pooler.") else ours, theirs) for ours, theirs in head_pairs]

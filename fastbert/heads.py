@@ -1,0 +1,595 @@
+"""Task heads on fastbert's encoder: masked LM, next-sentence / sentence-order, pretraining, sequence / token
+classification, extractive QA and multiple choice, for every supported family, with transformers' losses.
+
+Each task model is `encoder` (a `FastBertModel`) plus one or two heads built from two blocks:
+
+- `MaskedLMHead`: dense -> activation -> LayerNorm -> decoder tied to the word embeddings (+ own bias). Its
+  widths and activation cover BERT, RoBERTa, DistilBERT, ALBERT (H -> E) and ELECTRA's generator (H -> E).
+- `DenseHead`: [dense -> activation ->] linear, applied to the pooler output, the first token or every token.
+  It covers BERT's classifiers, RoBERTa/ELECTRA's classification head, DistilBERT's pre_classifier, ELECTRA's
+  discriminator and sequence summary, the span (QA) head.
+
+Which head, on which input, with which HF parameter names, per (family, task) is one table (`_family_heads`);
+`build_task_model` and `head_key_map` (used by `fastbert.from_pretrained`) both read it. The computation is the
+corresponding transformers class in eval mode; there is no dropout. Heads that read every token (masked LM, token
+classification, QA, discriminator) see zeros at padded positions where transformers sees padding garbage, so
+their outputs at padded positions differ from transformers' (real positions and losses over them match).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert import ops
+from fastbert.config import ACTIVATIONS as HF_ACTIVATIONS
+from fastbert.config import FastBertConfig
+from fastbert.model import EncoderOutput, FastBertModel
+
+TASKS = ("masked-lm", "next-sentence", "pretraining", "sequence-classification", "token-classification",
+         "question-answering", "multiple-choice")
+PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
+HEAD_ACTIVATIONS = ops.ACTIVATIONS + ("tanh",)
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+@dataclass
+class MaskedLMOutput:
+    """logits [B, S, V]."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class NextSentencePredictorOutput:
+    """logits [B, 2] (0 = B continues A)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class PreTrainingOutput:
+    """BERT: prediction_logits [B, S, V], seq_relationship_logits [B, 2]; loss = MLM + NSP."""
+
+    loss: torch.Tensor | None = None
+    prediction_logits: torch.Tensor | None = None
+    seq_relationship_logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class SentenceOrderPreTrainingOutput:
+    """ALBERT: prediction_logits [B, S, V], sop_logits [B, num_labels]; loss = MLM + sentence order."""
+
+    loss: torch.Tensor | None = None
+    prediction_logits: torch.Tensor | None = None
+    sop_logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class DiscriminatorOutput:
+    """ELECTRA pretraining: logits [B, S], > 0 = token replaced."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class SequenceClassifierOutput:
+    """logits [B, num_labels]."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class TokenClassifierOutput:
+    """logits [B, S, num_labels]."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class QuestionAnsweringOutput:
+    """start_logits, end_logits [B, S]."""
+
+    loss: torch.Tensor | None = None
+    start_logits: torch.Tensor | None = None
+    end_logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class MultipleChoiceOutput:
+    """logits [B, C]; hidden_states are those of the flattened [B * C, S] batch."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+# ------------------------------------------------------------------------------------------------- losses
+def _check_label_shape(name: str, labels: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(labels.shape)}")
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, name: str = "labels") -> torch.Tensor:
+    """Mean cross entropy over every position whose label is not -100. logits [..., C], labels [...] (int)."""
+    _check_label_shape(name, labels, logits.shape[:-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor,
+                                 problem_type: str | None = None) -> torch.Tensor:
+    """transformers' rule: problem_type if set, else regression (MSE) when num_labels == 1, single-label cross
+    entropy for integer labels [B], multi-label BCE-with-logits for float labels [B, num_labels]. logits [B, L].
+
+    Unlike transformers, the inferred problem type is not written back into the config (each call decides)."""
+    num_labels = logits.shape[-1]
+    if problem_type is None:
+        if num_labels == 1:
+            problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem_type = "single_label_classification"
+        else:
+            problem_type = "multi_label_classification"
+    if problem_type == "regression":
+        if num_labels == 1:
+            return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
+        return F.mse_loss(logits, labels.to(logits.dtype))
+    if problem_type == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1))
+    if problem_type == "multi_label_classification":
+        _check_label_shape("labels", labels, logits.shape)
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+    raise ValueError(f"unknown problem_type {problem_type!r}; expected one of {PROBLEM_TYPES}")
+
+
+def span_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start_positions: torch.Tensor,
+              end_positions: torch.Tensor) -> torch.Tensor:
+    """Extractive QA loss: mean of start and end cross entropies over S positions. Positions [B] (or [B, 1])
+    outside [0, S) are clamped to S and ignored, as in transformers."""
+    seqlen = start_logits.shape[1]
+    positions = []
+    for name, pos in (("start_positions", start_positions), ("end_positions", end_positions)):
+        if pos.dim() > 1:
+            pos = pos.squeeze(-1)
+        _check_label_shape(name, pos, start_logits.shape[:1])
+        positions.append(pos.clamp(0, seqlen))
+    start = F.cross_entropy(start_logits, positions[0], ignore_index=seqlen)
+    end = F.cross_entropy(end_logits, positions[1], ignore_index=seqlen)
+    return (start + end) / 2
+
+
+def discriminator_loss(logits: torch.Tensor, labels: torch.Tensor,
+                       attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """ELECTRA replaced-token detection: BCE-with-logits over the real tokens. logits, labels (0/1), mask [B, S]."""
+    _check_label_shape("labels", labels, logits.shape)
+    if attention_mask is None:
+        return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+    active = attention_mask.reshape(logits.shape) != 0
+    return F.binary_cross_entropy_with_logits(logits[active], labels[active].to(logits.dtype))
+
+
+# -------------------------------------------------------------------------------------------------- heads
+def activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """A head activation: one of `HEAD_ACTIVATIONS`, or None for identity."""
+    if activation is None:
+        return x
+    if activation == "tanh":
+        return torch.tanh(x)
+    if activation in ops.ACTIVATIONS:
+        return ops.apply_activation(x, activation)
+    raise ValueError(f"unknown head activation {activation!r}; expected one of {HEAD_ACTIVATIONS} or None")
+
+
+def dense_activation(x: torch.Tensor, layer: nn.Linear, activation: str | None, backend: str | None) -> torch.Tensor:
+    """act(layer(x)); the GELU/ReLU cases go through the fused `linear_activation` op."""
+    if activation in ops.ACTIVATIONS:
+        return ops.linear_activation(x.contiguous(), layer.weight, layer.bias, activation, backend=backend)
+    return activate(layer(x), activation)
+
+
+class MaskedLMHead(nn.Module):
+    """dense (H -> width) -> activation -> LayerNorm(width) -> decoder (width -> V): [..., H] -> [..., V].
+
+    The decoder weight is the encoder's word embeddings [V, width], passed to `forward` (tied, no parameter of
+    its own) unless the checkpoint unties them (`tied=False`: own `decoder_weight`)."""
+
+    def __init__(self, hidden_size: int, width: int, vocab_size: int, activation: str, eps: float,
+                 tied: bool = True):
+        super().__init__()
+        self.activation = activation
+        self.dense = nn.Linear(hidden_size, width)
+        self.norm = nn.LayerNorm(width, eps=eps)
+        self.decoder_weight = None if tied else nn.Parameter(torch.empty(vocab_size, width))
+        self.decoder_bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor, backend: str | None = None):
+        x = self.norm(dense_activation(hidden, self.dense, self.activation, backend))
+        weight = word_embeddings if self.decoder_weight is None else self.decoder_weight
+        return F.linear(x, weight, self.decoder_bias)
+
+
+class DenseHead(nn.Module):
+    """[dense (in -> inner) ->] [activation ->] out (-> out_features): [..., in] -> [..., out_features]."""
+
+    def __init__(self, in_features: int, out_features: int, inner_features: int | None = None,
+                 activation: str | None = None):
+        super().__init__()
+        self.activation = activation
+        self.dense = nn.Linear(in_features, inner_features) if inner_features else None
+        self.out = nn.Linear(inner_features or in_features, out_features)
+
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+        if self.dense is not None:
+            x = dense_activation(x, self.dense, self.activation, backend)
+        else:
+            x = activate(x, self.activation)
+        return self.out(x)
+
+
+# --------------------------------------------------------------------------------------- per-family table
+@dataclass(frozen=True)
+class MLMSpec:
+    """A `MaskedLMHead` and the HF names of its parts (full keys without .weight/.bias)."""
+
+    width: int
+    activation: str
+    eps: float
+    hf_dense: str
+    hf_norm: str
+    hf_decoder: str
+    hf_tied_bias: str | None  # where a tied decoder's bias is saved (BERT's cls.predictions.bias); None: decoder's own
+
+    def build(self, config: FastBertConfig) -> MaskedLMHead:
+        return MaskedLMHead(config.hidden_size, self.width, config.vocab_size, self.activation, self.eps,
+                            tied=_tied(config))
+
+    def key_map(self, name: str, config: FastBertConfig) -> list[tuple[str, list[str]]]:
+        pairs = [(f"{name}.dense.{p}", [f"{self.hf_dense}.{p}"]) for p in ("weight", "bias")]
+        pairs += [(f"{name}.norm.{p}", [f"{self.hf_norm}.{p}"]) for p in ("weight", "bias")]
+        if _tied(config):
+            bias = self.hf_tied_bias or f"{self.hf_decoder}.bias"
+        else:  # untied: transformers ties neither weight nor bias and runs the decoder Linear as saved
+            pairs.append((f"{name}.decoder_weight", [f"{self.hf_decoder}.weight"]))
+            bias = f"{self.hf_decoder}.bias"
+        return pairs + [(f"{name}.decoder_bias", [bias])]
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """A `DenseHead` on ``source`` ("pooler": the pooler output, "first": the first token, "tokens": every token)."""
+
+    out_features: int
+    source: str
+    hf_out: str
+    hf_dense: str | None = None
+    activation: str | None = None
+
+    def build(self, config: FastBertConfig) -> DenseHead:
+        inner = config.hidden_size if self.hf_dense else None
+        return DenseHead(config.hidden_size, self.out_features, inner, self.activation)
+
+    def key_map(self, name: str, config: FastBertConfig) -> list[tuple[str, list[str]]]:
+        parts = ([("dense", self.hf_dense)] if self.hf_dense else []) + [("out", self.hf_out)]
+        return [(f"{name}.{ours}.{p}", [f"{theirs}.{p}"]) for ours, theirs in parts for p in ("weight", "bias")]
+
+
+def _tied(config: FastBertConfig) -> bool:
+    return bool(config.extra.get("tie_word_embeddings", True))
+
+
+def _electra_summary(config: FastBertConfig) -> DenseSpec:
+    """ELECTRA's multiple-choice head: sequence_summary (first token [-> dense H -> H] [-> activation]) then
+    classifier H -> 1. Settings outside that are refused by `_check_electra_summary`."""
+    extra = config.extra
+    activation = extra.get("summary_activation", "gelu") or None
+    if activation is not None:
+        activation = HF_ACTIVATIONS.get(activation, activation)
+    dense = "sequence_summary.summary" if extra.get("summary_use_proj", True) else None
+    return DenseSpec(1, "first", "classifier", hf_dense=dense, activation=activation)
+
+
+def _check_electra_summary(config: FastBertConfig) -> None:
+    extra = config.extra
+    summary_type = extra.get("summary_type", "first")
+    if summary_type != "first":
+        raise ValueError(f"ELECTRA multiple choice: summary_type {summary_type!r} is not supported (only 'first'; "
+                         "the others read padded positions)")
+    if extra.get("summary_use_proj", True) and extra.get("summary_proj_to_labels"):
+        raise ValueError("ELECTRA multiple choice: summary_proj_to_labels=True is not supported")
+    activation = _electra_summary(config).activation
+    if activation not in HEAD_ACTIVATIONS + (None,):
+        raise ValueError(f"ELECTRA multiple choice: summary_activation {activation!r} is not supported; supported: "
+                         f"{sorted(HF_ACTIVATIONS)}, 'tanh'")
+
+
+def _family_heads(config: FastBertConfig) -> dict[str, dict[str, MLMSpec | DenseSpec]]:
+    """task -> {attribute name: head spec} for the config's family; the keys are `supported_tasks(config)`."""
+    family, labels, eps = config.family, config.num_labels, config.layer_norm_eps
+    hidden, embedding = config.hidden_size, config.embedding_size
+    if family == "bert":
+        mlm = MLMSpec(hidden, config.activation, eps, "cls.predictions.transform.dense",
+                      "cls.predictions.transform.LayerNorm", "cls.predictions.decoder", "cls.predictions.bias")
+        nsp = DenseSpec(2, "pooler", "cls.seq_relationship")
+        return {
+            "masked-lm": {"mlm": mlm},
+            "next-sentence": {"nsp": nsp},
+            "pretraining": {"mlm": mlm, "nsp": nsp},
+            "sequence-classification": {"classifier": DenseSpec(labels, "pooler", "classifier")},
+            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
+            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
+            "multiple-choice": {"classifier": DenseSpec(1, "pooler", "classifier")},
+        }
+    if family == "roberta":
+        return {  # RobertaLMHead and RobertaClassificationHead hard-code exact GELU and tanh
+            "masked-lm": {"mlm": MLMSpec(hidden, "gelu", eps, "lm_head.dense", "lm_head.layer_norm",
+                                         "lm_head.decoder", "lm_head.bias")},
+            "sequence-classification": {"classifier": DenseSpec(labels, "first", "classifier.out_proj",
+                                                                "classifier.dense", "tanh")},
+            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
+            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
+            "multiple-choice": {"classifier": DenseSpec(1, "pooler", "classifier")},
+        }
+    if family == "distilbert":
+        return {
+            "masked-lm": {"mlm": MLMSpec(hidden, config.activation, 1e-12, "vocab_transform", "vocab_layer_norm",
+                                         "vocab_projector", None)},
+            "sequence-classification": {"classifier": DenseSpec(labels, "first", "classifier", "pre_classifier",
+                                                                "relu")},
+            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
+            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
+            "multiple-choice": {"classifier": DenseSpec(1, "first", "classifier", "pre_classifier", "relu")},
+        }
+    if family == "albert":
+        mlm = MLMSpec(embedding, config.activation, eps, "predictions.dense", "predictions.LayerNorm",
+                      "predictions.decoder", "predictions.bias")
+        return {
+            "masked-lm": {"mlm": mlm},
+            "pretraining": {"mlm": mlm, "sop": DenseSpec(labels, "pooler", "sop_classifier.classifier")},
+            "sequence-classification": {"classifier": DenseSpec(labels, "pooler", "classifier")},
+            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
+            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
+            "multiple-choice": {"classifier": DenseSpec(1, "pooler", "classifier")},
+        }
+    if family == "electra":
+        return {
+            "pretraining": {"discriminator": DenseSpec(1, "tokens", "discriminator_predictions.dense_prediction",
+                                                       "discriminator_predictions.dense", config.activation)},
+            "masked-lm": {"mlm": MLMSpec(embedding, "gelu", eps, "generator_predictions.dense",
+                                         "generator_predictions.LayerNorm", "generator_lm_head", None)},
+            "sequence-classification": {"classifier": DenseSpec(labels, "first", "classifier.out_proj",
+                                                                "classifier.dense", "gelu")},
+            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
+            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
+            "multiple-choice": {"classifier": _electra_summary(config)},
+        }
+    raise ValueError(f"no task heads for family {family!r}")
+
+
+def supported_tasks(config: FastBertConfig) -> tuple[str, ...]:
+    """The tasks of `TASKS` that the config's family has a transformers head class for."""
+    return tuple(task for task in TASKS if task in _family_heads(config))
+
+
+def _task_heads(config: FastBertConfig, task: str) -> dict[str, MLMSpec | DenseSpec]:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
+    tasks = supported_tasks(config)
+    if task not in tasks:
+        raise ValueError(f"{config.model_type} has no {task!r} head; its tasks are: {', '.join(tasks)}")
+    if task == "question-answering" and config.num_labels != 2:
+        raise ValueError(f"question answering needs num_labels == 2 (start, end logits), got {config.num_labels}")
+    if config.family == "electra" and task == "multiple-choice":
+        _check_electra_summary(config)
+    return _family_heads(config)[task]
+
+
+# ---------------------------------------------------------------------------------------------- task models
+class TaskModel(nn.Module):
+    """`encoder` (FastBertModel) + named heads; subclasses define `forward` per task."""
+
+    output_class: type = MaskedLMOutput
+
+    def __init__(self, config: FastBertConfig, heads: dict[str, MLMSpec | DenseSpec], backend: str = "auto"):
+        super().__init__()
+        uses_pooler = any(isinstance(spec, DenseSpec) and spec.source == "pooler" for spec in heads.values())
+        self.config = config
+        self.encoder = FastBertModel(dataclasses.replace(config, has_pooler=uses_pooler), backend=backend)
+        self.sources = {name: getattr(spec, "source", "tokens") for name, spec in heads.items()}
+        for name, spec in heads.items():
+            self.add_module(name, spec.build(config))
+
+    def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                output_hidden_states) -> EncoderOutput:
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                            position_ids=position_ids, inputs_embeds=inputs_embeds,
+                            output_hidden_states=output_hidden_states)
+
+    def _head(self, name: str, encoded: EncoderOutput) -> torch.Tensor:
+        """Run head ``name`` on its input: pooler output [B, H], first token [B, H] or every token [B, S, H]."""
+        head = getattr(self, name)
+        backend = self.encoder.backend
+        if isinstance(head, MaskedLMHead):
+            return head(encoded.last_hidden_state, self.encoder.embeddings.word_embeddings, backend)
+        source = self.sources[name]
+        if source == "pooler":
+            x = encoded.pooler_output
+        elif source == "first":
+            x = encoded.last_hidden_state[:, 0]
+        else:
+            x = encoded.last_hidden_state
+        return head(x, backend)
+
+
+class ForMaskedLM(TaskModel):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> MaskedLMOutput:
+        """logits [B, S, V]; labels [B, S] token ids, -100 = not scored."""
+        encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_hidden_states)
+        logits = self._head("mlm", encoded)
+        loss = token_cross_entropy(logits, labels) if labels is not None else None
+        return MaskedLMOutput(loss, logits, encoded.hidden_states)
+
+
+class ForNextSentence(TaskModel):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool = False,
+                next_sentence_label=None) -> NextSentencePredictorOutput:
+        """logits [B, 2]; labels (or next_sentence_label) [B]: 0 = sentence B follows A, 1 = random."""
+        if labels is None:
+            labels = next_sentence_label
+        encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_hidden_states)
+        logits = self._head("nsp", encoded)
+        loss = token_cross_entropy(logits, labels) if labels is not None else None
+        return NextSentencePredictorOutput(loss, logits, encoded.hidden_states)
+
+
+class ForPreTraining(TaskModel):
+    """BERT (MLM + next sentence, head "nsp") or ALBERT (MLM + sentence order, head "sop")."""
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool = False, next_sentence_label=None,
+                sentence_order_label=None) -> PreTrainingOutput | SentenceOrderPreTrainingOutput:
+        """prediction_logits [B, S, V] and the pair logits [B, 2]; the loss (sum of both) needs both labels."""
+        sentence_order = "sop" in self.sources
+        pair_label = sentence_order_label if sentence_order else next_sentence_label
+        wrong = next_sentence_label if sentence_order else sentence_order_label
+        if wrong is not None:
+            expected = "sentence_order_label" if sentence_order else "next_sentence_label"
+            raise ValueError(f"{self.config.model_type} pretraining takes {expected}, not the other pair label")
+        encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_hidden_states)
+        prediction_logits = self._head("mlm", encoded)
+        pair_logits = self._head("sop" if sentence_order else "nsp", encoded)
+        loss = None
+        if labels is not None and pair_label is not None:
+            loss = token_cross_entropy(prediction_logits, labels) + token_cross_entropy(pair_logits, pair_label)
+        if sentence_order:
+            return SentenceOrderPreTrainingOutput(loss, prediction_logits, pair_logits, encoded.hidden_states)
+        return PreTrainingOutput(loss, prediction_logits, pair_logits, encoded.hidden_states)
+
+
+class ForReplacedTokenDetection(TaskModel):
+    """ELECTRA's pretraining discriminator."""
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> DiscriminatorOutput:
+        """logits [B, S]; labels [B, S] (1 = replaced), scored at real tokens only."""
+        encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_hidden_states)
+        logits = self._head("discriminator", encoded).squeeze(-1)
+        loss = discriminator_loss(logits, labels, attention_mask) if labels is not None else None
+        return DiscriminatorOutput(loss, logits, encoded.hidden_states)
+
+
+class ForSequenceClassification(TaskModel):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> SequenceClassifierOutput:
+        """logits [B, num_labels]; labels: int [B] (single label), float [B, L] (multi label) or float [B]
+        (regression, num_labels == 1); config.problem_type overrides the choice."""
+        encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_hidden_states)
+        logits = self._head("classifier", encoded)
+        loss = None
+        if labels is not None:
+            loss = sequence_classification_loss(logits, labels, self.config.problem_type)
+        return SequenceClassifierOutput(loss, logits, encoded.hidden_states)
+
+
+class ForTokenClassification(TaskModel):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> TokenClassifierOutput:
+        """logits [B, S, num_labels]; labels [B, S], -100 = not scored (give -100 at padding)."""
+        encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_hidden_states)
+        logits = self._head("classifier", encoded)
+        loss = token_cross_entropy(logits, labels) if labels is not None else None
+        return TokenClassifierOutput(loss, logits, encoded.hidden_states)
+
+
+class ForQuestionAnswering(TaskModel):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, start_positions=None, end_positions=None,
+                output_hidden_states: bool = False) -> QuestionAnsweringOutput:
+        """start_logits, end_logits [B, S]; the loss needs start_positions and end_positions [B]. Like
+        transformers, the softmax runs over all S positions, padding included."""
+        encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                               output_hidden_states)
+        logits = self._head("qa_outputs", encoded)
+        start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            loss = span_loss(start_logits, end_logits, start_positions, end_positions)
+        return QuestionAnsweringOutput(loss, start_logits, end_logits, encoded.hidden_states)
+
+
+class ForMultipleChoice(TaskModel):
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
+                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> MultipleChoiceOutput:
+        """Inputs [B, C, S] (inputs_embeds [B, C, S, E]); logits [B, C]; labels [B] (index of the right choice)."""
+        source = input_ids if input_ids is not None else inputs_embeds
+        if source is None:
+            raise ValueError("give exactly one of input_ids or inputs_embeds")
+        if source.dim() != (3 if input_ids is not None else 4):
+            raise ValueError("multiple choice takes input_ids [batch, choices, seq] (inputs_embeds [batch, choices, "
+                             f"seq, embedding]), got {list(source.shape)}")
+        num_choices = source.shape[1]
+
+        def flat(x):
+            return None if x is None else x.reshape(-1, *x.shape[2:])
+
+        encoded = self._encode(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
+                               flat(inputs_embeds), output_hidden_states)
+        logits = self._head("classifier", encoded).view(-1, num_choices)
+        loss = token_cross_entropy(logits, labels) if labels is not None else None
+        return MultipleChoiceOutput(loss, logits, encoded.hidden_states)
+
+
+def _model_class(config: FastBertConfig, task: str) -> type[TaskModel]:
+    if task == "pretraining" and config.family == "electra":
+        return ForReplacedTokenDetection
+    return {
+        "masked-lm": ForMaskedLM,
+        "next-sentence": ForNextSentence,
+        "pretraining": ForPreTraining,
+        "sequence-classification": ForSequenceClassification,
+        "token-classification": ForTokenClassification,
+        "question-answering": ForQuestionAnswering,
+        "multiple-choice": ForMultipleChoice,
+    }[task]
+
+
+# ------------------------------------------------------------------------------------------------- public
+def build_task_model(config: FastBertConfig, task: str, backend: str = "auto") -> TaskModel:
+    """An uninitialised task model (parameters hold garbage until loaded): ``model.encoder`` is a FastBertModel
+    built with a pooler only where the task's head reads it. Raises ValueError for a task unknown or not offered
+    by the family (the message lists the family's tasks)."""
+    heads = _task_heads(config, task)
+    return _model_class(config, task)(config, heads, backend=backend)
+
+
+def head_key_map(config: FastBertConfig, task: str) -> list[tuple[str, list[str]]]:
+    """[(task model state_dict key, [HF checkpoint key])] for every head parameter (the pooler is the
+    encoder's, mapped by `fastbert.loading.encoder_key_map`)."""
+    pairs = []
+    for name, spec in _task_heads(config, task).items():
+        pairs += spec.key_map(name, config)
+    return pairs

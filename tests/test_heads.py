@@ -1,0 +1,282 @@
+"""fastbert's task models (`fastbert.from_pretrained(dir, task=...)`) against the transformers head classes.
+
+Every family x every head class: a tiny seeded transformers model (all parameters perturbed so that no bias is
+zero and no LayerNorm is the identity) is saved, loaded by fastbert, and both run in float32 on CPU on a padded
+batch of mixed lengths. Outputs must match to 1e-5 relative to their largest magnitude (per-token outputs at real
+positions only: fastbert has zeros at padding where transformers has padding garbage), and so must the losses.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fastbert
+from fastbert.heads import TASKS
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 99, 9
+LENGTHS = (SEQ, 1, 5)  # mixed: full, a single token, in between
+MC_LENGTHS = ((SEQ, 1, 5), (3, SEQ, 7))  # [batch=2, choices=3]
+
+HF_PREFIX = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "distilbert": "DistilBert",
+             "albert": "Albert", "electra": "Electra"}
+HF_SUFFIX = {"masked-lm": "ForMaskedLM", "next-sentence": "ForNextSentencePrediction",
+             "pretraining": "ForPreTraining", "sequence-classification": "ForSequenceClassification",
+             "token-classification": "ForTokenClassification", "question-answering": "ForQuestionAnswering",
+             "multiple-choice": "ForMultipleChoice"}
+NO_PAIR_TASKS = tuple(t for t in TASKS if t not in ("next-sentence", "pretraining"))
+FAMILY_TASKS = {
+    "bert": TASKS,
+    "roberta": NO_PAIR_TASKS,
+    "xlm-roberta": NO_PAIR_TASKS,
+    "distilbert": NO_PAIR_TASKS,
+    "albert": ("masked-lm", "pretraining") + NO_PAIR_TASKS[1:],
+    "electra": ("masked-lm", "pretraining") + NO_PAIR_TASKS[1:],
+}
+# (output field, per token?) compared for each task; "pretraining" differs per family.
+FIELDS = {
+    "masked-lm": [("logits", True)],
+    "next-sentence": [("logits", False)],
+    "sequence-classification": [("logits", False)],
+    "token-classification": [("logits", True)],
+    "question-answering": [("start_logits", True), ("end_logits", True)],
+    "multiple-choice": [("logits", False)],
+    ("bert", "pretraining"): [("prediction_logits", True), ("seq_relationship_logits", False)],
+    ("albert", "pretraining"): [("prediction_logits", True), ("sop_logits", False)],
+    ("electra", "pretraining"): [("logits", True)],
+}
+
+
+def tiny_config(family: str, **overrides):
+    common = dict(vocab_size=VOCAB, max_position_embeddings=32)
+    if family == "distilbert":
+        args = dict(dim=32, n_layers=2, n_heads=4, hidden_dim=37)
+    else:
+        args = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
+    if family in ("roberta", "xlm-roberta"):
+        args.update(pad_token_id=1, max_position_embeddings=34, type_vocab_size=1)
+    if family == "albert":  # factorised embeddings, two layer groups shared over four layers
+        args.update(embedding_size=16, num_hidden_layers=4, num_hidden_groups=2)
+    if family == "electra":
+        args.update(embedding_size=16)
+    config_class = getattr(transformers, HF_PREFIX[family] + "Config")
+    return config_class(**{**common, **args, **overrides})
+
+
+def save_hf_model(family: str, task: str, directory, seed: int = 0, **config_overrides):
+    """A seeded transformers model with every parameter perturbed, saved (safetensors) to ``directory``."""
+    torch.manual_seed(seed)
+    config = tiny_config(family, **config_overrides)
+    model = getattr(transformers, HF_PREFIX[family] + HF_SUFFIX.get(task, task))(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # tied parameters are listed once and stay tied
+            param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(directory)
+    return model
+
+
+def padded_batch(family: str, lengths, seed: int = 1):
+    """input_ids / attention_mask (/ token_type_ids) of shape [*lengths.shape, SEQ], padded on the right."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    mask = (torch.arange(SEQ) < lengths[..., None]).long()
+    pad = tiny_config(family).pad_token_id
+    ids = torch.randint(3, VOCAB, mask.shape, generator=gen).masked_fill(mask == 0, pad)
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if family in ("bert", "albert", "electra"):
+        batch["token_type_ids"] = torch.randint(0, 2, mask.shape, generator=gen) * mask
+    return batch
+
+
+def task_labels(family: str, task: str, batch, num_labels: int, variant: str = "single") -> dict:
+    gen = torch.Generator().manual_seed(2)
+    mask = batch["attention_mask"].bool()
+    b = mask.shape[0]
+
+    def per_token(high):  # random where real (half of them for MLM-like), -100 at padding
+        labels = torch.randint(0, high, mask.shape, generator=gen)
+        return labels.masked_fill(~mask, -100)
+
+    mlm = per_token(VOCAB).masked_fill(torch.rand(mask.shape, generator=gen) < 0.5, -100)
+    mlm[..., 0] = torch.randint(0, VOCAB, mask.shape[:-1], generator=gen)  # every row scores a token
+    pair = torch.randint(0, 2, (b,), generator=gen)
+    if task == "masked-lm":
+        return {"labels": mlm}
+    if task == "next-sentence":
+        return {"labels": pair}
+    if task == "pretraining":
+        if family == "bert":
+            return {"labels": mlm, "next_sentence_label": pair}
+        if family == "albert":
+            return {"labels": mlm, "sentence_order_label": pair}
+        return {"labels": torch.randint(0, 2, mask.shape, generator=gen)}  # ELECTRA: 1 = replaced
+    if task == "token-classification":
+        return {"labels": per_token(num_labels)}
+    if task == "question-answering":  # the last row's end lies past the sequence: clamped and ignored
+        start = torch.randint(0, SEQ, (b,), generator=gen)
+        end = torch.randint(0, SEQ, (b,), generator=gen)
+        end[-1] = SEQ + 4
+        return {"start_positions": start, "end_positions": end}
+    if task == "multiple-choice":
+        return {"labels": torch.randint(0, mask.shape[1], (b,), generator=gen)}
+    if variant == "single":
+        return {"labels": torch.randint(0, num_labels, (b,), generator=gen)}
+    if variant == "multi-label":
+        return {"labels": torch.randint(0, 2, (b, num_labels), generator=gen).float()}
+    if variant == "regression":
+        return {"labels": torch.randn(b, generator=gen)}
+    return {"labels": torch.randn(b, num_labels, generator=gen)}  # problem_type="regression", several outputs
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor, what: str, rtol: float = 1e-5, atol: float = 1e-6):
+    assert ours.shape == theirs.shape, f"{what}: shape {tuple(ours.shape)} vs transformers {tuple(theirs.shape)}"
+    err = (ours.double() - theirs.double()).abs().max().item()
+    scale = theirs.double().abs().max().item()
+    assert err <= rtol * scale + atol, f"{what}: max abs error {err:.3g} vs max |transformers| {scale:.3g}"
+
+
+def load(directory, task):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a complete task checkpoint loads without any warning
+        model = fastbert.from_pretrained(directory, task=task)
+    assert model.loading_info == {"unexpected_keys": [], "missing_head_keys": []}
+    return model
+
+
+def compare(family, task, hf_model, model, batch, labels, fields, check_loss=True):
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs = hf_model(**batch, **labels)
+        ours = model(**batch, **labels)
+    for field, per_token in fields:
+        a, b = getattr(ours, field), getattr(theirs, field)
+        if per_token:
+            a, b = a[mask], b[mask]
+        assert_close(a, b, f"{family} {task} {field}")
+    if check_loss:
+        assert_close(ours.loss, theirs.loss, f"{family} {task} loss")
+
+
+CASES = [(family, task) for family, tasks in FAMILY_TASKS.items() for task in tasks]
+
+
+@pytest.mark.parametrize("family,task", CASES, ids=[f"{f}-{t}" for f, t in CASES])
+def test_task_matches_transformers(family, task, tmp_path):
+    num_labels = {"sequence-classification": 3, "token-classification": 5}.get(task, 2)
+    hf_model = save_hf_model(family, task, tmp_path, num_labels=num_labels)
+    model = load(tmp_path, task)
+    fields = FIELDS.get((family, task), FIELDS.get(task))
+    if task == "multiple-choice":
+        batch = padded_batch(family, MC_LENGTHS)
+    else:
+        batch = padded_batch(family, LENGTHS)
+    labels = task_labels(family, task, batch, num_labels)
+    # QA's softmax runs over every position, padding included, where transformers and fastbert differ: its loss
+    # is compared on an unpadded batch.
+    compare(family, task, hf_model, model, batch, labels, fields, check_loss=task != "question-answering")
+    if task == "question-answering":
+        full = padded_batch(family, (SEQ,) * len(LENGTHS))
+        compare(family, task, hf_model, model, full, task_labels(family, task, full, num_labels), fields)
+
+
+SEQ_CLS_VARIANTS = {  # variant: (num_labels, problem_type)
+    "regression": (1, None),
+    "multi-label": (3, None),
+    "problem-type-regression": (3, "regression"),
+}
+SEQ_CLS_CASES = [(family, variant) for family in FAMILY_TASKS for variant in SEQ_CLS_VARIANTS]
+
+
+@pytest.mark.parametrize("family,variant", SEQ_CLS_CASES,
+                         ids=[f"{f}-sequence-classification-{v}" for f, v in SEQ_CLS_CASES])
+def test_sequence_classification_losses(family, variant, tmp_path):
+    num_labels, problem_type = SEQ_CLS_VARIANTS[variant]
+    task = "sequence-classification"
+    hf_model = save_hf_model(family, task, tmp_path, num_labels=num_labels, problem_type=problem_type)
+    model = load(tmp_path, task)
+    batch = padded_batch(family, LENGTHS)
+    labels = task_labels(family, task, batch, num_labels, variant)
+    compare(family, task, hf_model, model, batch, labels, FIELDS[task])
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert", "electra"])
+def test_untied_decoder(family, tmp_path):
+    """tie_word_embeddings=False: the MLM decoder has its own weight (and, for BERT/RoBERTa/ALBERT, bias)."""
+    hf_model = save_hf_model(family, "masked-lm", tmp_path, tie_word_embeddings=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BERT-style heads save an unused `bias` beside the decoder's own
+        model = fastbert.from_pretrained(tmp_path, task="masked-lm")
+    assert model.loading_info["missing_head_keys"] == []
+    assert model.mlm.decoder_weight is not None
+    batch = padded_batch(family, LENGTHS)
+    labels = task_labels(family, "masked-lm", batch, 2)
+    compare(family, "masked-lm", hf_model, model, batch, labels, FIELDS["masked-lm"])
+
+
+def test_pytorch_model_bin(tmp_path):
+    """A checkpoint saved as pytorch_model.bin (a torch.save'd state dict) loads the same."""
+    torch.manual_seed(0)
+    config = tiny_config("bert", num_labels=3)
+    hf_model = transformers.BertForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    config.save_pretrained(tmp_path)
+    torch.save(hf_model.state_dict(), tmp_path / "pytorch_model.bin")
+    model = load(tmp_path, "sequence-classification")
+    batch = padded_batch("bert", LENGTHS)
+    labels = task_labels("bert", "sequence-classification", batch, 3)
+    compare("bert", "sequence-classification", hf_model, model, batch, labels, FIELDS["sequence-classification"])
+
+
+def test_hidden_states_and_backward(tmp_path):
+    hf_model = save_hf_model("bert", "masked-lm", tmp_path)
+    model = load(tmp_path, "masked-lm")
+    batch = padded_batch("bert", LENGTHS)
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        theirs = hf_model(**batch, output_hidden_states=True)
+    ours = model(**batch, **task_labels("bert", "masked-lm", batch, 2), output_hidden_states=True)
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == 3
+    for depth, (a, b) in enumerate(zip(ours.hidden_states, theirs.hidden_states, strict=True)):
+        assert_close(a[mask].detach(), b[mask], f"hidden_states[{depth}]")
+    ours.loss.backward()  # the tied decoder trains the word embeddings
+    assert model.encoder.embeddings.word_embeddings.grad.abs().sum() > 0
+    assert model.mlm.decoder_bias.grad.abs().sum() > 0
+
+
+def test_unknown_and_unsupported_tasks(tmp_path):
+    save_hf_model("roberta", "masked-lm", tmp_path)
+    with pytest.raises(ValueError, match="unknown task 'translation'"):
+        fastbert.from_pretrained(tmp_path, task="translation")
+    with pytest.raises(ValueError, match="no 'next-sentence' head.*masked-lm, sequence-classification"):
+        fastbert.from_pretrained(tmp_path, task="next-sentence")
+
+
+def test_headless_checkpoint_warns_and_initialises(tmp_path):
+    save_hf_model("bert", "Model", tmp_path)  # the bare BertModel: no classifier weights
+    with pytest.warns(UserWarning, match="no weights for the sequence-classification head"):
+        model = fastbert.from_pretrained(tmp_path, task="sequence-classification")
+    assert "classifier.weight" in model.loading_info["missing_head_keys"]
+    assert float(model.classifier.out.bias.detach().abs().max()) == 0.0  # HF's initialisation: zero bias
+    batch = padded_batch("bert", LENGTHS)
+    logits = model(**batch).logits
+    assert logits.shape == (len(LENGTHS), 2) and torch.isfinite(logits).all()
+
+
+def test_bad_inputs(tmp_path):
+    save_hf_model("bert", "multiple-choice", tmp_path)
+    model = fastbert.from_pretrained(tmp_path, task="multiple-choice")
+    batch = padded_batch("bert", LENGTHS)
+    with pytest.raises(ValueError, match=r"input_ids \[batch, choices, seq\]"):
+        model(**batch)
+    mc = padded_batch("bert", MC_LENGTHS)
+    with pytest.raises(ValueError, match="labels must have shape"):
+        model(**mc, labels=torch.zeros(2, 3, dtype=torch.long))
+    config = fastbert.FastBertConfig.from_hf_dict({**tiny_config("bert", num_labels=3).to_dict()})
+    with pytest.raises(ValueError, match="num_labels == 2"):
+        fastbert.heads.build_task_model(config, "question-answering")
