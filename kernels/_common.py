@@ -18,8 +18,25 @@ def _probe_kernel(ptr):
 
 
 INTERPRETER: bool = type(_probe_kernel).__name__ == "InterpretedFunction"
+"""True when triton runs kernels in its interpreter. The kernels then also cast `tl.dot` operands to fp32 first
+(flag DOT_IN_FP32): the interpreter multiplies bf16 operands as raw integer bits (wrong by ~1e10, triton 3.9), and
+fp16 matmuls in numpy are slow. Products of fp16/bf16 values are exact in fp32, so results equal an fp32-accumulated
+GPU dot up to summation order."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_INTERPRETED = tl.constexpr(INTERPRETER)
+
+
+@triton.jit
+def cast_rtne(x, dtype: tl.constexpr):
+    """x.to(dtype) rounded to nearest even. A GPU cast already rounds so; the interpreter (triton 3.9) truncates
+    fp32 -> bf16, which would double bf16 errors, so there the rounding is done on the bits first."""
+    if _INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 def device_reason(tensors: list[torch.Tensor | None]) -> str | None:

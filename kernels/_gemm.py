@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETER, dot_precision
+from ._common import INTERPRETER, cast_rtne, dot_precision
 
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
@@ -44,6 +44,7 @@ def _linear_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 gelu_tanh, 3 relu
     INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER_DOT_IN_FP32`
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -72,6 +73,9 @@ def _linear_kernel(
         k_mask = offs_k < K - k_start
         a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
@@ -90,7 +94,7 @@ def _linear_kernel(
     elif ACTIVATION == 3:
         acc = tl.maximum(acc, 0.0)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptrs, cast_rtne(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _config(block_m: int, block_n: int, block_k: int, stages: int, warps: int) -> triton.Config:
@@ -145,7 +149,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
             res.stride(0) if res is not None else 0, res.stride(1) if res is not None else 0,
             out.stride(0), out.stride(1), triton.next_power_of_2(m))
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
-             "ACTIVATION": ACTIVATION_CODES[activation], "INPUT_PRECISION": dot_precision(x.dtype)}
+             "ACTIVATION": ACTIVATION_CODES[activation], "INPUT_PRECISION": dot_precision(x.dtype),
+             "DOT_IN_FP32": INTERPRETER}
     if INTERPRETER:
         meta = interpreter_config(m)
         grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from fastbert.ops.attention import attention_reference
 
-from ._common import INTERPRETER, device_reason, dot_precision, first_reason, float_reason
+from ._common import INTERPRETER, cast_rtne, device_reason, dot_precision, first_reason, float_reason
 
 __all__ = ["attention", "attention_reference", "supports"]
 
@@ -43,6 +43,7 @@ def _attention_kernel(
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -72,6 +73,8 @@ def _attention_kernel(
     d_mask = offs_d < head_dim
     q_mask = (offs_m < length)[:, None] & d_mask[None, :]
     q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
 
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -85,6 +88,9 @@ def _attention_kernel(
         kv_mask = (keys < length)[:, None] & d_mask[None, :]
         k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         scores = tl.where(key_valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -93,11 +99,13 @@ def _attention_kernel(
         probs = tl.math.exp2(scores - safe_max[:, None])
         correction = tl.math.exp2(row_max - safe_max)
         row_sum = row_sum * correction + tl.sum(probs, axis=1)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        # P is rounded to the input dtype before P @ V (tensor-core operands), then widened again if DOT_IN_FP32.
+        probs_in = cast_rtne(probs, v_ptr.dtype.element_ty).to(v.dtype)
+        acc = acc * correction[:, None] + tl.dot(probs_in, v, input_precision=INPUT_PRECISION)
         row_max = new_max
     out = tl.where(row_sum[:, None] > 0, acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None], 0.0)
-    tl.store(out_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
-             mask=q_mask)
+    out_ptrs = out_base + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
+    tl.store(out_ptrs, cast_rtne(out, out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def _meta(head_dim: int, max_seqlen: int) -> dict:
@@ -105,7 +113,7 @@ def _meta(head_dim: int, max_seqlen: int) -> dict:
     block_d = max(16, triton.next_power_of_2(head_dim))
     fit = max(16, triton.next_power_of_2(max_seqlen))
     if INTERPRETER:
-        return {"BLOCK_M": min(32, fit), "BLOCK_N": min(32, fit), "BLOCK_D": block_d}
+        return {"BLOCK_M": min(64, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d}
     if block_d <= 64:
         return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 4,
                 "num_stages": 3}
@@ -146,7 +154,8 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Ten
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(),
         cu_seqlens if packed else q4, mask if mask is not None else q4, *mask_strides,
         q4.shape[1], head_dim, scale * LOG2E,
-        PACKED=packed, HAS_MASK=key_padding_mask is not None, INPUT_PRECISION=dot_precision(q.dtype), **meta)
+        PACKED=packed, HAS_MASK=key_padding_mask is not None, INPUT_PRECISION=dot_precision(q.dtype),
+        DOT_IN_FP32=INTERPRETER, **meta)
     return out
 
 

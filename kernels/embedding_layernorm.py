@@ -16,6 +16,7 @@ import triton.language as tl
 from fastbert.ops.embedding_layernorm import embedding_layernorm_reference
 
 from ._common import (
+    cast_rtne,
     device_reason,
     first_reason,
     float_reason,
@@ -70,7 +71,7 @@ def _embedding_layernorm_kernel(
     weight = tl.load(weight_ptr + offs_e, mask=col_mask, other=0.0).to(tl.float32)
     bias = tl.load(bias_ptr + offs_e, mask=col_mask, other=0.0).to(tl.float32)
     y = centred * rstd[:, None] * weight[None, :] + bias[None, :]
-    tl.store(out_ptr + offs_r[:, None] * E + offs_e[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs_r[:, None] * E + offs_e[None, :], cast_rtne(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,

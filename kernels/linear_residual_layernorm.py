@@ -18,6 +18,7 @@ from fastbert.ops.linear_residual_layernorm import linear_residual_layernorm_ref
 
 from . import _gemm
 from ._common import (
+    cast_rtne,
     device_reason,
     first_reason,
     float_reason,
@@ -53,7 +54,7 @@ def _layernorm_rows_kernel(
     weight = tl.load(weight_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     y = centred * rstd[:, None] * weight[None, :] + bias[None, :]
-    tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, cast_rtne(y, x_ptr.dtype.element_ty), mask=mask)
 
 
 def layernorm_rows_(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
