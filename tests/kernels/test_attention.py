@@ -1,0 +1,104 @@
+"""The triton attention kernel (packed variable-length and padded + key padding mask) against fp64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastbert import backends, ops
+from tests.kernels.numerics import DEVICE, DTYPE_IDS, assert_accurate, rand
+
+ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
+HEAD_DIMS = [32, 64, 80, 96, 128]
+
+
+def packed_qkv(total: int, heads: int, head_dim: int, dtype):
+    """q, k, v as the [T, heads, D] strided views of one [T, 3, heads, D] buffer (what qkv_projection returns)."""
+    return rand(total, 3, heads, head_dim, dtype=dtype).unbind(1)
+
+
+def check_packed(seqlens: list[int], heads: int, head_dim: int, dtype, scale: float | None = None):
+    cu_seqlens = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, k, v = packed_qkv(sum(seqlens), heads, head_dim, dtype)
+    assert not q.is_contiguous()
+    kwargs = {"cu_seqlens": cu_seqlens, "max_seqlen": max(seqlens), "scale": scale}
+    fast = ops.attention(q, k, v, backend="triton", **kwargs)
+    plain = ops.attention(q, k, v, backend="eager", **kwargs)
+    reference = ops.attention(q.double(), k.double(), v.double(), backend="eager", **kwargs)
+    assert fast.is_contiguous() and fast.dtype == dtype
+    assert_accurate(fast, plain, reference, f"packed attention {seqlens} h{heads} d{head_dim}")
+
+
+def check_padded(lengths: list[int], seqlen: int, heads: int, head_dim: int, dtype, with_mask: bool = True):
+    """lengths: real tokens per row (0 = a fully masked row, whose output must be zeros)."""
+    q, k, v = rand(len(lengths), seqlen, 3, heads, head_dim, dtype=dtype).unbind(2)
+    mask = (torch.arange(seqlen)[None, :] < torch.tensor(lengths)[:, None]).to(DEVICE) if with_mask else None
+    fast = ops.attention(q, k, v, key_padding_mask=mask, backend="triton")
+    plain = ops.attention(q, k, v, key_padding_mask=mask, backend="eager")
+    reference = ops.attention(q.double(), k.double(), v.double(), key_padding_mask=mask, backend="eager")
+    assert_accurate(fast, plain, reference, f"padded attention {lengths} S{seqlen} h{heads} d{head_dim}")
+    for row, length in enumerate(lengths):
+        if length == 0:
+            assert fast[row].abs().max() == 0, "a query whose keys are all masked must give zeros"
+
+
+# ---------------------------------------------------------------------------------- cheap subset (CI, unmarked)
+def test_packed_fp16_lengths_1_7_130():
+    check_packed([1, 7, 130], heads=2, head_dim=64, dtype=torch.float16)
+
+
+def test_padded_fp16_all_but_one_row_padded_and_a_fully_masked_row():
+    check_padded([20, 3, 1, 0], seqlen=20, heads=2, head_dim=32, dtype=torch.float16)
+
+
+def test_unsupported_head_dim_reason():
+    q = torch.zeros(4, 2, 12, dtype=torch.float16, device=DEVICE)
+    cu_seqlens = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    reason = backends.why_not("attention", "triton", q, q, q, cu_seqlens, 4, None, None)
+    assert reason is not None and "head_dim 12 not supported" in reason
+    with pytest.raises(backends.BackendUnavailable, match="head_dim 12"):
+        ops.attention(q, q, q, cu_seqlens=cu_seqlens, max_seqlen=4, backend="triton")
+
+
+# ------------------------------------------------------------------------------------ full grid (interpreter)
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_packed_head_dims(head_dim, dtype):
+    check_packed([7, 1, 130], heads=2, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_padded_head_dims(head_dim, dtype):
+    check_padded([130, 7, 1, 0], seqlen=130, heads=2, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("heads,head_dim", [(6, 64), (12, 64), (16, 64)], ids=["h6", "h12", "h16"])
+def test_packed_bert_head_counts(heads, head_dim):
+    check_packed([7, 33], heads=heads, head_dim=head_dim, dtype=torch.bfloat16)
+
+
+@pytest.mark.interpreter
+def test_padded_without_mask_and_custom_scale():
+    check_padded([9, 9], seqlen=9, heads=3, head_dim=32, dtype=torch.float16, with_mask=False)
+    check_packed([9, 4], heads=3, head_dim=32, dtype=torch.float16, scale=0.3)
+
+
+@pytest.mark.interpreter
+def test_single_token_sequences():
+    check_packed([1, 1, 1], heads=2, head_dim=32, dtype=torch.float16)
+    check_padded([1, 0], seqlen=1, heads=2, head_dim=32, dtype=torch.bfloat16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_long_sequence_1024():
+    check_packed([1024], heads=1, head_dim=64, dtype=torch.float16)
+
+
+@pytest.mark.interpreter
+def test_long_sequence_520():
+    check_packed([520, 3], heads=1, head_dim=64, dtype=torch.bfloat16)
