@@ -130,7 +130,7 @@ def _check_label_shape(name: str, labels: torch.Tensor, shape: tuple[int, ...]) 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, name: str = "labels") -> torch.Tensor:
     """Mean cross entropy over every position whose label is not -100. logits [..., C], labels [...] (int)."""
     _check_label_shape(name, labels, logits.shape[:-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long(), ignore_index=-100)
 
 
 def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor,
@@ -152,7 +152,7 @@ def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor,
             return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype))
         return F.mse_loss(logits, labels.to(logits.dtype))
     if problem_type == "single_label_classification":
-        return F.cross_entropy(logits.view(-1, num_labels), labels.view(-1))
+        return F.cross_entropy(logits.view(-1, num_labels), labels.reshape(-1).long())
     if problem_type == "multi_label_classification":
         _check_label_shape("labels", labels, logits.shape)
         return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
@@ -169,7 +169,7 @@ def span_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start_positi
         if pos.dim() > 1:
             pos = pos.squeeze(-1)
         _check_label_shape(name, pos, start_logits.shape[:1])
-        positions.append(pos.clamp(0, seqlen))
+        positions.append(pos.clamp(0, seqlen).long())
     start = F.cross_entropy(start_logits, positions[0], ignore_index=seqlen)
     end = F.cross_entropy(end_logits, positions[1], ignore_index=seqlen)
     return (start + end) / 2
@@ -270,6 +270,13 @@ class MLMSpec:
             bias = f"{self.hf_decoder}.bias"
         return pairs + [(f"{name}.decoder_bias", [bias])]
 
+    def redundant_keys(self, config: FastBertConfig) -> list[str]:
+        """HF keys a checkpoint may hold that carry nothing of their own: a tied decoder's copies of the word
+        embeddings (and of the bias), or BERT-style heads' unused `bias` beside an untied decoder's."""
+        if not _tied(config):
+            return [self.hf_tied_bias] if self.hf_tied_bias else []
+        return [f"{self.hf_decoder}.weight"] + ([f"{self.hf_decoder}.bias"] if self.hf_tied_bias else [])
+
 
 @dataclass(frozen=True)
 class DenseSpec:
@@ -288,6 +295,9 @@ class DenseSpec:
     def key_map(self, name: str, config: FastBertConfig) -> list[tuple[str, list[str]]]:
         parts = ([("dense", self.hf_dense)] if self.hf_dense else []) + [("out", self.hf_out)]
         return [(f"{name}.{ours}.{p}", [f"{theirs}.{p}"]) for ours, theirs in parts for p in ("weight", "bias")]
+
+    def redundant_keys(self, config: FastBertConfig) -> list[str]:
+        return []
 
 
 def _tied(config: FastBertConfig) -> bool:
@@ -593,3 +603,10 @@ def head_key_map(config: FastBertConfig, task: str) -> list[tuple[str, list[str]
     for name, spec in _task_heads(config, task).items():
         pairs += spec.key_map(name, config)
     return pairs
+
+
+def redundant_checkpoint_keys(config: FastBertConfig, task: str) -> list[str]:
+    """HF checkpoint keys of the task's heads that hold no weights of their own (tied copies: e.g.
+    cls.predictions.decoder.weight, saved by `torch.save(model.state_dict())` and older checkpoints); loading
+    skips them without calling them unused."""
+    return [key for spec in _task_heads(config, task).values() for key in spec.redundant_keys(config)]

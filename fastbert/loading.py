@@ -189,6 +189,10 @@ def from_pretrained(
     missing_head = [theirs[0] for ours, theirs in head_pairs if not all(k in source for k in theirs)]
     state.update(map_state_dict(present, source, model_shapes, str(directory)))
     used = {k for _, theirs in encoder_pairs + present for k in theirs}
+    if task is not None:  # tied copies (a decoder's view of the word embeddings) are not unused weights
+        from fastbert.heads import redundant_checkpoint_keys
+
+        used.update(redundant_checkpoint_keys(config, task))
     extra = unexpected_keys(source, used)
     model.load_state_dict(state, strict=False)
     with torch.no_grad():
