@@ -34,6 +34,7 @@ TASKS = ("masked-lm", "next-sentence", "pretraining", "sequence-classification",
          "question-answering", "multiple-choice")
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 HEAD_ACTIVATIONS = ops.ACTIVATIONS + ("tanh",)
+MaybeTensor = torch.Tensor | None
 
 
 # ------------------------------------------------------------------------------------------------ outputs
@@ -412,9 +413,9 @@ def _task_heads(config: FastBertConfig, task: str) -> dict[str, MLMSpec | DenseS
 
 # ---------------------------------------------------------------------------------------------- task models
 class TaskModel(nn.Module):
-    """`encoder` (FastBertModel) + named heads; subclasses define `forward` per task."""
-
-    output_class: type = MaskedLMOutput
+    """`encoder` (FastBertModel) + named heads; subclasses define `forward` per task. Inputs are the encoder's
+    (input_ids / attention_mask / token_type_ids / position_ids [B, S] or inputs_embeds [B, S, E]); there is no
+    dropout, in training mode either."""
 
     def __init__(self, config: FastBertConfig, heads: dict[str, MLMSpec | DenseSpec], backend: str = "auto"):
         super().__init__()
@@ -448,8 +449,10 @@ class TaskModel(nn.Module):
 
 
 class ForMaskedLM(TaskModel):
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> MaskedLMOutput:
+    def forward(self, input_ids: MaybeTensor = None, attention_mask: MaybeTensor = None,
+                token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
+                inputs_embeds: MaybeTensor = None, labels: MaybeTensor = None,
+                output_hidden_states: bool = False) -> MaskedLMOutput:
         """logits [B, S, V]; labels [B, S] token ids, -100 = not scored."""
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_hidden_states)
@@ -459,9 +462,11 @@ class ForMaskedLM(TaskModel):
 
 
 class ForNextSentence(TaskModel):
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False,
-                next_sentence_label=None) -> NextSentencePredictorOutput:
+    def forward(self, input_ids: MaybeTensor = None, attention_mask: MaybeTensor = None,
+                token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
+                inputs_embeds: MaybeTensor = None, labels: MaybeTensor = None,
+                output_hidden_states: bool = False, next_sentence_label: MaybeTensor = None
+                ) -> NextSentencePredictorOutput:
         """logits [B, 2]; labels (or next_sentence_label) [B]: 0 = sentence B follows A, 1 = random."""
         if labels is None:
             labels = next_sentence_label
@@ -475,9 +480,11 @@ class ForNextSentence(TaskModel):
 class ForPreTraining(TaskModel):
     """BERT (MLM + next sentence, head "nsp") or ALBERT (MLM + sentence order, head "sop")."""
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False, next_sentence_label=None,
-                sentence_order_label=None) -> PreTrainingOutput | SentenceOrderPreTrainingOutput:
+    def forward(self, input_ids: MaybeTensor = None, attention_mask: MaybeTensor = None,
+                token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
+                inputs_embeds: MaybeTensor = None, labels: MaybeTensor = None,
+                output_hidden_states: bool = False, next_sentence_label: MaybeTensor = None,
+                sentence_order_label: MaybeTensor = None) -> PreTrainingOutput | SentenceOrderPreTrainingOutput:
         """prediction_logits [B, S, V] and the pair logits [B, 2]; the loss (sum of both) needs both labels."""
         sentence_order = "sop" in self.sources
         pair_label = sentence_order_label if sentence_order else next_sentence_label
@@ -500,8 +507,10 @@ class ForPreTraining(TaskModel):
 class ForReplacedTokenDetection(TaskModel):
     """ELECTRA's pretraining discriminator."""
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> DiscriminatorOutput:
+    def forward(self, input_ids: MaybeTensor = None, attention_mask: MaybeTensor = None,
+                token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
+                inputs_embeds: MaybeTensor = None, labels: MaybeTensor = None,
+                output_hidden_states: bool = False) -> DiscriminatorOutput:
         """logits [B, S]; labels [B, S] (1 = replaced), scored at real tokens only."""
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_hidden_states)
@@ -511,8 +520,10 @@ class ForReplacedTokenDetection(TaskModel):
 
 
 class ForSequenceClassification(TaskModel):
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> SequenceClassifierOutput:
+    def forward(self, input_ids: MaybeTensor = None, attention_mask: MaybeTensor = None,
+                token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
+                inputs_embeds: MaybeTensor = None, labels: MaybeTensor = None,
+                output_hidden_states: bool = False) -> SequenceClassifierOutput:
         """logits [B, num_labels]; labels: int [B] (single label), float [B, L] (multi label) or float [B]
         (regression, num_labels == 1); config.problem_type overrides the choice."""
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -525,8 +536,10 @@ class ForSequenceClassification(TaskModel):
 
 
 class ForTokenClassification(TaskModel):
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> TokenClassifierOutput:
+    def forward(self, input_ids: MaybeTensor = None, attention_mask: MaybeTensor = None,
+                token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
+                inputs_embeds: MaybeTensor = None, labels: MaybeTensor = None,
+                output_hidden_states: bool = False) -> TokenClassifierOutput:
         """logits [B, S, num_labels]; labels [B, S], -100 = not scored (give -100 at padding)."""
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_hidden_states)
@@ -536,9 +549,10 @@ class ForTokenClassification(TaskModel):
 
 
 class ForQuestionAnswering(TaskModel):
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, start_positions=None, end_positions=None,
-                output_hidden_states: bool = False) -> QuestionAnsweringOutput:
+    def forward(self, input_ids: MaybeTensor = None, attention_mask: MaybeTensor = None,
+                token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
+                inputs_embeds: MaybeTensor = None, start_positions: MaybeTensor = None,
+                end_positions: MaybeTensor = None, output_hidden_states: bool = False) -> QuestionAnsweringOutput:
         """start_logits, end_logits [B, S]; the loss needs start_positions and end_positions [B]. Like
         transformers, the softmax runs over all S positions, padding included."""
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
@@ -552,8 +566,10 @@ class ForQuestionAnswering(TaskModel):
 
 
 class ForMultipleChoice(TaskModel):
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None,
-                inputs_embeds=None, labels=None, output_hidden_states: bool = False) -> MultipleChoiceOutput:
+    def forward(self, input_ids: MaybeTensor = None, attention_mask: MaybeTensor = None,
+                token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
+                inputs_embeds: MaybeTensor = None, labels: MaybeTensor = None,
+                output_hidden_states: bool = False) -> MultipleChoiceOutput:
         """Inputs [B, C, S] (inputs_embeds [B, C, S, E]); logits [B, C]; labels [B] (index of the right choice)."""
         source = input_ids if input_ids is not None else inputs_embeds
         if source is None:
