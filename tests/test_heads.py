@@ -297,3 +297,15 @@ def test_int32_labels(tmp_path):
         expected = torch.nn.functional.cross_entropy(model(**batch).logits, labels)
     assert_close(narrow, wide, "int32 labels")
     assert_close(wide, expected, "single-label loss")
+
+
+@pytest.mark.parametrize("family,task", [("bert", "multiple-choice"), ("electra", "masked-lm")],
+                         ids=["bert-multiple-choice", "electra-masked-lm"])
+def test_inputs_embeds(family, task, tmp_path):
+    """inputs_embeds instead of input_ids (width E: 16 for ELECTRA; [B, C, S, E] for multiple choice)."""
+    hf_model = save_hf_model(family, task, tmp_path)
+    model = load(tmp_path, task)
+    batch = padded_batch(family, MC_LENGTHS if task == "multiple-choice" else LENGTHS)
+    width = getattr(hf_model.config, "embedding_size", hf_model.config.hidden_size)
+    batch["inputs_embeds"] = torch.randn(*batch.pop("input_ids").shape, width)
+    compare(family, task, hf_model, model, batch, task_labels(family, task, batch, 2), FIELDS[task])
