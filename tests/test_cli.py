@@ -1,0 +1,152 @@
+"""The `fastbert` command: each subcommand on tiny inputs, its printed output checked, and its errors (one line on
+stderr, non-zero exit, no traceback)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastbert import benchmarking as bm
+from fastbert import cli
+
+SIMILAR = ("A cat is sleeping on the sofa.", "A kitten naps on the couch.")
+UNRELATED = "The stock market fell sharply after the announcement."
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_embed_json_lines_are_unit_vectors_and_similar_texts_score_higher(capsys):
+    code, out, _ = _run(capsys, "embed", *SIMILAR, UNRELATED)
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["text"] for r in records] == [*SIMILAR, UNRELATED]
+    vectors = torch.tensor([r["embedding"] for r in records])
+    assert vectors.shape == (3, 384)
+    torch.testing.assert_close(vectors.norm(dim=1), torch.ones(3), atol=1e-5, rtol=0)
+    similar, unrelated = float(vectors[0] @ vectors[1]), float(vectors[0] @ vectors[2])
+    assert similar > unrelated + 0.3
+
+
+def test_embed_similarity_matrix(capsys):
+    code, out, _ = _run(capsys, "embed", "--similarity", *SIMILAR, UNRELATED)
+    assert code == 0
+    rows = [line.split() for line in out.splitlines()[2:]]
+    matrix = [[float(x) for x in row[-3:]] for row in rows]
+    assert len(matrix) == 3 and all(matrix[i][i] == pytest.approx(1.0, abs=1e-3) for i in range(3))
+    assert matrix[0][1] == matrix[1][0] and matrix[0][1] > matrix[0][2] + 0.3
+
+
+def test_check_minilm_passes(capsys):
+    code, out, _ = _run(capsys, "check")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[-1] == "PASS"
+    row = next(line for line in lines if line.startswith("last_hidden_state"))
+    assert row.split()[-1] == "PASS" and float(row.split()[1]) < 1e-4
+    assert any(line.startswith("pooler_output") for line in lines)
+    assert "min cosine 1.0000" in out or "min cosine 0.9999" in out
+    assert "fastbert ops ran on: embedding_layernorm=" in out
+
+
+def test_check_fails_and_exits_1_when_fastbert_is_wrong(capsys, monkeypatch):
+    load = bm.load_fastbert
+
+    def broken(*args, **kwargs):
+        model = load(*args, **kwargs)
+        with torch.no_grad():
+            model.layers[0].ffn_out_bias[::2] += 0.05  # uneven: a uniform shift would vanish in LayerNorm
+        return model
+
+    monkeypatch.setattr(bm, "load_fastbert", broken)
+    code, out, _ = _run(capsys, "check")
+    assert code == 1
+    assert out.splitlines()[-1] == "FAIL"
+
+
+@pytest.mark.parametrize("dtype, fast_err, hf_err, scale, expected", [
+    (torch.float32, 1e-5, None, 1.0, True),
+    (torch.float32, 2e-4, None, 1.0, False),
+    (torch.float16, 0.02, 0.01, 4.0, True),     # 0.02 <= 2 * 0.01 + 5e-4 * 4
+    (torch.float16, 0.03, 0.01, 4.0, False),
+    (torch.bfloat16, 0.1, 0.05, 1.0, True),
+], ids=["fp32-ok", "fp32-fail", "fp16-ok", "fp16-fail", "bf16-ok"])
+def test_check_rule(dtype, fast_err, hf_err, scale, expected):
+    assert cli.check_rule(dtype, fast_err, hf_err, scale)[0] is expected
+
+
+def _unsupported_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    return str(tmp_path)
+
+
+def _no_weights_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 10, "hidden_size": 8,
+                                                      "num_attention_heads": 2, "num_hidden_layers": 1}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["check", "--model", "/no/such/dir"], "does not exist"),
+    (["embed", "hello", "--model", "UNSUPPORTED"], "not supported"),
+    (["embed", "hello", "--model", "NO_WEIGHTS"], "holds no weights"),
+    (["check", "--dtype", "int8"], "dtype 'int8' is not supported"),
+    (["bench", "--peers", "tensorrt", "--no-write"], "unknown peer"),
+    (["embed", "hello", "--backend", "tpu"], "invalid choice"),
+    (["bench", "--repeats"], "expected one argument"),
+], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "bad-peer", "bad-backend", "usage"])
+def test_errors_are_one_line(capsys, tmp_path, argv, message):
+    argv = [_unsupported_model(tmp_path) if a == "UNSUPPORTED" else _no_weights_model(tmp_path)
+            if a == "NO_WEIGHTS" else a for a in argv]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:  # argparse usage errors
+        code = exit_.code
+    _, err = capsys.readouterr()
+    assert code != 0
+    assert err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a device that is absent")
+def test_absent_device_error_in_a_real_process():
+    proc = subprocess.run([sys.executable, "-m", "fastbert.cli", "check", "--device", "cuda"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == "fastbert: error: device 'cuda' is not present (torch " + torch.__version__ + \
+        " sees no CUDA GPU)\n"
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_help_lists_commands_without_importing_transformers():
+    code = ("import sys; from fastbert import cli\n"
+            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('transformers' in sys.modules, 'onnxruntime' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "{demo,check,embed,bench}" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "False False"
+
+
+def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir):
+    out_dir = tmp_path / "results"
+    code, out, _ = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8",
+                        "--out", str(out_dir))
+    assert code == 0
+    table = [line.split() for line in out.splitlines()]
+    assert any(row[:3] == ["b2", "s8", "fastbert"] for row in table)
+    assert any(row[:3] == ["b2", "s8", "hf-eager"] and row[8].endswith("x") for row in table)
+    assert "fastbert ops ran on:" in out
+    results = json.loads((out_dir / "e2e.json").read_text())
+    assert {"machine", "settings", "peak_flops", "workloads", "fastbert_backends"} <= set(results)
+    assert results["settings"]["peers"] == ["fastbert", "hf-eager"] and results["settings"]["quick"] is True
+    entry = results["workloads"][0]["results"]["hf-eager"]
+    assert {"p50_ms", "p90_ms", "sequences_per_s", "tokens_per_s", "roofline_fraction", "fastbert_speedup",
+            "max_abs_err_vs_reference"} <= set(entry)
+    assert (out_dir / "e2e.md").read_text().count("| b2 s8 |") == 2
+    assert (out_dir / "e2e_latency.png").stat().st_size > 10_000
