@@ -6,11 +6,14 @@ linear_residual_layernorm (bias + residual; its LayerNorm runs in a row kernel a
 x, W, residual and out may have any strides (W is read transposed through its strides, never copied).
 
 Meta-parameters: on a GPU, `triton.autotune` over a small config list keyed by (power-of-two bucket of M, N, K,
-epilogue); under the interpreter (where autotuning would take minutes) one fixed config with real block sizes.
+epilogue), or a fixed table by M when FASTBERT_TRITON_AUTOTUNE=0; under the interpreter (where autotuning would
+take minutes) one fixed config with real block sizes.
 fp32 inputs are multiplied in IEEE fp32 (no TF32), so the fp32 path matches PyTorch to ~1e-5.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -120,6 +123,20 @@ _autotuned = None if INTERPRETER else triton.autotune(
     configs=GPU_CONFIGS, key=["m_bucket", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION"])(_linear_kernel)
 
 
+def table_config(m: int) -> triton.Config:
+    """One config per M range, for GPUs when autotuning is switched off (FASTBERT_TRITON_AUTOTUNE=0: tests and
+    correctness checks, where tuning every shape would cost minutes of compiles)."""
+    if m <= 32:
+        return _config(32, 64, 128, 4, 4)
+    if m <= 256:
+        return _config(64, 128, 64, 4, 4)
+    return _config(128, 128, 64, 4, 4)
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("FASTBERT_TRITON_AUTOTUNE", "1") not in ("0", "false", "no")
+
+
 def interpreter_config(m: int) -> dict:
     """Fixed meta-parameters for the interpreter. Its cost is per interpreted operation, so large tiles run several
     times faster than GPU-sized ones (a 130x768x768 GEMM: 2.6 s at 32x64x64, 0.7 s at 64x256x256)."""
@@ -155,6 +172,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
         meta = interpreter_config(m)
         grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
         _linear_kernel[grid](*args, **flags, **meta)
+    elif not autotune_enabled():
+        config = table_config(m)
+        meta = dict(config.kwargs)
+        grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        _linear_kernel[grid](*args, **flags, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         def grid(meta):
             return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from fastbert import backends, ops
@@ -60,7 +59,6 @@ def _layer(x, qkv_w, qkv_b, out_w, out_b, ln_w, ln_b, cu_seqlens):
     return ops.linear_residual_layernorm(context.flatten(1), out_w, out_b, x, ln_w, ln_b, 1e-12, backend="triton")
 
 
-@pytest.mark.interpreter
 def test_torch_compile_fullgraph_over_triton_ops():
     dtype = torch.float16
     args = (rand(8, 64, dtype=dtype), rand(192, 64, dtype=dtype, scale=0.1), rand(192, dtype=dtype),
