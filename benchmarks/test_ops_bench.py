@@ -1,0 +1,233 @@
+"""Per-op benchmark (pytest-benchmark): every available backend of each fused op against the PyTorch ops it
+replaces (written as transformers writes them), at BERT-base shapes.
+
+    pytest benchmarks/test_ops_bench.py                       # quick: 2 x 128 tokens (fits a 2-core CPU)
+    FASTBERT_BENCH_FULL=1 pytest benchmarks/test_ops_bench.py # 8 x 128 on CPU, 32 x 512 on CUDA
+    FASTBERT_BENCH_OUT=benchmarks/results/<tag>-ops pytest benchmarks/test_ops_bench.py --benchmark-json=...
+
+Rows: "torch" (the unfused PyTorch composition) and the backends eager | cpp | triton; a backend that cannot run
+the inputs (not built, not this device; triton on CPU would only run in the interpreter) is skipped with its
+reason. Each row checks its output against "torch" first, then is timed; extra_info holds the FLOP and byte
+counts (formulas in `fastbert.benchmarking`, one function per op), GB/s for the memory-bound op
+(embedding_layernorm) and TFLOP/s for the GEMMs and attention. With FASTBERT_BENCH_OUT set, a Markdown table with
+the speed-up of each backend over "torch" (same run) is written there as ops.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastbert import backends, ops
+from fastbert import benchmarking as bm
+
+DEVICE = torch.device(bm.best_device())
+DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
+FULL = os.environ.get("FASTBERT_BENCH_FULL", "0") in ("1", "true", "yes")
+BATCH, SEQ = (32, 512) if FULL and DEVICE.type == "cuda" else (8, 128) if FULL else (2, 128)
+HIDDEN, HEADS, INTERMEDIATE, VOCAB, EPS = 768, 12, 3072, 30522, 1e-12  # BERT-base
+HEAD_DIM = HIDDEN // HEADS
+TOKENS = BATCH * SEQ
+ELEMENT = torch.finfo(DTYPE).bits // 8
+MEMORY_BOUND = {"embedding_layernorm"}
+IMPLEMENTATIONS = ("torch",) + backends.BACKENDS
+_ROWS: list[dict] = []
+
+
+def _randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(DTYPE)
+
+
+def _varlen_lengths() -> list[int]:
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(SEQ // 8, SEQ + 1, (BATCH,), generator=generator).tolist()
+    lengths[0] = SEQ
+    return lengths
+
+
+# Each case: (op name, args of the fused op, the unfused PyTorch function of the same args, cost, comparison).
+def case_embedding_layernorm():
+    ids = torch.randint(0, VOCAB, (TOKENS,), device=DEVICE)
+    positions = torch.arange(SEQ, device=DEVICE).repeat(BATCH)
+    types = torch.zeros(TOKENS, dtype=torch.long, device=DEVICE)
+    args = (ids, positions, types, _randn(VOCAB, HIDDEN), _randn(512, HIDDEN), _randn(2, HIDDEN),
+            _randn(HIDDEN), _randn(HIDDEN), EPS)
+
+    def unfused(ids, positions, types, words, position_table, type_table, weight, bias, eps):
+        summed = F.embedding(ids, words) + F.embedding(types, type_table) + F.embedding(positions, position_table)
+        return F.layer_norm(summed, (HIDDEN,), weight, bias, eps)
+
+    return "embedding_layernorm", args, unfused, bm.embedding_layernorm_cost(TOKENS, HIDDEN, ELEMENT), None
+
+
+def case_qkv_projection():
+    args = (_randn(TOKENS, HIDDEN), _randn(3 * HIDDEN, HIDDEN, scale=HIDDEN ** -0.5), _randn(3 * HIDDEN), HEADS)
+
+    def unfused(x, weight, bias, heads):  # transformers: three Linear layers, then a view per head
+        return tuple(F.linear(x, w, b).view(TOKENS, heads, HEAD_DIM)
+                     for w, b in zip(weight.chunk(3), bias.chunk(3), strict=True))
+
+    return "qkv_projection", args, unfused, bm.qkv_projection_cost(TOKENS, HIDDEN, ELEMENT), None
+
+
+def _hf_eager_attention(q, k, v, additive_mask):
+    """transformers' eager attention on [B, S, heads, D]: scores, mask, softmax, context."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(HEAD_DIM)
+    if additive_mask is not None:
+        scores = scores + additive_mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).contiguous()
+
+
+def case_attention():
+    qkv = _randn(TOKENS, 3, HEADS, HEAD_DIM)
+    q, k, v = qkv.unbind(1)  # strided views, as qkv_projection returns them
+    cu = torch.arange(0, TOKENS + 1, SEQ, dtype=torch.int32, device=DEVICE)
+    args = (q, k, v, cu, SEQ, None, None)
+
+    def unfused(q, k, v, cu, max_seqlen, mask, scale):
+        shape = (BATCH, SEQ, HEADS, HEAD_DIM)
+        return _hf_eager_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), None).view(q.shape)
+
+    return "attention", args, unfused, bm.attention_cost([SEQ] * BATCH, HEADS, HEAD_DIM, ELEMENT), None
+
+
+def case_attention_varlen():
+    """Packed variable-length attention against transformers' padded attention with a mask (which also computes
+    the padding; the cost counts useful work only)."""
+    lengths = _varlen_lengths()
+    total = sum(lengths)
+    qkv = _randn(total, 3, HEADS, HEAD_DIM)
+    q, k, v = qkv.unbind(1)
+    cu = F.pad(torch.tensor(lengths, device=DEVICE).cumsum(0), (1, 0)).to(torch.int32)
+    mask = torch.zeros(BATCH, SEQ, dtype=torch.bool, device=DEVICE)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = True
+    flat = mask.flatten().nonzero().flatten()
+    additive = torch.zeros(BATCH, 1, 1, SEQ, dtype=DTYPE, device=DEVICE).masked_fill(~mask[:, None, None, :],
+                                                                                       torch.finfo(DTYPE).min)
+    args = (q, k, v, cu, SEQ, None, None)
+
+    def unfused(q, k, v, cu, max_seqlen, key_mask, scale):
+        def pad(t):
+            out = t.new_zeros(BATCH * SEQ, HEADS, HEAD_DIM)
+            out[flat] = t
+            return out.view(BATCH, SEQ, HEADS, HEAD_DIM)
+
+        return _hf_eager_attention(pad(q), pad(k), pad(v), additive).reshape(BATCH * SEQ, HEADS, HEAD_DIM)[flat]
+
+    return "attention", args, unfused, bm.attention_cost(lengths, HEADS, HEAD_DIM, ELEMENT), "varlen"
+
+
+def case_linear_activation():
+    args = (_randn(TOKENS, HIDDEN), _randn(INTERMEDIATE, HIDDEN, scale=HIDDEN ** -0.5), _randn(INTERMEDIATE), "gelu")
+
+    def unfused(x, weight, bias, activation):
+        return F.gelu(F.linear(x, weight, bias))
+
+    return ("linear_activation", args, unfused, bm.linear_activation_cost(TOKENS, HIDDEN, INTERMEDIATE, ELEMENT),
+            None)
+
+
+def case_linear_residual_layernorm():
+    args = (_randn(TOKENS, INTERMEDIATE), _randn(HIDDEN, INTERMEDIATE, scale=INTERMEDIATE ** -0.5), _randn(HIDDEN),
+            _randn(TOKENS, HIDDEN), _randn(HIDDEN), _randn(HIDDEN), EPS)
+
+    def unfused(x, weight, bias, residual, ln_weight, ln_bias, eps):
+        return F.layer_norm(F.linear(x, weight, bias) + residual, (HIDDEN,), ln_weight, ln_bias, eps)
+
+    cost = bm.linear_residual_layernorm_cost(TOKENS, INTERMEDIATE, HIDDEN, ELEMENT)
+    return "linear_residual_layernorm", args, unfused, cost, None
+
+
+CASES = [case_embedding_layernorm, case_qkv_projection, case_attention, case_attention_varlen,
+         case_linear_activation, case_linear_residual_layernorm]
+
+
+def _fused(op: str, backend: str):
+    entry = {"embedding_layernorm": ops.embedding_layernorm, "qkv_projection": ops.qkv_projection,
+             "linear_activation": ops.linear_activation, "linear_residual_layernorm": ops.linear_residual_layernorm}
+    if op == "attention":
+        return lambda q, k, v, cu, max_seqlen, mask, scale: ops.attention(q, k, v, cu_seqlens=cu,
+                                                                          max_seqlen=max_seqlen, backend=backend)
+    return lambda *args: entry[op](*args, backend=backend)
+
+
+def _synchronized(fn, args):
+    def run():
+        out = fn(*args)
+        bm.synchronize(DEVICE)
+        return out
+
+    return run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _markdown_report():
+    yield
+    out = os.environ.get("FASTBERT_BENCH_OUT")
+    if not out or not _ROWS:
+        return
+    baseline = {row["case"]: row["median_s"] for row in _ROWS if row["impl"] == "torch"}
+    rows = []
+    for row in _ROWS:
+        rate = (f"{row['bytes'] / row['median_s'] / 1e9:.1f} GB/s" if row["op"] in MEMORY_BOUND
+                else f"{row['flops'] / row['median_s'] / 1e12:.3f} TFLOP/s")
+        speedup = baseline.get(row["case"], 0) / row["median_s"]
+        rows.append([row["case"], row["impl"], f"{row['median_s'] * 1e3:.3f}", rate,
+                     f"{speedup:.2f}x" if row["impl"] != "torch" else "-", f"{row['flops']:.3g}",
+                     f"{row['bytes']:.3g}"])
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    info = bm.machine_info(DEVICE)
+    header = [f"# fastbert per-op benchmark: {info['tag']}", "",
+              f"- {info['gpu'] or info['cpu']} ({info['cpu_cores']} cores), {info['date']}, "
+              f"torch {info['versions']['torch']}, load average {info['load_average']}",
+              f"- BERT-base shapes: {BATCH} x {SEQ} tokens, H={HIDDEN}, heads={HEADS}, I={INTERMEDIATE}, "
+              f"{str(DTYPE)[6:]}; median of pytest-benchmark rounds",
+              "- speed-up: median of the unfused PyTorch ops ('torch') / median of the row, same run", ""]
+    table = bm.format_table(("case", "implementation", "median ms", "rate", "speed-up vs torch", "FLOPs", "bytes"),
+                            rows, markdown=True)
+    (path / "ops.md").write_text("\n".join(header) + "\n" + table + "\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[len("case_"):])
+def test_op(benchmark, case, impl):
+    torch.manual_seed(0)
+    op, args, unfused, cost, variant = case()
+    case_name = op + (f"-{variant}" if variant else "")
+    if impl == "torch":
+        fn = unfused
+    else:
+        if impl == "triton" and DEVICE.type == "cpu":
+            pytest.skip("triton on CPU runs only under the interpreter: not a speed measurement")
+        with torch.inference_mode():
+            reason = backends.why_not(op, impl, *args)
+        if reason:
+            pytest.skip(reason)
+        fn = _fused(op, impl)
+    with torch.inference_mode():
+        expected, got = unfused(*args), fn(*args)
+        tolerance = dict(atol=2e-4, rtol=2e-4) if DTYPE == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        for want, have in zip(expected if isinstance(expected, tuple) else (expected,),
+                              got if isinstance(got, tuple) else (got,), strict=True):
+            torch.testing.assert_close(have.float(), want.float(), **tolerance)
+        benchmark.group = case_name
+        benchmark.extra_info.update(op=op, impl=impl, device=DEVICE.type, dtype=str(DTYPE)[6:], tokens=TOKENS,
+                                    flops=cost.flops, bytes=cost.bytes)
+        benchmark(_synchronized(fn, args))
+    stats = getattr(benchmark, "stats", None)
+    if stats is None:  # --benchmark-disable
+        return
+    median = stats.stats.median
+    if op in MEMORY_BOUND:
+        benchmark.extra_info["GB/s"] = cost.bytes / median / 1e9
+    else:
+        benchmark.extra_info["TFLOP/s"] = cost.flops / median / 1e12
+    _ROWS.append(dict(case=case_name, op=op, impl=impl, median_s=median, flops=cost.flops, bytes=cost.bytes))
