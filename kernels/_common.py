@@ -91,6 +91,7 @@ def rows_per_program(width: int) -> int:
     return max(1, min(16, 4096 // row_block(width)))
 
 
-def row_warps(width: int) -> int:
-    block = row_block(width)
-    return 1 if block <= 256 else 2 if block <= 1024 else 4 if block <= 4096 else 8
+def row_warps(width: int, rows: int = 1) -> int:
+    """Warps for a program holding ``rows`` x row_block(width) fp32 values: ~32 values per thread and tensor."""
+    elements = rows * row_block(width)
+    return max(1, min(8, elements // 1024))

@@ -108,7 +108,7 @@ def _op(input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: tor
         table, table.stride(0), table.stride(1),
         weight, bias, out, rows, width, eps,
         HAS_TYPE_TABLE=has_table, HAS_TYPE_IDS=has_ids, ROWS=per_program, BLOCK_E=row_block(width),
-        num_warps=row_warps(width))
+        num_warps=row_warps(width, per_program))
     return out
 
 

@@ -67,7 +67,7 @@ def layernorm_rows_(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, e
     per_program = rows_per_program(width)
     _layernorm_rows_kernel[(triton.cdiv(rows, per_program),)](
         x, weight, bias, rows, width, x.stride(0), eps, ROWS=per_program, BLOCK_N=row_block(width),
-        num_warps=row_warps(width))
+        num_warps=row_warps(width, per_program))
     return x
 
 
