@@ -1,0 +1,356 @@
+// Scaled dot-product attention on CPU, blocked with an online softmax: for each (sequence, head, chunk of up to
+// kQueryChunk query rows) a thread walks the sequence's real keys in blocks of kKeyBlock, so memory per thread is
+// bounded (no [S, S] score matrix, whatever the length) and cost follows the real lengths.
+//
+// Forms (as fastbert.ops.attention):
+// - packed: q, k, v [T, heads, D] + cu_seqlens int32 [B + 1]: tokens attend within their own sequence;
+// - padded: q, k, v [B, S, heads, D] + optional key_padding_mask bool [B, S] (True = real key, holes allowed).
+// q, k, v may be strided views (e.g. slices of one packed QKV GEMM output) as long as the head dim is unit-stride;
+// they are packed per block into fp32 tiles (K transposed, Q pre-scaled) that the register-tiled micro-kernels
+// read. The output is contiguous and shaped like q; a query whose keys are all masked gets zeros.
+// Softmax statistics and accumulation in fp32 (bf16 in, bf16 out). Limits: CPU, float32 or bfloat16.
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "fastbert.h"
+
+namespace fastbert {
+namespace {
+
+constexpr int64_t kRows = 4;             // query rows per register tile
+constexpr int64_t kCols = 2 * kLanes;    // key columns (QK^T) or head-dim columns (PV) per register tile
+constexpr int64_t kQueryChunk = 128;     // query rows per work item
+constexpr int64_t kKeyBlock = 256;       // keys per online-softmax step
+
+constexpr int64_t kPrefetchRows = 6;    // rows ahead to prefetch while packing strided q/k/v rows
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Rows of q/k/v views are a whole QKV token row apart (often more than a page), beyond the hardware prefetcher's
+// reach: without this, packing waits on a cache miss per row.
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < dim * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) __builtin_prefetch(p + byte);
+}
+
+// s[r][j] = sum_d q[r][d] * kt[d][j] for r < kRows and j < ncols (a multiple of kCols).
+// q: kRows rows of `dim` floats; kt: dim rows of `ldk` floats (K transposed); s: kRows rows of `lds` floats.
+inline void scores_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, int64_t ncols, float* s,
+                        int64_t lds) {
+  for (int64_t j = 0; j < ncols; j += kCols) {
+    Vec a00(0.f), a01(0.f), a10(0.f), a11(0.f), a20(0.f), a21(0.f), a30(0.f), a31(0.f);
+    const float* kp = kt + j;
+    for (int64_t d = 0; d < dim; ++d, kp += ldk) {
+      const Vec k0 = Vec::loadu(kp), k1 = Vec::loadu(kp + kLanes);
+      const Vec q0(q[d]), q1(q[dim + d]), q2(q[2 * dim + d]), q3(q[3 * dim + d]);
+      a00 = at::vec::fmadd(q0, k0, a00);
+      a01 = at::vec::fmadd(q0, k1, a01);
+      a10 = at::vec::fmadd(q1, k0, a10);
+      a11 = at::vec::fmadd(q1, k1, a11);
+      a20 = at::vec::fmadd(q2, k0, a20);
+      a21 = at::vec::fmadd(q2, k1, a21);
+      a30 = at::vec::fmadd(q3, k0, a30);
+      a31 = at::vec::fmadd(q3, k1, a31);
+    }
+    a00.store(s + j);
+    a01.store(s + j + kLanes);
+    a10.store(s + lds + j);
+    a11.store(s + lds + j + kLanes);
+    a20.store(s + 2 * lds + j);
+    a21.store(s + 2 * lds + j + kLanes);
+    a30.store(s + 3 * lds + j);
+    a31.store(s + 3 * lds + j + kLanes);
+  }
+}
+
+// acc[r][c] += sum_{j < nk} p[r][j] * v[j][c] for r < kRows and c < dp (a multiple of kCols).
+// p: kRows rows of `ldp` floats; v: nk rows of `ldv` floats; acc: kRows rows of `lda` floats.
+inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t nk, float* acc, int64_t lda,
+                    int64_t dp) {
+  for (int64_t c = 0; c < dp; c += kCols) {
+    float* a = acc + c;
+    Vec a00 = Vec::loadu(a), a01 = Vec::loadu(a + kLanes);
+    Vec a10 = Vec::loadu(a + lda), a11 = Vec::loadu(a + lda + kLanes);
+    Vec a20 = Vec::loadu(a + 2 * lda), a21 = Vec::loadu(a + 2 * lda + kLanes);
+    Vec a30 = Vec::loadu(a + 3 * lda), a31 = Vec::loadu(a + 3 * lda + kLanes);
+    const float* vp = v + c;
+    for (int64_t j = 0; j < nk; ++j, vp += ldv) {
+      const Vec v0 = Vec::loadu(vp), v1 = Vec::loadu(vp + kLanes);
+      const Vec p0(p[j]), p1(p[ldp + j]), p2(p[2 * ldp + j]), p3(p[3 * ldp + j]);
+      a00 = at::vec::fmadd(p0, v0, a00);
+      a01 = at::vec::fmadd(p0, v1, a01);
+      a10 = at::vec::fmadd(p1, v0, a10);
+      a11 = at::vec::fmadd(p1, v1, a11);
+      a20 = at::vec::fmadd(p2, v0, a20);
+      a21 = at::vec::fmadd(p2, v1, a21);
+      a30 = at::vec::fmadd(p3, v0, a30);
+      a31 = at::vec::fmadd(p3, v1, a31);
+    }
+    a00.store(a);
+    a01.store(a + kLanes);
+    a10.store(a + lda);
+    a11.store(a + lda + kLanes);
+    a20.store(a + 2 * lda);
+    a21.store(a + 2 * lda + kLanes);
+    a30.store(a + 3 * lda);
+    a31.store(a + 3 * lda + kLanes);
+  }
+}
+
+// Where sequence b lives: element offset of its position 0 and the stride between its positions, per tensor.
+struct Layout {
+  const int32_t* cu_seqlens;  // packed form, else nullptr
+  int64_t q_batch, q_pos, q_head, k_batch, k_pos, k_head, v_batch, v_pos, v_head;  // element strides
+  int64_t seqlen;                                                                  // padded form: S
+  int64_t heads, dim;
+
+  int64_t first_row(int64_t b) const { return cu_seqlens ? cu_seqlens[b] : b * seqlen; }
+  int64_t q_offset(int64_t b) const { return cu_seqlens ? cu_seqlens[b] * q_pos : b * q_batch; }
+  int64_t k_offset(int64_t b) const { return cu_seqlens ? cu_seqlens[b] * k_pos : b * k_batch; }
+  int64_t v_offset(int64_t b) const { return cu_seqlens ? cu_seqlens[b] * v_pos : b * v_batch; }
+};
+
+struct WorkItem {
+  int64_t batch, head, q_begin, q_end, cost;
+};
+
+// Per-thread fp32 scratch, sized once per call.
+struct Scratch {
+  std::vector<float> q, kt, v, s, acc, row_max, row_sum;
+  Scratch(int64_t dim, int64_t dim_padded)
+      : q(kQueryChunk * dim), kt(dim * kKeyBlock), v(kKeyBlock * dim_padded, 0.f), s(kRows * kKeyBlock),
+        acc(kQueryChunk * dim_padded), row_max(kQueryChunk), row_sum(kQueryChunk) {}
+};
+
+template <typename scalar_t>
+void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+                 const int64_t* key_positions, int64_t num_keys, float scale, scalar_t* out, Scratch& w) {
+  const int64_t dim = L.dim, dp = round_up(dim, kCols);
+  const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kRows);
+  const scalar_t* qb = q + L.q_offset(item.batch) + item.head * L.q_head;
+  const scalar_t* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
+  const scalar_t* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
+  float* qs = w.q.data();
+  for (int64_t r = 0; r < rows_padded; ++r) {
+    if (r < rows) {
+      if (r + kPrefetchRows < rows) prefetch_row(qb + (item.q_begin + r + kPrefetchRows) * L.q_pos, dim);
+      const scalar_t* src = qb + (item.q_begin + r) * L.q_pos;
+      for (int64_t d = 0; d < dim; ++d) qs[r * dim + d] = static_cast<float>(src[d]) * scale;
+    } else {
+      std::fill(qs + r * dim, qs + (r + 1) * dim, 0.f);
+    }
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + rows_padded * dp, 0.f);
+  std::fill(w.row_max.begin(), w.row_max.begin() + rows_padded, -std::numeric_limits<float>::infinity());
+  std::fill(w.row_sum.begin(), w.row_sum.begin() + rows_padded, 0.f);
+
+  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, num_keys - k0), nk_padded = round_up(nk, kCols);
+    // Pack the block: K transposed [dim][kKeyBlock] (zero columns past nk), V [nk][dp].
+    for (int64_t j = 0; j < nk; ++j) {
+      if (j + kPrefetchRows < nk) {
+        const int64_t ahead = key_positions ? key_positions[k0 + j + kPrefetchRows] : k0 + j + kPrefetchRows;
+        prefetch_row(kb + ahead * L.k_pos, dim);
+        prefetch_row(vb + ahead * L.v_pos, dim);
+      }
+      const int64_t pos = key_positions ? key_positions[k0 + j] : k0 + j;
+      const scalar_t* ks = kb + pos * L.k_pos;
+      const scalar_t* vs = vb + pos * L.v_pos;
+      float* vrow = w.v.data() + j * dp;
+      for (int64_t d = 0; d < dim; ++d) {
+        w.kt[d * kKeyBlock + j] = static_cast<float>(ks[d]);
+        vrow[d] = static_cast<float>(vs[d]);
+      }
+    }
+    for (int64_t d = 0; d < dim; ++d) {
+      std::fill(w.kt.data() + d * kKeyBlock + nk, w.kt.data() + d * kKeyBlock + nk_padded, 0.f);
+    }
+
+    for (int64_t r0 = 0; r0 < rows_padded; r0 += kRows) {
+      float* s = w.s.data();
+      scores_tile(qs + r0 * dim, dim, w.kt.data(), kKeyBlock, nk_padded, s, kKeyBlock);
+      for (int64_t r = 0; r < kRows; ++r) {
+        float* sr = s + r * kKeyBlock;
+        for (int64_t j = nk; j < nk_padded; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+        Vec mx(-std::numeric_limits<float>::infinity());
+        for (int64_t j = 0; j < nk_padded; j += kLanes) mx = at::vec::maximum(mx, Vec::loadu(sr + j));
+        const float block_max =
+            at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mx);
+        const float old_max = w.row_max[r0 + r];
+        const float new_max = std::max(old_max, block_max);
+        const Vec new_max_v(new_max);
+        Vec sum(0.f);
+        for (int64_t j = 0; j < nk_padded; j += kLanes) {
+          const Vec p = (Vec::loadu(sr + j) - new_max_v).exp_u20();
+          p.store(sr + j);
+          sum = sum + p;
+        }
+        const float block_sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+        const float alpha = old_max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(old_max - new_max);
+        w.row_sum[r0 + r] = w.row_sum[r0 + r] * alpha + block_sum;
+        w.row_max[r0 + r] = new_max;
+        if (alpha != 1.f) {
+          float* ar = w.acc.data() + (r0 + r) * dp;
+          const Vec alpha_v(alpha);
+          for (int64_t c = 0; c < dp; c += kLanes) (Vec::loadu(ar + c) * alpha_v).store(ar + c);
+        }
+      }
+      pv_tile(s, kKeyBlock, w.v.data(), dp, nk, w.acc.data() + r0 * dp, dp, dp);
+    }
+  }
+
+  const int64_t out_row0 = L.first_row(item.batch) + item.q_begin;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float total = w.row_sum[r];
+    const Vec inv(total > 0.f ? 1.f / total : 0.f);  // no real key: zeros, not NaN
+    const float* ar = w.acc.data() + r * dp;
+    scalar_t* dst = out + ((out_row0 + r) * L.heads + item.head) * dim;
+    for (int64_t c = 0; c < dim; c += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, dim - c);
+      store_f(dst + c, Vec::loadu(ar + c, m) * inv, m);
+    }
+  }
+}
+
+void check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen,
+                          const std::optional<at::Tensor>& key_padding_mask) {
+  constexpr const char* op = "attention";
+  check_cpu(q, op, "q");
+  check_cpu(k, op, "k");
+  check_cpu(v, op, "v");
+  check_float_dtype(q, op, "q");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "fastbert::attention: q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "fastbert::attention: q, k, v must share one shape, got ",
+              shape_str(q), ", ", shape_str(k), ", ", shape_str(v));
+  if (cu_seqlens.has_value()) {
+    TORCH_CHECK(!key_padding_mask.has_value(),
+                "fastbert::attention: give either cu_seqlens (packed) or key_padding_mask (padded), not both");
+    TORCH_CHECK(q.dim() == 3, "fastbert::attention: the packed form takes q [total_tokens, heads, head_dim], got ",
+                shape_str(q));
+    const at::Tensor& cu = *cu_seqlens;
+    check_cpu(cu, op, "cu_seqlens");
+    TORCH_CHECK(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.numel() >= 2,
+                "fastbert::attention: cu_seqlens must be int32 [batch + 1], got ", cu.scalar_type(), " ", shape_str(cu));
+    TORCH_CHECK(max_seqlen.has_value(), "fastbert::attention: the packed form needs max_seqlen");
+  } else {
+    TORCH_CHECK(q.dim() == 4, "fastbert::attention: the padded form takes q [batch, seq, heads, head_dim], got ",
+                shape_str(q));
+    if (key_padding_mask.has_value()) {
+      const at::Tensor& mask = *key_padding_mask;
+      check_cpu(mask, op, "key_padding_mask");
+      TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == q.size(0) &&
+                      mask.size(1) == q.size(1),
+                  "fastbert::attention: key_padding_mask must be bool [", q.size(0), ", ", q.size(1), "], got ",
+                  mask.scalar_type(), " ", shape_str(mask));
+    }
+  }
+  TORCH_CHECK(q.size(-1) > 0, "fastbert::attention: head_dim must be positive, got ", shape_str(q));
+}
+
+at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                         const std::optional<at::Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen,
+                         const std::optional<at::Tensor>& key_padding_mask, std::optional<double> scale) {
+  check_attention_args(q_in, k_in, v_in, cu_seqlens, max_seqlen, key_padding_mask);
+  auto unit_last = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = unit_last(q_in), k = unit_last(k_in), v = unit_last(v_in);
+  const bool packed = cu_seqlens.has_value();
+  const int64_t heads = q.size(-2), dim = q.size(-1);
+  const float softmax_scale = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(dim)));
+
+  Layout L{};
+  L.heads = heads;
+  L.dim = dim;
+  int64_t batch;
+  at::Tensor cu;
+  std::vector<int64_t> seq_lengths;
+  if (packed) {
+    cu = cu_seqlens->contiguous();
+    const int32_t* c = cu.data_ptr<int32_t>();
+    batch = cu.numel() - 1;
+    TORCH_CHECK(c[0] == 0 && c[batch] == q.size(0), "fastbert::attention: cu_seqlens must run from 0 to total_tokens=",
+                q.size(0), ", got ", c[0], " .. ", c[batch]);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t len = c[b + 1] - c[b];
+      TORCH_CHECK(len >= 0, "fastbert::attention: cu_seqlens must be non-decreasing, got ", c[b], " then ", c[b + 1]);
+      TORCH_CHECK(len <= *max_seqlen, "fastbert::attention: sequence ", b, " has ", len, " tokens, more than max_seqlen=",
+                  *max_seqlen);
+      seq_lengths.push_back(len);
+    }
+    L.cu_seqlens = c;
+    L.q_pos = q.stride(0), L.q_head = q.stride(1);
+    L.k_pos = k.stride(0), L.k_head = k.stride(1);
+    L.v_pos = v.stride(0), L.v_head = v.stride(1);
+  } else {
+    batch = q.size(0);
+    L.cu_seqlens = nullptr;
+    L.seqlen = q.size(1);
+    L.q_batch = q.stride(0), L.q_pos = q.stride(1), L.q_head = q.stride(2);
+    L.k_batch = k.stride(0), L.k_pos = k.stride(1), L.k_head = k.stride(2);
+    L.v_batch = v.stride(0), L.v_pos = v.stride(1), L.v_head = v.stride(2);
+    seq_lengths.assign(batch, q.size(1));
+  }
+
+  // Real keys of each sequence: a position list when a padding mask has holes, else positions 0..len-1.
+  std::vector<int64_t> key_positions, num_keys(seq_lengths);
+  if (!packed && key_padding_mask.has_value()) {
+    const at::Tensor mask = key_padding_mask->contiguous();
+    const bool* m = mask.data_ptr<bool>();
+    const int64_t S = L.seqlen;
+    key_positions.resize(batch * S);
+    for (int64_t b = 0; b < batch; ++b) {
+      int64_t n = 0;
+      for (int64_t s = 0; s < S; ++s)
+        if (m[b * S + s]) key_positions[b * S + n++] = s;
+      num_keys[b] = n;
+    }
+  }
+
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t q0 = 0; q0 < seq_lengths[b]; q0 += kQueryChunk) {
+      const int64_t q1 = std::min(seq_lengths[b], q0 + kQueryChunk);
+      for (int64_t h = 0; h < heads; ++h) items.push_back({b, h, q0, q1, (q1 - q0) * (num_keys[b] + kRows)});
+    }
+  }
+  // Longest first, then threads take the next item as they finish: balanced even for very uneven lengths.
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous
+  const int64_t dp = round_up(dim, kCols);
+  FASTBERT_DISPATCH_FLOAT(q.scalar_type(), "fastbert_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t S = packed ? 0 : L.seqlen;
+    std::atomic<int64_t> next{0};
+    const int64_t n_items = static_cast<int64_t>(items.size());
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch(dim, dp);
+      for (int64_t worker = begin; worker < end; ++worker) {
+        for (int64_t i = next++; i < n_items; i = next++) {
+          const WorkItem& item = items[i];
+          const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + item.batch * S;
+          attend_item<scalar_t>(item, L, qp, kp, vp, positions, num_keys[item.batch], softmax_scale, op, scratch);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace fastbert
+
+TORCH_LIBRARY_IMPL(fastbert, CPU, m) { m.impl("attention", &fastbert::attention_cpu); }

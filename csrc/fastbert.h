@@ -1,0 +1,102 @@
+// Shared helpers of fastbert's CPU kernels: fp32 vector loads/stores from float or bfloat16 memory, argument
+// checks with messages that name the argument, and the thread-count heuristic.
+//
+// Vector width comes from at::vec::Vectorized<float>, whose implementation is chosen by the CPU_CAPABILITY_*
+// macro that setup.py defines from the build host (AVX512: 16 lanes, AVX2: 8 lanes, DEFAULT: scalar emulation).
+#pragma once
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <string>
+
+// Instantiate a kernel for the two supported dtypes (float32, bfloat16) as `scalar_t`.
+#define FASTBERT_DISPATCH_FLOAT(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace fastbert {
+
+using Vec = at::vec::Vectorized<float>;
+using BVec = at::vec::Vectorized<c10::BFloat16>;
+constexpr int64_t kLanes = Vec::size();
+
+// ---------------------------------------------------------------------------------------------- loads / stores
+// load_f(p) reads kLanes elements; load_f(p, n) reads n < kLanes elements and zero-fills the rest.
+inline Vec load_f(const float* p) { return Vec::loadu(p); }
+inline Vec load_f(const float* p, int64_t n) { return Vec::loadu(p, n); }
+inline Vec load_f(const c10::BFloat16* p, int64_t n = kLanes) {
+  // A bf16 vector holds 2 * kLanes values; the low half converts to one fp32 vector.
+  auto halves = at::vec::convert_to_float<c10::BFloat16>(BVec::loadu(p, n));
+  return std::get<0>(halves);
+}
+
+inline void store_f(float* p, const Vec& v) { v.store(p); }
+inline void store_f(float* p, const Vec& v, int64_t n) { v.store(p, n); }
+inline void store_f(c10::BFloat16* p, const Vec& v, int64_t n = kLanes) {
+  at::vec::convert_from_float<c10::BFloat16>(v, v).store(p, n);
+}
+
+// ---------------------------------------------------------------------------------------------- checks
+inline std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+inline void check_cpu(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "fastbert::", op, ": ", name, " must be a CPU tensor, got ", t.device());
+}
+
+inline void check_float_dtype(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "fastbert::", op, ": ", name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_vector(const at::Tensor& t, int64_t width, at::ScalarType dtype, const char* op,
+                         const char* name) {
+  check_cpu(t, op, name);
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == width, "fastbert::", op, ": ", name, " must be [", width, "], got ",
+              shape_str(t));
+  TORCH_CHECK(t.scalar_type() == dtype, "fastbert::", op, ": ", name, " must be ", dtype, " like the input, got ",
+              t.scalar_type());
+}
+
+// Rows per task so that one task touches at least ~16K elements: below that, threading costs more than it saves.
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+// ---------------------------------------------------------------------------------------------- LayerNorm
+// Normalise one fp32 row in place (two passes over an L1-resident row: the mean first, then the centred
+// variance, which is exact enough where a one-pass E[x^2] - E[x]^2 loses digits), then apply weight and bias and
+// store in the output dtype.
+template <typename out_t, typename param_t>
+inline void layernorm_row(float* row, int64_t n, const param_t* weight, const param_t* bias, double eps,
+                          out_t* out) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = acc + Vec::loadu(row + i);
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) sum += row[i];
+  const float mean = sum / static_cast<float>(n);
+  const Vec mean_v(mean);
+  acc = Vec(0.f);
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    Vec d = Vec::loadu(row + i) - mean_v;
+    acc = at::vec::fmadd(d, d, acc);
+  }
+  float sq = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) sq += (row[i] - mean) * (row[i] - mean);
+  const float rstd = 1.f / std::sqrt(sq / static_cast<float>(n) + static_cast<float>(eps));
+  const Vec rstd_v(rstd);
+  for (i = 0; i < n; i += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, n - i);
+    Vec y = (Vec::loadu(row + i, m) - mean_v) * rstd_v;
+    y = at::vec::fmadd(y, load_f(weight + i, m), load_f(bias + i, m));
+    if (m == kLanes) {
+      store_f(out + i, y);
+    } else {
+      store_f(out + i, y, m);
+    }
+  }
+}
+
+}  // namespace fastbert

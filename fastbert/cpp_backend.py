@@ -1,0 +1,186 @@
+"""The ``cpp`` backend: fastbert's C++ CPU kernels (the extension ``fastbert._C``), what ``auto`` picks on CPU.
+
+Importing this module loads ``fastbert._C`` (whose static initialisers declare the ``torch.ops.fastbert.*`` schemas
+and register their CPU kernels), registers the fake (meta) implementations used by ``torch.compile`` and
+``torch.library.opcheck``, and registers the cpp implementation of each dispatched op with `fastbert.backends`:
+
+- embedding_layernorm: one fused gather + sum + LayerNorm kernel;
+- qkv_projection: one ``addmm`` over the packed [3H, H] weight, returning strided views (attention reads them);
+- attention: the blocked online-softmax kernel, packed (cost follows real lengths) or padded with a key mask;
+- linear_activation: a GEMM without bias, then bias + activation fused in place on its output;
+- linear_residual_layernorm: a GEMM, then bias + residual + LayerNorm fused in place.
+
+GEMMs stay with PyTorch (MKL/oneDNN). Limits: CPU tensors, float32 or bfloat16, no autograd. When the extension
+is missing (``FASTBERT_SKIP_EXT=1``, or its build failed) this module still imports: it warns once and every op's
+``supports`` gives that reason, so ``auto`` runs eager.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from fastbert import backends
+
+try:
+    from fastbert import _C  # noqa: F401 - importing registers the ops in torch.ops.fastbert
+except ImportError as err:
+    _C = None
+    EXTENSION_ERROR: str | None = (f"the C++ extension fastbert._C is not built ({err}); reinstall with "
+                                   "`pip install --no-build-isolation -e .` and a C++ compiler")
+    warnings.warn(f"fastbert: {EXTENSION_ERROR}; the cpp backend is unavailable, CPU ops run eager", stacklevel=2)
+else:
+    EXTENSION_ERROR = None
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def compiled_capability() -> str | None:
+    """The vector ISA the kernels were compiled for (``AVX512``, ``AVX2`` or ``DEFAULT``), None without them."""
+    return None if _C is None else _C.compiled_capability()
+
+
+# ----------------------------------------------------------------------------------------------------- fakes
+if _C is not None:
+
+    @torch.library.register_fake("fastbert::embedding_layernorm")
+    def _(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
+          weight, bias, eps):
+        return word_embeddings.new_empty((*input_ids.shape, word_embeddings.shape[1]))
+
+    @torch.library.register_fake("fastbert::bias_activation")
+    def _(x, bias, activation):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fastbert::bias_residual_layernorm")
+    def _(x, bias, residual, ln_weight, ln_bias, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("fastbert::linear_activation")
+    def _(x, weight, bias, activation):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("fastbert::linear_residual_layernorm")
+    def _(x, weight, bias, residual, ln_weight, ln_bias, eps):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("fastbert::attention")
+    def _(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("fastbert::unpad")
+    def _(x, indices):
+        return x.new_empty((indices.shape[0], *x.shape[2:]))
+
+    @torch.library.register_fake("fastbert::pad")
+    def _(x, indices, batch, seqlen):
+        return x.new_empty((batch, seqlen, *x.shape[1:]))
+
+
+# ----------------------------------------------------------------------------------------------------- supports
+def _why_not(*tensors: torch.Tensor | None) -> str | None:
+    """None when the cpp kernels can take these float tensors (one CPU device, one supported dtype)."""
+    if EXTENSION_ERROR is not None:
+        return EXTENSION_ERROR
+    dtype = None
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cpu":
+            return f"the cpp backend runs on CPU tensors only, got a tensor on {t.device}"
+        if dtype is None:
+            dtype = t.dtype
+            if dtype not in SUPPORTED_DTYPES:
+                return f"the cpp backend supports float32 and bfloat16, got {dtype}"
+        elif t.dtype != dtype:
+            return f"the cpp backend needs one dtype for all float tensors, got {dtype} and {t.dtype}"
+    return None
+
+
+def _ids_on_cpu(*ids: torch.Tensor | None) -> str | None:
+    for t in ids:
+        if t is not None and t.device.type != "cpu":
+            return f"the cpp backend runs on CPU tensors only, got ids on {t.device}"
+    return None
+
+
+def _embedding_supports(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
+                        token_type_embeddings, weight, bias, eps):
+    return (_ids_on_cpu(input_ids, position_ids, token_type_ids)
+            or _why_not(word_embeddings, position_embeddings, token_type_embeddings, weight, bias))
+
+
+def _qkv_supports(x, weight, bias, num_heads):
+    return _why_not(x, weight, bias)
+
+
+def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
+    return _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
+
+
+def _linear_activation_supports(x, weight, bias, activation):
+    return _why_not(x, weight, bias)
+
+
+def _linear_residual_layernorm_supports(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    return _why_not(x, weight, bias, residual, ln_weight, ln_bias)
+
+
+# ----------------------------------------------------------------------------------------------------- impls
+def _embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
+                         token_type_embeddings, weight, bias, eps):
+    return torch.ops.fastbert.embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings,
+                                                  position_embeddings, token_type_embeddings, weight, bias, eps)
+
+
+def _qkv_projection(x, weight, bias, num_heads):
+    """One GEMM into a [..., 3, heads, D] buffer; q, k, v are strided views that the attention kernel reads."""
+    flat = x.reshape(-1, x.shape[-1])
+    packed = torch.addmm(bias, flat, weight.t()) if bias is not None else torch.mm(flat, weight.t())
+    head_dim = weight.shape[0] // (3 * num_heads)
+    q, k, v = packed.view(*x.shape[:-1], 3, num_heads, head_dim).unbind(-3)
+    return q, k, v
+
+
+def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
+    return torch.ops.fastbert.attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale)
+
+
+def _linear_activation(x, weight, bias, activation):
+    return torch.ops.fastbert.linear_activation(x, weight, bias, activation)
+
+
+def _linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    return torch.ops.fastbert.linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps)
+
+
+def unpad(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Rows of x [B, S, ...] at int64 flat indices (b * S + s) -> [T, ...] (the C++ kernel)."""
+    return torch.ops.fastbert.unpad(x, indices)
+
+
+def pad(x: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """x [T, ...] scattered to [batch, seqlen, ...] at int64 flat indices, zeros elsewhere (the C++ kernel)."""
+    return torch.ops.fastbert.pad(x, indices, batch, seqlen)
+
+
+def bias_activation(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(x + bias) -> like x, contiguous; activation "gelu" | "gelu_tanh" | "relu" (the C++ kernel)."""
+    return torch.ops.fastbert.bias_activation(x, bias, activation)
+
+
+def bias_residual_layernorm(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                            ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm(x + bias + residual) over the last dim -> like x, contiguous (the C++ kernel)."""
+    return torch.ops.fastbert.bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, eps)
+
+
+backends.register("embedding_layernorm", "cpp", _embedding_layernorm, _embedding_supports)
+backends.register("qkv_projection", "cpp", _qkv_projection, _qkv_supports)
+backends.register("attention", "cpp", _attention, _attention_supports)
+backends.register("linear_activation", "cpp", _linear_activation, _linear_activation_supports)
+backends.register("linear_residual_layernorm", "cpp", _linear_residual_layernorm,
+                  _linear_residual_layernorm_supports)
+
+__all__ = ["EXTENSION_ERROR", "bias_activation", "bias_residual_layernorm", "compiled_capability", "pad", "unpad"]
