@@ -51,6 +51,10 @@ def test_padded_fp16_all_but_one_row_padded_and_a_fully_masked_row():
     check_padded([20, 3, 1, 0], seqlen=20, heads=2, head_dim=32, dtype=torch.float16)
 
 
+def test_packed_bf16_head_dim_80_padded_to_the_block():
+    check_packed([7, 1, 70], heads=2, head_dim=80, dtype=torch.bfloat16)
+
+
 def test_unsupported_head_dim_reason():
     q = torch.zeros(4, 2, 12, dtype=torch.float16, device=DEVICE)
     cu_seqlens = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)

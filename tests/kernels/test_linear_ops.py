@@ -83,6 +83,10 @@ def test_linear_residual_layernorm_fp16():
     check_linear_residual_layernorm(7, 384, torch.float16, strided=False)
 
 
+def test_linear_gelu_tanh_bf16_strided():
+    check_linear_activation(7, 384, torch.bfloat16, "gelu_tanh", strided=True)
+
+
 # ------------------------------------------------------------------------------------ full grid (interpreter)
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", ALL_DTYPES)

@@ -55,8 +55,8 @@ def test_family_fp32_matches_transformers(family):
     check_family_fp32(family)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.interpreter)],
+                         ids=["fp16", "bf16"])
 def test_half_precision_error_within_twice_transformers(dtype):
     """fastbert-triton in fp16/bf16 vs transformers fp32, next to transformers itself in fp16/bf16."""
     reference, _ = triton_pair("bert")
@@ -74,8 +74,8 @@ def test_half_precision_error_within_twice_transformers(dtype):
         f"fastbert {dtype}: error {fast_err:.3g}, transformers {dtype}: {plain_err:.3g}")
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
+@pytest.mark.parametrize("family", ["bert", pytest.param("roberta", marks=pytest.mark.interpreter),
+                                    pytest.param("albert", marks=pytest.mark.interpreter)])
 def test_padded_and_packed_execution_agree(family):
     _, optimized = triton_pair(family)
     inputs = batch_inputs(family)
