@@ -43,6 +43,8 @@ PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime", "fastbert-optimize")
 DEFAULT_PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 RESULT_SCHEMA = "fastbert-e2e/1"
+TIMING_NOTE = ("interleaved: after each implementation's warm-up, every timed round calls each implementation once "
+               "(order rotated per round), so a load change on the machine hits all of them alike")
 
 # Varied English sentences for the demo and `fastbert check`: short and long, questions, numbers, punctuation.
 SENTENCES = [
@@ -606,6 +608,8 @@ def build_peer(name: str, model_dir: str, config: FastBertConfig, dtype: torch.d
             raise PeerUnavailable(f"ONNX export failed: {type(err).__name__}: {str(err)[:160]}") from err
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        # Idle ORT threads would spin between calls and steal the cores from the implementation timed next.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if device.type == "cpu":
             options.intra_op_num_threads = torch.get_num_threads()  # the same threads torch uses
         session = ort.InferenceSession(path, options, providers=providers)
@@ -637,6 +641,7 @@ class BenchSettings:
     quick: bool = False
     backend: str = "auto"
     peak_flops: float | None = None
+    threads: int | None = None
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -652,14 +657,28 @@ def quick_settings(model_dir: str, device: torch.device | str = "cpu", peers: Se
 
 def run_e2e(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     """Benchmark fastbert and the peers on every workload; returns the results dict (see `write_results`).
+    ``settings.threads`` sets torch's (and ONNX Runtime's) intra-op threads for the run.
 
-    Each implementation is loaded once and run on all workloads (torch.compile compiles once per shape, in the
-    untimed warm-up). Latency is wall-clock per batch; tokens/s counts real tokens only; the roofline fraction
-    is useful FLOPs (padding excluded, `batch_flops`) per second over the peak FLOP/s. Every output is compared
-    with transformers eager in float32 at real positions.
+    Every implementation is loaded once. Per workload: one call of each is checked against transformers eager in
+    float32 at real positions, then warm-up calls (torch.compile compiles here, untimed), then ``repeats``
+    interleaved rounds (TIMING_NOTE). Latency is wall-clock per batch; tokens/s counts real tokens only; the
+    roofline fraction is useful FLOPs (padding excluded, `batch_flops`) per second over the peak FLOP/s.
     """
+    threads_before = torch.get_num_threads()
+    if settings.threads is not None:
+        if settings.threads < 1:
+            raise UserError("--threads must be >= 1")
+        torch.set_num_threads(settings.threads)
+    try:
+        return _run_e2e(settings, progress)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     model_dir, config = resolve_model(settings.model_dir)
     device, dtype = settings.device, settings.dtype
     workloads = make_workloads(settings.batches, settings.seqs, settings.varlen, settings.seed)
@@ -695,27 +714,52 @@ def run_e2e(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     results: dict[str, dict[str, dict[str, Any]]] = {w.name: {} for w in workloads}
     notes: dict[str, list[str]] = {}
     ops_seen: dict[str, Counter] = {}
-    bar = tqdm(total=len(names) * len(workloads), desc="fastbert bench", disable=not progress, leave=False,
-               file=sys.stderr)
+    bar = tqdm(total=len(names) + len(workloads) * (1 + settings.repeats), desc="fastbert bench",
+               disable=not progress, leave=False, file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="fastbert-bench-") as workdir:
+        runners: dict[str, Callable[[dict], torch.Tensor]] = {}
         for name in names:
+            bar.set_postfix_str(f"loading {name}")
             try:
-                fn, notes[name] = build_peer(name, model_dir, config, dtype, device, settings.backend,
-                                             settings.quick, workdir)
+                runners[name], notes[name] = build_peer(name, model_dir, config, dtype, device, settings.backend,
+                                                        settings.quick, workdir)
             except Exception as err:  # noqa: BLE001 - every failure of a peer is a row in the table, not a crash
                 reason = str(err) if isinstance(err, PeerUnavailable) else f"{type(err).__name__}: {err}"
                 notes[name] = []
                 for w in workloads:
                     results[w.name][name] = {"status": "unavailable", "reason": reason[:300]}
-                bar.update(len(workloads))
-                continue
-            for index, (workload, batch) in enumerate(zip(workloads, inputs, strict=True)):
-                bar.set_postfix_str(f"{name} {workload.name}")
-                results[workload.name][name] = _measure(fn, name, workload, batch, references[index], config,
-                                                        settings, peak, ops_seen if name == "fastbert" else None)
+            bar.update(1)
+        for index, (workload, batch) in enumerate(zip(workloads, inputs, strict=True)):
+            bar.set_postfix_str(f"{workload.name}: first calls and warm-up")
+            live, errors = {}, {}
+            for name, fn in runners.items():
+                failure, errors[name] = _first_calls(fn, batch, references[index], settings,
+                                                     ops_seen if name == "fastbert" else None)
+                if failure:
+                    results[workload.name][name] = failure
+                else:
+                    live[name] = fn
+            bar.update(1)
+            times: dict[str, list[float]] = {name: [] for name in live}
+            for round_index in range(settings.repeats):
+                bar.set_postfix_str(f"{workload.name}: round {round_index + 1}/{settings.repeats}")
+                order = list(live)
+                shift = round_index % max(1, len(order))
+                for name in order[shift:] + order[:shift]:  # rotated, so no implementation always runs first
+                    if name in results[workload.name]:
+                        continue  # failed in an earlier round
+                    try:
+                        times[name].append(_time_once(live[name], batch, device))
+                    except Exception as err:  # noqa: BLE001 - reported per workload
+                        results[workload.name][name] = {"status": "failed",
+                                                        "reason": f"{type(err).__name__}: {str(err)[:300]}"}
                 bar.update(1)
-            del fn
-            gc.collect()
+            for name in live:
+                if name not in results[workload.name]:
+                    results[workload.name][name] = _figures(times[name], workload, config, peak, errors[name])
+            results[workload.name] = {name: results[workload.name][name] for name in names}
+        runners.clear()
+        gc.collect()
     bar.close()
 
     for workload in workloads:
@@ -725,16 +769,18 @@ def run_e2e(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
             if entry.get("status") == "ok" and ours:
                 entry["fastbert_speedup"] = entry["p50_ms"] / ours
 
+    machine = machine_info(device)
+    machine["load_average_at_start"] = load_at_start
     return {
         "schema": RESULT_SCHEMA,
-        "machine": machine_info(device),
+        "machine": machine,
         "model": {"path": model_dir, "name": model_name(model_dir), "family": config.family,
                   "layers": config.num_hidden_layers, "hidden": config.hidden_size,
                   "heads": config.num_attention_heads, "intermediate": config.intermediate_size},
         "settings": {"device": device.type, "dtype": _dtype_name(dtype), "batches": settings.batches,
                      "seqs": settings.seqs, "varlen": settings.varlen, "peers": names, "repeats": settings.repeats,
                      "warmup": settings.warmup, "quick": settings.quick, "backend": settings.backend,
-                     "seed": settings.seed},
+                     "seed": settings.seed, "timing": TIMING_NOTE},
         "peak_flops": {"value": peak, "source": peak_source},
         "flops_formula": "useful FLOPs = sum over sequences of len * L*(8H^2 + 4*H*I + 4*len*H) "
                          "(= L*(24H^2 + 4SH) per token for I = 4H); padding excluded",
@@ -748,8 +794,9 @@ def run_e2e(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
     }
 
 
-def _measure(fn, name, workload, batch, reference, config, settings, peak, ops_seen) -> dict[str, Any]:
-    """Time one implementation on one workload; failures become {'status': 'failed', 'reason': ...}."""
+def _first_calls(fn, batch, reference, settings, ops_seen) -> tuple[dict | None, float | None]:
+    """One call checked against the reference (recording fastbert's backends), then the warm-up calls (where
+    torch.compile compiles). Returns (failure entry or None, max abs error at real positions or None)."""
     try:
         with torch.inference_mode():
             if ops_seen is not None:
@@ -763,9 +810,24 @@ def _measure(fn, name, workload, batch, reference, config, settings, peak, ops_s
             if reference is not None:
                 real = batch["attention_mask"].bool()
                 error = float((out.float() - reference)[real].abs().max())
-            times = time_ms(lambda: fn(batch), settings.repeats, settings.warmup, settings.device)
+            for _ in range(settings.warmup):
+                fn(batch)
+            synchronize(settings.device)
     except Exception as err:  # noqa: BLE001 - reported per workload
-        return {"status": "failed", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
+        return {"status": "failed", "reason": f"{type(err).__name__}: {str(err)[:300]}"}, None
+    return None, error
+
+
+def _time_once(fn, batch, device) -> float:
+    with torch.inference_mode():
+        start = time.perf_counter()
+        fn(batch)
+        synchronize(device)
+        return (time.perf_counter() - start) * 1e3
+
+
+def _figures(times: list[float], workload: Workload, config: FastBertConfig, peak: float,
+             error: float | None) -> dict[str, Any]:
     p50, p90 = percentile(times, 50), percentile(times, 90)
     flops = batch_flops(config, workload.lengths)
     return {
@@ -805,6 +867,10 @@ def result_rows(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _loads(values: Sequence[float] | None) -> str:
+    return "-" if not values else "/".join(f"{v:.1f}" for v in values)
+
+
 def summary_lines(results: dict[str, Any]) -> list[str]:
     machine, settings = results["machine"], results["settings"]
     device = machine["gpu"] or f"{machine['cpu']} ({machine['cpu_cores']} cores, {machine['torch_threads']} threads)"
@@ -813,7 +879,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     lines = [
         f"model: {model['name']} ({model['family']}, {model['layers']} layers, H={model['hidden']}, "
         f"heads={model['heads']}, I={model['intermediate']}); {settings['dtype']} on {device}",
-        f"date: {machine['date']}; load average at end: {machine['load_average']}",
+        f"date: {machine['date']}; load average (1, 5, 15 min) at start {_loads(machine.get('load_average_at_start'))}"
+        f", at end {_loads(machine['load_average'])}",
         f"versions: {versions}",
         f"peak: {results['peak_flops']['value'] / 1e12:.3f} TFLOP/s ({results['peak_flops']['source']})",
         "fastbert ops ran on: " + (", ".join(f"{op}={b}" for op, b in results["fastbert_backends"].items()) or "-"),
@@ -826,8 +893,9 @@ def markdown_report(results: dict[str, Any]) -> str:
     settings = results["settings"]
     lines = [f"# fastbert end-to-end benchmark: {results['machine']['tag']}", ""]
     lines += [f"- {line}" for line in summary_lines(results)]
-    lines += [f"- {settings['repeats']} timed repeats after {settings['warmup']} warm-up calls per implementation "
-              f"and workload{' (quick mode: tiny shapes, numbers mean nothing)' if settings['quick'] else ''}",
+    lines += [f"- {settings['repeats']} timed calls after {settings['warmup']} warm-up calls per implementation "
+              f"and workload{' (quick mode: tiny shapes, numbers mean nothing)' if settings['quick'] else ''}; "
+              f"timing {settings['timing']}",
               f"- FLOPs: {results['flops_formula']}",
               f"- agreement reference: {results['reference']}", ""]
     lines.append(format_table(TABLE_HEADERS, result_rows(results), markdown=True))
@@ -856,44 +924,45 @@ def plot_results(results: dict[str, Any], out_dir: Path) -> list[Path]:
              f"({results['machine']['gpu'] or results['machine']['cpu']})")
     paths = []
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(workloads) * max(1, len(names)) / 3), 4.2))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(workloads) * max(1, len(names)) / 2.5), 4.5))
     width = 0.8 / max(1, len(names))
+    measured = [e["p50_ms"] for w in results["workloads"] for e in w["results"].values() if e.get("p50_ms")]
+    floor = min(measured) / 2 if measured else 1.0  # where "n/a" is written for an implementation that did not run
     for j, name in enumerate(names):
         values = [w["results"].get(name, {}).get("p50_ms") for w in results["workloads"]]
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(workloads))]
-        bars = ax.bar(xs, [v or 0 for v in values], width, label=name, color=colors[name])
-        for bar, value in zip(bars, values, strict=True):
-            label = "n/a" if value is None else f"{value:.3g}"
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=7, rotation=90 if len(names) > 3 else 0)
+        ax.bar(xs, [v if v else float("nan") for v in values], width, label=name, color=colors[name])
+        for x, value in zip(xs, values, strict=True):
+            ax.annotate("n/a" if value is None else f"{value:.3g}", (x, value or floor), ha="center",
+                        va="bottom", fontsize=7, rotation=90 if len(names) > 3 else 0)
     ax.set_xticks(range(len(workloads)), workloads)
-    ax.set_ylabel("p50 latency per batch (ms, log)")
+    ax.set_ylabel("p50 latency per batch (ms, log scale)")
     ax.set_yscale("log")
+    ax.set_ylim(floor / 1.5, (max(measured) if measured else 1.0) * 4)
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.margins(y=0.25)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.margins(y=0.3)
     fig.tight_layout()
     paths.append(out_dir / "e2e_latency.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
     peers = [n for n in names if n != "fastbert"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(workloads) * max(1, len(peers)) / 3), 4.2))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(workloads) * max(1, len(peers)) / 2.5), 4.5))
     width = 0.8 / max(1, len(peers))
     for j, name in enumerate(peers):
         values = [w["results"].get(name, {}).get("fastbert_speedup") for w in results["workloads"]]
         xs = [i + (j - (len(peers) - 1) / 2) * width for i in range(len(workloads))]
-        bars = ax.bar(xs, [v or 0 for v in values], width, label=f"vs {name}", color=colors[name])
-        for bar, value in zip(bars, values, strict=True):
-            label = "n/a" if value is None else f"{value:.2f}x"
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=7)
+        ax.bar(xs, [v or 0 for v in values], width, label=f"vs {name}", color=colors[name])
+        for x, value in zip(xs, values, strict=True):
+            ax.annotate("n/a" if value is None else f"{value:.2f}x", (x, value or 0), ha="center", va="bottom",
+                        fontsize=7, rotation=90 if len(peers) > 3 else 0)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(workloads)), workloads)
     ax.set_ylabel("fastbert speed-up (peer p50 / fastbert p50)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.margins(y=0.15)
+    ax.set_title(title + "; > 1: fastbert faster", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.margins(y=0.2)
     fig.tight_layout()
     paths.append(out_dir / "e2e_speedup.png")
     fig.savefig(paths[-1], dpi=120)

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(demo)
     demo.add_argument("--repeats", type=int, default=10, help="timed calls per implementation (median reported)")
     demo.add_argument("--no-optimize", action="store_true", help="leave out fastbert.optimize(HF model)")
+    demo.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
     check = commands.add_parser("check", help="compare fastbert with transformers on a checkpoint; PASS/FAIL")
     _add_model_options(check)
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="tiny shapes and few repeats: a smoke run")
     bench.add_argument("--peak-tflops", type=float, default=None,
                        help="peak TFLOP/s for the roofline column (default: measured with one large matmul)")
+    bench.add_argument("--threads", type=int, default=None,
+                       help=f"intra-op threads for torch and ONNX Runtime (default: torch's, here "
+                       f"{torch.get_num_threads()})")
     bench.add_argument("--out", default=None, metavar="DIR",
                        help="where to write e2e.json, e2e.md and the PNGs (default: "
                        "benchmarks/results/<machine-tag>-e2e)")
@@ -138,11 +142,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     device = bm.resolve_device(args.device)
     dtype = bm.resolve_dtype(args.dtype, device)
     _need_transformers("demo")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise bm.UserError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
     batch = bm.TextEncoder(model_dir, config)(bm.SENTENCES, device)
     mask = batch["attention_mask"].bool()
     print(f"fastbert demo: {_model_line(model_dir, config, device, dtype)}")
     print(f"{len(bm.SENTENCES)} English sentences, padded to {batch['input_ids'].shape[1]} tokens "
-          f"({int(mask.sum())} real); median of {args.repeats} calls after 2 warm-up calls\n")
+          f"({int(mask.sum())} real); median of {args.repeats} calls after 2 warm-up calls; "
+          f"{torch.get_num_threads()} torch threads\n")
 
     hf = bm.load_hf_model(model_dir, "eager", dtype, device)
     implementations = [("transformers AutoModel (eager)", hf)]
@@ -289,7 +298,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model_dir=model_dir, device=device, dtype=dtype, batches=args.batch or batches, seqs=args.seq or seqs,
         varlen=args.varlen, peers=args.peers if args.peers is not None else peers,
         repeats=args.repeats or repeats, warmup=warmup if args.warmup is None else args.warmup, quick=args.quick,
-        backend=args.backend, peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12)
+        backend=args.backend, peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
+        threads=args.threads)
     results = bm.run_e2e(settings, progress=True)
     for line in bm.summary_lines(results):
         print(line)
