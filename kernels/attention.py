@@ -9,6 +9,8 @@ The head dim is padded to a power-of-two block with masking: D is any multiple o
 96, 128 are the BERT-family sizes). Any sequence length (keys are streamed in blocks). A query whose keys are all
 masked gets zeros, never NaN (running max kept finite, zero denominator -> zero output).
 Output: contiguous, shaped like q, in q's dtype. fp16, bf16, fp32 (fp32 dots in IEEE, no TF32).
+Packed form contract (not checked: it would cost a device sync): cu_seqlens[-1] == T and max_seqlen >= the
+longest sequence; rows outside that are left unwritten. Grid: (query blocks, batch <= 65535, heads).
 """
 
 from __future__ import annotations
@@ -117,7 +119,10 @@ def _meta(head_dim: int, max_seqlen: int) -> dict:
     if block_d <= 64:
         return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 4,
                 "num_stages": 3}
-    return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 8, "num_stages": 2}
+    if block_d <= 128:
+        return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 8,
+                "num_stages": 2}
+    return {"BLOCK_M": min(64, fit), "BLOCK_N": min(32, fit), "BLOCK_D": block_d, "num_warps": 8, "num_stages": 2}
 
 
 def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None) -> str | None:

@@ -73,6 +73,12 @@ def test_packed_head_dims(head_dim, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("head_dim", [8, 48, 256])
+def test_packed_other_head_dims(head_dim):
+    check_packed([5, 40], heads=2, head_dim=head_dim, dtype=torch.float16)
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_padded_head_dims(head_dim, dtype):
@@ -98,9 +104,14 @@ def test_single_token_sequences():
 
 
 @pytest.mark.interpreter
-@pytest.mark.slow
 def test_long_sequence_1024():
     check_packed([1024], heads=1, head_dim=64, dtype=torch.float16)
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_long_sequence_4096():
+    check_packed([4096, 5], heads=1, head_dim=32, dtype=torch.bfloat16)
 
 
 @pytest.mark.interpreter
