@@ -63,6 +63,9 @@ if os.environ.get("FASTBERT_SKIP_EXT", "0").lower() not in ("1", "true", "yes"):
                     self._warn(err)
 
             def _warn(self, err):
+                if getattr(self, "_fastbert_failed", False):  # the failed compile also fails the copy step
+                    return
+                self._fastbert_failed = True
                 message = (f"fastbert: building the C++ extension fastbert._C failed ({type(err).__name__}: {err}); "
                            "installing without it, the cpp backend will be unavailable and fastbert runs eager")
                 warnings.warn(message, stacklevel=1)

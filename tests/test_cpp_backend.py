@@ -5,6 +5,9 @@ matches transformers for every family, and torch.compile(fullgraph=True) traces 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -36,6 +39,28 @@ def test_extension_loads():
     assert backends.available()["cpp"] is None
     explained = backends.explain("linear_activation", torch.randn(3, 8), torch.randn(5, 8), None, "gelu")
     assert explained.startswith("linear_activation: cpp"), explained
+
+
+def test_missing_extension_falls_back_to_eager():
+    """Without fastbert._C (FASTBERT_SKIP_EXT=1 or a failed build) fastbert imports, warns once, runs eager."""
+    script = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["fastbert._C"] = None  # makes `from fastbert import _C` raise ImportError
+        import torch, fastbert
+        from fastbert import backends, ops
+        x, w = torch.randn(3, 8), torch.randn(5, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = ops.linear_activation(x, w, None, "gelu")
+            ops.linear_activation(x, w, None, "gelu")
+        assert torch.allclose(out, ops.linear_activation_reference(x, w, None, "gelu"))
+        assert sum("extension fastbert._C is not built" in str(c.message) for c in caught) == 1, caught
+        explained = backends.explain("linear_activation", x, w, None, "gelu")
+        assert explained.startswith("linear_activation: eager") and "not built" in explained, explained
+        print("OK")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr
 
 
 def test_supports_reasons():
