@@ -163,3 +163,18 @@ def test_run_e2e_quick_reports_figures_and_failed_peers(minilm_dir, tmp_path, mo
 def test_run_e2e_rejects_unknown_peer(minilm_dir):
     with pytest.raises(bm.UserError, match="unknown peer"):
         bm.run_e2e(bm.quick_settings(minilm_dir, peers=["hf-eager", "tensorrt"]), progress=False)
+
+
+def test_ops_benchmark_runs_once_per_case(tmp_path):
+    """benchmarks/test_ops_bench.py with timing disabled: every case checks its fused backends against the unfused
+    PyTorch ops, so the per-op benchmark cannot rot."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(root / "benchmarks" / "test_ops_bench.py"), "-q",
+                           "--benchmark-disable", "-p", "no:cacheprovider", f"--rootdir={root}"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
