@@ -298,6 +298,10 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+# Files of a saved slow tokenizer (transformers builds an empty one from a directory holding none of them).
+TOKENIZER_FILES = {"tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model"}
+
+
 class TextEncoder:
     """Tokenizes sentences for a checkpoint: its tokenizer.json through `tokenizers` (padding to the longest),
     else transformers' AutoTokenizer."""
@@ -316,6 +320,9 @@ class TextEncoder:
             self.tokenizer.enable_truncation(max_length=limit)
             self.hf_tokenizer = None
         else:
+            files = set(os.listdir(model_dir))
+            if not files & TOKENIZER_FILES:
+                raise UserError(f"{model_dir} has no tokenizer (none of {', '.join(sorted(TOKENIZER_FILES))})")
             try:
                 from transformers import AutoTokenizer
 

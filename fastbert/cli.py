@@ -211,11 +211,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     device = bm.resolve_device(args.device)
     dtype = bm.resolve_dtype(args.dtype or "float32", device)
     _need_transformers("check")
-    batch = bm.TextEncoder(model_dir, config)(bm.SENTENCES, device)
+    try:
+        batch = bm.TextEncoder(model_dir, config)(bm.SENTENCES, device)
+        source = f"{len(bm.SENTENCES)} English sentences"
+    except bm.UserError:  # a checkpoint without a tokenizer is still checked, on random token ids
+        seqlen = min(32, config.max_position_embeddings - (config.position_offset or 0))
+        lengths = torch.linspace(1, seqlen, len(bm.SENTENCES)).round().long().tolist()
+        batch = bm.Workload("check", len(lengths), seqlen, lengths, True).inputs(config, device)
+        source = f"{len(lengths)} random token sequences (no tokenizer in the checkpoint)"
     mask = batch["attention_mask"].bool()
     print(f"fastbert check: {_model_line(model_dir, config, device, dtype)}")
-    print(f"{len(bm.SENTENCES)} sentences padded to {batch['input_ids'].shape[1]} tokens; reference: transformers "
-          "AutoModel (eager) in float32; hidden states compared at real tokens only\n")
+    print(f"{source} padded to {batch['input_ids'].shape[1]} tokens ({int(mask.sum())} real); reference: "
+          "transformers AutoModel (eager) in float32; hidden states compared at real tokens only\n")
 
     def outputs(model, record: bool = False) -> dict[str, torch.Tensor]:
         out = _forward(model, batch, seen if record else None)

@@ -10,6 +10,7 @@ import torch
 
 from fastbert import benchmarking as bm
 from fastbert import cli
+from tests.hf_tiny import tiny_model
 
 SIMILAR = ("A cat is sleeping on the sofa.", "A kitten naps on the couch.")
 UNRELATED = "The stock market fell sharply after the announcement."
@@ -67,6 +68,16 @@ def test_check_fails_and_exits_1_when_fastbert_is_wrong(capsys, monkeypatch):
     code, out, _ = _run(capsys, "check")
     assert code == 1
     assert out.splitlines()[-1] == "FAIL"
+
+
+@pytest.mark.parametrize("family, pooler", [("roberta", True), ("distilbert", False), ("albert", True)])
+def test_check_other_families_without_tokenizer(capsys, tmp_path, family, pooler):
+    tiny_model(family).save_pretrained(tmp_path)
+    code, out, _ = _run(capsys, "check", "--model", str(tmp_path))
+    assert code == 0, out
+    assert "random token sequences (no tokenizer in the checkpoint)" in out
+    assert out.splitlines()[-1] == "PASS"
+    assert any(line.startswith("pooler_output") for line in out.splitlines()) is pooler
 
 
 @pytest.mark.parametrize("dtype, fast_err, hf_err, scale, expected", [
