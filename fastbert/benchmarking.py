@@ -607,7 +607,8 @@ def build_peer(name: str, model_dir: str, config: FastBertConfig, dtype: torch.d
             providers = ["CUDAExecutionProvider"]
         else:
             if dtype != torch.float32:
-                raise PeerUnavailable(f"onnxruntime's CPU provider is benchmarked in float32 only, not {dtype}")
+                raise PeerUnavailable(f"onnxruntime's CPU provider is benchmarked in float32 only, not "
+                                      f"{_dtype_name(dtype)}")
             providers = ["CPUExecutionProvider"]
         try:
             path, notes = _export_onnx(model_dir, config, dtype, device, workdir, optimize=not quick)
@@ -700,7 +701,7 @@ def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
         raise UserError(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
 
     if settings.peak_flops is None:
-        size = 256 if settings.quick else (8192 if device.type == "cuda" else 2048)
+        size = 512 if settings.quick else (8192 if device.type == "cuda" else 2048)
         peak = measure_peak_flops(device, dtype, size=size)
         peak_source = f"measured: best of 5 {size}x{size} matmuls in {_dtype_name(dtype)} on this device"
     else:
