@@ -32,10 +32,11 @@ _INTERPRETED = tl.constexpr(INTERPRETER)
 def cast_rtne(x, dtype: tl.constexpr):
     """x.to(dtype) rounded to nearest even. A GPU cast already rounds so; the interpreter (triton 3.9) truncates
     fp32 -> bf16, which would double bf16 errors, so there the rounding is done on the bits first."""
-    if _INTERPRETED and dtype == tl.bfloat16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    if _INTERPRETED:  # nested constexpr ifs: compile-time on every triton version
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
     return x.to(dtype)
 
 

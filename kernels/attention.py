@@ -15,6 +15,7 @@ longest sequence; rows outside that are left unwritten. Grid: (query blocks, bat
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -110,12 +111,16 @@ def _attention_kernel(
     tl.store(out_ptrs, cast_rtne(out, out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def _meta(head_dim: int, max_seqlen: int) -> dict:
-    """Block sizes: a fixed small config under the interpreter, a table by head dim on a GPU (untested here)."""
+def _meta(head_dim: int, max_seqlen: int, dtype: torch.dtype) -> dict:
+    """Block sizes: a fixed config under the interpreter, a table by head dim on a GPU (compiled for sm_90 here,
+    never run). fp32 tiles take twice the shared memory: smaller blocks keep them under A100's 163 KiB too."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     fit = max(16, triton.next_power_of_2(max_seqlen))
     if INTERPRETER:
         return {"BLOCK_M": min(64, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d}
+    if dtype == torch.float32:
+        return {"BLOCK_M": min(64, fit), "BLOCK_N": min(32, fit), "BLOCK_D": block_d, "num_warps": 4,
+                "num_stages": 2}
     if block_d <= 64:
         return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 4,
                 "num_stages": 3}
@@ -123,6 +128,11 @@ def _meta(head_dim: int, max_seqlen: int) -> dict:
         return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 8,
                 "num_stages": 2}
     return {"BLOCK_M": min(64, fit), "BLOCK_N": min(32, fit), "BLOCK_D": block_d, "num_warps": 8, "num_stages": 2}
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None) -> str | None:
@@ -153,7 +163,9 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Ten
         return out.zero_()
     mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else cu_seqlens
     mask_strides = key_padding_mask.stride() if key_padding_mask is not None else (0, 0)
-    meta = _meta(head_dim, longest)
+    meta = _meta(head_dim, longest, q.dtype)
+    if not INTERPRETER and meta["BLOCK_M"] == 128 and triton.cdiv(longest, 128) * batch * heads < _sm_count(q.device):
+        meta["BLOCK_M"] = 64  # small batches: more, shorter programs to occupy the SMs
     grid = (triton.cdiv(longest, meta["BLOCK_M"]), batch, heads)
     _attention_kernel[grid](
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(),
