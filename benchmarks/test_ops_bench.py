@@ -4,6 +4,7 @@ replaces (written as transformers writes them), at BERT-base shapes.
     pytest benchmarks/test_ops_bench.py                       # quick: 2 x 128 tokens (fits a 2-core CPU)
     FASTBERT_BENCH_FULL=1 pytest benchmarks/test_ops_bench.py # 8 x 128 on CPU, 32 x 512 on CUDA
     FASTBERT_BENCH_OUT=benchmarks/results/<tag>-ops pytest benchmarks/test_ops_bench.py --benchmark-json=...
+    FASTBERT_BENCH_THREADS=1 ...                               # torch intra-op threads (a busy shared CPU)
 
 Rows: "torch" (the unfused PyTorch composition) and the backends eager | cpp | triton; a backend that cannot run
 the inputs (not built, not this device; triton on CPU would only run in the interpreter) is skipped with its
@@ -26,6 +27,8 @@ import torch.nn.functional as F
 from fastbert import backends, ops
 from fastbert import benchmarking as bm
 
+if os.environ.get("FASTBERT_BENCH_THREADS"):
+    torch.set_num_threads(int(os.environ["FASTBERT_BENCH_THREADS"]))
 DEVICE = torch.device(bm.best_device())
 DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
 FULL = os.environ.get("FASTBERT_BENCH_FULL", "0") in ("1", "true", "yes")
@@ -186,11 +189,13 @@ def _markdown_report():
     path.mkdir(parents=True, exist_ok=True)
     info = bm.machine_info(DEVICE)
     header = [f"# fastbert per-op benchmark: {info['tag']}", "",
-              f"- {info['gpu'] or info['cpu']} ({info['cpu_cores']} cores), {info['date']}, "
+              f"- {info['gpu'] or info['cpu']} ({info['cpu_cores']} cores, {torch.get_num_threads()} torch threads), "
+              f"{info['date']}, "
               f"torch {info['versions']['torch']}, load average {info['load_average']}",
               f"- BERT-base shapes: {BATCH} x {SEQ} tokens, H={HIDDEN}, heads={HEADS}, I={INTERMEDIATE}, "
               f"{str(DTYPE)[6:]}; median of pytest-benchmark rounds",
-              "- speed-up: median of the unfused PyTorch ops ('torch') / median of the row, same run", ""]
+              "- speed-up: median of the unfused PyTorch ops ('torch') / median of the row, same run",
+              "- backends available: " + "; ".join(f"{k}: {v}" for k, v in bm.backend_availability().items()), ""]
     table = bm.format_table(("case", "implementation", "median ms", "rate", "speed-up vs torch", "FLOPs", "bytes"),
                             rows, markdown=True)
     (path / "ops.md").write_text("\n".join(header) + "\n" + table + "\n", encoding="utf-8")
