@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fastbert.h"
@@ -129,6 +130,22 @@ struct Scratch {
         acc(kQueryChunk * dim_padded), row_max(kQueryChunk), row_sum(kQueryChunk) {}
 };
 
+// The first rows of an item's q, k and v (its whole sequence when short), fetched while the previous item runs.
+template <typename scalar_t>
+void prefetch_item_start(const WorkItem& item, const Layout& L, const scalar_t* q, const scalar_t* k,
+                         const scalar_t* v, int64_t dim, int64_t num_keys) {
+  constexpr int64_t kRowsAhead = 16;
+  const scalar_t* qb = q + L.q_offset(item.batch) + item.head * L.q_head + item.q_begin * L.q_pos;
+  const scalar_t* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
+  const scalar_t* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
+  for (int64_t r = 0; r < std::min(kRowsAhead, item.q_end - item.q_begin); ++r) prefetch_row(qb + r * L.q_pos, dim);
+  // Rows 0.. of the sequence: a masked padded batch's real keys may be others, a harmless guess.
+  for (int64_t r = 0; r < std::min(kRowsAhead, num_keys); ++r) {
+    prefetch_row(kb + r * L.k_pos, dim);
+    prefetch_row(vb + r * L.v_pos, dim);
+  }
+}
+
 template <typename scalar_t>
 void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const scalar_t* k, const scalar_t* v,
                  const int64_t* key_positions, int64_t num_keys, float scale, scalar_t* out, Scratch& w) {
@@ -154,6 +171,19 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
   for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, num_keys - k0), nk_padded = round_up(nk, kCols);
     // Pack the block: K transposed [dim][kKeyBlock] (zero columns past nk), V [nk][dp].
+    int64_t j_transposed = 0;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      // Whole 8-key x 8-dim tiles of contiguous key positions: an in-register transpose instead of scalar stores.
+      if (key_positions == nullptr && dim % 8 == 0) {
+        for (; j_transposed + 8 <= nk; j_transposed += 8) {
+          const float* src = kb + (k0 + j_transposed) * L.k_pos;
+          for (int64_t d = 0; d < dim; d += 8) {
+            at::vec::transpose_mxn<float, 8, 8>(src + d, L.k_pos, w.kt.data() + d * kKeyBlock + j_transposed,
+                                                kKeyBlock);
+          }
+        }
+      }
+    }
     for (int64_t j = 0; j < nk; ++j) {
       if (j + kPrefetchRows < nk) {
         const int64_t ahead = key_positions ? key_positions[k0 + j + kPrefetchRows] : k0 + j + kPrefetchRows;
@@ -164,9 +194,9 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
       const scalar_t* ks = kb + pos * L.k_pos;
       const scalar_t* vs = vb + pos * L.v_pos;
       float* vrow = w.v.data() + j * dp;
-      for (int64_t d = 0; d < dim; ++d) {
-        w.kt[d * kKeyBlock + j] = static_cast<float>(ks[d]);
-        vrow[d] = static_cast<float>(vs[d]);
+      for (int64_t d = 0; d < dim; ++d) vrow[d] = static_cast<float>(vs[d]);
+      if (j >= j_transposed) {
+        for (int64_t d = 0; d < dim; ++d) w.kt[d * kKeyBlock + j] = static_cast<float>(ks[d]);
       }
     }
     for (int64_t d = 0; d < dim; ++d) {
@@ -196,7 +226,7 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
         const float alpha = old_max == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(old_max - new_max);
         w.row_sum[r0 + r] = w.row_sum[r0 + r] * alpha + block_sum;
         w.row_max[r0 + r] = new_max;
-        if (alpha != 1.f) {
+        if (alpha != 1.f && old_max != -std::numeric_limits<float>::infinity()) {  // first block: acc is 0
           float* ar = w.acc.data() + (r0 + r) * dp;
           const Vec alpha_v(alpha);
           for (int64_t c = 0; c < dp; c += kLanes) (Vec::loadu(ar + c) * alpha_v).store(ar + c);
@@ -339,10 +369,17 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch(dim, dp);
       for (int64_t worker = begin; worker < end; ++worker) {
-        for (int64_t i = next++; i < n_items; i = next++) {
+        // Claim the next item before working on this one, so its first rows can be prefetched meanwhile.
+        int64_t i = next++;
+        while (i < n_items) {
+          const int64_t following = next++;
+          if (following < n_items) {
+            prefetch_item_start(items[following], L, qp, kp, vp, dim, num_keys[items[following].batch]);
+          }
           const WorkItem& item = items[i];
           const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + item.batch * S;
           attend_item<scalar_t>(item, L, qp, kp, vp, positions, num_keys[item.batch], softmax_scale, op, scratch);
+          i = following;
         }
       }
     });
