@@ -650,6 +650,7 @@ class BenchSettings:
     backend: str = "auto"
     peak_flops: float | None = None
     threads: int | None = None
+    note: str | None = None
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -788,7 +789,7 @@ def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
         "settings": {"device": device.type, "dtype": _dtype_name(dtype), "batches": settings.batches,
                      "seqs": settings.seqs, "varlen": settings.varlen, "peers": names, "repeats": settings.repeats,
                      "warmup": settings.warmup, "quick": settings.quick, "backend": settings.backend,
-                     "seed": settings.seed, "timing": TIMING_NOTE},
+                     "seed": settings.seed, "timing": TIMING_NOTE, "note": settings.note},
         "peak_flops": {"value": peak, "source": peak_source},
         "flops_formula": "useful FLOPs = sum over sequences of len * L*(8H^2 + 4*H*I + 4*len*H) "
                          "(= L*(24H^2 + 4SH) per token for I = 4H); padding excluded",
@@ -900,6 +901,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
 def markdown_report(results: dict[str, Any]) -> str:
     settings = results["settings"]
     lines = [f"# fastbert end-to-end benchmark: {results['machine']['tag']}", ""]
+    if settings.get("note"):
+        lines += [f"Note: {settings['note']}", ""]
     lines += [f"- {line}" for line in summary_lines(results)]
     lines += [f"- {settings['repeats']} timed calls after {settings['warmup']} warm-up calls per implementation "
               f"and workload{' (quick mode: tiny shapes, numbers mean nothing)' if settings['quick'] else ''}; "

@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, metavar="DIR",
                        help="where to write e2e.json, e2e.md and the PNGs (default: "
                        "benchmarks/results/<machine-tag>-e2e)")
+    bench.add_argument("--note", default=None, help="free text stored in the JSON and shown in the Markdown")
     bench.add_argument("--no-write", action="store_true", help="print the table only")
     return parser
 
@@ -309,7 +310,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         varlen=args.varlen, peers=args.peers if args.peers is not None else peers,
         repeats=args.repeats or repeats, warmup=warmup if args.warmup is None else args.warmup, quick=args.quick,
         backend=args.backend, peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
-        threads=args.threads)
+        threads=args.threads, note=args.note)
     results = bm.run_e2e(settings, progress=True)
     for line in bm.summary_lines(results):
         print(line)
