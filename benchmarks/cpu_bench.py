@@ -8,7 +8,8 @@ figures are the median and the minimum over rounds. Outputs are checked against 
 
     .venv/bin/python benchmarks/cpu_bench.py --threads 2 --rounds 15 --out benchmarks/results/cpu-2core
 
-Writes results.json and results.md into --out. Not a test: targets are ratios measured in the same run.
+Writes <name>.json and <name>.md (default results.*) into --out. Not a test: targets are ratios measured in the
+same run.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cases", nargs="+", default=list(TARGETS))
     parser.add_argument("--skip-ort", action="store_true")
-    parser.add_argument("--out", default=None, help="directory for results.json / results.md")
+    parser.add_argument("--out", default=None, help="directory for <name>.json / <name>.md")
+    parser.add_argument("--name", default="results", help="file name stem inside --out")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -213,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / "results.md").write_text(markdown(report))
+        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{args.name}.md").write_text(markdown(report))
     return 0
 
 
