@@ -158,7 +158,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
-    if k == 0:  # an empty reduction: the kernel's loop would not run; keep the epilogue semantics in eager
+    if k == 0:  # the ops' supports() refuse K = 0 (the result would be the bias alone); guard direct callers
         raise ValueError("linear: K = 0 is not supported by the triton backend")
     res = as_rows(residual) if residual is not None else None
     args = (rows, weight, bias if bias is not None else out, res if res is not None else out, out, m, n, k,
