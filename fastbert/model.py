@@ -95,7 +95,8 @@ class EncoderLayer(nn.Module):
                                              self.ffn_norm_bias, self.eps, backend=backend)
 
 
-def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int) -> torch.Tensor | None:
+def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int,
+                             check_values: bool = True) -> torch.Tensor | None:
     """Check a user's [B, S] attention mask (1 = token, 0 = padding) and return it as bool."""
     if attention_mask is None:
         return None
@@ -108,7 +109,7 @@ def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, se
         return attention_mask
     if attention_mask.dtype.is_complex:
         raise TypeError(f"attention_mask must be bool, integer or float 0/1, got {attention_mask.dtype}")
-    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+    if check_values and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
         raise ValueError(f"attention_mask of dtype {attention_mask.dtype} must hold only 0 and 1 (1 = attend); "
                          "additive float masks are not accepted")
     return attention_mask != 0
@@ -180,7 +181,10 @@ class FastBertModel(nn.Module):
             raise ValueError(f"inputs_embeds must be [batch, seq, embedding], got {tuple(inputs_embeds.shape)}")
         batch, seqlen = source.shape[:2]
         device = source.device
-        mask = normalize_attention_mask(attention_mask, batch, seqlen)
+        # Under torch.compile, reading tensor values (checks, padding removal) would break the graph: the compiled
+        # model skips the value checks and runs the padded form with a key padding mask instead.
+        compiling = torch.compiler.is_compiling()
+        mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
         for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
             if ids is not None and tuple(ids.shape) != (batch, seqlen):
                 ids = ids.expand(batch, seqlen) if ids.dim() == 2 and ids.shape[0] == 1 else ids
@@ -194,14 +198,15 @@ class FastBertModel(nn.Module):
             token_type_ids = token_type_ids.expand(batch, seqlen)
         elif self.config.type_vocab_size:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
-        if self.validate_inputs:
+        if self.validate_inputs and not compiling:
             self._validate(input_ids, position_ids, token_type_ids)
 
-        varlen = varlen_from_mask(mask, batch, seqlen, device)
         key_padding_mask = None
-        if not self.padding_free and varlen.indices is not None:
-            key_padding_mask = mask
+        if compiling or not self.padding_free:
             varlen = varlen_from_mask(None, batch, seqlen, device)
+            key_padding_mask = mask
+        else:
+            varlen = varlen_from_mask(mask, batch, seqlen, device)
 
         backend = self.backend
         types = None if token_type_ids is None else unpad_tokens(token_type_ids, varlen)

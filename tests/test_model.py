@@ -178,3 +178,15 @@ def test_unsupported_model_type(bert_dir, tmp_path):
     shutil.copy(bert_dir / "model.safetensors", tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="not supported"):
         fastbert.from_pretrained(tmp_path)
+
+
+def test_torch_compile_fullgraph_on_a_padded_batch(tmp_path):
+    """Compiled, the model reads no tensor values (no graph break) and runs the padded form: same numbers."""
+    model = fastbert.from_pretrained(_save(tiny_model("bert"), tmp_path), backend="eager")
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        expected = model(ids, mask).last_hidden_state
+        actual = torch.compile(model, fullgraph=True)(ids, mask).last_hidden_state
+    keep = mask.bool()
+    assert rel_err(actual[keep], expected[keep]) <= 1e-5
+    assert torch.all(actual[~keep] == 0)
