@@ -190,8 +190,10 @@ def _markdown_report():
     info = bm.machine_info(DEVICE)
     header = [f"# fastbert per-op benchmark: {info['tag']}", "",
               f"- {info['gpu'] or info['cpu']} ({info['cpu_cores']} cores, {torch.get_num_threads()} torch threads), "
-              f"{info['date']}, "
-              f"torch {info['versions']['torch']}, load average {info['load_average']}",
+              f"{info['date']}, torch {info['versions']['torch']}, load average (1, 5, 15 min) "
+              + "/".join(f"{v:.1f}" for v in info["load_average"] or []),
+              "- rows run one after another (pytest-benchmark), not interleaved: on a busy machine compare "
+              "ratios with care",
               f"- BERT-base shapes: {BATCH} x {SEQ} tokens, H={HIDDEN}, heads={HEADS}, I={INTERMEDIATE}, "
               f"{str(DTYPE)[6:]}; median of pytest-benchmark rounds",
               "- speed-up: median of the unfused PyTorch ops ('torch') / median of the row, same run",
