@@ -209,6 +209,17 @@ def _version(module: str) -> str | None:
         return None
 
 
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    """'4.56.0.dev0' -> (4, 56, 0); None or unparsable -> ()."""
+    parts = []
+    for piece in (text or "").split("."):
+        digits = re.match(r"\d+", piece)
+        if not digits:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
 def machine_info(device: torch.device | str) -> dict[str, Any]:
     """Machine tag, CPU/GPU, core count, load, library versions and the date, for a results file."""
     device = torch.device(device)
@@ -373,11 +384,12 @@ def load_hf_model(model_dir: str, attn: str = "eager", dtype: torch.dtype = torc
     hf_logging.set_verbosity_error()
     previous = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    # transformers renamed torch_dtype to dtype in 4.56; older versions would pass an unknown `dtype` to the config.
+    dtype_key = "dtype" if _version_tuple(_version("transformers")) >= (4, 56) else "torch_dtype"
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115 - the weight-loading bar
-                model = AutoModel.from_pretrained(model_dir, attn_implementation=attn, dtype=dtype)
+        with warnings.catch_warnings(), open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")  # the weight-loading bar and load reports go to the sink
+            model = AutoModel.from_pretrained(model_dir, attn_implementation=attn, **{dtype_key: dtype})
     finally:
         hf_logging.set_verbosity(verbosity)
         if previous is None:
@@ -548,7 +560,7 @@ def _export_onnx(model_dir: str, config: FastBertConfig, dtype: torch.dtype, dev
         try:
             from onnxruntime.transformers import optimizer
 
-            with contextlib.redirect_stdout(open(os.devnull, "w")), warnings.catch_warnings():  # noqa: SIM115
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 fused = optimizer.optimize_model(path, model_type="bert", num_heads=config.num_attention_heads,
                                                  hidden_size=config.hidden_size, opt_level=0,
