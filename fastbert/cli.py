@@ -39,6 +39,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_options(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
+    """--model, --device, --dtype, --backend: shared by every subcommand."""
     parser.add_argument("--model", metavar="PATH", default=None,
                         help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
@@ -50,6 +51,7 @@ def _add_model_options(parser: argparse.ArgumentParser, dtype: bool = True) -> N
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand (no heavy imports: `fastbert --help` stays fast)."""
     parser = _Parser(prog="fastbert", description="Fast BERT-family encoders: demo, check, embed, bench. With no "
                      "command, runs the demo on the embedded all-MiniLM-L6-v2.")
     parser.add_argument("--version", action="version", version="fastbert 0.1.0")
