@@ -38,14 +38,13 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _add_model_options(parser: argparse.ArgumentParser, dtype: bool = True) -> None:
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
     """--model, --device, --dtype, --backend: shared by every subcommand."""
     parser.add_argument("--model", metavar="PATH", default=None,
                         help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
-    if dtype:
-        parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16; default: float32 on CPU, "
-                            "float16 on CUDA")
+    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16; default: float32 on CPU, "
+                        "float16 on CUDA (check and embed: float32)")
     parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
                         help="fastbert backend (default auto: cpp then eager on CPU, triton then eager on CUDA)")
 
