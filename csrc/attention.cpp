@@ -43,8 +43,13 @@ inline void prefetch_row(const scalar_t* row, int64_t dim) {
 
 // s[r][j] = sum_d q[r][d] * kt[d][j] for r < kRows and j < ncols (a multiple of kCols).
 // q: kRows rows of `dim` floats; kt: dim rows of `ldk` floats (K transposed); s: kRows rows of `lds` floats.
-inline void scores_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, int64_t ncols, float* s,
-                        int64_t lds) {
+// Also returns each row's maximum over the first `valid` columns in row_max[r]; columns from `valid` on (the
+// zero padding of the last tile) are stored as -inf so that the softmax ignores them.
+inline void scores_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, int64_t ncols, int64_t valid,
+                        float* s, int64_t lds, float* row_max) {
+  const Vec neg_inf(-std::numeric_limits<float>::infinity());
+  const Vec lane = Vec::arange(0.f, 1.f);
+  Vec m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf;
   for (int64_t j = 0; j < ncols; j += kCols) {
     Vec a00(0.f), a01(0.f), a10(0.f), a11(0.f), a20(0.f), a21(0.f), a30(0.f), a31(0.f);
     const float* kp = kt + j;
@@ -60,6 +65,22 @@ inline void scores_tile(const float* q, int64_t dim, const float* kt, int64_t ld
       a30 = at::vec::fmadd(q3, k0, a30);
       a31 = at::vec::fmadd(q3, k1, a31);
     }
+    if (j + kCols > valid) {
+      const Vec keep0 = lane < Vec(static_cast<float>(valid - j));
+      const Vec keep1 = lane < Vec(static_cast<float>(valid - j - kLanes));
+      a00 = Vec::blendv(neg_inf, a00, keep0);
+      a10 = Vec::blendv(neg_inf, a10, keep0);
+      a20 = Vec::blendv(neg_inf, a20, keep0);
+      a30 = Vec::blendv(neg_inf, a30, keep0);
+      a01 = Vec::blendv(neg_inf, a01, keep1);
+      a11 = Vec::blendv(neg_inf, a11, keep1);
+      a21 = Vec::blendv(neg_inf, a21, keep1);
+      a31 = Vec::blendv(neg_inf, a31, keep1);
+    }
+    m0 = at::vec::maximum(m0, at::vec::maximum(a00, a01));
+    m1 = at::vec::maximum(m1, at::vec::maximum(a10, a11));
+    m2 = at::vec::maximum(m2, at::vec::maximum(a20, a21));
+    m3 = at::vec::maximum(m3, at::vec::maximum(a30, a31));
     a00.store(s + j);
     a01.store(s + j + kLanes);
     a10.store(s + lds + j);
@@ -69,6 +90,11 @@ inline void scores_tile(const float* q, int64_t dim, const float* kt, int64_t ld
     a30.store(s + 3 * lds + j);
     a31.store(s + 3 * lds + j + kLanes);
   }
+  auto vmax = [](Vec& a, Vec& b) { return at::vec::maximum(a, b); };
+  row_max[0] = at::vec::vec_reduce_all<float>(vmax, m0);
+  row_max[1] = at::vec::vec_reduce_all<float>(vmax, m1);
+  row_max[2] = at::vec::vec_reduce_all<float>(vmax, m2);
+  row_max[3] = at::vec::vec_reduce_all<float>(vmax, m3);
 }
 
 // acc[r][c] += sum_{j < nk} p[r][j] * v[j][c] for r < kRows and c < dp (a multiple of kCols).
@@ -205,14 +231,11 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
 
     for (int64_t r0 = 0; r0 < rows_padded; r0 += kRows) {
       float* s = w.s.data();
-      scores_tile(qs + r0 * dim, dim, w.kt.data(), kKeyBlock, nk_padded, s, kKeyBlock);
+      float tile_max[kRows];
+      scores_tile(qs + r0 * dim, dim, w.kt.data(), kKeyBlock, nk_padded, nk, s, kKeyBlock, tile_max);
       for (int64_t r = 0; r < kRows; ++r) {
         float* sr = s + r * kKeyBlock;
-        for (int64_t j = nk; j < nk_padded; ++j) sr[j] = -std::numeric_limits<float>::infinity();
-        Vec mx(-std::numeric_limits<float>::infinity());
-        for (int64_t j = 0; j < nk_padded; j += kLanes) mx = at::vec::maximum(mx, Vec::loadu(sr + j));
-        const float block_max =
-            at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mx);
+        const float block_max = tile_max[r];
         const float old_max = w.row_max[r0 + r];
         const float new_max = std::max(old_max, block_max);
         const Vec new_max_v(new_max);
