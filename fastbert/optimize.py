@@ -127,7 +127,7 @@ class _Shared:
             output_hidden_states = getattr(config, "output_hidden_states", False)
         return_dict = flat.get("return_dict")
         if return_dict is None:
-            return_dict = getattr(config, "use_return_dict", getattr(config, "return_dict", True))
+            return_dict = getattr(config, "return_dict", True)
         inputs = {k: flat.get(k) for k in _FAST_ARGS}
         if self.config.type_vocab_size == 0 and inputs.get("token_type_ids") is not None:
             raise ValueError(f"{config.model_type} takes no token_type_ids")
