@@ -52,7 +52,7 @@ def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, sca
 
 
 def attention_reference(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
-    """fp32 math reference (explicit softmax), for tests of every backend; returns q's dtype."""
+    """The eager computation in fp32 (SDPA on upcast inputs), for tests of every backend; returns q's dtype."""
     out = _eager(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, key_padding_mask, scale)
     return out.to(q.dtype)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.linear_activation import layer_norm_fp32
 
 
 def embedding_layernorm_reference(
@@ -29,9 +30,7 @@ def embedding_layernorm_reference(
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         summed = summed + F.embedding(token_type_ids, token_type_embeddings)
-    if summed.dtype in (torch.float16, torch.bfloat16):
-        return F.layer_norm(summed.float(), summed.shape[-1:], weight.float(), bias.float(), eps).to(summed.dtype)
-    return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps)
+    return layer_norm_fp32(summed, weight, bias, eps)
 
 
 def _check(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,

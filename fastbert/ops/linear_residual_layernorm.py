@@ -10,14 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.linear_activation import layer_norm_fp32
 
 
 def linear_residual_layernorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps):
-    summed = F.linear(x, weight, bias) + residual
-    if summed.dtype in (torch.float16, torch.bfloat16):
-        out = F.layer_norm(summed.float(), summed.shape[-1:], ln_weight.float(), ln_bias.float(), eps)
-        return out.to(summed.dtype)
-    return F.layer_norm(summed, summed.shape[-1:], ln_weight, ln_bias, eps)
+    return layer_norm_fp32(F.linear(x, weight, bias) + residual, ln_weight, ln_bias, eps)
 
 
 backends.register("linear_residual_layernorm", "eager", linear_residual_layernorm_reference, has_backward=True)
