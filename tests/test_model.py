@@ -190,3 +190,13 @@ def test_torch_compile_fullgraph_on_a_padded_batch(tmp_path):
     keep = mask.bool()
     assert rel_err(actual[keep], expected[keep]) <= 1e-5
     assert torch.all(actual[~keep] == 0)
+
+
+def test_from_pretrained_does_not_import_transformers(minilm_dir):
+    import subprocess
+    import sys
+
+    code = ("import sys, fastbert; fastbert.from_pretrained(sys.argv[1]); "
+            "print('transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code, minilm_dir], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
