@@ -180,6 +180,8 @@ class FastBertModel(nn.Module):
         if inputs_embeds is not None and inputs_embeds.dim() != 3:
             raise ValueError(f"inputs_embeds must be [batch, seq, embedding], got {tuple(inputs_embeds.shape)}")
         batch, seqlen = source.shape[:2]
+        if batch == 0 or seqlen == 0:
+            raise ValueError(f"empty input: batch {batch} x sequence length {seqlen}; give at least one token")
         device = source.device
         # Under torch.compile, reading tensor values (checks, padding removal) would break the graph: the compiled
         # model skips the value checks and runs the padded form with a key padding mask instead.

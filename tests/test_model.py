@@ -130,6 +130,8 @@ def test_bad_attention_mask(bert_dir, mask, error, match):
 
 def test_bad_input_ids(bert_dir):
     model = fastbert.from_pretrained(bert_dir)
+    with pytest.raises(ValueError, match="empty input"):
+        model(torch.ones(2, 0, dtype=torch.long))
     with pytest.raises(ValueError, match="integer tensor"):
         model(torch.ones(2, 5))
     with pytest.raises(ValueError, match="exactly one"):

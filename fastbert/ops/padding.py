@@ -35,7 +35,7 @@ class VarlenBatch:
 def varlen_from_mask(mask: torch.Tensor | None, batch: int, seqlen: int, device: torch.device) -> VarlenBatch:
     """Packed description of a [B, S] bool mask (True = real token); None means nothing is padded."""
     if mask is None or bool(mask.all()):
-        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
         return VarlenBatch(None, cu, seqlen, batch, seqlen)
     lengths = mask.sum(dim=1, dtype=torch.int32)
     cu = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
