@@ -10,12 +10,14 @@ Rows: "torch" (the unfused PyTorch composition) and the backends eager | cpp | t
 the inputs (not built, not this device; triton on CPU would only run in the interpreter) is skipped with its
 reason. Each row checks its output against "torch" first, then is timed; extra_info holds the FLOP and byte
 counts (formulas in `fastbert.benchmarking`, one function per op), GB/s for the memory-bound op
-(embedding_layernorm) and TFLOP/s for the GEMMs and attention. With FASTBERT_BENCH_OUT set, a Markdown table with
-the speed-up of each backend over "torch" (same run) is written there as ops.md.
+(embedding_layernorm) and TFLOP/s for the GEMMs and attention. With FASTBERT_BENCH_OUT set, the run writes there
+ops.md (a table with the speed-up of each backend over "torch", same run), ops.json (machine, versions, every row)
+and ops_speedup.png.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -201,6 +203,34 @@ def _markdown_report():
     table = bm.format_table(("case", "implementation", "median ms", "rate", "speed-up vs torch", "FLOPs", "bytes"),
                             rows, markdown=True)
     (path / "ops.md").write_text("\n".join(header) + "\n" + table + "\n", encoding="utf-8")
+    (path / "ops.json").write_text(json.dumps({"machine": info, "threads": torch.get_num_threads(), "rows": _ROWS},
+                                              indent=1, default=str), encoding="utf-8")
+    _plot_speedups(baseline, path / "ops_speedup.png", info["tag"])
+
+
+def _plot_speedups(baseline: dict[str, float], png: Path, tag: str) -> None:
+    """One bar per (case, backend): the unfused torch median over the backend's median, same run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(row["case"] for row in _ROWS))
+    impls = [impl for impl in dict.fromkeys(row["impl"] for row in _ROWS) if impl != "torch"]
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(cases)), 4.5))
+    for index, impl in enumerate(impls):
+        medians = {row["case"]: row["median_s"] for row in _ROWS if row["impl"] == impl}
+        ratios = [baseline.get(case, 0.0) / medians[case] if case in medians else 0.0 for case in cases]
+        ax.bar([i + index * width for i in range(len(cases))], ratios, width, label=impl)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(cases))], cases, rotation=20, ha="right")
+    ax.set_ylabel("speed-up vs unfused torch (same run)")
+    ax.set_title(f"fastbert per-op speed-up: {tag}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
