@@ -175,20 +175,16 @@ def from_pretrained(
         model = build_task_model(config, task, backend=backend)
         encoder, own_prefix = model.encoder, "encoder."
         head_pairs = head_key_map(config, task)
-    # The task model's encoder has a pooler only where its head reads one: map the encoder as built.
-    encoder_pairs = encoder_key_map(encoder.config, prefix)
-    # A task checkpoint may lack the pooler (HF then initialises it): treat it like head weights.
-    head_pairs = head_pairs + [pair for pair in encoder_pairs if pair[0].startswith("pooler.")]
-    head_pairs = [(own_prefix + ours if ours.startswith("pooler.") else ours, theirs) for ours, theirs in head_pairs]
-    encoder_pairs = [pair for pair in encoder_pairs if not pair[0].startswith("pooler.")]
-    shapes = {k: v.shape for k, v in encoder.state_dict().items()}
-
-    state = {own_prefix + k: v for k, v in map_state_dict(encoder_pairs, source, shapes, str(directory)).items()}
-    model_shapes = {k: v.shape for k, v in model.state_dict().items()}
-    present = [(ours, theirs) for ours, theirs in head_pairs if all(k in source for k in theirs)]
-    missing_head = [theirs[0] for ours, theirs in head_pairs if not all(k in source for k in theirs)]
-    state.update(map_state_dict(present, source, model_shapes, str(directory)))
-    used = {k for _, theirs in encoder_pairs + present for k in theirs}
+    # The task model's encoder has a pooler only where its head reads one: map the encoder as built. A task
+    # checkpoint may lack the pooler (HF then initialises it), so the pooler is optional, like the heads.
+    encoder_pairs = [(own_prefix + ours, theirs) for ours, theirs in encoder_key_map(encoder.config, prefix)]
+    optional = head_pairs + [pair for pair in encoder_pairs if pair[0].startswith(own_prefix + "pooler.")]
+    required = [pair for pair in encoder_pairs if pair not in optional]
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    present = [(ours, theirs) for ours, theirs in optional if all(k in source for k in theirs)]
+    missing_head = [theirs[0] for ours, theirs in optional if not all(k in source for k in theirs)]
+    state = map_state_dict(required + present, source, shapes, str(directory))
+    used = {k for _, theirs in required + present for k in theirs}
     if task is not None:  # tied copies (a decoder's view of the word embeddings) are not unused weights
         from fastbert.heads import redundant_checkpoint_keys
 

@@ -129,8 +129,6 @@ class _Shared:
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
         inputs = {k: flat.get(k) for k in _FAST_ARGS}
-        if self.config.type_vocab_size == 0 and inputs.get("token_type_ids") is not None:
-            raise ValueError(f"{config.model_type} takes no token_type_ids")
         out = self.fast(**inputs, output_hidden_states=bool(output_hidden_states))
         fields = {"last_hidden_state": out.last_hidden_state}
         if "pooler_output" in self.output_class.__dataclass_fields__:
