@@ -217,14 +217,13 @@ def _plot_speedups(baseline: dict[str, float], png: Path, tag: str) -> None:
 
     cases = list(dict.fromkeys(row["case"] for row in _ROWS))
     impls = [impl for impl in dict.fromkeys(row["impl"] for row in _ROWS) if impl != "torch"]
-    width = 0.8 / max(1, len(impls))
+    medians = {(row["case"], row["impl"]): row["median_s"] for row in _ROWS}
+    series = {impl: [baseline[case] / medians[case, impl] if (case, impl) in medians and case in baseline else None
+                     for case in cases] for impl in impls}
     fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(cases)), 4.5))
-    for index, impl in enumerate(impls):
-        medians = {row["case"]: row["median_s"] for row in _ROWS if row["impl"] == impl}
-        ratios = [baseline.get(case, 0.0) / medians[case] if case in medians else 0.0 for case in cases]
-        ax.bar([i + index * width for i in range(len(cases))], ratios, width, label=impl)
+    bm.grouped_bars(ax, cases, series, lambda v: f"{v:.2f}x")
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(cases))], cases, rotation=20, ha="right")
     ax.set_ylabel("speed-up vs unfused torch (same run)")
     ax.set_title(f"fastbert per-op speed-up: {tag}")
     ax.legend()

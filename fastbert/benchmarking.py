@@ -938,6 +938,28 @@ def markdown_report(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def grouped_bars(ax, categories: list[str], series: dict[str, list[float | None]], label, colors=None,
+                 missing_at: float = 0.0) -> None:
+    """One group of bars per category, one bar per series, each annotated with ``label(value)``; a value of None
+    (the implementation did not run) is written as "n/a" at height ``missing_at``."""
+    width = 0.8 / max(1, len(series))
+    for j, (name, values) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(categories))]
+        ax.bar(xs, [float("nan") if v is None else v for v in values], width, label=name,
+               color=(colors or {}).get(name))
+        for x, value in zip(xs, values, strict=True):
+            ax.annotate("n/a" if value is None else label(value), (x, missing_at if value is None else value),
+                        ha="center", va="bottom", fontsize=7, rotation=90 if len(series) > 3 else 0)
+    ax.set_xticks(range(len(categories)), categories)
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_results(results: dict[str, Any], out_dir: Path) -> list[Path]:
     """Two PNGs: p50 latency per workload and implementation, and fastbert's speed-up over each peer."""
     import matplotlib
@@ -947,55 +969,38 @@ def plot_results(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
     workloads = [w["name"] for w in results["workloads"]]
     names = list(results["settings"]["peers"])
+    peers = [n for n in names if n != "fastbert"]
     colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}
     title = (f"{results['model']['name']} {results['settings']['dtype']}, {results['machine']['tag']} "
              f"({results['machine']['gpu'] or results['machine']['cpu']})")
-    paths = []
 
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(workloads) * max(1, len(names)) / 2.5), 4.5))
-    width = 0.8 / max(1, len(names))
+    def column(name: str, key: str) -> list[float | None]:
+        return [w["results"].get(name, {}).get(key) or None for w in results["workloads"]]
+
+    def figure(count: int):
+        return plt.subplots(figsize=(max(7.0, 1.2 * len(workloads) * max(1, count) / 2.5), 4.5))
+
+    fig, ax = figure(len(names))
     measured = [e["p50_ms"] for w in results["workloads"] for e in w["results"].values() if e.get("p50_ms")]
     floor = min(measured) / 2 if measured else 1.0  # where "n/a" is written for an implementation that did not run
-    for j, name in enumerate(names):
-        values = [w["results"].get(name, {}).get("p50_ms") for w in results["workloads"]]
-        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(workloads))]
-        ax.bar(xs, [v if v else float("nan") for v in values], width, label=name, color=colors[name])
-        for x, value in zip(xs, values, strict=True):
-            ax.annotate("n/a" if value is None else f"{value:.3g}", (x, value or floor), ha="center",
-                        va="bottom", fontsize=7, rotation=90 if len(names) > 3 else 0)
-    ax.set_xticks(range(len(workloads)), workloads)
+    grouped_bars(ax, workloads, {n: column(n, "p50_ms") for n in names}, lambda v: f"{v:.3g}", colors, floor)
     ax.set_ylabel("p50 latency per batch (ms, log scale)")
     ax.set_yscale("log")
     ax.set_ylim(floor / 1.5, (max(measured) if measured else 1.0) * 4)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.margins(y=0.3)
-    fig.tight_layout()
-    paths.append(out_dir / "e2e_latency.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    latency = _save(fig, out_dir / "e2e_latency.png", plt)
 
-    peers = [n for n in names if n != "fastbert"]
-    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(workloads) * max(1, len(peers)) / 2.5), 4.5))
-    width = 0.8 / max(1, len(peers))
-    for j, name in enumerate(peers):
-        values = [w["results"].get(name, {}).get("fastbert_speedup") for w in results["workloads"]]
-        xs = [i + (j - (len(peers) - 1) / 2) * width for i in range(len(workloads))]
-        ax.bar(xs, [v or 0 for v in values], width, label=f"vs {name}", color=colors[name])
-        for x, value in zip(xs, values, strict=True):
-            ax.annotate("n/a" if value is None else f"{value:.2f}x", (x, value or 0), ha="center", va="bottom",
-                        fontsize=7, rotation=90 if len(peers) > 3 else 0)
+    fig, ax = figure(len(peers))
+    grouped_bars(ax, workloads, {f"vs {n}": column(n, "fastbert_speedup") for n in peers}, lambda v: f"{v:.2f}x",
+                 {f"vs {n}": colors[n] for n in peers})
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(workloads)), workloads)
     ax.set_ylabel("fastbert speed-up (peer p50 / fastbert p50)")
     ax.set_title(title + "; > 1: fastbert faster", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.margins(y=0.2)
-    fig.tight_layout()
-    paths.append(out_dir / "e2e_speedup.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    return paths
+    return [latency, _save(fig, out_dir / "e2e_speedup.png", plt)]
 
 
 def default_out_dir(device: torch.device | str) -> Path:
