@@ -47,7 +47,7 @@ def _linear_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 gelu_tanh, 3 relu
     INPUT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER_DOT_IN_FP32`
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -161,6 +161,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     if k == 0:  # the ops' supports() refuse K = 0 (the result would be the bias alone); guard direct callers
         raise ValueError("linear: K = 0 is not supported by the triton backend")
     res = as_rows(residual) if residual is not None else None
+    bias = bias.contiguous() if bias is not None else None  # the epilogue reads it with unit stride
     args = (rows, weight, bias if bias is not None else out, res if res is not None else out, out, m, n, k,
             rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1),
             res.stride(0) if res is not None else 0, res.stride(1) if res is not None else 0,

@@ -135,13 +135,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+MAX_GRID_BATCH = 65535
+
+
 def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None) -> str | None:
     head_dim = q.shape[-1]
+    batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
     return first_reason(
         device_reason([q, k, v, cu_seqlens, key_padding_mask]),
         float_reason([q, k, v]),
         None if head_dim % 8 == 0 and 8 <= head_dim <= MAX_HEAD_DIM else
         f"head_dim {head_dim} not supported (multiples of 8 up to {MAX_HEAD_DIM})",
+        # the batch is grid axis 1, which CUDA caps at 65535 programs
+        f"batch {batch} exceeds {MAX_GRID_BATCH} sequences per call" if batch > MAX_GRID_BATCH else None,
     )
 
 
@@ -161,7 +167,7 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Ten
     heads, head_dim = q.shape[-2], q.shape[-1]
     if longest == 0 or batch == 0:
         return out.zero_()
-    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else cu_seqlens
+    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else q4  # q4: an unread placeholder
     mask_strides = key_padding_mask.stride() if key_padding_mask is not None else (0, 0)
     meta = _meta(head_dim, longest, q.dtype)
     if not INTERPRETER and meta["BLOCK_M"] == 128 and triton.cdiv(longest, 128) * batch * heads < _sm_count(q.device):
@@ -169,7 +175,7 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Ten
     grid = (triton.cdiv(longest, meta["BLOCK_M"]), batch, heads)
     _attention_kernel[grid](
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(),
-        cu_seqlens if packed else q4, mask if mask is not None else q4, *mask_strides,
+        cu_seqlens.contiguous() if packed else q4, mask, *mask_strides,
         q4.shape[1], head_dim, scale * LOG2E,
         PACKED=packed, HAS_MASK=key_padding_mask is not None, INPUT_PRECISION=dot_precision(q.dtype),
         DOT_IN_FP32=INTERPRETER, **meta)

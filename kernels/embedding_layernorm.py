@@ -96,9 +96,12 @@ def _op(input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: tor
         return out
     has_table = token_type_embeddings is not None
     has_ids = has_table and token_type_ids is not None
-    ids = input_ids.reshape(-1)
-    positions = position_ids.reshape(-1)
-    types = token_type_ids.reshape(-1) if has_ids else ids
+    # The kernel reads ids and LayerNorm vectors with unit stride: a strided view (e.g. `big[:, ::2]`, whose
+    # reshape stays a view) must be compacted first; contiguous() copies nothing for the usual inputs.
+    ids = input_ids.reshape(-1).contiguous()
+    positions = position_ids.reshape(-1).contiguous()
+    types = token_type_ids.reshape(-1).contiguous() if has_ids else ids
+    weight, bias = weight.contiguous(), bias.contiguous()
     table = token_type_embeddings if has_table else word_embeddings
     per_program = rows_per_program(width)
     _embedding_layernorm_kernel[(triton.cdiv(rows, per_program),)](

@@ -62,6 +62,9 @@ def layernorm_rows_(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, e
     rows, width = x.shape
     if rows == 0:
         return x
+    if width > 1 and x.stride(1) != 1:
+        raise ValueError(f"layernorm_rows_: x must have unit column stride, got strides {x.stride()}")
+    weight, bias = weight.contiguous(), bias.contiguous()  # read with unit stride; no copy when already so
     if width > MAX_WIDTH:
         raise ValueError(f"layernorm: width {width} exceeds {MAX_WIDTH}")
     per_program = rows_per_program(width)

@@ -11,8 +11,10 @@ from tests.kernels.numerics import DEVICE, DTYPE_IDS, assert_accurate, rand
 ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
 
 
-def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tables=False, id_dtype=torch.int64):
-    """types: "ids" (token type ids given), "default" (table but no ids: row 0), "none" (no table, DistilBERT)."""
+def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tables=False, id_dtype=torch.int64,
+                              strided_ids=False):
+    """types: "ids" (token type ids given), "default" (table but no ids: row 0), "none" (no table, DistilBERT).
+    strided_ids: every id tensor is a column-strided view whose flattening stays a view (batch 1)."""
     vocab, positions = 50, 140
 
     def table(rows):
@@ -22,9 +24,15 @@ def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tabl
 
     word, position = table(vocab), table(positions)
     token_type = table(2) if types != "none" else None
-    input_ids = torch.randint(0, vocab, ids_shape, device=DEVICE, dtype=id_dtype)
-    position_ids = torch.arange(ids_shape[-1], device=DEVICE).expand(ids_shape)  # stride-0 rows, as models pass
-    token_type_ids = torch.randint(0, 2, ids_shape, device=DEVICE) if types == "ids" else None
+    wide = (*ids_shape[:-1], 2 * ids_shape[-1]) if strided_ids else ids_shape
+
+    def ids(high, dtype=torch.int64):
+        full = torch.randint(0, high, wide, device=DEVICE, dtype=dtype)
+        return full[..., ::2] if strided_ids else full
+
+    input_ids = ids(vocab, id_dtype)
+    position_ids = ids(positions) if strided_ids else torch.arange(ids_shape[-1], device=DEVICE).expand(ids_shape)
+    token_type_ids = ids(2) if types == "ids" else None  # position ids above: stride-0 rows, as models pass
     weight, bias = rand(width, dtype=dtype).abs() + 0.5, rand(width, dtype=dtype, scale=0.2)
     args = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, 1e-12)
     fast = ops.embedding_layernorm(*args, backend="triton")
@@ -37,6 +45,10 @@ def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tabl
 
 def test_embedding_layernorm_fp16():
     check_embedding_layernorm((3, 7), 384, torch.float16)
+
+
+def test_strided_ids_are_read_with_their_stride():
+    check_embedding_layernorm((1, 9), 64, torch.float16, strided_ids=True)
 
 
 @pytest.mark.interpreter
