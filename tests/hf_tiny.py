@@ -49,12 +49,17 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
 
 
 def tiny_model(family: str, head: str = "Model", **overrides) -> torch.nn.Module:
-    """A seeded tiny random transformers model, eval mode, eager attention."""
+    """A seeded tiny random transformers model, eval mode, eager attention. Every parameter gets seeded noise:
+    transformers initialises biases to 0 and LayerNorms to 1/0, which would hide a dropped or misplaced one."""
     torch.manual_seed(0)
     cls = getattr(transformers, FAMILIES[family][2] + head)
     config = tiny_config(family, **overrides)
     config._attn_implementation = "eager"
-    return cls(config).eval()
+    model = cls(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return model
 
 
 def padded_batch(batch: int = 4, seqlen: int = 9, pad_id: int = 0, generator_seed: int = 1):

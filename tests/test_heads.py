@@ -12,11 +12,10 @@ import warnings
 
 import pytest
 import torch
+import transformers  # a required test dependency: a broken install must fail, not skip
 
 import fastbert
 from fastbert.heads import TASKS
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 99, 9
 LENGTHS = (SEQ, 1, 5)  # mixed: full, a single token, in between

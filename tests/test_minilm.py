@@ -51,3 +51,4 @@ def test_from_pretrained_embeddings(minilm_dir, sentence_model):
     pooled = (hidden * mask).sum(1) / mask.sum(1)
     actual = torch.nn.functional.normalize(pooled, dim=-1)
     assert _cosine(actual, expected).min() >= 0.99999
+    assert (actual - expected).abs().max() <= 1e-5

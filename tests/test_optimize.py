@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import fastbert
+from fastbert import benchmarking as bm
 from tests.hf_tiny import HEADS, VOCAB, padded_batch, rel_err, tiny_model
 
 PER_TOKEN = {"last_hidden_state", "prediction_logits", "start_logits", "end_logits"}
@@ -69,9 +70,10 @@ def test_optimize_matches_transformers(family, head):
     optimized = fastbert.optimize(copy.deepcopy(reference))
     assert type(optimized) is type(reference)
     inputs = _inputs(family, head, reference)
-    with torch.inference_mode():
+    with torch.inference_mode(), bm.record_backends() as seen:
         expected = reference(**inputs)
         actual = optimized(**inputs)
+    assert set(seen) == set(bm.OPS), "fastbert's path did not run (transformers compared with itself)"
     assert type(actual) is type(expected)
     errors = _compare(expected, actual, inputs["attention_mask"])
     assert errors, "nothing compared"
@@ -116,10 +118,15 @@ def test_optimize_survives_dtype_and_device_moves():
     assert rel_err(actual[keep], expected[keep]) <= 1e-10
 
 
-def test_optimize_hidden_states_and_tuple_outputs():
+@pytest.fixture
+def bert_pair():
+    """(untouched transformers BertModel, an optimized copy, ids, mask) on a padded batch."""
     reference = tiny_model("bert")
-    model = fastbert.optimize(copy.deepcopy(reference))
-    ids, mask = padded_batch()
+    return reference, fastbert.optimize(copy.deepcopy(reference)), *padded_batch()
+
+
+def test_optimize_hidden_states_and_tuple_outputs(bert_pair):
+    reference, model, ids, mask = bert_pair
     with torch.inference_mode():
         expected = reference(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         actual = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
@@ -131,13 +138,15 @@ def test_optimize_hidden_states_and_tuple_outputs():
     assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], actual.last_hidden_state)
 
 
-def test_optimize_runs_original_code_where_fastbert_cannot():
-    reference = tiny_model("bert")
-    model = fastbert.optimize(copy.deepcopy(reference))
-    ids, mask = padded_batch()
-    with torch.inference_mode():
+def test_optimize_runs_original_code_where_fastbert_cannot(bert_pair):
+    reference, model, ids, mask = bert_pair
+    with torch.inference_mode(), bm.record_backends() as seen:
         out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
-    assert out.attentions is not None and len(out.attentions) == 2
+        expected = reference(input_ids=ids, attention_mask=mask, output_attentions=True)
+    assert not seen  # transformers' own code ran: no fastbert op
+    assert len(out.attentions) == 2
+    for got, want in zip(out.attentions, expected.attentions, strict=True):
+        assert torch.equal(got, want)
     with pytest.warns(UserWarning, match="autograd"):  # grad enabled: the original, differentiable path runs
         out = model(input_ids=ids, attention_mask=mask)
     assert out.last_hidden_state.requires_grad

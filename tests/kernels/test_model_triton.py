@@ -42,7 +42,7 @@ def check_family_fp32(family: str):
         actual = optimized(**inputs).last_hidden_state
     mask = inputs["attention_mask"]
     error = rel_err(real_positions(actual, mask), real_positions(expected, mask))
-    assert error < 2e-5, f"{family}: relative error {error:.3g} vs transformers"
+    assert error < 1e-5, f"{family}: relative error {error:.3g} vs transformers"
 
 
 def test_bert_fp32_matches_transformers():
@@ -101,7 +101,7 @@ def test_from_pretrained_triton(tmp_path):
         expected = reference(**inputs).last_hidden_state
         actual = model(**inputs).last_hidden_state
     mask = inputs["attention_mask"]
-    assert rel_err(real_positions(actual, mask), real_positions(expected, mask)) < 2e-5
+    assert rel_err(real_positions(actual, mask), real_positions(expected, mask)) < 1e-5
 
 
 @pytest.mark.interpreter
