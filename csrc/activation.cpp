@@ -103,8 +103,7 @@ at::Tensor bias_activation_cpu(const at::Tensor& x, const std::optional<at::Tens
   TORCH_CHECK(x.dim() >= 1, "fastbert::bias_activation: x must be [..., N], got a scalar");
   const int64_t n = x.size(-1);
   if (bias.has_value()) check_vector(*bias, n, x.scalar_type(), op, "bias");
-  at::Tensor rows = x.reshape({-1, n});
-  if (rows.stride(1) != 1) rows = rows.contiguous();
+  const at::Tensor rows = as_rows(x, n);
   at::Tensor out = at::empty(rows.sizes(), x.options());
   bias_activation_into(rows, bias, act, out);
   return out.view(x.sizes());

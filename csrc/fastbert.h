@@ -62,6 +62,12 @@ inline void check_vector(const at::Tensor& t, int64_t width, at::ScalarType dtyp
 }
 
 // Rows per task so that one task touches at least ~16K elements: below that, threading costs more than it saves.
+// Rows view [rows, N] of a [..., N] tensor that is only read, with unit column stride (copies only when it has to).
+inline at::Tensor as_rows(const at::Tensor& t, int64_t width) {
+  at::Tensor rows = t.reshape({-1, width});
+  return rows.stride(1) == 1 ? rows : rows.contiguous();
+}
+
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
 // ---------------------------------------------------------------------------------------------- LayerNorm

@@ -86,10 +86,13 @@ at::Tensor embedding_layernorm_cpu(const at::Tensor& input_ids, const at::Tensor
   check_vector(weight, width, dtype, op, "weight");
   check_vector(bias, width, dtype, op, "bias");
 
-  // One index dtype for the kernel: int64 unless every id tensor is int32.
-  const auto index_type = input_ids.scalar_type();
+  // One index dtype for the kernel: int64 unless every id tensor is int32 (narrowing an int64 id could wrap it
+  // past the range checks).
+  const bool all_int32 = input_ids.scalar_type() == at::kInt && position_ids.scalar_type() == at::kInt &&
+                         (!token_type_ids.has_value() || token_type_ids->scalar_type() == at::kInt);
+  const auto index_type = all_int32 ? at::kInt : at::kLong;
   auto as_index = [&](const at::Tensor& ids) { return ids.to(index_type).contiguous(); };
-  const at::Tensor ids = input_ids.contiguous();
+  const at::Tensor ids = as_index(input_ids);
   const at::Tensor positions = as_index(position_ids);
   at::Tensor types;
   if (token_type_ids.has_value() && token_type_embeddings.has_value()) types = as_index(*token_type_ids);
@@ -138,13 +141,6 @@ void bias_residual_layernorm_kernel(const scalar_t* x, int64_t x_stride, const s
   });
 }
 
-// Rows view of a [..., N] tensor with unit column stride (copies only when it has to).
-at::Tensor as_rows(const at::Tensor& t, int64_t width) {
-  at::Tensor rows = t.dim() == 2 ? t : t.reshape({-1, width});
-  if (rows.stride(1) != 1 || (rows.size(0) > 1 && rows.stride(0) < width)) rows = rows.contiguous();
-  return rows;
-}
-
 void check_residual_ln_args(const at::Tensor& x, const std::optional<at::Tensor>& bias, const at::Tensor& residual,
                             const at::Tensor& ln_weight, const at::Tensor& ln_bias, int64_t width, const char* op) {
   check_cpu(x, op, "x");
@@ -158,19 +154,21 @@ void check_residual_ln_args(const at::Tensor& x, const std::optional<at::Tensor>
   check_vector(ln_bias, width, dtype, op, "ln_bias");
 }
 
-// LayerNorm(y + bias + residual) for a GEMM output y [rows, N] that this op owns: normalised in place.
-void residual_layernorm_into(at::Tensor& y, const std::optional<at::Tensor>& bias, const at::Tensor& residual,
-                             const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps) {
-  const int64_t width = y.size(1);
+// out = LayerNorm(x + bias + residual) for rows x [rows, N] (unit column stride); out [rows, N] contiguous, and may
+// be x itself (a GEMM output this op owns, normalised in place).
+void residual_layernorm_into(const at::Tensor& x, at::Tensor& out, const std::optional<at::Tensor>& bias,
+                             const at::Tensor& residual, const at::Tensor& ln_weight, const at::Tensor& ln_bias,
+                             double eps) {
+  const int64_t width = x.size(1);
   const at::Tensor res = as_rows(residual, width);
   at::Tensor b;
   if (bias.has_value()) b = bias->contiguous();
   const at::Tensor w = ln_weight.contiguous(), lb = ln_bias.contiguous();
-  FASTBERT_DISPATCH_FLOAT(y.scalar_type(), "fastbert_residual_layernorm", [&] {
-    bias_residual_layernorm_kernel<scalar_t>(y.data_ptr<scalar_t>(), y.stride(0),
+  FASTBERT_DISPATCH_FLOAT(x.scalar_type(), "fastbert_residual_layernorm", [&] {
+    bias_residual_layernorm_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0),
                                              b.defined() ? b.data_ptr<scalar_t>() : nullptr, res.data_ptr<scalar_t>(),
                                              res.stride(0), w.data_ptr<scalar_t>(), lb.data_ptr<scalar_t>(), eps,
-                                             y.size(0), width, y.data_ptr<scalar_t>());
+                                             x.size(0), width, out.data_ptr<scalar_t>());
   });
 }
 
@@ -183,8 +181,9 @@ at::Tensor bias_residual_layernorm_cpu(const at::Tensor& x, const std::optional<
   check_residual_ln_args(x, bias, residual, ln_weight, ln_bias, width, op);
   TORCH_CHECK(residual.sizes() == x.sizes(), "fastbert::bias_residual_layernorm: residual must be ", shape_str(x),
               " like x, got ", shape_str(residual));
-  at::Tensor out = x.reshape({-1, width}).clone(at::MemoryFormat::Contiguous);
-  residual_layernorm_into(out, bias, residual, ln_weight, ln_bias, eps);
+  const at::Tensor rows = as_rows(x, width);
+  at::Tensor out = at::empty({rows.size(0), width}, x.options());
+  residual_layernorm_into(rows, out, bias, residual, ln_weight, ln_bias, eps);
   return out.view(x.sizes());
 }
 
@@ -205,7 +204,7 @@ at::Tensor linear_residual_layernorm_cpu(const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK(residual.sizes() == at::IntArrayRef(out_sizes), "fastbert::linear_residual_layernorm: residual must be ",
               at::IntArrayRef(out_sizes), ", got ", shape_str(residual));
   at::Tensor y = at::mm(x.reshape({-1, x.size(-1)}), weight.t());
-  residual_layernorm_into(y, bias, residual, ln_weight, ln_bias, eps);
+  residual_layernorm_into(y, y, bias, residual, ln_weight, ln_bias, eps);
   return y.view(out_sizes);
 }
 

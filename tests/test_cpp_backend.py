@@ -132,6 +132,9 @@ def test_embedding_layernorm_rejects_bad_ids():
         torch.ops.fastbert.embedding_layernorm(torch.tensor([[1, 9]]), torch.tensor([[0, 1]]), None, *tables)
     with pytest.raises(RuntimeError, match=r"position_ids must have input_ids' shape"):
         torch.ops.fastbert.embedding_layernorm(torch.tensor([[1, 2]]), torch.tensor([0, 1]), None, *tables)
+    with pytest.raises(RuntimeError, match="position_ids holds 4294967297, outside"):  # not narrowed to int32's 1
+        torch.ops.fastbert.embedding_layernorm(torch.tensor([[1, 2]], dtype=torch.int32),
+                                               torch.tensor([[0, 2**32 + 1]]), None, *tables)
 
 
 def _strided(rows: int, width: int, dtype, gen) -> torch.Tensor:
