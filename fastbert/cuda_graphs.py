@@ -37,14 +37,9 @@ def encode_padded(model: FastBertModel, input_ids: torch.Tensor, mask: torch.Ten
         token_type_ids = torch.zeros_like(input_ids)
     varlen = varlen_from_mask(None, batch, seqlen, device)
     types = token_type_ids.reshape(-1) if token_type_ids is not None else None
-    x = model.embeddings(input_ids.reshape(-1), positions.reshape(-1), types, model.backend)
-    if model.embed_proj is not None:
-        x = model.embed_proj(x)
-    for index in model.schedule:
-        x = model.layers[index](x, varlen, mask, model.backend)
+    x = model.encode_tokens(input_ids.reshape(-1), positions.reshape(-1), types, varlen, mask)[-1]
     hidden = x.view(batch, seqlen, -1) * mask[..., None].to(x.dtype)
-    pooled = torch.tanh(model.pooler(hidden[:, 0])) if model.pooler is not None else None
-    return hidden, pooled
+    return hidden, model.pool(hidden)
 
 
 @dataclass

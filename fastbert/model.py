@@ -211,25 +211,38 @@ class FastBertModel(nn.Module):
         else:
             varlen = varlen_from_mask(mask, batch, seqlen, device)
 
-        backend = self.backend
         types = None if token_type_ids is None else unpad_tokens(token_type_ids, varlen)
         positions = unpad_tokens(position_ids, varlen)
-        if inputs_embeds is not None:
-            x = self.embeddings.from_inputs_embeds(unpad_tokens(inputs_embeds, varlen), positions, types)
-        else:
-            x = self.embeddings(unpad_tokens(input_ids, varlen), positions, types, backend)
-        if self.embed_proj is not None:
-            x = self.embed_proj(x)
-
-        states = [x] if output_hidden_states else None
-        for index in self.schedule:
-            x = self.layers[index](x, varlen, key_padding_mask, backend)
-            if states is not None:
-                states.append(x)
-
-        hidden = pad_tokens(x, varlen)
+        tokens = unpad_tokens(input_ids if inputs_embeds is None else inputs_embeds, varlen)
+        states = self.encode_tokens(tokens, positions, types, varlen, key_padding_mask,
+                                    embedded=inputs_embeds is not None, all_states=output_hidden_states)
+        hidden = pad_tokens(states[-1], varlen)
         if key_padding_mask is not None:  # the padded path computed rows for padding too: zero them as above
             hidden = hidden * key_padding_mask[..., None].to(hidden.dtype)
-        pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
-        all_states = tuple(pad_tokens(s, varlen) for s in states) if states is not None else None
-        return EncoderOutput(hidden, pooled, all_states)
+        all_states = tuple(pad_tokens(s, varlen) for s in states) if output_hidden_states else None
+        return EncoderOutput(hidden, self.pool(hidden), all_states)
+
+    def encode_tokens(self, tokens: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None,
+                      varlen: VarlenBatch, key_padding_mask: torch.Tensor | None, embedded: bool = False,
+                      all_states: bool = False) -> list[torch.Tensor]:
+        """Embeddings and the layer stack on flat tokens, reading no tensor values (CUDA-graph capturable).
+
+        tokens: ids [T] (or word vectors [T, E] when ``embedded``); positions, types [T]; ``varlen`` describes
+        the packed batch, or the whole padded batch when ``key_padding_mask`` [B, S] is given. Returns the
+        hidden states [T, H]: the last only, or the embedding output and every layer's when ``all_states``."""
+        if embedded:
+            x = self.embeddings.from_inputs_embeds(tokens, positions, types)
+        else:
+            x = self.embeddings(tokens, positions, types, self.backend)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)
+        states = [x]
+        for index in self.schedule:
+            x = self.layers[index](x, varlen, key_padding_mask, self.backend)
+            if all_states:
+                states.append(x)
+        return states if all_states else [x]
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """tanh(dense(first token)) [B, H], or None for a model without a pooler. hidden: [B, S, H]."""
+        return torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
