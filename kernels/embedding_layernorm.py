@@ -20,6 +20,7 @@ from ._common import (
     device_reason,
     first_reason,
     float_reason,
+    layernorm_tile,
     row_block,
     row_warps,
     rows_per_program,
@@ -65,12 +66,7 @@ def _embedding_layernorm_kernel(
             type_rows = tl.zeros((ROWS,), dtype=tl.int64)
         x += tl.load(type_ptr + type_rows[:, None] * stride_type_row + offs_e[None, :] * stride_type_col, mask=mask,
                      other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / E
-    centred = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / E + eps)
-    weight = tl.load(weight_ptr + offs_e, mask=col_mask, other=0.0).to(tl.float32)
-    bias = tl.load(bias_ptr + offs_e, mask=col_mask, other=0.0).to(tl.float32)
-    y = centred * rstd[:, None] * weight[None, :] + bias[None, :]
+    y = layernorm_tile(x, mask, offs_e, col_mask, weight_ptr, bias_ptr, E, eps)
     tl.store(out_ptr + offs_r[:, None] * E + offs_e[None, :], cast_rtne(y, out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -22,6 +22,7 @@ from ._common import (
     device_reason,
     first_reason,
     float_reason,
+    layernorm_tile,
     row_block,
     row_warps,
     rows_per_program,
@@ -45,15 +46,11 @@ def _layernorm_rows_kernel(
     pid = tl.program_id(0).to(tl.int64)
     offs_r = pid * ROWS + tl.arange(0, ROWS)
     offs_n = tl.arange(0, BLOCK_N)
-    mask = (offs_r < rows)[:, None] & (offs_n < N)[None, :]
+    col_mask = offs_n < N
+    mask = (offs_r < rows)[:, None] & col_mask[None, :]
     ptrs = x_ptr + offs_r[:, None] * stride_x + offs_n[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / N
-    centred = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / N + eps)
-    weight = tl.load(weight_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    y = centred * rstd[:, None] * weight[None, :] + bias[None, :]
+    y = layernorm_tile(x, mask, offs_n, col_mask, weight_ptr, bias_ptr, N, eps)
     tl.store(ptrs, cast_rtne(y, x_ptr.dtype.element_ty), mask=mask)
 
 
