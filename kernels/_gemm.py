@@ -133,6 +133,12 @@ def table_config(m: int) -> triton.Config:
     return _config(128, 128, 64, 4, 4)
 
 
+def table_meta(m: int) -> dict:
+    """`table_config(m)` as launch keywords: meta-parameters plus num_warps and num_stages."""
+    config = table_config(m)
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("FASTBERT_TRITON_AUTOTUNE", "1") not in ("0", "false", "no")
 
@@ -149,13 +155,12 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
-           activation: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           activation: str | None = None) -> torch.Tensor:
     """epilogue(x @ weight.T) -> [..., N] in x's dtype (see the module docstring). Inputs are checked by callers."""
     rows = as_rows(x)
     n, k = weight.shape
     m = rows.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     if k == 0:  # the ops' supports() refuse K = 0 (the result would be the bias alone); guard direct callers
@@ -169,18 +174,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
              "ACTIVATION": ACTIVATION_CODES[activation], "INPUT_PRECISION": dot_precision(x.dtype),
              "DOT_IN_FP32": INTERPRETER}
-    if INTERPRETER:
-        meta = interpreter_config(m)
-        grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _linear_kernel[grid](*args, **flags, **meta)
-    elif not autotune_enabled():
-        config = table_config(m)
-        meta = dict(config.kwargs)
-        grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _linear_kernel[grid](*args, **flags, **meta, num_warps=config.num_warps, num_stages=config.num_stages)
-    else:
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
+    if INTERPRETER or not autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
+        meta = interpreter_config(m) if INTERPRETER else table_meta(m)
+        _linear_kernel[grid(meta)](*args, **flags, **meta)
+    else:
         _autotuned[grid](*args, **flags)
     return out.view(*x.shape[:-1], n)
