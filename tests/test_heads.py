@@ -12,17 +12,15 @@ import warnings
 
 import pytest
 import torch
-import transformers  # a required test dependency: a broken install must fail, not skip
 
 import fastbert
 from fastbert.heads import TASKS
+from tests.hf_tiny import VOCAB, tiny_config, tiny_model
 
-VOCAB, SEQ = 99, 9
+SEQ = 9
 LENGTHS = (SEQ, 1, 5)  # mixed: full, a single token, in between
 MC_LENGTHS = ((SEQ, 1, 5), (3, SEQ, 7))  # [batch=2, choices=3]
 
-HF_PREFIX = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert",
-             "distilbert": "DistilBert", "albert": "Albert", "electra": "Electra"}
 HF_SUFFIX = {"masked-lm": "ForMaskedLM", "next-sentence": "ForNextSentencePrediction",
              "pretraining": "ForPreTraining", "sequence-classification": "ForSequenceClassification",
              "token-classification": "ForTokenClassification", "question-answering": "ForQuestionAnswering",
@@ -51,30 +49,9 @@ FIELDS = {
 }
 
 
-def tiny_config(family: str, **overrides):
-    common = dict(vocab_size=VOCAB, max_position_embeddings=32)
-    if family == "distilbert":
-        args = dict(dim=32, n_layers=2, n_heads=4, hidden_dim=37)
-    else:
-        args = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37)
-    if family in ("roberta", "xlm-roberta", "camembert"):
-        args.update(pad_token_id=1, max_position_embeddings=34, type_vocab_size=1)
-    if family == "albert":  # factorised embeddings, two layer groups shared over four layers
-        args.update(embedding_size=16, num_hidden_layers=4, num_hidden_groups=2)
-    if family == "electra":
-        args.update(embedding_size=16)
-    config_class = getattr(transformers, HF_PREFIX[family] + "Config")
-    return config_class(**{**common, **args, **overrides})
-
-
-def save_hf_model(family: str, task: str, directory, seed: int = 0, **config_overrides):
-    """A seeded transformers model with every parameter perturbed, saved (safetensors) to ``directory``."""
-    torch.manual_seed(seed)
-    config = tiny_config(family, **config_overrides)
-    model = getattr(transformers, HF_PREFIX[family] + HF_SUFFIX.get(task, task))(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():  # tied parameters are listed once and stay tied
-            param.add_(torch.randn_like(param) * 0.1)
+def save_hf_model(family: str, task: str, directory, **config_overrides):
+    """`hf_tiny.tiny_model` (seeded, every parameter perturbed) of ``task``'s class, saved (safetensors)."""
+    model = tiny_model(family, HF_SUFFIX.get(task, task), **config_overrides)
     model.save_pretrained(directory)
     return model
 
