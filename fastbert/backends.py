@@ -133,3 +133,33 @@ def explain(op: str, *args, backend: str | None = "auto", **kwargs) -> str:
 def available() -> dict[str, str | None]:
     """Each backend and the reason it failed to load (None when it loaded)."""
     return {name: _load(name) for name in BACKENDS}
+
+
+def describe_available() -> str:
+    """`available()` in words, for people (``scripts/setup.sh`` prints it): each backend loaded, with what it runs
+    here, or why not; e.g. ``eager loaded; triton loaded (no GPU: CPU only under TRITON_INTERPRET=1); cpp loaded
+    (AVX2)``."""
+    parts = []
+    for name, reason in available().items():
+        if reason is not None:
+            parts.append(f"{name} not loaded ({reason.removeprefix(f'{name} backend failed to load: ')})")
+        elif name == "cpp":
+            # cpp_backend imports even without fastbert._C (so `auto` can say why it skips it): a None reason alone
+            # would call a missing extension loaded.
+            cpp = importlib.import_module(_BACKEND_MODULES["cpp"])
+            if cpp.EXTENSION_ERROR:
+                parts.append(f"cpp not usable ({cpp.EXTENSION_ERROR})")
+            else:
+                parts.append(f"cpp loaded ({cpp.compiled_capability()})")
+        elif name == "triton":
+            interpreter = importlib.import_module(_BACKEND_MODULES["triton"] + "._common").INTERPRETER
+            if torch.cuda.is_available():
+                where = f"CUDA: {torch.cuda.get_device_name()}" + (", TRITON_INTERPRET=1" if interpreter else "")
+            elif interpreter:
+                where = "no GPU: running on CPU in the Triton interpreter, TRITON_INTERPRET=1"
+            else:
+                where = "no GPU: CPU only under TRITON_INTERPRET=1"
+            parts.append(f"triton loaded ({where})")
+        else:
+            parts.append(f"{name} loaded")
+    return "; ".join(parts)

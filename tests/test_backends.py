@@ -63,3 +63,29 @@ def test_op_argument_errors():
         ops.attention(q, q, q, key_padding_mask=torch.ones(2, 5))
     with pytest.raises(ValueError, match="cu_seqlens must be int32"):
         ops.attention(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]), max_seqlen=5)
+
+
+def test_describe_available_says_what_loaded_in_words():
+    from fastbert import cpp_backend
+
+    text = backends.describe_available()
+    assert "None" not in text
+    assert [part.split()[0] for part in text.split("; ")] == list(backends.BACKENDS)
+    assert "eager loaded" in text
+    capability = cpp_backend.compiled_capability()
+    assert f"cpp loaded ({capability})" in text if capability else "cpp not usable" in text
+    if not torch.cuda.is_available():  # conftest sets TRITON_INTERPRET=1 without a GPU
+        assert "triton loaded (no GPU: running on CPU in the Triton interpreter" in text
+
+
+def test_describe_available_gives_the_reasons_for_failures(monkeypatch):
+    from fastbert import cpp_backend
+
+    backends.available()  # cpp_backend imported and recorded before its extension is taken away
+    monkeypatch.setattr(cpp_backend, "EXTENSION_ERROR", "the C++ extension fastbert._C is not built (gone)")
+    monkeypatch.setattr(backends, "_LOADED", {"eager", "cpp"})
+    monkeypatch.setattr(backends, "_LOAD_ERRORS", {
+        "triton": "triton backend failed to load: ModuleNotFoundError: No module named 'triton'"})
+    assert backends.describe_available() == (
+        "eager loaded; triton not loaded (ModuleNotFoundError: No module named 'triton'); "
+        "cpp not usable (the C++ extension fastbert._C is not built (gone))")
