@@ -5,7 +5,8 @@
     python benchmarks/e2e.py --batch 1 8 --seq 128 --peers hf-eager hf-sdpa compile onnxruntime
 
 Every option of ``fastbert bench --help`` applies; the logic lives in `fastbert.benchmarking` (importable by the
-installed CLI), results go to benchmarks/results/<machine-tag>-e2e/ unless --out says otherwise.
+installed CLI). Results go to a new folder bench-results/<machine-tag>-e2e-<YYYYmmdd-HHMMSS>/ under the current
+directory unless --out names one; the committed benchmarks/results/ change only when --out names them.
 """
 
 import sys

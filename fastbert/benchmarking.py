@@ -1003,8 +1003,16 @@ def plot_results(results: dict[str, Any], out_dir: Path) -> list[Path]:
     return [latency, _save(fig, out_dir / "e2e_speedup.png", plt)]
 
 
-def default_out_dir(device: torch.device | str) -> Path:
-    return Path("benchmarks") / "results" / f"{machine_tag(device)}-e2e"
+DEFAULT_OUT_ROOT = Path("bench-results")
+"""Where `fastbert bench` writes without --out, relative to the current directory (git-ignored in the checkout).
+Not benchmarks/results/: the figures committed there, which README.md cites, change only when --out names them,
+never because a smoke run was started without --out."""
+
+
+def default_out_dir(device: torch.device | str, now: _dt.datetime | None = None) -> Path:
+    """A new folder per run, ``bench-results/<machine-tag>-e2e-<YYYYmmdd-HHMMSS>`` (local time)."""
+    stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return DEFAULT_OUT_ROOT / f"{machine_tag(device)}-e2e-{stamp}"
 
 
 def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -91,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"intra-op threads for torch and ONNX Runtime (default: torch's, here "
                        f"{torch.get_num_threads()})")
     bench.add_argument("--out", default=None, metavar="DIR",
-                       help="where to write e2e.json, e2e.md and the PNGs (default: "
-                       "benchmarks/results/<machine-tag>-e2e)")
+                       help="where to write e2e.json, e2e.md and the PNGs (default: a new folder "
+                       "bench-results/<machine-tag>-e2e-<YYYYmmdd-HHMMSS> under the current directory; the "
+                       "committed benchmarks/results/ change only when --out names them)")
     bench.add_argument("--note", default=None, help="free text stored in the JSON and shown in the Markdown")
     bench.add_argument("--no-write", action="store_true", help="print the table only")
     return parser
@@ -320,9 +322,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("\nfastbert speed-up = that implementation's p50 / fastbert's p50 in this run (> 1: fastbert faster); "
           "% roofline = useful FLOP/s / peak FLOP/s")
     if not args.no_write:
-        out = args.out or bm.default_out_dir(device)
+        out = Path(args.out) if args.out else bm.default_out_dir(device)
         paths = bm.write_results(results, out)
-        print("wrote " + ", ".join(str(p) for p in paths))
+        print(f"results written to {out}/: " + ", ".join(p.name for p in paths))
     return 0
 
 

@@ -1,7 +1,11 @@
 """fastbert.benchmarking: cost formulas on hand-computed numbers, workloads, backend recording, pooling against
 sentence-transformers, and the end-to-end benchmark in quick mode (so it cannot rot)."""
 
+import datetime
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +162,18 @@ def test_run_e2e_quick_reports_figures_and_failed_peers(minilm_dir, tmp_path, mo
     markdown = (tmp_path / "e2e.md").read_text()
     assert "| workload | implementation | p50 ms" in markdown and "unavailable: torch.compile failed" in markdown
     assert all(p.stat().st_size > 10_000 for p in paths if p.suffix == ".png")
+
+
+def test_default_output_is_a_new_ignored_folder_not_the_committed_results():
+    first = bm.default_out_dir("cpu", now=datetime.datetime(2025, 3, 4, 5, 6, 7))
+    assert first == Path("bench-results") / f"{bm.machine_tag('cpu')}-e2e-20250304-050607"
+    assert Path("benchmarks", "results") not in first.parents
+    assert bm.default_out_dir("cpu", now=datetime.datetime(2025, 3, 4, 5, 6, 8)) != first
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", str(first / "e2e.json")])
+    assert ignored.returncode == 0, f"{first} is not git-ignored: a smoke run's files would show as changes"
 
 
 def test_run_e2e_rejects_unknown_peer(minilm_dir):

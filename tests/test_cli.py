@@ -144,11 +144,14 @@ def test_help_lists_commands_without_importing_transformers():
     assert proc.stdout.splitlines()[-1] == "False False"
 
 
-def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir):
-    out_dir = tmp_path / "results"
-    code, out, _ = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8",
-                        "--out", str(out_dir))
+def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir, monkeypatch):
+    # Without --out, as a newcomer runs it: a new git-ignored folder, never the committed benchmarks/results/.
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8")
     assert code == 0
+    assert not (tmp_path / "benchmarks").exists()
+    (out_dir,) = (tmp_path / "bench-results").glob(f"{bm.machine_tag('cpu')}-e2e-*")
+    assert f"results written to {out_dir.relative_to(tmp_path)}/: e2e.json, e2e.md" in out
     table = [line.split() for line in out.splitlines()]
     assert any(row[:3] == ["b2", "s8", "fastbert"] for row in table)
     assert any(row[:3] == ["b2", "s8", "hf-eager"] and row[8].endswith("x") for row in table)
