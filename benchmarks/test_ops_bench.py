@@ -1,10 +1,10 @@
 """Per-op benchmark (pytest-benchmark): every available backend of each fused op against the PyTorch ops it
 replaces (written as transformers writes them), at BERT-base shapes.
 
-    pytest benchmarks/test_ops_bench.py                       # quick: 2 x 128 tokens (fits a 2-core CPU)
-    FASTBERT_BENCH_FULL=1 pytest benchmarks/test_ops_bench.py # 8 x 128 on CPU, 32 x 512 on CUDA
-    FASTBERT_BENCH_OUT=benchmarks/results/<tag>-ops pytest benchmarks/test_ops_bench.py --benchmark-json=...
-    FASTBERT_BENCH_THREADS=1 ...                               # torch intra-op threads (a busy shared CPU)
+    .venv/bin/python -m pytest benchmarks/test_ops_bench.py                        # quick: 2 x 128 tokens
+    FASTBERT_BENCH_FULL=1 .venv/bin/python -m pytest benchmarks/test_ops_bench.py  # 8 x 128 CPU, 32 x 512 CUDA
+    FASTBERT_BENCH_OUT=DIR .venv/bin/python -m pytest benchmarks/test_ops_bench.py     # the report into DIR
+    FASTBERT_BENCH_THREADS=1 ...                                                   # torch intra-op threads
 
 Rows: "torch" (the unfused PyTorch composition) and the backends eager | cpp | triton; a backend that cannot run
 the inputs (not built, not this device; triton on CPU would only run in the interpreter) is skipped with its
