@@ -7,7 +7,8 @@
 // - padded: q, k, v [B, S, heads, D] + optional key_padding_mask bool [B, S] (True = real key, holes allowed).
 // q, k, v may be strided views (e.g. slices of one packed QKV GEMM output) as long as the head dim is unit-stride;
 // they are packed per block into fp32 tiles (K transposed, Q pre-scaled) that the register-tiled micro-kernels
-// read. The output is contiguous and shaped like q; a query whose keys are all masked gets zeros.
+// read. The output is contiguous and shaped like q; a query whose keys are all masked gets zeros. Only real keys'
+// K and V rows are read, so NaN or Inf stored at masked keys never reaches a real query's output.
 // Softmax statistics and accumulation in fp32 (bf16 in, bf16 out). Limits: CPU, float32 or bfloat16.
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

@@ -7,7 +7,8 @@ Forms (one kernel for both):
 q, k, v are read through their strides (the [T, 3, heads, D] views `qkv_projection` returns need no copy).
 The head dim is padded to a power-of-two block with masking: D is any multiple of 8 from 8 to 256 (32, 64, 80,
 96, 128 are the BERT-family sizes). Any sequence length (keys are streamed in blocks). A query whose keys are all
-masked gets zeros, never NaN (running max kept finite, zero denominator -> zero output).
+masked gets zeros, never NaN (running max kept finite, zero denominator -> zero output). K and V at masked keys are
+never loaded, so NaN or Inf stored there never reaches a real query's output.
 Output: contiguous, shaped like q, in q's dtype. fp16, bf16, fp32 (fp32 dots in IEEE, no TF32).
 Packed form contract (not checked: it would cost a device sync): cu_seqlens[-1] == T and max_seqlen >= the
 longest sequence; rows outside that are left unwritten. Grid: (query blocks, batch <= 65535, heads).
@@ -88,7 +89,8 @@ def _attention_kernel(
         if HAS_MASK:
             real = tl.load(mask_ptr + batch * stride_mb + keys * stride_ms, mask=key_valid, other=0)
             key_valid = key_valid & (real != 0)
-        kv_mask = (keys < length)[:, None] & d_mask[None, :]
+        # Masked keys are not loaded (zeros instead): a zero probability times a NaN or Inf in V is still NaN.
+        kv_mask = key_valid[:, None] & d_mask[None, :]
         k = tl.load(k_base + keys[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_base + keys[:, None] * stride_vs + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if DOT_IN_FP32:

@@ -18,6 +18,7 @@ from fastbert import backends, ops
 from fastbert import cpp_backend as cpp  # imports even without fastbert._C; test_extension_loads checks it
 from tests.hf_tiny import FAMILIES, padded_batch, rel_err, tiny_model
 from tests.kernels.numerics import assert_accurate
+from tests.test_backends import check_padding_poison
 
 WIDTHS = (1, 7, 130, 383)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -257,6 +258,13 @@ def test_attention_padded(seqlen, dtype):
         reference = ops.attention(q.double(), k.double(), v.double(), **kwargs, backend="eager")
         _accurate(fast, plain, reference, f"padded S={seqlen}")
     assert torch.equal(ops.attention(q, k, v, key_padding_mask=mask, backend="cpp")[1], torch.zeros_like(q[1]))
+
+
+@pytest.mark.parametrize("head_dim", (7, 8, 16), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_attention_ignores_nan_and_inf_at_padded_positions(dtype, head_dim):
+    """The kernel gathers real key positions only: masked q/k/v values, NaN or Inf, never reach a real row."""
+    check_padding_poison("cpp", dtype, head_dim)
 
 
 def test_attention_rejects_bad_inputs():

@@ -91,6 +91,33 @@ def test_all_padded_row_gives_zeros_not_nan(tmp_path):
     assert torch.isfinite(out.last_hidden_state).all() and torch.all(out.last_hidden_state[1] == 0)
 
 
+@pytest.mark.parametrize("padding_free", [True, False], ids=["padding_free", "padded"])
+@pytest.mark.parametrize("backend", ["eager", "cpp"])
+def test_nan_and_inf_in_padded_inputs_embeds_never_reach_real_positions(backend, padding_free, tmp_path):
+    """Whatever sits at padded positions of inputs_embeds (NaN, +Inf, -Inf here) changes no real position's output,
+    and padded positions of every returned state are exactly zero."""
+    reference = tiny_model("bert")
+    model = fastbert.from_pretrained(_save(reference, tmp_path), backend=backend)
+    model.padding_free = padding_free
+    ids, mask = padded_batch(4, 9)
+    mask[2, 3] = 0  # a hole inside a sequence, besides the right padding
+    keep = mask.bool()
+    embeds = reference.embeddings.word_embeddings(ids).detach()
+    clean = torch.where(keep[..., None], embeds, 0.0)
+    cycle = torch.arange(embeds.numel()).view(embeds.shape) % 3
+    poison = torch.tensor([float("nan"), float("inf"), float("-inf")])[cycle]
+    dirty = torch.where(keep[..., None], embeds, poison)
+    with torch.inference_mode():
+        expected = model(inputs_embeds=clean, attention_mask=mask, output_hidden_states=True)
+        actual = model(inputs_embeds=dirty, attention_mask=mask, output_hidden_states=True)
+    assert torch.isfinite(actual.last_hidden_state).all()
+    assert torch.equal(actual.last_hidden_state[keep], expected.last_hidden_state[keep])
+    assert torch.all(actual.last_hidden_state[~keep] == 0)
+    assert torch.equal(actual.pooler_output, expected.pooler_output)
+    for state in actual.hidden_states:
+        assert torch.isfinite(state).all() and torch.all(state[~keep] == 0)
+
+
 # --------------------------------------------------------------------------------------------- bad input
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):

@@ -5,7 +5,9 @@ Forms:
 - packed: q, k, v [T, heads, D] with `cu_seqlens` int32 [B + 1] and `max_seqlen`; tokens attend within their
   own sequence only.
 Returns a contiguous tensor shaped like q. Softmax in fp32 in the fused backends; a query whose keys are all
-masked gets zeros, never NaN. Inputs may be strided views (what `qkv_projection` returns).
+masked gets zeros, never NaN. A masked key contributes exactly nothing on every backend, even when its K or V
+hold NaN or Inf: real query rows come out as if those values were zeros (rows at padded query positions are
+unspecified). Inputs may be strided views (what `qkv_projection` returns).
 """
 
 from __future__ import annotations
@@ -32,8 +34,15 @@ def _padded_sdpa(q, k, v, key_padding_mask, scale):
 
 
 def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
+    """SDPA on K and V with zeros selected at masked keys, so NaN or Inf stored there never reaches a real row."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if cu_seqlens is None:
+        if key_padding_mask is not None:
+            # SDPA adds -inf to masked scores and multiplies V by a zero probability: a NaN or Inf in K or V at a
+            # masked key would still make its sequence's rows NaN. With zeros selected there it contributes nothing.
+            real = key_padding_mask[:, :, None, None]
+            k = torch.where(real, k, k.new_zeros(()))
+            v = torch.where(real, v, v.new_zeros(()))
         return _padded_sdpa(q, k, v, key_padding_mask, scale)
     total, heads, dim = q.shape
     batch = cu_seqlens.numel() - 1
