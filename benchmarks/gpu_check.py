@@ -330,7 +330,7 @@ def timings(dry_run: bool, device, report: Report) -> list[dict]:
     if not dry_run:  # capture needs CUDA; bucketed graphs of the padded path (fastbert.cuda_graphs, untested)
         from fastbert.cuda_graphs import CudaGraphEncoder
 
-        graphs = CudaGraphEncoder(contenders["fastbert_triton"].base_model._fastbert.fast, max_graphs=8)
+        graphs = CudaGraphEncoder(contenders["fastbert_triton"].base_model._fastbert.build.fast, max_graphs=8)
         contenders["fastbert_triton_cudagraph"] = lambda **inputs: graphs(inputs["input_ids"],
                                                                           inputs["attention_mask"])
     rows = []

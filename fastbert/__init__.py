@@ -12,7 +12,7 @@ from fastbert.config import FastBertConfig
 from fastbert.heads import TASKS, build_task_model, supported_tasks
 from fastbert.loading import CheckpointError, from_pretrained
 from fastbert.model import EncoderOutput, FastBertModel
-from fastbert.optimize import is_optimized, optimize
+from fastbert.optimize import explain, is_optimized, optimize
 
 __version__ = "0.1.0"
 
@@ -25,6 +25,7 @@ __all__ = [
     "TASKS",
     "backends",
     "build_task_model",
+    "explain",
     "from_pretrained",
     "is_optimized",
     "ops",

@@ -186,8 +186,9 @@ class FastBertModel(nn.Module):
             raise ValueError(f"empty input: batch {batch} x sequence length {seqlen}; give at least one token")
         device = source.device
         # Under torch.compile, reading tensor values (checks, padding removal) would break the graph: the compiled
-        # model skips the value checks and runs the padded form with a key padding mask instead.
-        compiling = torch.compiler.is_compiling()
+        # model skips the value checks and runs the padded form with a key padding mask instead. torch.jit.trace
+        # takes the padded form too: a traced graph of the padding-free form would bake in the example's lengths.
+        compiling = torch.compiler.is_compiling() or torch.jit.is_tracing()
         mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
         for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
             if ids is not None and (ids.dim() != 2 or ids.shape[0] not in (1, batch) or ids.shape[1] != seqlen):
@@ -216,11 +217,14 @@ class FastBertModel(nn.Module):
         tokens = unpad_tokens(input_ids if inputs_embeds is None else inputs_embeds, varlen)
         states = self.encode_tokens(tokens, positions, types, varlen, key_padding_mask,
                                     embedded=inputs_embeds is not None, all_states=output_hidden_states)
-        hidden = pad_tokens(states[-1], varlen)
-        if key_padding_mask is not None:  # the padded path computed rows for padding too: zero them as above
-            hidden = hidden * key_padding_mask[..., None].to(hidden.dtype)
-        all_states = tuple(pad_tokens(s, varlen) for s in states) if output_hidden_states else None
-        return EncoderOutput(hidden, self.pool(hidden), all_states)
+        states = [pad_tokens(s, varlen) for s in states]
+        if key_padding_mask is not None:
+            # The padded path computed rows for padding too: zero them as the padding-free path does (a select,
+            # not a product: a NaN or Inf computed at a padded position must not survive as NaN * 0).
+            keep = key_padding_mask[..., None]
+            states = [torch.where(keep, s, s.new_zeros(())) for s in states]
+        hidden = states[-1]
+        return EncoderOutput(hidden, self.pool(hidden), tuple(states) if output_hidden_states else None)
 
     def encode_tokens(self, tokens: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None,
                       varlen: VarlenBatch, key_padding_mask: torch.Tensor | None, embedded: bool = False,

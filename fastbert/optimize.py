@@ -1,23 +1,35 @@
 """`fastbert.optimize`: swap the encoder computation of a live transformers model for fastbert's, in place.
 
-The model keeps its class, heads, forward signature, output types and state_dict keys. fastbert's encoder
-shares the transformers parameters (no copy), except Q, K and V: they are packed into one [3H, H] tensor and the
-original query/key/value parameters become views of it, so in-place updates (``load_state_dict``, optimizer
-steps) reach both. After ``.to()``/``.half()`` the packing is rebuilt on the next call.
+The model keeps its class, heads, forward signature (``inspect.signature`` reads the original), output types and
+state_dict keys. fastbert's encoder shares the transformers parameters (no copy), except Q, K and V: they are
+packed into one [3H, H] tensor and the original query/key/value parameters become views of it, so in-place
+updates (``load_state_dict``, optimizer steps) reach both.
 
-What runs transformers' own code instead (for that call only, results still correct):
-- training mode (dropout) or autograd (grad enabled and parameters requiring grad; a warning says so once);
-- ``output_attentions=True``, a ``head_mask``, cross-attention inputs, caches, or keyword arguments fastbert does
-  not know.
-Configurations fastbert cannot run at all (decoders, cross-attention, relative position embeddings) raise at
-``optimize`` time.
+fastbert's state belongs to the model it optimizes: it travels with ``copy.deepcopy``, pickle / ``torch.save`` /
+multiprocessing, and is rebuilt on the next call whenever a mapped tensor changed identity, storage, dtype or
+device (``.to()``, ``.half()``, ``load_state_dict(assign=True)``, a replaced parameter or module,
+``resize_token_embeddings``). The check costs a few dictionary look-ups per mapped tensor, never a comparison of
+values. Where fastbert cannot run the model as it now is (e.g. quantized Linear modules), or cannot run a given
+call, transformers' own code runs that call, with a one-time warning that says why; never stale numbers.
+
+A call takes fastbert's path when every argument is one fastbert handles (ids, masks, position ids,
+``inputs_embeds``, ``output_hidden_states``, ``return_dict``) or holds a value that asks for nothing extra
+(``None``, ``output_attentions=False``, ``use_cache=False``, loss-only keywords such as ``num_items_in_batch``).
+``fastbert.explain(model, **call_kwargs)`` says which path a call takes and why.
+
+Under ``torch.compile`` the model is checked when a graph is traced (call the model once outside the compiled
+wrapper, or compile again, after replacing parameters); under ``torch.jit.trace`` the padded form runs, so the
+graph is right for any padding of the traced shape.
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
+import threading
 import warnings
-from types import MethodType
+from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 from torch import nn
@@ -26,141 +38,394 @@ from fastbert.config import FastBertConfig
 from fastbert.loading import encoder_key_map
 from fastbert.model import FastBertModel
 
-_FAST_ARGS = {"input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds"}
-_HARMLESS_KWARGS = {"output_hidden_states", "return_dict"}
-_FALLBACK_ARGS = ("output_attentions", "head_mask", "encoder_hidden_states", "encoder_attention_mask",
-                  "past_key_values", "use_cache")
+ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+OUTPUT_OPTIONS = ("output_hidden_states", "return_dict")
+# Keywords that the head's loss consumes and the encoder ignores (transformers' TransformersKwargs).
+LOSS_ONLY = frozenset({"num_items_in_batch"})
+# Flags whose False asks for nothing extra; True asks for something fastbert does not compute.
+OFF_FLAGS = frozenset({"output_attentions", "use_cache", "output_router_logits", "is_causal"})
+# The transformers module type each kind of mapped tensor must live in: a subclass (bitsandbytes, a LoRA layer)
+# or a replacement (quantized Linear) may compute something else, so it is not taken.
+_OWNER_TYPES = {"embedding": nn.Embedding, "norm": nn.LayerNorm, "linear": nn.Linear}
+_OUTPUT_CLASSES: dict[type, type] = {}
+_TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
+
+
+def _owner_kind(ours: str) -> str:
+    """What module holds the transformers tensor mapped onto fastbert's parameter ``ours``."""
+    if ours.startswith("embeddings.") and ours.endswith("_embeddings"):
+        return "embedding"
+    return "norm" if "norm_" in ours else "linear"
 
 
 def _output_class(base: nn.Module) -> type:
     """The ModelOutput class the original forward returns (annotations are not reliable: run it on one token)."""
-    param = next(base.parameters())
-    token = torch.full((1, 1), int(getattr(base.config, "pad_token_id", 0) or 0), device=param.device)
-    with torch.inference_mode():
-        return type(type(base).forward(base, input_ids=token, return_dict=True))
+    cls = _OUTPUT_CLASSES.get(type(base))
+    if cls is None:
+        param = next(base.parameters())
+        token = torch.full((1, 1), int(getattr(base.config, "pad_token_id", 0) or 0), device=param.device)
+        with torch.inference_mode():
+            cls = _OUTPUT_CLASSES[type(base)] = type(type(base).forward(base, input_ids=token, return_dict=True))
+    return cls
 
 
-class _Shared:
-    """fastbert's encoder bound to one transformers base model's parameters."""
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 40 else type(value).__name__
 
-    def __init__(self, base: nn.Module, backend: str):
-        self.base = base
+
+@dataclass
+class _Build:
+    """fastbert's encoder over a model's tensors as they were when it was built, and how to tell it is stale."""
+
+    fast: FastBertModel | None
+    unsupported: str | None  # why fastbert cannot run the model as it is (transformers' code runs), else None
+    # (dict, key, object) per link from the base model down to every mapped tensor: a replaced module or
+    # parameter anywhere on the way changes one of them.
+    links: list[tuple[dict, str, object]] = field(default_factory=list)
+    # Mapped tensors and their storage at build time: .to()/.half()/`param.data = ...` change the pointer.
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    pointers: tuple[int, ...] = ()
+    submodules: list[nn.Module] = field(default_factory=list)
+    output_class: type | None = None
+    positional: tuple[str, ...] = ()  # names of the forward's positional parameters, to bind *args by name
+
+    def __post_init__(self) -> None:
+        # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers).
+        self.containers = [container for container, _, _ in self.links]
+        self.keys = [key for _, key, _ in self.links]
+        self.objects = [obj for _, _, obj in self.links]
+        self.hook_dicts = [d for m in self.submodules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.module_dicts = [m.__dict__ for m in self.submodules]
+
+    def stale(self) -> bool:
+        if not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
+            return True
+        return tuple(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
+
+
+def _resolve(base: nn.Module, name: str, kind: str, links: dict) -> tuple[nn.Parameter | None, str | None]:
+    """Walk ``name`` ("encoder.layer.0.output.dense.weight") from ``base``, recording each link."""
+    *path, attr = name.split(".")
+    module = base
+    for part in path:
+        child = module._modules.get(part)
+        links[(id(module._modules), part)] = (module._modules, part, child)
+        if child is None:
+            return None, f"{type(base).__name__} has no module {name.rpartition('.')[0]}"
+        module = child
+    owner = name.rpartition(".")[0]
+    expected = _OWNER_TYPES[kind]
+    if type(module) is not expected:
+        return None, (f"{owner} is a {type(module).__module__}.{type(module).__qualname__}, not torch's "
+                      f"nn.{expected.__name__}: fastbert cannot run it")
+    param = module._parameters.get(attr)
+    links[(id(module._parameters), attr)] = (module._parameters, attr, param)
+    if param is None:
+        return None, f"{owner} has no {attr}"
+    return param, None
+
+
+def _build(base: nn.Module, backend: str) -> _Build:
+    """fastbert's encoder over ``base``'s current tensors, or the reason it cannot run them."""
+    submodules = [m for m in base.modules() if m is not base]
+    params = list(inspect.signature(type(base).forward).parameters.values())[1:]
+    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    raw = base.config.to_dict()
+    if raw.get("pruned_heads"):
+        return _Build(None, "attention heads were pruned (config.pruned_heads)", submodules=submodules)
+    try:
+        config = FastBertConfig.from_hf_dict(raw)
+    except ValueError as err:  # a config edited after optimize() (optimize itself raises for these)
+        return _Build(None, str(err), submodules=submodules)
+    config.has_pooler = getattr(base, "pooler", None) is not None  # e.g. RoBERTa's MLM class has none
+    pairs = encoder_key_map(config)
+    links: dict = {}
+    found: dict[str, nn.Parameter] = {}
+    for ours, theirs in pairs:
+        for name in theirs:
+            param, reason = _resolve(base, name, _owner_kind(ours), links)
+            if reason is not None:
+                return _Build(None, reason, list(links.values()), submodules=submodules)
+            found[name] = param
+    tensors = list(found.values())
+    dtypes, devices = {t.dtype for t in tensors}, {t.device for t in tensors}
+    if len(dtypes) > 1 or len(devices) > 1:
+        return _Build(None, f"the encoder's tensors are on several dtypes/devices ({sorted(map(str, dtypes))}, "
+                            f"{sorted(map(str, devices))})", list(links.values()), tensors,
+                      tuple(t.data_ptr() for t in tensors), submodules)
+    # The tables' sizes come from the tensors, not the config: resize_token_embeddings and friends change both,
+    # but a config edited by hand would otherwise let an id past the table through the range check.
+    rows = {ours: found[theirs[0]].shape[0] for ours, theirs in pairs if len(theirs) == 1}
+    config.vocab_size = rows["embeddings.word_embeddings"]
+    config.max_position_embeddings = rows["embeddings.position_embeddings"]
+    if config.type_vocab_size:
+        config.type_vocab_size = rows["embeddings.token_type_embeddings"]
+    with torch.device("meta"):
+        fast = FastBertModel(config, backend=backend)
+    expected = dict(fast.named_parameters())
+    owners = dict(fast.named_modules())
+    bad = []
+    for ours, theirs in pairs:
+        shape = (sum(found[k].shape[0] for k in theirs), *found[theirs[0]].shape[1:])
+        if torch.Size(shape) != expected[ours].shape:
+            bad.append(f"{' + '.join(theirs)}: {shape}, expected {tuple(expected[ours].shape)}")
+    if bad:
+        return _Build(None, "tensors of unexpected shape: " + "; ".join(bad[:3]), list(links.values()), tensors,
+                      tuple(t.data_ptr() for t in tensors), submodules)
+    try:
+        output_class = _output_class(base)
+    except Exception as err:  # noqa: BLE001 - a model transformers cannot run once is not one to take over
+        return _Build(None, f"transformers' forward failed on one token: {type(err).__name__}: {err}",
+                      list(links.values()), tensors, tuple(t.data_ptr() for t in tensors), submodules)
+    for ours, theirs in pairs:
+        owner_name, _, attr = ours.rpartition(".")
+        owner = owners[owner_name]
+        if len(theirs) == 1:
+            setattr(owner, attr, found[theirs[0]])
+            continue
+        params = [found[k] for k in theirs]
+        packed = torch.cat([p.detach() for p in params], dim=0)
+        offset = 0
+        for param in params:  # the originals become views of the packed tensor: one copy in memory
+            rows_here = param.shape[0]
+            param.data = packed[offset: offset + rows_here]
+            offset += rows_here
+        setattr(owner, attr, nn.Parameter(packed, requires_grad=False))
+    fast.eval()
+    return _Build(fast, None, list(links.values()), tensors, tuple(t.data_ptr() for t in tensors), submodules,
+                  output_class, positional)
+
+
+def _hook_reason(base: nn.Module, build: _Build) -> str | None:
+    """Hooks on the encoder's submodules would not fire on fastbert's path: such calls run transformers' code."""
+    global_hooks = nn.modules.module
+    if global_hooks._global_forward_hooks or global_hooks._global_forward_pre_hooks:
+        return "global forward hooks are registered (torch.nn.modules.module.register_module_forward_hook)"
+    if not any(build.hook_dicts) and not any(map(operator.contains, build.module_dicts, repeat("forward"))):
+        return None
+    for module in build.submodules:
+        hooks = module._forward_hooks or module._forward_pre_hooks
+        if (hooks and _foreign_hooks(module)) or "forward" in module.__dict__:
+            name = next((n for n, m in base.named_modules() if m is module), type(module).__name__)
+            return f"submodule {name} has forward hooks or a replaced forward (e.g. accelerate offloading)"
+    return None
+
+
+def _foreign_hooks(module: nn.Module) -> bool:
+    """Hooks other than transformers' own output-capturing ones (installed for good on the first call that asks
+    for attentions or hidden states, inert otherwise)."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE for hook in hooks)
+
+
+class OptimizedState:
+    """What `optimize` attaches to a transformers base model (as ``_fastbert``): the requested backend and a
+    cache of fastbert's encoder over the model's tensors. Copies and pickles carry the request, not the cache:
+    the copy builds its own from its own tensors on its first call."""
+
+    def __init__(self, backend: str):
         self.backend = backend
-        self.config = FastBertConfig.from_hf_dict(base.config.to_dict())
-        self.config.has_pooler = getattr(base, "pooler", None) is not None  # e.g. RoBERTa's MLM class has none
-        self.output_class = _output_class(base)
-        self.signature = inspect.signature(type(base).forward)
-        self.original_forward = type(base).forward
-        self.warned_grad = False
-        self.fast: FastBertModel | None = None
-        self.qkv_views: list[tuple[torch.Tensor, list[nn.Parameter]]] = []
-        self.build()
+        self._reset()
 
-    def build(self) -> None:
-        """(Re)create the fastbert encoder over the base model's current parameters."""
-        hf = dict(self.base.named_parameters())
-        with torch.device("meta"):
-            fast = FastBertModel(self.config, backend=self.backend)
-        owners = dict(fast.named_modules())
-        self.qkv_views = []
-        for ours, theirs in encoder_key_map(self.config):
-            missing = [k for k in theirs if k not in hf]
-            if missing:
-                raise ValueError(f"fastbert.optimize: {type(self.base).__name__} has no parameter {missing[0]}")
-            owner_name, _, attr = ours.rpartition(".")
-            owner = owners[owner_name]
-            if len(theirs) == 1:
-                setattr(owner, attr, hf[theirs[0]])
+    def _reset(self) -> None:
+        self.build: _Build | None = None
+        self.warned: set[str] = set()
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"backend": self.backend}
+
+    def __setstate__(self, state: dict) -> None:
+        self.backend = state["backend"]
+        self._reset()
+
+    def current(self, base: nn.Module, check: bool = True) -> _Build:
+        """The build over ``base``'s tensors as they are now (rebuilt when any of them changed)."""
+        build = self.build
+        if build is None or (check and build.stale()):
+            with self.lock:  # one rebuild when threads share a model
+                build = self.build
+                if build is None or (check and build.stale()):
+                    build = self.build = _build(base, self.backend)
+        return build
+
+    @staticmethod
+    def arguments(build: _Build, args: tuple, kwargs: dict) -> dict | None:
+        """The call's arguments by name (None when they do not bind: the original forward raises the error)."""
+        if not args:
+            return kwargs
+        names = build.positional
+        if len(args) > len(names) or any(name in kwargs for name in names[: len(args)]):
+            return None
+        return {**dict(zip(names, args, strict=False)), **kwargs}
+
+    def fallback_reason(self, base: nn.Module, build: _Build, arguments: dict | None) -> str | None:
+        """Why this call runs transformers' code, or None when fastbert takes it."""
+        if build.unsupported:
+            return build.unsupported
+        if arguments is None:
+            return "arguments that do not match the forward signature"
+        if base.training:
+            return "training mode (dropout); call model.eval() for fastbert's path"
+        config = base.config
+        if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+            return "config.is_decoder / config.add_cross_attention is set"
+        for name, value in arguments.items():
+            if name in ENCODER_INPUTS or name in OUTPUT_OPTIONS or name in LOSS_ONLY or value is None:
                 continue
-            params = [hf[k] for k in theirs]
-            packed = torch.cat([p.detach() for p in params], dim=0)
-            offset = 0
-            for param in params:  # the originals become views of the packed tensor: one copy in memory
-                rows = param.shape[0]
-                param.data = packed[offset: offset + rows]
-                offset += rows
-            setattr(owner, attr, nn.Parameter(packed, requires_grad=False))
-            self.qkv_views.append((packed, params))
-        fast.eval()
-        self.fast = fast
-
-    def in_sync(self) -> bool:
-        """False once .to()/.half() or a parameter swap separated the views from the packed tensors."""
-        for packed, params in self.qkv_views:
-            base_ptr, step = packed.data_ptr(), packed[: params[0].shape[0]].numel() * packed.element_size()
-            if params[0].dtype != packed.dtype or params[0].device != packed.device:
-                return False
-            if any(p.data_ptr() != base_ptr + i * step for i, p in enumerate(params)):
-                return False
-        return True
-
-    def fallback_reason(self, arguments: dict) -> str | None:
-        if self.base.training:
-            return "training mode"
-        for name in _FALLBACK_ARGS:
-            value = arguments.get(name)
-            if value is not None and value is not False:
-                return f"{name} is not supported by fastbert"
-        extra = set(arguments) - set(self.signature.parameters) - _HARMLESS_KWARGS
-        if extra:
-            return f"keyword arguments {sorted(extra)} are not supported by fastbert"
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.base.parameters()):
-            if not self.warned_grad:
-                warnings.warn("fastbert: autograd is enabled, so transformers' own code runs; call the model "
-                              "under torch.inference_mode() or torch.no_grad() for fastbert's path", stacklevel=3)
-                self.warned_grad = True
-            return "autograd"
+            if name in OFF_FLAGS and value is False:
+                continue
+            return f"argument {name}={_describe(value)}"
+        if arguments.get("output_attentions") is None and getattr(config, "output_attentions", False):
+            return "config.output_attentions is True"
+        if not torch.compiler.is_compiling():  # dynamo guards on hooks itself
+            reason = _hook_reason(base, build)
+            if reason is not None:
+                return reason
+        if torch.is_grad_enabled() and any(p.requires_grad for p in build.tensors):
+            return ("autograd is enabled, so transformers' own code runs; call the model under "
+                    "torch.inference_mode() or torch.no_grad() for fastbert's path")
         return None
 
-    def forward(self, base: nn.Module, *args, **kwargs):
-        bound = self.signature.bind(base, *args, **kwargs)
-        flat = dict(bound.arguments)
-        flat.pop("self", None)
-        flat.update(flat.pop("kwargs", {}))
-        if self.fallback_reason(flat) is not None:
-            return self.original_forward(base, *args, **kwargs)
-        if not self.in_sync():
-            self.build()
+    def warn_once(self, reason: str) -> None:
+        if reason not in self.warned:
+            self.warned.add(reason)
+            warnings.warn(f"fastbert: this call runs transformers' code (no speed-up): {reason}", stacklevel=4)
+
+    def run(self, base: nn.Module, build: _Build, arguments: dict):
         config = base.config
-        output_hidden_states = flat.get("output_hidden_states")
+        output_hidden_states = arguments.get("output_hidden_states")
         if output_hidden_states is None:
             output_hidden_states = getattr(config, "output_hidden_states", False)
-        return_dict = flat.get("return_dict")
+        return_dict = arguments.get("return_dict")
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
-        inputs = {k: flat.get(k) for k in _FAST_ARGS}
-        out = self.fast(**inputs, output_hidden_states=bool(output_hidden_states))
+        out = build.fast(**{k: arguments.get(k) for k in ENCODER_INPUTS},
+                         output_hidden_states=bool(output_hidden_states))
         fields = {"last_hidden_state": out.last_hidden_state}
-        if "pooler_output" in self.output_class.__dataclass_fields__:
+        if "pooler_output" in build.output_class.__dataclass_fields__:
             fields["pooler_output"] = out.pooler_output
         if output_hidden_states:
             fields["hidden_states"] = out.hidden_states
-        result = self.output_class(**fields)
+        result = build.output_class(**fields)
         return result if return_dict else result.to_tuple()
+
+
+@torch.compiler.disable
+def _first_build(state: OptimizedState, base: nn.Module) -> _Build:
+    """The build for a model first called while being compiled (after a deepcopy or unpickling): made outside
+    the traced graph."""
+    return state.current(base)
+
+
+def _forward(base: nn.Module, args: tuple, kwargs: dict):
+    state: OptimizedState = base.__dict__["_fastbert"]
+    if torch.compiler.is_compiling():
+        build = state.build if state.build is not None else _first_build(state, base)
+    else:
+        build = state.current(base)
+    arguments = state.arguments(build, args, kwargs)
+    reason = state.fallback_reason(base, build, arguments)
+    if reason is not None:
+        state.warn_once(reason)
+        return type(base).forward(base, *args, **kwargs)
+    return state.run(base, build, arguments)
+
+
+class OptimizedForward:
+    """What `optimize` installs as a base model's ``forward``: fastbert's path when it can take the call, else
+    transformers' own forward. It reads everything from the model it is attached to (and travels with it through
+    deepcopy and pickle), and shows the original signature to ``inspect.signature``."""
+
+    __name__ = "forward"
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return _forward(self.module, args, kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    @property
+    def __code__(self):  # torch.export and code that reads argument names look here, as on a function
+        return inspect.unwrap(type(self.module).forward).__code__
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return type(self.module).forward.__doc__
+
+    def __repr__(self) -> str:
+        return f"<fastbert-optimized forward of {type(self.module).__name__}>"
+
+
+def _bases(model: nn.Module) -> list[nn.Module]:
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.base_model is m]
 
 
 def optimize(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Speed up a transformers model of the BERT family (any head class), or a sentence-transformers model
-    wrapping one, in place; returns the same object.
+    wrapping one, in place; returns the same object. Calling it again re-checks the model and may change the
+    backend.
 
     Raises ValueError when the model holds no supported encoder, or one configured in a way fastbert cannot run
     (decoder, cross-attention, relative position embeddings).
     """
-    from transformers import PreTrainedModel
-
-    targets = [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.base_model is m]
+    targets = _bases(model)
     if not targets:
         raise ValueError(f"fastbert.optimize: found no transformers model inside {type(model).__name__}")
     for base in targets:
-        if getattr(base, "_fastbert", None) is not None:
-            base._fastbert.backend = backend
-            base._fastbert.build()
-            continue
-        shared = _Shared(base, backend)  # raises for unsupported model types and configurations
-        base._fastbert = shared
-        base.forward = MethodType(shared.forward, base)
+        FastBertConfig.from_hf_dict(base.config.to_dict())  # raises for unsupported model types and configurations
+    for base in targets:
+        state = base.__dict__.get("_fastbert")
+        if state is None:
+            state = base._fastbert = OptimizedState(backend)
+        state.backend = backend
+        state.build = None
+        if not isinstance(base.__dict__.get("forward"), OptimizedForward):
+            base.forward = OptimizedForward(base)
+        build = state.current(base)
+        if build.unsupported:
+            state.warn_once(build.unsupported)
     return model
 
 
 def is_optimized(model: nn.Module) -> bool:
-    return any(getattr(m, "_fastbert", None) is not None for m in model.modules())
+    """True when a base model inside ``model`` runs through fastbert's forward (the model may still fall back
+    for a given call: `explain` says when)."""
+    return any(isinstance(m.__dict__.get("forward"), OptimizedForward) for m in model.modules())
+
+
+def explain(model: nn.Module, **call_kwargs) -> str:
+    """Which path a call ``model(**call_kwargs)`` would take through each optimized encoder in ``model``, and why.
+
+    Keywords that the model's own forward consumes before its encoder (labels, ...) are left out for the encoder.
+    Does not run the model. Example: ``print(fastbert.explain(model, input_ids=ids, output_attentions=True))``.
+    """
+    lines = []
+    for base in _bases(model):
+        state = base.__dict__.get("_fastbert")
+        name = type(base).__name__
+        if state is None or not isinstance(base.__dict__.get("forward"), OptimizedForward):
+            lines.append(f"{name}: not optimized (transformers' code runs); call fastbert.optimize(model)")
+            continue
+        kwargs = dict(call_kwargs)
+        if base is not model:
+            own = inspect.signature(type(model).forward).parameters
+            encoder = inspect.signature(type(base).forward).parameters
+            kwargs = {k: v for k, v in kwargs.items() if k in encoder or k not in own}
+        build = state.current(base)
+        reason = state.fallback_reason(base, build, kwargs)
+        if reason is None:
+            requested = state.backend if state.backend != "auto" else "auto: triton on CUDA, cpp on CPU, else eager"
+            lines.append(f"{name}: fastbert's path (backend {requested})")
+        else:
+            lines.append(f"{name}: transformers' code runs: {reason}")
+    return "\n".join(lines) if lines else f"{type(model).__name__} holds no transformers model"

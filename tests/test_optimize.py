@@ -88,7 +88,7 @@ def test_optimize_keeps_state_dict_and_shares_weights():
     fastbert.optimize(model)
     assert list(model.state_dict()) == keys
     layer = model.bert.encoder.layer[0].attention.self
-    packed = model.bert._fastbert.fast.layers[0].qkv_weight
+    packed = model.bert._fastbert.build.fast.layers[0].qkv_weight
     assert layer.query.weight.data_ptr() == packed.data_ptr()  # Q/K/V are views of the packed tensor: no copy
     ids, mask = padded_batch()
     with torch.inference_mode():

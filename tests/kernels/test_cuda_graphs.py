@@ -15,7 +15,7 @@ from tests.hf_tiny import padded_batch, rel_err, tiny_model
 
 def _fast_model(family: str, backend: str):
     optimized = fastbert.optimize(copy.deepcopy(tiny_model(family)), backend=backend)
-    return optimized.base_model._fastbert.fast
+    return optimized.base_model._fastbert.build.fast
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])

@@ -79,7 +79,7 @@ def test_half_precision_error_within_twice_transformers(dtype):
 def test_padded_and_packed_execution_agree(family):
     _, optimized = triton_pair(family)
     inputs = batch_inputs(family)
-    fast_model = optimized.base_model._fastbert.fast
+    fast_model = optimized.base_model._fastbert.build.fast
     with torch.inference_mode():
         fast_model.padding_free = True
         packed = optimized(**inputs).last_hidden_state
@@ -109,7 +109,7 @@ def test_torch_compile_fullgraph_inductor_over_triton_model():
     """The whole encoder, unpadded batch, compiled in one graph by inductor around the triton custom ops (~15 s in
     the interpreter). Padded batches are not traced in one graph: the model reads max_seqlen as a Python int."""
     _, optimized = triton_pair("bert")
-    fast_model = optimized.base_model._fastbert.fast
+    fast_model = optimized.base_model._fastbert.build.fast
     fast_model.validate_inputs = False  # input range checks read tensor values (a graph break)
     input_ids = batch_inputs("bert")["input_ids"].clamp(min=3)
     with torch.inference_mode():

@@ -1,0 +1,326 @@
+"""What users do to a model after `fastbert.optimize`: copy it, pickle it, swap its tensors, resize, quantize,
+compile, trace, inspect it. Each case runs on an optimized model and on an untouched one treated the same way, and
+asserts the two agree and which path (fastbert's ops, or transformers' code) ran."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import multiprocessing
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fastbert
+from fastbert import benchmarking as bm
+from tests.hf_tiny import HEADS, VOCAB, padded_batch, rel_err, tiny_model
+
+FAST = set(bm.OPS)
+
+
+def pair(family: str = "bert", head: str = "Model", **overrides):
+    """(untouched model, optimized model): two identical seeded tiny models (no deepcopy involved)."""
+    return tiny_model(family, head, **overrides), fastbert.optimize(tiny_model(family, head, **overrides))
+
+
+def run(model, *args, **inputs):
+    """The model's output under inference mode and the fused ops that ran ({} = transformers' code)."""
+    with torch.inference_mode(), bm.record_backends() as seen:
+        out = model(*args, **inputs)
+    return out, dict(seen)
+
+
+def hidden(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def assert_agree(actual, expected, mask: torch.Tensor, tol: float = 1e-5) -> None:
+    keep = mask.bool()
+    assert rel_err(hidden(actual)[keep], hidden(expected)[keep]) <= tol
+
+
+@pytest.fixture
+def batch():
+    ids, mask = padded_batch()
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+# ------------------------------------------------------------------------------------------------- copies
+def test_deepcopy_runs_the_copys_own_weights_and_mode(batch):
+    reference, model = pair()
+    snapshot = copy.deepcopy(model)
+    with torch.no_grad():  # the copy diverges from the original (EMA, teacher, "best model" snapshots)
+        for module in (snapshot, reference):
+            module.encoder.layer[0].attention.self.query.weight.mul_(0.5)
+            module.encoder.layer[1].output.LayerNorm.weight.add_(0.3)
+    out, seen = run(snapshot, **batch)
+    assert set(seen) == FAST
+    assert_agree(out, run(reference, **batch)[0], batch["attention_mask"])
+    untouched = tiny_model("bert")
+    out, seen = run(model, **batch)  # the original keeps its own weights
+    assert set(seen) == FAST
+    assert_agree(out, run(untouched, **batch)[0], batch["attention_mask"])
+    snapshot.train()  # the copy's mode is its own: the original stays in eval on fastbert's path
+    assert set(run(model, **batch)[1]) == FAST
+    with pytest.warns(UserWarning, match="training mode"):
+        assert run(snapshot, **batch)[1] == {}
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_pickled_model_runs_fastbert_on_its_own_tensors(batch, how):
+    reference, model = pair("roberta", pad_token_id=1)
+    batch = dict(zip(("input_ids", "attention_mask"), padded_batch(pad_id=1), strict=True))
+    if how == "pickle":
+        loaded = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+    assert fastbert.is_optimized(loaded)
+    out, seen = run(loaded, **batch)
+    assert set(seen) == FAST, "the loaded model silently ran transformers' code"
+    assert_agree(out, run(reference, **batch)[0], batch["attention_mask"])
+    with torch.no_grad():  # its tensors are its own, not the original's
+        loaded.encoder.layer[0].attention.self.value.weight.mul_(-1)
+    assert not torch.equal(hidden(run(loaded, **batch)[0]), hidden(run(model, **batch)[0]))
+
+
+def test_multiprocessing_hand_off(batch):
+    reference, model = pair()
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        optimized, seen, output = pool.apply(_worker_forward, (model, batch))
+    assert optimized and set(seen) == FAST
+    assert_agree(output, run(reference, **batch)[0].last_hidden_state, batch["attention_mask"])
+
+
+def _worker_forward(model, batch):
+    """Runs in a spawned process: the model arrived pickled."""
+    import fastbert as fb
+    from fastbert import benchmarking as bench
+
+    with torch.inference_mode(), bench.record_backends() as seen:
+        out = model(**batch).last_hidden_state
+    return fb.is_optimized(model), {op: dict(counts) for op, counts in seen.items()}, out.clone()
+
+
+# ----------------------------------------------------------------------------------------- replaced tensors
+def _replace_parameters(model) -> None:
+    torch.manual_seed(7)
+    layer = model.encoder.layer[1]
+    layer.attention.self.key.weight = nn.Parameter(torch.randn_like(layer.attention.self.key.weight) * 0.2)
+    layer.intermediate.dense.bias = nn.Parameter(torch.randn_like(layer.intermediate.dense.bias))
+    model.embeddings.LayerNorm = nn.LayerNorm(32, eps=model.config.layer_norm_eps)
+    nn.init.normal_(model.embeddings.LayerNorm.weight, 1.0, 0.3)
+    new_linear = nn.Linear(32, 32)
+    model.encoder.layer[0].attention.output.dense = new_linear
+
+
+def _replace_input_embeddings(model) -> None:
+    torch.manual_seed(8)
+    model.set_input_embeddings(nn.Embedding(VOCAB, 32))
+
+
+def _load_state_dict_assign(model) -> None:
+    torch.manual_seed(9)
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+
+
+def _load_state_dict_copy(model) -> None:
+    torch.manual_seed(9)
+    model.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()})
+
+
+def _to_double(model) -> None:
+    model.double()
+
+
+@pytest.mark.parametrize(
+    "change", [_replace_parameters, _replace_input_embeddings, _load_state_dict_assign, _load_state_dict_copy,
+               _to_double], ids=lambda f: f.__name__.strip("_"))
+def test_changed_tensors_are_used(batch, change):
+    reference, model = pair()
+    run(model, **batch)  # built over the old tensors first
+    change(reference)
+    change(model)
+    out, seen = run(model, **batch)
+    assert set(seen) == FAST
+    expected = run(reference, **batch)[0]
+    assert hidden(out).dtype == hidden(expected).dtype
+    assert_agree(out, expected, batch["attention_mask"])
+    assert rel_err(hidden(out), hidden(run(tiny_model("bert"), **batch)[0])) > 1e-3  # the change mattered
+
+
+def test_resize_token_embeddings_and_a_new_token():
+    reference, model = pair("bert", "ForMaskedLM")
+    for module in (reference, model):
+        torch.manual_seed(3)
+        module.resize_token_embeddings(VOCAB + 5)
+    ids, mask = padded_batch()
+    ids[:, 0] = VOCAB + 2  # an id only the resized table has
+    out, seen = run(model, input_ids=ids, attention_mask=mask)
+    assert set(seen) == FAST
+    expected = run(reference, input_ids=ids, attention_mask=mask)[0]
+    keep = mask.bool()
+    assert rel_err(out.logits[keep], expected.logits[keep]) <= 1e-5
+    with pytest.raises(IndexError, match="outside the vocabulary"):  # past the new table: still a clear error
+        run(model, input_ids=ids.fill_(VOCAB + 5), attention_mask=mask)
+
+
+def test_quantized_linears_fall_back_with_a_warning(batch):
+    reference, model = pair("bert", "ForSequenceClassification")
+    quantized_reference = torch.ao.quantization.quantize_dynamic(reference, {nn.Linear}, dtype=torch.qint8)
+    quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    with pytest.warns(UserWarning, match="not torch's nn.Linear"):
+        out, seen = run(quantized, **batch)
+    assert seen == {}
+    assert torch.equal(out.logits, run(quantized_reference, **batch)[0].logits)
+    assert set(run(model, **batch)[1]) == FAST  # the original (quantize_dynamic copied it) is untouched
+
+
+def test_submodule_hooks_fire(batch):
+    reference, model = pair()
+    captured = []
+    handle = model.encoder.layer[0].register_forward_hook(lambda module, args, out: captured.append(out))
+    with pytest.warns(UserWarning, match="forward hooks"):
+        out, seen = run(model, **batch)
+    assert seen == {} and len(captured) == 1
+    handle.remove()
+    assert set(run(model, **batch)[1]) == FAST
+    assert_agree(out, run(reference, **batch)[0], batch["attention_mask"])
+
+
+def test_train_then_eval_returns_to_fastbert(batch):
+    reference, model = pair()
+    model.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert run(model, **batch)[1] == {}
+    model.eval()
+    out, seen = run(model, **batch)
+    assert set(seen) == FAST
+    assert_agree(out, run(reference, **batch)[0], batch["attention_mask"])
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize("extra", [{"output_attentions": False}, {"use_cache": False}, {"output_hidden_states": False},
+                                   {"num_items_in_batch": torch.tensor(12)}, {"return_dict": True},
+                                   {"encoder_hidden_states": None}],
+                         ids=lambda d: next(iter(d)))
+def test_default_valued_arguments_take_the_fast_path(batch, extra):
+    reference, model = pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        out, seen = run(model, **batch, **extra)
+    assert set(seen) == FAST
+    assert_agree(out, run(reference, **batch, **extra)[0], batch["attention_mask"])
+
+
+def test_head_with_loss_keywords_takes_the_fast_path(batch):
+    reference, model = pair("bert", "ForSequenceClassification")
+    labels = torch.tensor([0, 1, 1, 0])
+    out, seen = run(model, **batch, labels=labels, num_items_in_batch=torch.tensor(4))
+    assert set(seen) == FAST
+    expected = run(reference, **batch, labels=labels, num_items_in_batch=torch.tensor(4))[0]
+    assert rel_err(out.loss, expected.loss) <= 1e-5
+
+
+def test_positional_arguments(batch):
+    reference, model = pair()
+    out, seen = run(model, batch["input_ids"], batch["attention_mask"])
+    assert set(seen) == FAST
+    assert_agree(out, run(reference, batch["input_ids"], batch["attention_mask"])[0], batch["attention_mask"])
+
+
+def test_config_output_attentions_falls_back_and_returns_attentions(batch):
+    reference, model = pair()
+    for module in (reference, model):
+        module.config.output_attentions = True
+    with pytest.warns(UserWarning, match="config.output_attentions"):
+        out, seen = run(model, **batch)
+    assert seen == {}
+    expected = run(reference, **batch)[0]
+    assert out.attentions is not None and len(out.attentions) == 2
+    for got, want in zip(out.attentions, expected.attentions, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_explain_says_which_path_and_why(batch):
+    _, model = pair("bert", "ForSequenceClassification")
+    assert "fastbert's path" in fastbert.explain(model, **batch, labels=torch.tensor([0, 1, 1, 0]))
+    assert "output_attentions=True" in fastbert.explain(model, **batch, output_attentions=True)
+    assert "fastbert's path" in fastbert.explain(model, **batch, output_attentions=False)
+    model.train()
+    assert "training mode" in fastbert.explain(model, **batch)
+    assert "not optimized" in fastbert.explain(tiny_model("bert"))
+
+
+# ------------------------------------------------------------------------------------------ introspection
+@pytest.mark.parametrize("family", list(HEADS))
+def test_signature_is_the_original(family):
+    reference, model = pair(family)
+    assert inspect.signature(model.forward) == inspect.signature(reference.forward)
+    assert "input_ids" in inspect.signature(model.forward).parameters
+
+
+# ------------------------------------------------------------------------------------ compilers and tracers
+@pytest.mark.parametrize("head", ["Model", "ForSequenceClassification"])
+def test_torch_compile(batch, head):
+    torch._dynamo.reset()
+    reference, model = pair("bert", head)
+    compiled = torch.compile(model)
+    with torch.inference_mode(), bm.record_backends() as seen:
+        out = compiled(**batch)
+    assert set(seen) == FAST  # traced through fastbert's ops, not transformers' code
+    with torch.inference_mode():
+        expected = reference(**batch)
+    if head == "Model":
+        assert_agree(out, expected, batch["attention_mask"])
+    else:
+        assert rel_err(out.logits, expected.logits) <= 1e-5
+
+
+def test_torch_export(batch):
+    reference, model = pair()
+    with torch.no_grad():
+        program = torch.export.export(model, (), dict(batch))
+        assert {str(node.target).split(".")[1] for node in program.graph.nodes
+                if str(node.target).startswith("fastbert.")} >= {"attention", "linear_residual_layernorm"}
+        out = program.module()(**batch)
+        expected = reference(**batch)
+    assert_agree(out, expected, batch["attention_mask"])
+
+
+def test_jit_trace_is_right_for_any_padding_of_the_traced_shape(batch):
+    reference, model = pair()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(model, example_kwarg_inputs=dict(batch), strict=False)
+        other_ids, other_mask = (t.flip(0) for t in padded_batch(generator_seed=5))  # same shape, other padding
+        for inputs in ({"input_ids": other_ids, "attention_mask": other_mask}, batch):
+            out = traced(**inputs)
+            assert_agree(out["last_hidden_state"], reference(**inputs), inputs["attention_mask"])
+
+
+# --------------------------------------------------------------------------------------- poison in padding
+def test_non_finite_inputs_embeds_at_padding_never_reach_real_tokens(batch):
+    _, model = pair()
+    embeds = model.embeddings.word_embeddings(batch["input_ids"]).detach()
+    clean = embeds.masked_fill(batch["attention_mask"][..., None] == 0, 0.0)
+    poisoned = clean.masked_fill(batch["attention_mask"][..., None] == 0, float("nan"))
+    poisoned[0, -1] = float("inf")  # row 0 holds one real token
+    out, seen = run(model, inputs_embeds=poisoned, attention_mask=batch["attention_mask"])
+    expected = run(model, inputs_embeds=clean, attention_mask=batch["attention_mask"])[0]
+    assert set(seen) == FAST - {"embedding_layernorm"}  # inputs_embeds: nothing to gather
+    keep = batch["attention_mask"].bool()
+    assert torch.isfinite(out.last_hidden_state[keep]).all()
+    assert torch.equal(out.last_hidden_state[keep], expected.last_hidden_state[keep])
+    assert torch.isfinite(out.pooler_output).all()
