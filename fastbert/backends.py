@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class OpImpl:
 _REGISTRY: dict[str, dict[str, OpImpl]] = {}
 _LOAD_ERRORS: dict[str, str] = {}
 _LOADED: set[str] = {"eager"}
+_WARNED: set[str] = set()
 
 
 def register(op: str, backend: str, fn: Callable, supports: Callable[..., str | None] | None = None,
@@ -50,19 +52,24 @@ def register(op: str, backend: str, fn: Callable, supports: Callable[..., str | 
     _REGISTRY.setdefault(op, {})[backend] = OpImpl(fn, supports or (lambda *a, **k: None), has_backward)
 
 
-def _load(backend: str) -> str | None:
-    """Import a backend's module once; returns the reason it is unavailable, or None."""
+def _load(backend: str, warn: bool = True) -> str | None:
+    """Import a backend's module once; returns the reason it is unavailable, or None. The first time a backend
+    that an op wanted failed to load, a warning says so (the cpp module warns itself when only its compiled
+    extension is missing); listing backends (`available`) does not warn."""
     if backend in _LOADED:
         return None
-    if backend in _LOAD_ERRORS:
-        return _LOAD_ERRORS[backend]
-    try:
-        importlib.import_module(_BACKEND_MODULES[backend])
-    except Exception as err:  # noqa: BLE001 - any import failure makes the backend unavailable, with its reason
-        _LOAD_ERRORS[backend] = f"{backend} backend failed to load: {type(err).__name__}: {err}"
-        return _LOAD_ERRORS[backend]
-    _LOADED.add(backend)
-    return None
+    if backend not in _LOAD_ERRORS:
+        try:
+            importlib.import_module(_BACKEND_MODULES[backend])
+        except Exception as err:  # noqa: BLE001 - any import failure makes the backend unavailable, with its reason
+            _LOAD_ERRORS[backend] = f"{backend} backend failed to load: {type(err).__name__}: {err}"
+        else:
+            _LOADED.add(backend)
+            return None
+    if warn and backend not in _WARNED:
+        _WARNED.add(backend)
+        warnings.warn(f"fastbert: the {_LOAD_ERRORS[backend]}; its ops run on another backend", stacklevel=4)
+    return _LOAD_ERRORS[backend]
 
 
 def requested_backend(backend: str | None) -> str:
@@ -132,7 +139,7 @@ def explain(op: str, *args, backend: str | None = "auto", **kwargs) -> str:
 
 def available() -> dict[str, str | None]:
     """Each backend and the reason it failed to load (None when it loaded)."""
-    return {name: _load(name) for name in BACKENDS}
+    return {name: _load(name, warn=False) for name in BACKENDS}
 
 
 def describe_available() -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -129,3 +131,19 @@ def test_describe_available_gives_the_reasons_for_failures(monkeypatch):
     assert backends.describe_available() == (
         "eager loaded; triton not loaded (ModuleNotFoundError: No module named 'triton'); "
         "cpp not usable (the C++ extension fastbert._C is not built (gone))")
+
+
+def test_a_backend_that_fails_to_load_warns_once_when_an_op_wants_it(monkeypatch):
+    monkeypatch.setitem(backends._BACKEND_MODULES, "triton", "fastbert._no_such_backend_module")
+    monkeypatch.setattr(backends, "_LOADED", {"eager"})
+    monkeypatch.setattr(backends, "_LOAD_ERRORS", {})
+    monkeypatch.setattr(backends, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert "failed to load" in backends.available()["triton"]  # listing backends does not warn
+        assert not caught
+        for _ in range(3):
+            assert "ModuleNotFoundError" in backends.why_not("attention", "triton")
+    assert [str(w.message) for w in caught] == [
+        "fastbert: the triton backend failed to load: ModuleNotFoundError: No module named "
+        "'fastbert._no_such_backend_module'; its ops run on another backend"]
