@@ -130,6 +130,13 @@ def _resolve(base: nn.Module, name: str, kind: str, links: dict) -> tuple[nn.Par
 
 def _build(base: nn.Module, backend: str) -> _Build:
     """fastbert's encoder over ``base``'s current tensors, or the reason it cannot run them."""
+    # A first call often comes under inference_mode: the packed Q/K/V must still be ordinary tensors, since the
+    # model's own query/key/value parameters become views of them (and may be trained later).
+    with torch.inference_mode(False), torch.no_grad():
+        return _build_over(base, backend)
+
+
+def _build_over(base: nn.Module, backend: str) -> _Build:
     submodules = [m for m in base.modules() if m is not base]
     params = list(inspect.signature(type(base).forward).parameters.values())[1:]
     positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
@@ -315,16 +322,27 @@ class OptimizedState:
 
 
 @torch.compiler.disable
-def _first_build(state: OptimizedState, base: nn.Module) -> _Build:
-    """The build for a model first called while being compiled (after a deepcopy or unpickling): made outside
-    the traced graph."""
+def _current_outside_graph(state: OptimizedState, base: nn.Module) -> _Build:
+    """`state.current` for a compiled model: run eagerly on every call (a graph break), so a compiled model is
+    checked like an uncompiled one and a rebuild makes dynamo trace the new encoder."""
     return state.current(base)
+
+
+def _is_exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting and is_exporting())
 
 
 def _forward(base: nn.Module, args: tuple, kwargs: dict):
     state: OptimizedState = base.__dict__["_fastbert"]
-    if torch.compiler.is_compiling():
-        build = state.build if state.build is not None else _first_build(state, base)
+    if _is_exporting():  # a one-time capture of the model as it is (fake tensors: no storage to check)
+        build = state.build
+        if build is None:
+            raise RuntimeError("fastbert: this copy of the model has not run yet, and torch.export cannot build "
+                               "fastbert's encoder over fake tensors: call the model once (or fastbert.optimize "
+                               "it again) before exporting it")
+    elif torch.compiler.is_compiling():
+        build = _current_outside_graph(state, base)
     else:
         build = state.current(base)
     arguments = state.arguments(build, args, kwargs)

@@ -272,20 +272,42 @@ def test_signature_is_the_original(family):
 
 
 # ------------------------------------------------------------------------------------ compilers and tracers
-@pytest.mark.parametrize("head", ["Model", "ForSequenceClassification"])
-def test_torch_compile(batch, head):
+COMPILED = [(family, "Model") for family in HEADS] + [("bert", "ForSequenceClassification"), ("bert", "ForMaskedLM")]
+
+
+@pytest.mark.parametrize(("family", "head"), COMPILED, ids=[f"{f}-{h}" for f, h in COMPILED])
+def test_torch_compile(family, head):
     torch._dynamo.reset()
-    reference, model = pair("bert", head)
+    reference, model = pair(family, head)
+    pad = model.config.pad_token_id or 0
+    batch = dict(zip(("input_ids", "attention_mask"), padded_batch(pad_id=pad), strict=True))
     compiled = torch.compile(model)
     with torch.inference_mode(), bm.record_backends() as seen:
         out = compiled(**batch)
     assert set(seen) == FAST  # traced through fastbert's ops, not transformers' code
     with torch.inference_mode():
         expected = reference(**batch)
-    if head == "Model":
-        assert_agree(out, expected, batch["attention_mask"])
-    else:
-        assert rel_err(out.logits, expected.logits) <= 1e-5
+    keep = batch["attention_mask"].bool()
+    name = "last_hidden_state" if head == "Model" else "logits"
+    got, want = getattr(out, name), getattr(expected, name)
+    assert rel_err(got[keep] if got.dim() > 2 else got, want[keep] if want.dim() > 2 else want) <= 1e-5
+
+
+def test_compiled_model_uses_replaced_parameters(batch):
+    torch._dynamo.reset()
+    reference, model = pair()
+    compiled = torch.compile(model)
+    with torch.inference_mode():
+        compiled(**batch)
+    for module in (reference, model):
+        torch.manual_seed(5)
+        module.encoder.layer[0].output.dense.weight = nn.Parameter(torch.randn(32, 37))
+        module.encoder.layer[1].attention.self.query.weight = nn.Parameter(torch.randn(32, 32))
+    with torch.inference_mode():
+        assert_agree(compiled(**batch), reference(**batch), batch["attention_mask"])
+        model.double()
+        reference.double()
+        assert_agree(compiled(**batch), reference(**batch), batch["attention_mask"], tol=1e-10)
 
 
 def test_torch_export(batch):
@@ -297,6 +319,19 @@ def test_torch_export(batch):
         out = program.module()(**batch)
         expected = reference(**batch)
     assert_agree(out, expected, batch["attention_mask"])
+
+
+def test_torch_export_of_a_copy_says_to_run_it_first(batch):
+    copied = copy.deepcopy(pair()[1])
+    with torch.no_grad(), pytest.raises(RuntimeError, match="call the model once"):
+        torch.export.export(copied, (), dict(batch))
+    run(copied, **batch)  # built under inference_mode: the parameters must stay ordinary tensors
+    assert not copied.encoder.layer[0].attention.self.query.weight.is_inference()
+    with torch.no_grad():
+        torch.export.export(copied, (), dict(batch))
+    loss = copied(**batch).last_hidden_state.sum()  # and trainable (autograd: transformers' code)
+    loss.backward()
+    assert copied.encoder.layer[0].attention.self.query.weight.grad is not None
 
 
 def test_jit_trace_is_right_for_any_padding_of_the_traced_shape(batch):
