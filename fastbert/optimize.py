@@ -286,6 +286,9 @@ class OptimizedState:
             if name in OFF_FLAGS and value is False:
                 continue
             return f"argument {name}={_describe(value)}"
+        mask = arguments.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() != 2:  # transformers also takes prepared 3-D/4-D masks
+            return f"a {mask.dim()}-D attention_mask (fastbert takes [batch, seq] masks)"
         if arguments.get("output_attentions") is None and getattr(config, "output_attentions", False):
             return "config.output_attentions is True"
         if not torch.compiler.is_compiling():  # dynamo guards on hooks itself

@@ -240,6 +240,16 @@ def test_positional_arguments(batch):
     assert_agree(out, run(reference, batch["input_ids"], batch["attention_mask"])[0], batch["attention_mask"])
 
 
+def test_a_prepared_4d_mask_falls_back(batch):
+    reference, model = pair()
+    mask4d = batch["attention_mask"][:, None, None, :].expand(-1, 1, 9, -1).bool()
+    with pytest.warns(UserWarning, match="4-D attention_mask"):
+        out, seen = run(model, input_ids=batch["input_ids"], attention_mask=mask4d)
+    assert seen == {}
+    assert torch.equal(out.last_hidden_state, run(reference, input_ids=batch["input_ids"], attention_mask=mask4d)[0]
+                       .last_hidden_state)
+
+
 def test_config_output_attentions_falls_back_and_returns_attentions(batch):
     reference, model = pair()
     for module in (reference, model):
