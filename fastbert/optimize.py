@@ -91,6 +91,9 @@ class _Build:
     submodules: list[nn.Module] = field(default_factory=list)
     output_class: type | None = None
     positional: tuple[str, ...] = ()  # names of the forward's positional parameters, to bind *args by name
+    # Encoder inputs the forward names: one it does not (DistilBERT's token_type_ids) lands in its **kwargs and
+    # is ignored by transformers, so fastbert ignores it too.
+    inputs: tuple[str, ...] = ENCODER_INPUTS
 
     def __post_init__(self) -> None:
         # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers).
@@ -140,6 +143,7 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
     submodules = [m for m in base.modules() if m is not base]
     params = list(inspect.signature(type(base).forward).parameters.values())[1:]
     positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    inputs = tuple(name for name in ENCODER_INPUTS if name in {p.name for p in params})
     raw = base.config.to_dict()
     if raw.get("pruned_heads"):
         return _Build(None, "attention heads were pruned (config.pruned_heads)", submodules=submodules)
@@ -203,7 +207,7 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
         setattr(owner, attr, nn.Parameter(packed, requires_grad=False))
     fast.eval()
     return _Build(fast, None, list(links.values()), tensors, tuple(t.data_ptr() for t in tensors), submodules,
-                  output_class, positional)
+                  output_class, positional, inputs)
 
 
 def _hook_reason(base: nn.Module, build: _Build) -> str | None:
@@ -313,7 +317,7 @@ class OptimizedState:
         return_dict = arguments.get("return_dict")
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
-        out = build.fast(**{k: arguments.get(k) for k in ENCODER_INPUTS},
+        out = build.fast(**{k: arguments.get(k) for k in build.inputs},
                          output_hidden_states=bool(output_hidden_states))
         fields = {"last_hidden_state": out.last_hidden_state}
         if "pooler_output" in build.output_class.__dataclass_fields__:
