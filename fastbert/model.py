@@ -124,6 +124,9 @@ class FastBertModel(nn.Module):
         self.backend = backend
         self.padding_free = padding_free
         self.validate_inputs = True
+        # The padded form computes rows for padded positions too; by default they are zeroed like the padding-free
+        # path's (`fastbert.optimize` keeps them, as transformers computes them).
+        self.zero_padded_rows = True
         self.embeddings = Embeddings(config)
         self.embed_proj = (nn.Linear(config.embedding_size, config.hidden_size)
                            if config.embedding_size != config.hidden_size else None)
@@ -218,7 +221,7 @@ class FastBertModel(nn.Module):
         states = self.encode_tokens(tokens, positions, types, varlen, key_padding_mask,
                                     embedded=inputs_embeds is not None, all_states=output_hidden_states)
         states = [pad_tokens(s, varlen) for s in states]
-        if key_padding_mask is not None:
+        if key_padding_mask is not None and self.zero_padded_rows:
             # The padded path computed rows for padding too: zero them as the padding-free path does (a select,
             # not a product: a NaN or Inf computed at a padded position must not survive as NaN * 0).
             keep = key_padding_mask[..., None]

@@ -48,6 +48,7 @@ OFF_FLAGS = frozenset({"output_attentions", "use_cache", "output_router_logits",
 # or a replacement (quantized Linear) may compute something else, so it is not taken.
 _OWNER_TYPES = {"embedding": nn.Embedding, "norm": nn.LayerNorm, "linear": nn.Linear}
 _OUTPUT_CLASSES: dict[type, type] = {}
+_SIGNATURES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 _TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
 
 
@@ -71,7 +72,7 @@ def _output_class(base: nn.Module) -> type:
 
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a tensor {tuple(value.shape)}"
+        return "a tensor"
     text = repr(value)
     return text if len(text) <= 40 else type(value).__name__
 
@@ -90,10 +91,12 @@ class _Build:
     pointers: tuple[int, ...] = ()
     submodules: list[nn.Module] = field(default_factory=list)
     output_class: type | None = None
-    positional: tuple[str, ...] = ()  # names of the forward's positional parameters, to bind *args by name
     # Encoder inputs the forward names: one it does not (DistilBERT's token_type_ids) lands in its **kwargs and
     # is ignored by transformers, so fastbert ignores it too.
     inputs: tuple[str, ...] = ENCODER_INPUTS
+    # (object, attribute, value) that transformers' modules read at run time and fastbert copied at build time
+    # (LayerNorm eps, heads, attention scaling, RoBERTa's padding index, ALBERT's layer count): an edit rebuilds.
+    watched: list[tuple[object, str, object]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers).
@@ -102,9 +105,14 @@ class _Build:
         self.objects = [obj for _, _, obj in self.links]
         self.hook_dicts = [d for m in self.submodules for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.module_dicts = [m.__dict__ for m in self.submodules]
+        self.watched_objects = [obj for obj, _, _ in self.watched]
+        self.watched_names = [name for _, name, _ in self.watched]
+        self.watched_values = tuple(value for _, _, value in self.watched)
 
     def stale(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
+            return True
+        if tuple(map(getattr, self.watched_objects, self.watched_names)) != self.watched_values:
             return True
         return tuple(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
 
@@ -128,7 +136,25 @@ def _resolve(base: nn.Module, name: str, kind: str, links: dict) -> tuple[nn.Par
     links[(id(module._parameters), attr)] = (module._parameters, attr, param)
     if param is None:
         return None, f"{owner} has no {attr}"
+    if not isinstance(param, nn.Parameter):
+        return None, f"{owner}.{attr} is a plain tensor, not a parameter (torch.func.functional_call)"
+    if kind == "embedding" and module.max_norm is not None:
+        return None, f"{owner} renormalises its rows (max_norm={module.max_norm})"
     return param, None
+
+
+def _link(links: dict, container: dict, key: str) -> object:
+    """Record that ``container[key]`` must stay what it is now (None included: a module added later counts)."""
+    value = container.get(key)
+    links[(id(container), key)] = (container, key, value)
+    return value
+
+
+def _module(base: nn.Module, path: str) -> nn.Module | None:
+    module = base
+    for part in path.split("."):
+        module = module._modules.get(part) if module is not None else None
+    return module
 
 
 def _build(base: nn.Module, backend: str) -> _Build:
@@ -141,9 +167,7 @@ def _build(base: nn.Module, backend: str) -> _Build:
 
 def _build_over(base: nn.Module, backend: str) -> _Build:
     submodules = [m for m in base.modules() if m is not base]
-    params = list(inspect.signature(type(base).forward).parameters.values())[1:]
-    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    inputs = tuple(name for name in ENCODER_INPUTS if name in {p.name for p in params})
+    inputs = _signature(type(base))[1]
     raw = base.config.to_dict()
     if raw.get("pruned_heads"):
         return _Build(None, "attention heads were pruned (config.pruned_heads)", submodules=submodules)
@@ -151,9 +175,24 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
         config = FastBertConfig.from_hf_dict(raw)
     except ValueError as err:  # a config edited after optimize() (optimize itself raises for these)
         return _Build(None, str(err), submodules=submodules)
-    config.has_pooler = getattr(base, "pooler", None) is not None  # e.g. RoBERTa's MLM class has none
-    pairs = encoder_key_map(config)
     links: dict = {}
+    watched: list[tuple[object, str, object]] = []
+    # What transformers' modules hold wins over the config, which they read once when they were built: the
+    # number of layers in the module list, a pooler present or not, RoBERTa's padding index.
+    config.has_pooler = _link(links, base._modules, "pooler") is not None  # e.g. RoBERTa's MLM class has none
+    if config.family == "albert":  # ALBERT's encoder reads these from the config on every call
+        watched += [(base.config, name, getattr(base.config, name))
+                    for name in ("num_hidden_layers", "num_hidden_groups", "inner_group_num")]
+    else:
+        stack = _module(base, "transformer.layer" if config.family == "distilbert" else "encoder.layer")
+        if isinstance(stack, nn.ModuleList):
+            config.num_hidden_layers = len(stack)
+            _link(links, stack._modules, str(len(stack)))  # a layer appended later
+    embeddings = base._modules.get("embeddings")
+    if config.family == "roberta" and embeddings is not None and hasattr(embeddings, "padding_idx"):
+        config.pad_token_id = embeddings.padding_idx
+        watched.append((embeddings, "padding_idx", embeddings.padding_idx))
+    pairs = encoder_key_map(config)
     found: dict[str, nn.Parameter] = {}
     for ours, theirs in pairs:
         for name in theirs:
@@ -162,11 +201,11 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
                 return _Build(None, reason, list(links.values()), submodules=submodules)
             found[name] = param
     tensors = list(found.values())
-    dtypes, devices = {t.dtype for t in tensors}, {t.device for t in tensors}
-    if len(dtypes) > 1 or len(devices) > 1:
-        return _Build(None, f"the encoder's tensors are on several dtypes/devices ({sorted(map(str, dtypes))}, "
-                            f"{sorted(map(str, devices))})", list(links.values()), tensors,
-                      tuple(t.data_ptr() for t in tensors), submodules)
+    pointers = tuple(t.data_ptr() for t in tensors)
+    attention: list[tuple[int, float]] = []  # (heads, scaling) per unique layer, as the modules hold them
+    unsupported = _reason_of_tensors(tensors) or _read_modules(base, config, pairs, links, watched, attention)
+    if unsupported:
+        return _Build(None, unsupported, list(links.values()), tensors, pointers, submodules, watched=watched)
     # The tables' sizes come from the tensors, not the config: resize_token_embeddings and friends change both,
     # but a config edited by hand would otherwise let an id past the table through the range check.
     rows = {ours: found[theirs[0]].shape[0] for ours, theirs in pairs if len(theirs) == 1}
@@ -185,12 +224,12 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
             bad.append(f"{' + '.join(theirs)}: {shape}, expected {tuple(expected[ours].shape)}")
     if bad:
         return _Build(None, "tensors of unexpected shape: " + "; ".join(bad[:3]), list(links.values()), tensors,
-                      tuple(t.data_ptr() for t in tensors), submodules)
+                      pointers, submodules, watched=watched)
     try:
         output_class = _output_class(base)
     except Exception as err:  # noqa: BLE001 - a model transformers cannot run once is not one to take over
         return _Build(None, f"transformers' forward failed on one token: {type(err).__name__}: {err}",
-                      list(links.values()), tensors, tuple(t.data_ptr() for t in tensors), submodules)
+                      list(links.values()), tensors, pointers, submodules, watched=watched)
     for ours, theirs in pairs:
         owner_name, _, attr = ours.rpartition(".")
         owner = owners[owner_name]
@@ -205,9 +244,73 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
             param.data = packed[offset: offset + rows_here]
             offset += rows_here
         setattr(owner, attr, nn.Parameter(packed, requires_grad=False))
+    for index, (heads, scale) in enumerate(attention):
+        fast.layers[index].num_heads, fast.layers[index].scale = heads, scale
     fast.eval()
+    # The padded form (torch.compile, jit.trace) computes padded rows as transformers does; keeping them makes a
+    # head that reads a padded position (left padding) agree with transformers there too.
+    fast.zero_padded_rows = False
     return _Build(fast, None, list(links.values()), tensors, tuple(t.data_ptr() for t in tensors), submodules,
-                  output_class, positional, inputs)
+                  output_class, inputs, watched)
+
+
+def _reason_of_tensors(tensors: list[torch.Tensor]) -> str | None:
+    dtypes, devices = {t.dtype for t in tensors}, {t.device for t in tensors}
+    if len(dtypes) > 1 or len(devices) > 1:
+        return (f"the encoder's tensors are on several dtypes/devices ({sorted(map(str, dtypes))}, "
+                f"{sorted(map(str, devices))})")
+    return None
+
+
+# transformers' activation modules (by class name: their module paths move between versions) -> fastbert's name.
+_ACTIVATION_MODULES = {"GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh",
+                       "PytorchGELUTanh": "gelu_tanh", "FastGELUActivation": "gelu_tanh", "ReLU": "relu"}
+_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def _read_modules(base: nn.Module, config: FastBertConfig, pairs, links: dict, watched: list,
+                  attention: list) -> str | None:
+    """Copy into ``config`` what transformers' modules hold (LayerNorm eps, activation) and into ``attention``
+    the heads and scaling of each layer, recording what to watch; returns why fastbert cannot run these modules,
+    or None."""
+    eps = set()
+    for ours, theirs in pairs:
+        if _owner_kind(ours) == "embedding":  # nn.Embedding renormalises its rows in place when max_norm is set
+            table = _module(base, theirs[0].rpartition(".")[0])
+            watched.append((table, "max_norm", table.max_norm))
+        if _owner_kind(ours) == "norm" and ours.endswith("_weight"):
+            norm = _module(base, theirs[0].rpartition(".")[0])
+            eps.add(norm.eps)
+            watched.append((norm, "eps", norm.eps))
+    if len(eps) != 1:
+        return f"LayerNorms with different eps {sorted(eps)}"
+    config.layer_norm_eps = eps.pop()
+    activations = set()
+    for index in range(config.num_unique_layers):
+        qkv = dict(pairs)[f"layers.{index}.qkv_weight"]
+        attn = _module(base, qkv[0].rsplit(".", 2)[0])
+        heads = getattr(attn, "num_attention_heads", getattr(attn, "n_heads", None))
+        if not isinstance(heads, int) or heads <= 0 or config.hidden_size % heads:
+            return f"attention module {type(attn).__name__} with {heads!r} heads"
+        scale = float(getattr(attn, "scaling", (config.hidden_size // heads) ** -0.5))
+        watched += [(attn, name, getattr(attn, name)) for name in ("num_attention_heads", "n_heads", "scaling")
+                    if hasattr(attn, name)]
+        attention.append((heads, scale))
+        ffn_in = dict(pairs)[f"layers.{index}.ffn_in_weight"][0].rsplit(".", 1)[0]
+        parent_path, _, ffn_name = ffn_in.rpartition(".")
+        parent = _module(base, parent_path)
+        if ffn_name == "dense":  # BERT-style: layer.intermediate.{dense, intermediate_act_fn}
+            act = _link(links, parent._modules, "intermediate_act_fn")
+        else:  # DistilBERT's FFN.{lin1, activation}, ALBERT's layer.{ffn, activation}
+            act = _link(links, parent._modules, "activation")
+        name = _ACTIVATION_MODULES.get(type(act).__name__)
+        if name is None:
+            return f"activation {type(act).__name__} of {parent_path} (fastbert runs {sorted(_HF_ACTIVATION)})"
+        activations.add(name)
+    if len(activations) != 1:
+        return f"layers with different activations {sorted(activations)}"
+    config.hidden_act = _HF_ACTIVATION[activations.pop()]
+    return None
 
 
 def _hook_reason(base: nn.Module, build: _Build) -> str | None:
@@ -219,17 +322,30 @@ def _hook_reason(base: nn.Module, build: _Build) -> str | None:
         return None
     for module in build.submodules:
         hooks = module._forward_hooks or module._forward_pre_hooks
-        if (hooks and _foreign_hooks(module)) or "forward" in module.__dict__:
+        if (hooks and _foreign_hooks(module)) or _replaced_forward(module):
             name = next((n for n, m in base.named_modules() if m is module), type(module).__name__)
             return f"submodule {name} has forward hooks or a replaced forward (e.g. accelerate offloading)"
     return None
 
 
 def _foreign_hooks(module: nn.Module) -> bool:
-    """Hooks other than transformers' own output-capturing ones (installed for good on the first call that asks
-    for attentions or hidden states, inert otherwise)."""
+    """Hooks other than transformers' own inert ones: its output-capturing hooks (installed for good on the first
+    call that asks for attentions or hidden states) and gradient checkpointing's `make_inputs_require_grads`
+    (which only matters under autograd, where transformers' code runs anyway)."""
     hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-    return any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE for hook in hooks)
+    return any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE
+               and getattr(hook, "__qualname__", "").rpartition(".")[2] != "make_inputs_require_grads"
+               for hook in hooks)
+
+
+def _replaced_forward(module: nn.Module) -> bool:
+    """A ``forward`` set on the instance, other than its own class's forward bound to it (what accelerate leaves
+    behind after removing its hooks)."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    return not (getattr(forward, "__self__", None) is module
+                and getattr(forward, "__func__", None) is type(module).forward)
 
 
 class OptimizedState:
@@ -263,20 +379,8 @@ class OptimizedState:
                     build = self.build = _build(base, self.backend)
         return build
 
-    @staticmethod
-    def arguments(build: _Build, args: tuple, kwargs: dict) -> dict | None:
-        """The call's arguments by name (None when they do not bind: the original forward raises the error)."""
-        if not args:
-            return kwargs
-        names = build.positional
-        if len(args) > len(names) or any(name in kwargs for name in names[: len(args)]):
-            return None
-        return {**dict(zip(names, args, strict=False)), **kwargs}
-
-    def fallback_reason(self, base: nn.Module, build: _Build, arguments: dict | None) -> str | None:
-        """Why this call runs transformers' code, or None when fastbert takes it."""
-        if build.unsupported:
-            return build.unsupported
+    def call_reason(self, base: nn.Module, arguments: dict | None) -> str | None:
+        """Why this call, whatever the model's tensors, runs transformers' code; None when it need not."""
         if arguments is None:
             return "arguments that do not match the forward signature"
         if base.training:
@@ -295,13 +399,30 @@ class OptimizedState:
             return f"a {mask.dim()}-D attention_mask (fastbert takes [batch, seq] masks)"
         if arguments.get("output_attentions") is None and getattr(config, "output_attentions", False):
             return "config.output_attentions is True"
+        if _autocast_enabled():
+            return ("autocast is enabled (fastbert's kernels take one dtype): convert the model instead, e.g. "
+                    "model.to(torch.bfloat16)")
+        if torch.is_grad_enabled():
+            params = self.build.tensors if self.build is not None else base.parameters()
+            if any(p.requires_grad for p in params):
+                return ("autograd is enabled, so transformers' own code runs; call the model under "
+                        "torch.inference_mode() or torch.no_grad() for fastbert's path")
+        return None
+
+    @staticmethod
+    def model_reason(base: nn.Module, build: _Build, arguments: dict, read_values: bool = True) -> str | None:
+        """Why fastbert cannot run this call on the model as it now is; None when it can."""
+        if build.unsupported:
+            return build.unsupported
         if not torch.compiler.is_compiling():  # dynamo guards on hooks itself
             reason = _hook_reason(base, build)
             if reason is not None:
                 return reason
-        if torch.is_grad_enabled() and any(p.requires_grad for p in build.tensors):
-            return ("autograd is enabled, so transformers' own code runs; call the model under "
-                    "torch.inference_mode() or torch.no_grad() for fastbert's path")
+            mask = arguments.get("attention_mask")
+            if read_values and mask is not None and not torch.jit.is_tracing() and not bool(mask[:, 0].all()):
+                # Heads (the pooler, RoBERTa/ELECTRA/DistilBERT classifiers) read position 0: with left padding
+                # that is a padded position, which the padding-free encoder does not compute.
+                return "a row whose first position is padding (left padding, or an empty row)"
         return None
 
     def warn_once(self, reason: str) -> None:
@@ -340,8 +461,38 @@ def _is_exporting() -> bool:
     return bool(is_exporting and is_exporting())
 
 
+def _autocast_enabled() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
+def _signature(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(positional parameter names, encoder inputs it names) of a transformers class's forward."""
+    found = _SIGNATURES.get(cls)
+    if found is None:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        named = {p.name for p in params}
+        found = _SIGNATURES[cls] = (positional, tuple(name for name in ENCODER_INPUTS if name in named))
+    return found
+
+
+def _arguments(cls: type, args: tuple, kwargs: dict) -> dict | None:
+    """The call's arguments by name (None when they do not bind: the original forward raises the error)."""
+    if not args:
+        return kwargs
+    names = _signature(cls)[0]
+    if len(args) > len(names) or any(name in kwargs for name in names[: len(args)]):
+        return None
+    return {**dict(zip(names, args, strict=False)), **kwargs}
+
+
 def _forward(base: nn.Module, args: tuple, kwargs: dict):
     state: OptimizedState = base.__dict__["_fastbert"]
+    arguments = _arguments(type(base), args, kwargs)
+    reason = state.call_reason(base, arguments)  # first: a call that falls back anyway needs no build
+    if reason is not None:
+        state.warn_once(reason)
+        return type(base).forward(base, *args, **kwargs)
     if _is_exporting():  # a one-time capture of the model as it is (fake tensors: no storage to check)
         build = state.build
         if build is None:
@@ -352,8 +503,7 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
         build = _current_outside_graph(state, base)
     else:
         build = state.current(base)
-    arguments = state.arguments(build, args, kwargs)
-    reason = state.fallback_reason(base, build, arguments)
+    reason = state.model_reason(base, build, arguments)
     if reason is not None:
         state.warn_once(reason)
         return type(base).forward(base, *args, **kwargs)
@@ -446,8 +596,9 @@ def explain(model: nn.Module, **call_kwargs) -> str:
             own = inspect.signature(type(model).forward).parameters
             encoder = inspect.signature(type(base).forward).parameters
             kwargs = {k: v for k, v in kwargs.items() if k in encoder or k not in own}
-        build = state.current(base)
-        reason = state.fallback_reason(base, build, kwargs)
+        reason = state.call_reason(base, _arguments(type(base), (), kwargs))
+        if reason is None:
+            reason = state.model_reason(base, state.current(base), kwargs)
         if reason is None:
             requested = state.backend if state.backend != "auto" else "auto: triton on CUDA, cpp on CPU, else eager"
             lines.append(f"{name}: fastbert's path (backend {requested})")
