@@ -582,7 +582,8 @@ def explain(model: nn.Module, **call_kwargs) -> str:
     """Which path a call ``model(**call_kwargs)`` would take through each optimized encoder in ``model``, and why.
 
     Keywords that the model's own forward consumes before its encoder (labels, ...) are left out for the encoder.
-    Does not run the model (it may build fastbert's encoder over its tensors). Example: ``print(fastbert.explain(model, input_ids=ids, output_attentions=True))``.
+    Does not run the model (it may build fastbert's encoder over its tensors). Example:
+    ``print(fastbert.explain(model, input_ids=ids, output_attentions=True))``.
     """
     lines = []
     for base in _bases(model):
