@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/e2e.py --quick --out /tmp/e2e
     .venv/bin/python benchmarks/e2e.py --batch 1 8 --seq 128 --peers hf-eager hf-sdpa compile onnxruntime
 
-Every option of ``fastbert bench --help`` applies; the logic lives in `fastbert.benchmarking` (importable by the
+Every option of ``fastbert bench --help`` applies; the logic lives in `fastbert.bench` (importable by the
 installed CLI). Results go to a new folder bench-results/<machine-tag>-e2e-<YYYYmmdd-HHMMSS>/ under the current
 directory unless --out names one; the committed benchmarks/results/ change only when --out names them.
 """

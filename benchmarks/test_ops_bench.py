@@ -9,7 +9,7 @@ replaces (written as transformers writes them), at BERT-base shapes.
 Rows: "torch" (the unfused PyTorch composition) and the backends eager | cpp | triton; a backend that cannot run
 the inputs (not built, not this device; triton on CPU would only run in the interpreter) is skipped with its
 reason. Each row checks its output against "torch" first, then is timed; extra_info holds the FLOP and byte
-counts (formulas in `fastbert.benchmarking`, one function per op), GB/s for the memory-bound op
+counts (formulas in `fastbert.bench.costs`, one function per op), GB/s for the memory-bound op
 (embedding_layernorm) and TFLOP/s for the GEMMs and attention. With FASTBERT_BENCH_OUT set, the run writes there
 ops.md (a table with the speed-up of each backend over "torch", same run), ops.json (machine, versions, every row)
 and ops_speedup.png.
@@ -26,12 +26,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import backends, ops
-from fastbert import benchmarking as bm
+from fastbert import backends, ops, resolve
+from fastbert.bench import costs, machine, recording, report, timing
 
 if os.environ.get("FASTBERT_BENCH_THREADS"):
     torch.set_num_threads(int(os.environ["FASTBERT_BENCH_THREADS"]))
-DEVICE = torch.device(bm.best_device())
+DEVICE = torch.device(resolve.best_device())
 DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
 FULL = os.environ.get("FASTBERT_BENCH_FULL", "0") in ("1", "true", "yes")
 BATCH, SEQ = (32, 512) if FULL and DEVICE.type == "cuda" else (8, 128) if FULL else (2, 128)
@@ -67,7 +67,7 @@ def case_embedding_layernorm():
         summed = F.embedding(ids, words) + F.embedding(types, type_table) + F.embedding(positions, position_table)
         return F.layer_norm(summed, (HIDDEN,), weight, bias, eps)
 
-    return "embedding_layernorm", args, unfused, bm.embedding_layernorm_cost(TOKENS, HIDDEN, ELEMENT), None
+    return "embedding_layernorm", args, unfused, costs.embedding_layernorm_cost(TOKENS, HIDDEN, ELEMENT), None
 
 
 def case_qkv_projection():
@@ -77,7 +77,7 @@ def case_qkv_projection():
         return tuple(F.linear(x, w, b).view(TOKENS, heads, HEAD_DIM)
                      for w, b in zip(weight.chunk(3), bias.chunk(3), strict=True))
 
-    return "qkv_projection", args, unfused, bm.qkv_projection_cost(TOKENS, HIDDEN, ELEMENT), None
+    return "qkv_projection", args, unfused, costs.qkv_projection_cost(TOKENS, HIDDEN, ELEMENT), None
 
 
 def _hf_eager_attention(q, k, v, additive_mask):
@@ -99,7 +99,7 @@ def case_attention():
         shape = (BATCH, SEQ, HEADS, HEAD_DIM)
         return _hf_eager_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), None).view(q.shape)
 
-    return "attention", args, unfused, bm.attention_cost([SEQ] * BATCH, HEADS, HEAD_DIM, ELEMENT), None
+    return "attention", args, unfused, costs.attention_cost([SEQ] * BATCH, HEADS, HEAD_DIM, ELEMENT), None
 
 
 def case_attention_varlen():
@@ -126,7 +126,7 @@ def case_attention_varlen():
 
         return _hf_eager_attention(pad(q), pad(k), pad(v), additive).reshape(BATCH * SEQ, HEADS, HEAD_DIM)[flat]
 
-    return "attention", args, unfused, bm.attention_cost(lengths, HEADS, HEAD_DIM, ELEMENT), "varlen"
+    return "attention", args, unfused, costs.attention_cost(lengths, HEADS, HEAD_DIM, ELEMENT), "varlen"
 
 
 def case_linear_activation():
@@ -135,7 +135,7 @@ def case_linear_activation():
     def unfused(x, weight, bias, activation):
         return F.gelu(F.linear(x, weight, bias))
 
-    return ("linear_activation", args, unfused, bm.linear_activation_cost(TOKENS, HIDDEN, INTERMEDIATE, ELEMENT),
+    return ("linear_activation", args, unfused, costs.linear_activation_cost(TOKENS, HIDDEN, INTERMEDIATE, ELEMENT),
             None)
 
 
@@ -146,7 +146,7 @@ def case_linear_residual_layernorm():
     def unfused(x, weight, bias, residual, ln_weight, ln_bias, eps):
         return F.layer_norm(F.linear(x, weight, bias) + residual, (HIDDEN,), ln_weight, ln_bias, eps)
 
-    cost = bm.linear_residual_layernorm_cost(TOKENS, INTERMEDIATE, HIDDEN, ELEMENT)
+    cost = costs.linear_residual_layernorm_cost(TOKENS, INTERMEDIATE, HIDDEN, ELEMENT)
     return "linear_residual_layernorm", args, unfused, cost, None
 
 
@@ -166,7 +166,7 @@ def _fused(op: str, backend: str):
 def _synchronized(fn, args):
     def run():
         out = fn(*args)
-        bm.synchronize(DEVICE)
+        timing.synchronize(DEVICE)
         return out
 
     return run
@@ -189,7 +189,7 @@ def _markdown_report():
                      f"{row['bytes']:.3g}"])
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
-    info = bm.machine_info(DEVICE)
+    info = machine.machine_info(DEVICE)
     header = [f"# fastbert per-op benchmark: {info['tag']}", "",
               f"- {info['gpu'] or info['cpu']} ({info['cpu_cores']} cores, {torch.get_num_threads()} torch threads), "
               f"{info['date']}, torch {info['versions']['torch']}, load average (1, 5, 15 min) "
@@ -199,9 +199,10 @@ def _markdown_report():
               f"- BERT-base shapes: {BATCH} x {SEQ} tokens, H={HIDDEN}, heads={HEADS}, I={INTERMEDIATE}, "
               f"{str(DTYPE)[6:]}; median of pytest-benchmark rounds",
               "- speed-up: median of the unfused PyTorch ops ('torch') / median of the row, same run",
-              "- backends available: " + "; ".join(f"{k}: {v}" for k, v in bm.backend_availability().items()), ""]
-    table = bm.format_table(("case", "implementation", "median ms", "rate", "speed-up vs torch", "FLOPs", "bytes"),
-                            rows, markdown=True)
+              "- backends available: "
+              + "; ".join(f"{k}: {v}" for k, v in recording.backend_availability().items()), ""]
+    table = report.format_table(("case", "implementation", "median ms", "rate", "speed-up vs torch", "FLOPs",
+                                 "bytes"), rows, markdown=True)
     (path / "ops.md").write_text("\n".join(header) + "\n" + table + "\n", encoding="utf-8")
     (path / "ops.json").write_text(json.dumps({"machine": info, "threads": torch.get_num_threads(), "rows": _ROWS},
                                               indent=1, default=str), encoding="utf-8")
@@ -221,7 +222,7 @@ def _plot_speedups(baseline: dict[str, float], png: Path, tag: str) -> None:
     series = {impl: [baseline[case] / medians[case, impl] if (case, impl) in medians and case in baseline else None
                      for case in cases] for impl in impls}
     fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(cases)), 4.5))
-    bm.grouped_bars(ax, cases, series, lambda v: f"{v:.2f}x")
+    report.grouped_bars(ax, cases, series, lambda v: f"{v:.2f}x")
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel("speed-up vs unfused torch (same run)")

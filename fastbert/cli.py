@@ -21,9 +21,12 @@ from pathlib import Path
 
 import torch
 
-from fastbert import benchmarking as bm
 from fastbert.backends import BACKENDS, BackendUnavailable
+from fastbert.bench import e2e, peers, recording, report, timing
+from fastbert.bench.workloads import Workload
 from fastbert.loading import CheckpointError
+from fastbert.resolve import UserError, model_name, resolve_device, resolve_dtype, resolve_model
+from fastbert.text import SENTENCES, TextEncoder, mean_pool
 
 # Numerics rule of `fastbert check` (see check_rule).
 FP32_MAX_REL_ERR = 1e-4
@@ -81,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
                        help="also variable-length batches, lengths uniform in [seq/8, seq] (default: on)")
     bench.add_argument("--peers", nargs="+", default=None, metavar="PEER",
-                       help=f"implementations to compare with, from {', '.join(bm.PEERS)} (default: "
-                       f"{' '.join(bm.DEFAULT_PEERS)}; --quick: hf-eager hf-sdpa)")
+                       help=f"implementations to compare with, from {', '.join(peers.PEERS)} (default: "
+                       f"{' '.join(peers.DEFAULT_PEERS)}; --quick: hf-eager hf-sdpa)")
     bench.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (default 10; quick 2)")
     bench.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2; quick 1)")
     bench.add_argument("--quick", action="store_true", help="tiny shapes and few repeats: a smoke run")
@@ -102,14 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------------------------- helpers
 def _model_line(model_dir: str, config, device: torch.device, dtype: torch.dtype) -> str:
-    return (f"{bm.model_name(model_dir)} ({config.family}, {config.num_hidden_layers} layers, "
+    return (f"{model_name(model_dir)} ({config.family}, {config.num_hidden_layers} layers, "
             f"H={config.hidden_size}) on {device}, {str(dtype).replace('torch.', '')}")
 
 
 def _backend_lines(seen) -> list[str]:
-    used = bm.backends_used(seen)
+    used = recording.backends_used(seen)
     lines = ["fastbert ops ran on: " + ", ".join(f"{op}={backend}" for op, backend in used.items())]
-    lines.append("backends: " + "; ".join(f"{k}: {v}" for k, v in bm.backend_availability().items()))
+    lines.append("backends: " + "; ".join(f"{k}: {v}" for k, v in recording.backend_availability().items()))
     return lines
 
 
@@ -117,22 +120,22 @@ def _need_transformers(command: str) -> None:
     try:
         import transformers  # noqa: F401
     except ImportError as err:
-        raise bm.UserError(f"'fastbert {command}' compares with transformers, which is not installed "
-                           "(pip install 'fastbert[hf]')") from err
+        raise UserError(f"'fastbert {command}' compares with transformers, which is not installed "
+                        "(pip install 'fastbert[hf]')") from err
 
 
 def _load_fastbert(model_dir: str, dtype: torch.dtype, device: torch.device, backend: str):
     try:
-        return bm.load_fastbert(model_dir, dtype, device, backend)
+        return peers.load_fastbert(model_dir, dtype, device, backend)
     except CheckpointError as err:
-        raise bm.UserError(str(err)) from err
+        raise UserError(str(err)) from err
 
 
 def _forward(model, batch: dict, seen=None):
     with torch.inference_mode():
         if seen is None:
             return model(**batch)
-        with bm.record_backends() as recorded:
+        with recording.record_backends() as recorded:
             out = model(**batch)
         for op, counts in recorded.items():
             seen.setdefault(op, type(counts)()).update(counts)
@@ -142,22 +145,22 @@ def _forward(model, batch: dict, seen=None):
 # ---------------------------------------------------------------------------------------------------- demo
 def cmd_demo(args: argparse.Namespace) -> int:
     """transformers (eager) vs fastbert.from_pretrained (vs fastbert.optimize) on SENTENCES: agreement and speed."""
-    model_dir, config = bm.resolve_model(args.model)
-    device = bm.resolve_device(args.device)
-    dtype = bm.resolve_dtype(args.dtype, device)
+    model_dir, config = resolve_model(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     _need_transformers("demo")
     if args.threads is not None:
         if args.threads < 1:
-            raise bm.UserError("--threads must be >= 1")
+            raise UserError("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    batch = bm.TextEncoder(model_dir, config)(bm.SENTENCES, device)
+    batch = TextEncoder(model_dir, config)(SENTENCES, device)
     mask = batch["attention_mask"].bool()
     print(f"fastbert demo: {_model_line(model_dir, config, device, dtype)}")
-    print(f"{len(bm.SENTENCES)} English sentences, padded to {batch['input_ids'].shape[1]} tokens "
+    print(f"{len(SENTENCES)} English sentences, padded to {batch['input_ids'].shape[1]} tokens "
           f"({int(mask.sum())} real); median of {args.repeats} interleaved calls after 2 warm-up calls; "
           f"{torch.get_num_threads()} torch threads\n")
 
-    hf = bm.load_hf_model(model_dir, "eager", dtype, device)
+    hf = peers.load_hf_model(model_dir, "eager", dtype, device)
     implementations = [("transformers AutoModel (eager)", hf)]
     seen: dict = {}
     fast = _load_fastbert(model_dir, dtype, device, args.backend)
@@ -165,7 +168,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.no_optimize:
         import fastbert
 
-        optimized = fastbert.optimize(bm.load_hf_model(model_dir, "eager", dtype, device), backend=args.backend)
+        optimized = fastbert.optimize(peers.load_hf_model(model_dir, "eager", dtype, device), backend=args.backend)
         implementations.append(("fastbert.optimize(transformers model)", optimized))
 
     hidden_states, times = [], [[] for _ in implementations]
@@ -173,21 +176,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         out = _forward(model, batch, seen if model is not hf else None)
         hidden_states.append(out.last_hidden_state.float())
         with torch.inference_mode():
-            bm.time_ms(lambda m=model: m(**batch), repeats=0, warmup=2, device=device)
+            timing.time_ms(lambda m=model: m(**batch), repeats=0, warmup=2, device=device)
     with torch.inference_mode():
         for _ in range(args.repeats):  # interleaved, so a change of load on the machine hits all alike
             for index, (_, model) in enumerate(implementations):
-                times[index] += bm.time_ms(lambda m=model: m(**batch), repeats=1, warmup=0, device=device)
-    medians = [bm.percentile(t, 50) for t in times]
+                times[index] += timing.time_ms(lambda m=model: m(**batch), repeats=1, warmup=0, device=device)
+    medians = [timing.percentile(t, 50) for t in times]
     reference = hidden_states[0]
-    reference_embeddings = bm.mean_pool(reference, batch["attention_mask"])
+    reference_embeddings = mean_pool(reference, batch["attention_mask"])
     rows = [[implementations[0][0], f"{medians[0]:.2f}", "1.00x", "(reference)", "(reference)"]]
     for (name, _), hidden, median in zip(implementations[1:], hidden_states[1:], medians[1:], strict=True):
         error = float((hidden - reference)[mask].abs().max())
-        cosine = float((bm.mean_pool(hidden, batch["attention_mask"]) * reference_embeddings).sum(dim=1).min())
+        cosine = float((mean_pool(hidden, batch["attention_mask"]) * reference_embeddings).sum(dim=1).min())
         rows.append([name, f"{median:.2f}", f"{medians[0] / median:.2f}x", f"{error:.2e}", f"{cosine:.6f}"])
-    print(bm.format_table(("implementation", "median ms", "speed-up", "max abs err (real tokens)",
-                           "min cosine of sentence embeddings"), rows))
+    print(report.format_table(("implementation", "median ms", "speed-up", "max abs err (real tokens)",
+                               "min cosine of sentence embeddings"), rows))
     print()
     for line in _backend_lines(seen):
         print(line)
@@ -211,17 +214,17 @@ def check_rule(dtype: torch.dtype, fast_err: float, hf_err: float | None, ref_sc
 
 def cmd_check(args: argparse.Namespace) -> int:
     """fastbert vs transformers on one checkpoint and a batch of real sentences; exit 1 on FAIL."""
-    model_dir, config = bm.resolve_model(args.model)
-    device = bm.resolve_device(args.device)
-    dtype = bm.resolve_dtype(args.dtype or "float32", device)
+    model_dir, config = resolve_model(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype or "float32", device)
     _need_transformers("check")
     try:
-        batch = bm.TextEncoder(model_dir, config)(bm.SENTENCES, device)
-        source = f"{len(bm.SENTENCES)} English sentences"
-    except bm.UserError:  # a checkpoint without a tokenizer is still checked, on random token ids
+        batch = TextEncoder(model_dir, config)(SENTENCES, device)
+        source = f"{len(SENTENCES)} English sentences"
+    except UserError:  # a checkpoint without a tokenizer is still checked, on random token ids
         seqlen = min(32, config.max_position_embeddings - (config.position_offset or 0))
-        lengths = torch.linspace(1, seqlen, len(bm.SENTENCES)).round().long().tolist()
-        batch = bm.Workload("check", len(lengths), seqlen, lengths, True).inputs(config, device)
+        lengths = torch.linspace(1, seqlen, len(SENTENCES)).round().long().tolist()
+        batch = Workload("check", len(lengths), seqlen, lengths, True).inputs(config, device)
         source = f"{len(lengths)} random token sequences (no tokenizer in the checkpoint)"
     mask = batch["attention_mask"].bool()
     print(f"fastbert check: {_model_line(model_dir, config, device, dtype)}")
@@ -237,8 +240,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         return found
 
     seen: dict = {}
-    reference = outputs(bm.load_hf_model(model_dir, "eager", torch.float32, device))
-    hf_same = outputs(bm.load_hf_model(model_dir, "eager", dtype, device)) if dtype != torch.float32 else None
+    reference = outputs(peers.load_hf_model(model_dir, "eager", torch.float32, device))
+    hf_same = outputs(peers.load_hf_model(model_dir, "eager", dtype, device)) if dtype != torch.float32 else None
     ours = outputs(_load_fastbert(model_dir, dtype, device, args.backend), record=True)
 
     rows, passed = [], True
@@ -254,10 +257,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         passed &= ok
         rows.append([name, f"{float(diff.max()):.2e}", f"{float(diff.mean()):.2e}",
                      "-" if hf_err is None else f"{hf_err:.2e}", why, "PASS" if ok else "FAIL"])
-    print(bm.format_table(("output", "max abs err", "mean abs err", f"HF {str(dtype)[6:]} err", "rule", "result"),
-                          rows))
-    ref_emb = bm.mean_pool(reference["last_hidden_state"], batch["attention_mask"])
-    our_emb = bm.mean_pool(ours["last_hidden_state"], batch["attention_mask"])
+    headers = ("output", "max abs err", "mean abs err", f"HF {str(dtype)[6:]} err", "rule", "result")
+    print(report.format_table(headers, rows))
+    ref_emb = mean_pool(reference["last_hidden_state"], batch["attention_mask"])
+    our_emb = mean_pool(ours["last_hidden_state"], batch["attention_mask"])
     print(f"\nsentence embeddings (mean pooling, normalised): min cosine {float((ref_emb * our_emb).sum(1).min()):.6f}")
     if "pooler_output" in reference and "pooler_output" in ours:
         cosine = torch.nn.functional.cosine_similarity(reference["pooler_output"], ours["pooler_output"], dim=1)
@@ -273,18 +276,18 @@ def cmd_embed(args: argparse.Namespace) -> int:
     """Sentence embeddings with fastbert (no transformers needed): JSON lines or a cosine similarity matrix."""
     texts = list(args.texts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
-        raise bm.UserError("embed needs at least one TEXT (or lines on stdin)")
-    model_dir, config = bm.resolve_model(args.model)
-    device = bm.resolve_device(args.device)
-    dtype = bm.resolve_dtype(args.dtype or "float32", device)
+        raise UserError("embed needs at least one TEXT (or lines on stdin)")
+    model_dir, config = resolve_model(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype or "float32", device)
     model = _load_fastbert(model_dir, dtype, device, args.backend)
-    batch = bm.TextEncoder(model_dir, config)(texts, device)
-    embeddings = bm.mean_pool(_forward(model, batch).last_hidden_state, batch["attention_mask"]).cpu()
+    batch = TextEncoder(model_dir, config)(texts, device)
+    embeddings = mean_pool(_forward(model, batch).last_hidden_state, batch["attention_mask"]).cpu()
     if args.similarity:
         matrix = embeddings @ embeddings.T
         labels = [f"[{i}] " + (t if len(t) <= 48 else t[:45] + "...") for i, t in enumerate(texts)]
         rows = [[label] + [f"{float(v):.3f}" for v in row] for label, row in zip(labels, matrix, strict=True)]
-        print(bm.format_table(["text"] + [f"[{i}]" for i in range(len(texts))], rows))
+        print(report.format_table(["text"] + [f"[{i}]" for i in range(len(texts))], rows))
         return 0
     for text, vector in zip(texts, embeddings.tolist(), strict=True):
         print(json.dumps({"text": text, "embedding": [round(v, 7) for v in vector]}))
@@ -293,37 +296,37 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------------------- bench
 def cmd_bench(args: argparse.Namespace) -> int:
-    """End-to-end benchmark; prints the table and writes JSON/Markdown/PNGs (see fastbert.benchmarking)."""
-    model_dir, _ = bm.resolve_model(args.model)
-    device = bm.resolve_device(args.device)
-    dtype = bm.resolve_dtype(args.dtype, device)
+    """End-to-end benchmark; prints the table and writes JSON/Markdown/PNGs (fastbert.bench.e2e, .report)."""
+    model_dir, _ = resolve_model(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     cuda = device.type == "cuda"
     if args.quick:
-        batches, seqs, repeats, warmup, peers = [2], [16], 2, 1, ["hf-eager", "hf-sdpa"]
+        batches, seqs, repeats, warmup, peer_names = [2], [16], 2, 1, ["hf-eager", "hf-sdpa"]
     else:
         batches = [1, 32, 128] if cuda else [1, 8]
-        seqs, repeats, warmup, peers = ([128, 512] if cuda else [128]), 10, 2, list(bm.DEFAULT_PEERS)
+        seqs, repeats, warmup, peer_names = ([128, 512] if cuda else [128]), 10, 2, list(peers.DEFAULT_PEERS)
     for name, values in (("--batch", args.batch), ("--seq", args.seq)):
         if values is not None and any(v < 1 for v in values):
-            raise bm.UserError(f"{name} values must be positive")
+            raise UserError(f"{name} values must be positive")
     if (args.repeats is not None and args.repeats < 1) or (args.warmup is not None and args.warmup < 0):
-        raise bm.UserError("--repeats must be >= 1 and --warmup >= 0")
-    settings = bm.BenchSettings(
+        raise UserError("--repeats must be >= 1 and --warmup >= 0")
+    settings = e2e.BenchSettings(
         model_dir=model_dir, device=device, dtype=dtype, batches=args.batch or batches, seqs=args.seq or seqs,
-        varlen=args.varlen, peers=args.peers if args.peers is not None else peers,
+        varlen=args.varlen, peers=args.peers if args.peers is not None else peer_names,
         repeats=args.repeats or repeats, warmup=warmup if args.warmup is None else args.warmup, quick=args.quick,
         backend=args.backend, peak_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
         threads=args.threads, note=args.note)
-    results = bm.run_e2e(settings, progress=True)
-    for line in bm.summary_lines(results):
+    results = e2e.run_e2e(settings, progress=True)
+    for line in report.summary_lines(results):
         print(line)
     print()
-    print(bm.format_table(bm.TABLE_HEADERS, bm.result_rows(results)))
+    print(report.format_table(report.TABLE_HEADERS, report.result_rows(results)))
     print("\nfastbert speed-up = that implementation's p50 / fastbert's p50 in this run (> 1: fastbert faster); "
           "% roofline = useful FLOP/s / peak FLOP/s")
     if not args.no_write:
-        out = Path(args.out) if args.out else bm.default_out_dir(device)
-        paths = bm.write_results(results, out)
+        out = Path(args.out) if args.out else report.default_out_dir(device)
+        paths = report.write_results(results, out)
         print(f"results written to {out}/: " + ", ".join(p.name for p in paths))
     return 0
 
@@ -339,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(["demo"])
     try:
         return COMMANDS[args.command](args)
-    except (bm.UserError, CheckpointError, BackendUnavailable) as err:
+    except (UserError, CheckpointError, BackendUnavailable) as err:
         sys.stderr.write(f"fastbert: error: {err}\n")
         return 1
     except KeyboardInterrupt:

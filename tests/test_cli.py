@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from fastbert import benchmarking as bm
 from fastbert import cli
+from fastbert.bench import peers
+from fastbert.bench.machine import machine_tag
 from tests.hf_tiny import tiny_model
 
 SIMILAR = ("A cat is sleeping on the sofa.", "A kitten naps on the couch.")
@@ -56,7 +57,7 @@ def test_check_minilm_passes(capsys):
 
 
 def test_check_fails_and_exits_1_when_fastbert_is_wrong(capsys, monkeypatch):
-    load = bm.load_fastbert
+    load = peers.load_fastbert
 
     def broken(*args, **kwargs):
         model = load(*args, **kwargs)
@@ -64,7 +65,7 @@ def test_check_fails_and_exits_1_when_fastbert_is_wrong(capsys, monkeypatch):
             model.layers[0].ffn_out_bias[::2] += 0.05  # uneven: a uniform shift would vanish in LayerNorm
         return model
 
-    monkeypatch.setattr(bm, "load_fastbert", broken)
+    monkeypatch.setattr(peers, "load_fastbert", broken)
     code, out, _ = _run(capsys, "check")
     assert code == 1
     assert out.splitlines()[-1] == "FAIL"
@@ -150,7 +151,7 @@ def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir
     code, out, _ = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8")
     assert code == 0
     assert not (tmp_path / "benchmarks").exists()
-    (out_dir,) = (tmp_path / "bench-results").glob(f"{bm.machine_tag('cpu')}-e2e-*")
+    (out_dir,) = (tmp_path / "bench-results").glob(f"{machine_tag('cpu')}-e2e-*")
     assert f"results written to {out_dir.relative_to(tmp_path)}/: e2e.json, e2e.md" in out
     table = [line.split() for line in out.splitlines()]
     assert any(row[:3] == ["b2", "s8", "fastbert"] for row in table)

@@ -1,0 +1,77 @@
+"""Machine facts for a results file: a short tag ('cpu-2core', 'nvidia-h200'), CPU and GPU names, cores, load,
+library versions and the date."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+from typing import Any
+
+import torch
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def machine_tag(device: torch.device | str) -> str:
+    """'cpu-2core' on CPU, the GPU name as a slug on CUDA (e.g. 'nvidia-h200')."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _slug(torch.cuda.get_device_name(device))
+    return f"cpu-{os.cpu_count()}core"
+
+
+def package_version(module: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - a missing package is simply reported as None
+        return None
+
+
+def version_tuple(text: str | None) -> tuple[int, ...]:
+    """'4.56.0.dev0' -> (4, 56, 0); None or unparsable -> ()."""
+    parts = []
+    for piece in (text or "").split("."):
+        digits = re.match(r"\d+", piece)
+        if not digits:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+def machine_info(device: torch.device | str) -> dict[str, Any]:
+    """Machine tag, CPU/GPU, core count, load, library versions and the date, for a results file."""
+    device = torch.device(device)
+    info = {
+        "tag": machine_tag(device),
+        "device": device.type,
+        "cpu": _cpu_name(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {name: package_version(name) for name in ("torch", "transformers", "triton", "onnxruntime", "onnx",
+                                                       "tokenizers", "fastbert")},
+    }
+    if device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+    return info

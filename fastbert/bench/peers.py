@@ -1,0 +1,195 @@
+"""The implementations fastbert is measured against, each loaded as a callable inputs -> last_hidden_state:
+transformers eager and SDPA (`load_hf_model`), torch.compile, ONNX Runtime (export, optional fusion by its BERT
+optimizer, session: `onnxruntime_runner`), and fastbert itself (`load_fastbert`, or fastbert.optimize of the HF
+model). A peer that cannot run here raises `PeerUnavailable` with the reason shown in the results.
+
+transformers and onnxruntime are imported inside the functions that need them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from fastbert.bench.machine import package_version, version_tuple
+from fastbert.bench.workloads import Workload
+from fastbert.config import FastBertConfig
+from fastbert.resolve import dtype_name
+
+PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime", "fastbert-optimize")
+DEFAULT_PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime")
+
+
+class PeerUnavailable(Exception):
+    """A peer that cannot run here; the message is the reason shown in the results."""
+
+
+class _HFLastHidden(torch.nn.Module):
+    """HF model -> last_hidden_state, positional inputs (for the ONNX exporter)."""
+
+    def __init__(self, model: torch.nn.Module, token_types: bool):
+        super().__init__()
+        self.model = model
+        self.token_types = token_types
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        kwargs = {"token_type_ids": token_type_ids} if self.token_types else {}
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+
+
+def export_onnx(model_dir: str, config: FastBertConfig, dtype: torch.dtype, device: torch.device, workdir: str,
+                optimize: bool, opt_level: int | None = 0) -> tuple[str, list[str]]:
+    """Export the HF model (eager attention) with dynamic batch and sequence axes through the TorchScript-based
+    exporter (``dynamo=False``: the torch.export one needs onnxscript), then optionally fuse it with
+    onnxruntime.transformers.optimizer(model_type="bert", opt_level=opt_level; None: the optimizer's default).
+    Returns (path, notes)."""
+    notes = []
+    hf = load_hf_model(model_dir, "eager", dtype, device)
+    # The exporter restores the wrapper's training flag after export; a fresh nn.Module is in training mode,
+    # which would switch dropout on for every later call of the HF model: eval() first.
+    wrapper = _HFLastHidden(hf, bool(config.type_vocab_size)).eval()
+    example = Workload("export", 2, 8, [8, 5], True).inputs(config, device)
+    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if config.type_vocab_size else [])
+    path = os.path.join(workdir, "model.onnx")
+    axes = {name: {0: "batch", 1: "sequence"} for name in names + ["last_hidden_state"]}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(wrapper, tuple(example[n] for n in names), path, input_names=names,
+                          output_names=["last_hidden_state"], dynamic_axes=axes, opset_version=17, dynamo=False)
+    notes.append("torch.onnx.export(dynamo=False), opset 17")
+    del hf, wrapper
+    if optimize:
+        try:
+            from onnxruntime.transformers import optimizer
+
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fused = optimizer.optimize_model(path, model_type="bert", num_heads=config.num_attention_heads,
+                                                 hidden_size=config.hidden_size, opt_level=opt_level,
+                                                 use_gpu=device.type == "cuda")
+                fused_path = os.path.join(workdir, "model_opt.onnx")
+                fused.save_model_to_file(fused_path)
+            counts = fused.get_fused_operator_statistics()
+            kept = {k: v for k, v in counts.items() if v}
+            fusions = ", ".join(f"{k} {v}" for k, v in sorted(kept.items())) or "no fusion"
+            notes.append(f"onnxruntime.transformers optimizer (bert): {fusions}")
+            path = fused_path
+        except Exception as err:  # noqa: BLE001 - an optimizer failure leaves the plain export, with the reason
+            notes.append(f"optimizer failed, plain export used: {type(err).__name__}: {str(err)[:120]}")
+    return path, notes
+
+
+def build_peer(name: str, model_dir: str, config: FastBertConfig, dtype: torch.dtype, device: torch.device,
+               backend: str, quick: bool, workdir: str) -> tuple[Callable[[dict], torch.Tensor], list[str]]:
+    """A callable inputs -> last_hidden_state [B, S, H] for the named implementation, plus notes on how it runs.
+    Raises PeerUnavailable (with the reason) when it cannot run here."""
+    if name == "fastbert":
+        model = load_fastbert(model_dir, dtype, device, backend)
+        return (lambda inputs: model(**inputs).last_hidden_state), [f"from_pretrained(backend={backend!r})"]
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise PeerUnavailable(f"transformers is not installed ({err})") from err
+    if name in ("hf-eager", "hf-sdpa"):
+        model = load_hf_model(model_dir, name.split("-")[1], dtype, device)
+        return (lambda inputs: model(**inputs).last_hidden_state), [f"AutoModel(attn_implementation={name[3:]!r})"]
+    if name == "fastbert-optimize":
+        import fastbert
+
+        model = fastbert.optimize(load_hf_model(model_dir, "eager", dtype, device), backend=backend)
+        return (lambda inputs: model(**inputs).last_hidden_state), ["fastbert.optimize(AutoModel eager)"]
+    if name == "compile":
+        if not hasattr(torch, "compile"):
+            raise PeerUnavailable("torch.compile is not available in this torch")
+        model = load_hf_model(model_dir, "sdpa", dtype, device)
+        try:
+            compiled = torch.compile(model, dynamic=False)
+        except Exception as err:  # noqa: BLE001 - reported as the peer's reason
+            raise PeerUnavailable(f"torch.compile failed: {type(err).__name__}: {str(err)[:160]}") from err
+        return (lambda inputs: compiled(**inputs).last_hidden_state), [
+            "torch.compile(AutoModel sdpa, dynamic=False); compile time excluded (warm-up)"]
+    if name == "onnxruntime":
+        return onnxruntime_runner(model_dir, config, dtype, device, workdir, optimize=not quick)
+    raise PeerUnavailable(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
+
+
+def onnxruntime_runner(model_dir: str, config: FastBertConfig, dtype: torch.dtype, device: torch.device,
+                       workdir: str, optimize: bool = True, opt_level: int | None = 0,
+                       spinning: bool = False) -> tuple[Callable[[dict], torch.Tensor], list[str]]:
+    """The checkpoint exported to ONNX (`export_onnx`) in an ONNX Runtime session with as many intra-op threads as
+    torch uses on CPU: a callable inputs -> last_hidden_state, plus notes. ``spinning``: let idle worker threads
+    spin between calls (ONNX Runtime's default; off here unless asked). Raises PeerUnavailable when it cannot run."""
+    try:
+        import onnxruntime as ort
+    except ImportError as err:
+        raise PeerUnavailable(f"onnxruntime is not installed ({err})") from err
+    available = ort.get_available_providers()
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise PeerUnavailable(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider "
+                                  f"(providers: {', '.join(available)})")
+        providers = ["CUDAExecutionProvider"]
+    else:
+        if dtype != torch.float32:
+            raise PeerUnavailable(f"onnxruntime's CPU provider is benchmarked in float32 only, not "
+                                  f"{dtype_name(dtype)}")
+        providers = ["CPUExecutionProvider"]
+    try:
+        path, notes = export_onnx(model_dir, config, dtype, device, workdir, optimize, opt_level)
+    except Exception as err:  # noqa: BLE001 - export failures become the peer's reason
+        raise PeerUnavailable(f"ONNX export failed: {type(err).__name__}: {str(err)[:160]}") from err
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if not spinning:
+        # Idle ORT threads would spin between calls and steal the cores from the implementation timed next.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if device.type == "cpu":
+        options.intra_op_num_threads = torch.get_num_threads()  # the same threads torch uses
+    session = ort.InferenceSession(path, options, providers=providers)
+    names = [i.name for i in session.get_inputs()]
+    notes.append(f"{providers[0]}, {options.intra_op_num_threads or 'default'} intra-op threads"
+                 + (", idle threads spinning" if spinning else "")
+                 + ("; inputs and outputs copied host<->device each call" if device.type == "cuda" else ""))
+
+    def run(inputs: dict) -> torch.Tensor:
+        feed = {n: inputs[n].cpu().numpy() for n in names}
+        return torch.from_numpy(session.run(None, feed)[0]).to(device)
+
+    return run, notes
+
+
+def load_hf_model(model_dir: str, attn: str = "eager", dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu") -> torch.nn.Module:
+    """transformers' AutoModel of a checkpoint, in eval mode, quietly (no progress bars or load reports)."""
+    from transformers import AutoModel
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    previous = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    # transformers renamed torch_dtype to dtype in 4.56; older versions would pass an unknown `dtype` to the config.
+    dtype_key = "dtype" if version_tuple(package_version("transformers")) >= (4, 56) else "torch_dtype"
+    try:
+        with warnings.catch_warnings(), open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+            warnings.simplefilter("ignore")  # the weight-loading bar and load reports go to the sink
+            model = AutoModel.from_pretrained(model_dir, attn_implementation=attn, **{dtype_key: dtype})
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if previous is None:
+            os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+        else:
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = previous
+    return model.to(device).eval()
+
+
+def load_fastbert(model_dir: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  backend: str = "auto") -> torch.nn.Module:
+    import fastbert
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # unused-key notes (e.g. a checkpoint's MLM head) are not news here
+        return fastbert.from_pretrained(model_dir, dtype=dtype, device=device, backend=backend)
