@@ -21,17 +21,13 @@ from pathlib import Path
 
 import torch
 
+from fastbert import numerics
 from fastbert.backends import BACKENDS, BackendUnavailable
 from fastbert.bench import e2e, peers, recording, report, timing
 from fastbert.bench.workloads import Workload
 from fastbert.loading import CheckpointError
 from fastbert.resolve import UserError, model_name, resolve_device, resolve_dtype, resolve_model
 from fastbert.text import SENTENCES, TextEncoder, mean_pool
-
-# Numerics rule of `fastbert check` (see check_rule).
-FP32_MAX_REL_ERR = 1e-4
-HALF_ERR_FACTOR = 2.0
-HALF_ATOL_REL = {torch.float16: 5e-4, torch.bfloat16: 4e-3}  # half an ulp at the largest magnitude
 
 
 class _Parser(argparse.ArgumentParser):
@@ -201,15 +197,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------------------- check
 def check_rule(dtype: torch.dtype, fast_err: float, hf_err: float | None, ref_scale: float) -> tuple[bool, str]:
-    """PASS/FAIL of one output. float32: max|fastbert - HF| / max|HF| <= FP32_MAX_REL_ERR (1e-4). float16/bfloat16
-    (both vs HF float32): err(fastbert) <= 2 * err(HF in the same dtype) + atol, atol = 5e-4 (fp16) or 4e-3 (bf16)
-    times max|HF float32|: half a unit in the last place at the largest magnitude (rounding the output alone)."""
-    if dtype == torch.float32:
-        relative = fast_err / max(ref_scale, 1e-30)
-        return relative <= FP32_MAX_REL_ERR, f"max rel err {relative:.2e} <= {FP32_MAX_REL_ERR:g}"
-    atol = HALF_ATOL_REL[dtype] * ref_scale
-    limit = HALF_ERR_FACTOR * (hf_err or 0.0) + atol
-    return fast_err <= limit, f"err {fast_err:.2e} <= 2 x HF err {hf_err:.2e} + atol {atol:.1e} = {limit:.2e}"
+    """PASS/FAIL of one output by `fastbert.numerics`' rule, the one the kernel tests apply, with transformers as
+    plain PyTorch and its float32 output as the reference. float32: max|fastbert - HF| / max|HF| <= 1e-4 (a whole
+    model); float16/bfloat16: err(fastbert) <= 2 x err(HF in the same dtype) + HALF_ATOL_REL[dtype] x max|HF|."""
+    return numerics.judge(dtype, fast_err, hf_err, ref_scale, fp32_rel=numerics.FP32_MODEL_REL, plain_name="HF")
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The triton attention kernel (packed variable-length and padded + key padding mask) against fp64 references."""
+"""The triton attention kernel (packed variable-length and padded + key padding mask) against fp64 references
+(the checks are `fastbert.bench.op_checks`', shared with benchmarks/gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -6,41 +7,12 @@ import pytest
 import torch
 
 from fastbert import backends, ops
-from tests.kernels.numerics import DEVICE, DTYPE_IDS, assert_accurate, rand
+from fastbert.bench.op_checks import check_packed, check_padded
+from tests.kernels.numerics import DEVICE, DTYPE_IDS
 from tests.test_backends import check_padding_poison
 
 ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
 HEAD_DIMS = [32, 64, 80, 96, 128]
-
-
-def packed_qkv(total: int, heads: int, head_dim: int, dtype):
-    """q, k, v as the [T, heads, D] strided views of one [T, 3, heads, D] buffer (what qkv_projection returns)."""
-    return rand(total, 3, heads, head_dim, dtype=dtype).unbind(1)
-
-
-def check_packed(seqlens: list[int], heads: int, head_dim: int, dtype, scale: float | None = None):
-    cu_seqlens = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    q, k, v = packed_qkv(sum(seqlens), heads, head_dim, dtype)
-    assert not q.is_contiguous()
-    kwargs = {"cu_seqlens": cu_seqlens, "max_seqlen": max(seqlens), "scale": scale}
-    fast = ops.attention(q, k, v, backend="triton", **kwargs)
-    plain = ops.attention(q, k, v, backend="eager", **kwargs)
-    reference = ops.attention(q.double(), k.double(), v.double(), backend="eager", **kwargs)
-    assert fast.is_contiguous() and fast.dtype == dtype
-    assert_accurate(fast, plain, reference, f"packed attention {seqlens} h{heads} d{head_dim}")
-
-
-def check_padded(lengths: list[int], seqlen: int, heads: int, head_dim: int, dtype, with_mask: bool = True):
-    """lengths: real tokens per row (0 = a fully masked row, whose output must be zeros)."""
-    q, k, v = rand(len(lengths), seqlen, 3, heads, head_dim, dtype=dtype).unbind(2)
-    mask = (torch.arange(seqlen)[None, :] < torch.tensor(lengths)[:, None]).to(DEVICE) if with_mask else None
-    fast = ops.attention(q, k, v, key_padding_mask=mask, backend="triton")
-    plain = ops.attention(q, k, v, key_padding_mask=mask, backend="eager")
-    reference = ops.attention(q.double(), k.double(), v.double(), key_padding_mask=mask, backend="eager")
-    assert_accurate(fast, plain, reference, f"padded attention {lengths} S{seqlen} h{heads} d{head_dim}")
-    for row, length in enumerate(lengths):
-        if length == 0:
-            assert fast[row].abs().max() == 0, "a query whose keys are all masked must give zeros"
 
 
 # ---------------------------------------------------------------------------------- cheap subset (CI, unmarked)

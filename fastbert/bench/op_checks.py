@@ -1,0 +1,152 @@
+"""Accuracy checks of the triton backend's ops at any shape and dtype: each builds random inputs (strided views
+where asked, as models pass them), runs the op on the triton backend and on the eager one (plain PyTorch, the
+yardstick) in the tested dtype and on eager in fp64 (the reference), and applies `fastbert.numerics`' rule.
+
+tests/kernels call them on small grids (CPU: the Triton interpreter), benchmarks/gpu_check.py at BERT-base/large
+sizes. A failed check raises AssertionError saying what differed (explicit raises, so ``python -O`` checks too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastbert import ops
+from fastbert.numerics import assert_accurate
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def rand(*shape: int, dtype: torch.dtype, scale: float = 1.0, generator: torch.Generator | None = None):
+    """Normal samples times ``scale`` on DEVICE in ``dtype`` (drawn in fp32 on CPU, so seeds give the same values
+    on every device)."""
+    return (torch.randn(*shape, generator=generator) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+def _maybe_strided(rows: int, cols: int, dtype, strided: bool, scale: float = 1.0) -> torch.Tensor:
+    """[rows, cols], as a column slice of a wider tensor (non-contiguous rows) when strided."""
+    if not strided:
+        return rand(rows, cols, dtype=dtype, scale=scale)
+    return rand(rows, cols + 9, dtype=dtype, scale=scale)[:, 5:5 + cols]
+
+
+def _weight(out_features: int, in_features: int, dtype, transposed: bool) -> torch.Tensor:
+    """[out, in] weight; transposed: a .t() view of an [in, out] tensor (column-major)."""
+    if transposed:
+        return rand(in_features, out_features, dtype=dtype, scale=0.05).t()
+    return rand(out_features, in_features, dtype=dtype, scale=0.05)
+
+
+# ----------------------------------------------------------------------------------------------------- GEMM ops
+def check_linear_activation(rows, hidden, dtype, activation, strided):
+    inner = 4 * hidden
+    x = _maybe_strided(rows, hidden, dtype, strided)
+    weight, bias = _weight(inner, hidden, dtype, strided), rand(inner, dtype=dtype, scale=0.5)
+    fast = ops.linear_activation(x, weight, bias, activation, backend="triton")
+    plain = ops.linear_activation(x, weight, bias, activation, backend="eager")
+    reference = ops.linear_activation(x.double(), weight.double(), bias.double(), activation, backend="eager")
+    _require(fast.is_contiguous(), "linear_activation: the output is not contiguous")
+    assert_accurate(fast, plain, reference, f"linear_activation {activation}")
+
+
+def check_qkv_projection(rows, hidden, heads, dtype, strided, leading=()):
+    x = _maybe_strided(rows, hidden, dtype, strided)
+    if leading:
+        x = x.reshape(*leading, hidden)
+    weight, bias = _weight(3 * hidden, hidden, dtype, strided), rand(3 * hidden, dtype=dtype, scale=0.5)
+    fast = ops.qkv_projection(x, weight, bias, heads, backend="triton")
+    plain = ops.qkv_projection(x, weight, bias, heads, backend="eager")
+    reference = ops.qkv_projection(x.double(), weight.double(), bias.double(), heads, backend="eager")
+    base = fast[0].untyped_storage().data_ptr()
+    for name, f, p, r in zip("qkv", fast, plain, reference, strict=True):
+        expected = (*x.shape[:-1], heads, hidden // heads)
+        _require(f.shape == expected, f"qkv_projection {name}: shape {tuple(f.shape)} != {expected}")
+        _require(f.untyped_storage().data_ptr() == base, "q, k, v must be views of one buffer (no copies)")
+        assert_accurate(f, p, r, f"qkv_projection {name}")
+
+
+def check_linear_residual_layernorm(rows, hidden, dtype, strided, with_bias=True):
+    inner = 4 * hidden
+    x = _maybe_strided(rows, inner, dtype, strided)
+    weight = _weight(hidden, inner, dtype, strided)
+    bias = rand(hidden, dtype=dtype, scale=0.5) if with_bias else None
+    residual = _maybe_strided(rows, hidden, dtype, strided, scale=2.0)
+    ln_weight, ln_bias = rand(hidden, dtype=dtype).abs() + 0.5, rand(hidden, dtype=dtype, scale=0.2)
+    args = (x, weight, bias, residual, ln_weight, ln_bias, 1e-12)
+    fast = ops.linear_residual_layernorm(*args, backend="triton")
+    plain = ops.linear_residual_layernorm(*args, backend="eager")
+    reference = ops.linear_residual_layernorm(*(a.double() if isinstance(a, torch.Tensor) else a for a in args),
+                                              backend="eager")
+    assert_accurate(fast, plain, reference, "linear_residual_layernorm")
+
+
+# ----------------------------------------------------------------------------------------- embedding_layernorm
+def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tables=False, id_dtype=torch.int64,
+                              strided_ids=False):
+    """types: "ids" (token type ids given), "default" (table but no ids: row 0), "none" (no table, DistilBERT).
+    strided_ids: every id tensor is a column-strided view whose flattening stays a view (batch 1)."""
+    vocab, positions = 50, 140
+
+    def table(rows):
+        if strided_tables:  # a column slice of a wider table: row stride != width
+            return rand(rows, width + 16, dtype=dtype)[:, 8:8 + width]
+        return rand(rows, width, dtype=dtype)
+
+    word, position = table(vocab), table(positions)
+    token_type = table(2) if types != "none" else None
+    wide = (*ids_shape[:-1], 2 * ids_shape[-1]) if strided_ids else ids_shape
+
+    def ids(high, dtype=torch.int64):
+        full = torch.randint(0, high, wide, device=DEVICE, dtype=dtype)
+        return full[..., ::2] if strided_ids else full
+
+    input_ids = ids(vocab, id_dtype)
+    position_ids = ids(positions) if strided_ids else torch.arange(ids_shape[-1], device=DEVICE).expand(ids_shape)
+    token_type_ids = ids(2) if types == "ids" else None  # position ids above: stride-0 rows, as models pass
+    weight, bias = rand(width, dtype=dtype).abs() + 0.5, rand(width, dtype=dtype, scale=0.2)
+    args = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, 1e-12)
+    fast = ops.embedding_layernorm(*args, backend="triton")
+    plain = ops.embedding_layernorm(*args, backend="eager")
+    reference = ops.embedding_layernorm(*(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                          else a for a in args), backend="eager")
+    _require(fast.shape == (*ids_shape, width) and fast.is_contiguous(),
+             f"embedding_layernorm: output {tuple(fast.shape)} (contiguous: {fast.is_contiguous()}), expected a "
+             f"contiguous {(*ids_shape, width)}")
+    assert_accurate(fast, plain, reference, f"embedding_layernorm {ids_shape} E{width} types={types}")
+
+
+# --------------------------------------------------------------------------------------------------- attention
+def packed_qkv(total: int, heads: int, head_dim: int, dtype):
+    """q, k, v as the [T, heads, D] strided views of one [T, 3, heads, D] buffer (what qkv_projection returns)."""
+    return rand(total, 3, heads, head_dim, dtype=dtype).unbind(1)
+
+
+def check_packed(seqlens: list[int], heads: int, head_dim: int, dtype, scale: float | None = None):
+    cu_seqlens = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    q, k, v = packed_qkv(sum(seqlens), heads, head_dim, dtype)
+    _require(not q.is_contiguous(), "packed attention: q must be a strided view for this check")
+    kwargs = {"cu_seqlens": cu_seqlens, "max_seqlen": max(seqlens), "scale": scale}
+    fast = ops.attention(q, k, v, backend="triton", **kwargs)
+    plain = ops.attention(q, k, v, backend="eager", **kwargs)
+    reference = ops.attention(q.double(), k.double(), v.double(), backend="eager", **kwargs)
+    _require(fast.is_contiguous() and fast.dtype == dtype,
+             f"packed attention: output {fast.dtype} (contiguous: {fast.is_contiguous()}), expected a contiguous "
+             f"{dtype}")
+    assert_accurate(fast, plain, reference, f"packed attention {seqlens} h{heads} d{head_dim}")
+
+
+def check_padded(lengths: list[int], seqlen: int, heads: int, head_dim: int, dtype, with_mask: bool = True):
+    """lengths: real tokens per row (0 = a fully masked row, whose output must be zeros)."""
+    q, k, v = rand(len(lengths), seqlen, 3, heads, head_dim, dtype=dtype).unbind(2)
+    mask = (torch.arange(seqlen)[None, :] < torch.tensor(lengths)[:, None]).to(DEVICE) if with_mask else None
+    fast = ops.attention(q, k, v, key_padding_mask=mask, backend="triton")
+    plain = ops.attention(q, k, v, key_padding_mask=mask, backend="eager")
+    reference = ops.attention(q.double(), k.double(), v.double(), key_padding_mask=mask, backend="eager")
+    assert_accurate(fast, plain, reference, f"padded attention {lengths} S{seqlen} h{heads} d{head_dim}")
+    for row, length in enumerate(lengths):
+        if length == 0:
+            _require(fast[row].abs().max() == 0, "a query whose keys are all masked must give zeros")
