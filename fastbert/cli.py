@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fastbert import numerics
+from fastbert import __version__, numerics
 from fastbert.backends import BACKENDS, BackendUnavailable
 from fastbert.bench import e2e, peers, recording, report, timing
 from fastbert.bench.workloads import Workload
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand (no heavy imports: `fastbert --help` stays fast)."""
     parser = _Parser(prog="fastbert", description="Fast BERT-family encoders: demo, check, embed, bench. With no "
                      "command, runs the demo on the embedded all-MiniLM-L6-v2.")
-    parser.add_argument("--version", action="version", version="fastbert 0.1.0")
+    parser.add_argument("--version", action="version", version=f"fastbert {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{demo,check,embed,bench}")
 
     demo = commands.add_parser("demo", help="transformers vs fastbert on 16 real sentences (the default command)")
