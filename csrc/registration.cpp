@@ -1,29 +1,19 @@
-// The one TORCH_LIBRARY block of the `fastbert` op namespace: every schema is declared here; the CPU kernels
-// register their implementations (TORCH_LIBRARY_IMPL) beside their code in the other files, and the fake
-// (meta) implementations live in Python (fastbert/cpp_backend.py). Importing `fastbert._C` runs these static
-// registrations.
+// The schemas of the fused ops (embedding_layernorm, linear_activation, linear_residual_layernorm, attention) are
+// declared once, with their fakes, by their specs in Python (fastbert/ops/<op>.py, registered by
+// fastbert/cpp_backend.py before it imports this extension); the CPU kernels register their implementations
+// (TORCH_LIBRARY_IMPL) beside their code in the other files. This block declares only the helper ops that exist in
+// this extension alone. Importing `fastbert._C` runs these static registrations.
 #include <Python.h>
 #include <torch/library.h>
 
 #include "fastbert.h"
 
-TORCH_LIBRARY(fastbert, m) {
-  // LayerNorm(word[ids] + position[pos] + token_type[types]) -> ids.shape + [E].
-  m.def("embedding_layernorm(Tensor input_ids, Tensor position_ids, Tensor? token_type_ids, Tensor word_embeddings, "
-        "Tensor position_embeddings, Tensor? token_type_embeddings, Tensor weight, Tensor bias, float eps) -> Tensor");
+TORCH_LIBRARY_FRAGMENT(fastbert, m) {
   // act(x + bias), activation in {"gelu", "gelu_tanh", "relu"}; x [..., N].
   m.def("bias_activation(Tensor x, Tensor? bias, str activation) -> Tensor");
   // LayerNorm(x + bias + residual); x, residual [..., N].
   m.def("bias_residual_layernorm(Tensor x, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor ln_bias, "
         "float eps) -> Tensor");
-  // act(x @ weight.T + bias): a GEMM without bias, then bias + activation fused in place.
-  m.def("linear_activation(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor");
-  // LayerNorm(x @ weight.T + bias + residual): a GEMM, then bias + residual + LayerNorm fused in place.
-  m.def("linear_residual_layernorm(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, "
-        "Tensor ln_bias, float eps) -> Tensor");
-  // Blocked online-softmax attention; packed ([T, h, D] + cu_seqlens) or padded ([B, S, h, D] + optional mask).
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, int? max_seqlen, Tensor? key_padding_mask, "
-        "float? scale) -> Tensor");
   // Rows of x [B, S, ...] at flat indices (b * S + s) -> [T, ...], and back (zeros at the other positions).
   m.def("unpad(Tensor x, Tensor indices) -> Tensor");
   m.def("pad(Tensor x, Tensor indices, int batch, int seqlen) -> Tensor");

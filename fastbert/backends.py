@@ -4,7 +4,10 @@ Each backend registers, per op, an implementation and a ``supports`` check that 
 the given inputs and otherwise the reason it cannot. ``backend="auto"`` walks the preference list for the inputs'
 device and takes the first backend whose check passes; a forced backend whose check fails raises
 :class:`BackendUnavailable` carrying that reason. The env var ``FASTBERT_BACKEND`` forces a backend wherever
-``"auto"`` was asked for.
+``"auto"`` was asked for; it is read once, when fastbert is imported (`read_environment` reads it again).
+
+`dispatch` chooses at every call (the functional entries in `fastbert.ops` use it); a model resolves an
+`OpTable` once per (device, dtype, grad mode, backend request) and calls the implementations directly.
 
 Backends other than ``eager`` are loaded lazily on first use (importing triton costs about a second), so
 ``import fastbert`` stays cheap; a backend that fails to load is remembered with the reason.
@@ -12,10 +15,12 @@ Backends other than ``eager`` are loaded lazily on first use (importing triton c
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +46,9 @@ class OpImpl:
 _REGISTRY: dict[str, dict[str, OpImpl]] = {}
 _LOAD_ERRORS: dict[str, str] = {}
 _LOADED: set[str] = {"eager"}
+_OBSERVERS: list[Callable[[str, str], None]] = []
+_GENERATION = 0
+_ENV_BACKEND = os.environ.get("FASTBERT_BACKEND", "auto") or "auto"  # read once: see `read_environment`
 _WARNED: set[str] = set()
 
 
@@ -50,6 +58,7 @@ def register(op: str, backend: str, fn: Callable, supports: Callable[..., str | 
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     _REGISTRY.setdefault(op, {})[backend] = OpImpl(fn, supports or (lambda *a, **k: None), has_backward)
+    _bump()
 
 
 def _load(backend: str, warn: bool = True) -> str | None:
@@ -72,10 +81,29 @@ def _load(backend: str, warn: bool = True) -> str | None:
     return _LOAD_ERRORS[backend]
 
 
+def read_environment() -> None:
+    """(Re-)read ``FASTBERT_BACKEND``. It is read once, when fastbert is imported; a process that changes it later
+    calls this (op tables resolved before are dropped)."""
+    global _ENV_BACKEND
+    _ENV_BACKEND = os.environ.get("FASTBERT_BACKEND", "auto") or "auto"
+    _bump()
+
+
+def _bump() -> None:
+    global _GENERATION
+    _GENERATION += 1
+
+
+def generation() -> int:
+    """Changes whenever something an `OpTable` resolved depends on changes (environment, registrations,
+    observers): models key their tables on it."""
+    return _GENERATION
+
+
 def requested_backend(backend: str | None) -> str:
     """Resolve the user's request: an explicit backend wins, ``auto``/None defers to ``FASTBERT_BACKEND``."""
     if backend in (None, "auto"):
-        backend = os.environ.get("FASTBERT_BACKEND", "auto") or "auto"
+        backend = _ENV_BACKEND
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {BACKENDS}")
     return backend
@@ -125,9 +153,73 @@ def choose(op: str, backend: str | None, *args, **kwargs) -> tuple[str, dict[str
 
 
 def dispatch(op: str, backend: str | None, *args, **kwargs):
-    """Run ``op`` on the chosen backend."""
+    """Run ``op`` on the chosen backend (chosen again at every call: models use an `OpTable` instead)."""
     chosen, _ = choose(op, backend, *args, **kwargs)
+    for observer in _OBSERVERS:
+        observer(op, chosen)
     return _REGISTRY[op][chosen].fn(*args, **kwargs)
+
+
+@contextmanager
+def observe(observer: Callable[[str, str], None]) -> Iterator[None]:
+    """Within the block, call ``observer(op, backend)`` for every fused op call, through `dispatch` or an
+    `OpTable` (tables resolved outside the block do not report, so models resolve new ones)."""
+    _OBSERVERS.append(observer)
+    _bump()
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+        _bump()
+
+
+class OpTable:
+    """Every op's implementation, resolved once and then called directly: the dispatch of a model for one
+    (device, dtype, grad mode, backend request). An op is resolved on its first call, by `choose` on that call's
+    arguments (``supports`` sees real tensors); later calls skip the choice and the argument checks, which the
+    model's fixed shapes make redundant. Attribute per op: ``table.attention(q, k, v, cu_seqlens, max_seqlen,
+    key_padding_mask, scale)`` takes the arguments `dispatch` passes to the implementations."""
+
+    def __init__(self, backend: str | None):
+        self.backend = backend
+        self.chosen: dict[str, str] = {}
+
+    def __getattr__(self, op: str):
+        if op.startswith("_") or op not in _REGISTRY:
+            raise AttributeError(op)
+
+        def first_call(*args, **kwargs):
+            chosen, _ = choose(op, self.backend, *args, **kwargs)
+            fn = _REGISTRY[op][chosen].fn
+            if _OBSERVERS:
+                fn = _observed(op, chosen, fn)
+            self.chosen[op] = chosen
+            setattr(self, op, fn)
+            return fn(*args, **kwargs)
+
+        return first_call
+
+
+def _observed(op: str, chosen: str, fn: Callable) -> Callable:
+    def call(*args, **kwargs):
+        for observer in _OBSERVERS:
+            observer(op, chosen)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+class PerCallDispatch:
+    """`OpTable`'s interface over `dispatch` (chosen at every call): what a model uses while torch.compile traces
+    it, since dynamo follows plain calls better than a table that rewrites itself."""
+
+    def __init__(self, backend: str | None):
+        self.backend = backend
+
+    def __getattr__(self, op: str):
+        if op.startswith("_"):
+            raise AttributeError(op)
+        return functools.partial(dispatch, op, self.backend)
 
 
 def explain(op: str, *args, backend: str | None = "auto", **kwargs) -> str:

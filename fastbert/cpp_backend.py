@@ -1,8 +1,9 @@
 """The ``cpp`` backend: fastbert's C++ CPU kernels (the extension ``fastbert._C``), what ``auto`` picks on CPU.
 
-Importing this module loads ``fastbert._C`` (whose static initialisers declare the ``torch.ops.fastbert.*`` schemas
-and register their CPU kernels), registers the fake (meta) implementations used by ``torch.compile`` and
-``torch.library.opcheck``, and registers the cpp implementation of each dispatched op with `fastbert.backends`:
+Importing this module declares the torch ops ``torch.ops.fastbert.<op>`` from the ops' specs (schema and fake, used
+by ``torch.compile`` and ``torch.library.opcheck``), loads ``fastbert._C`` (whose static initialisers register
+their CPU kernels, and declare a few helper ops of its own), and registers the cpp implementation of each
+dispatched op with `fastbert.backends`:
 
 - embedding_layernorm: one fused gather + sum + LayerNorm kernel;
 - qkv_projection: one ``addmm`` over the packed [3H, H] weight, returning strided views (attention reads them);
@@ -22,9 +23,15 @@ import warnings
 import torch
 
 from fastbert import backends
+from fastbert.ops.spec import SPECS
+
+# The torch ops whose CPU kernels the extension holds: schema and fake come from each op's spec.
+TORCH_OPS = ("embedding_layernorm", "linear_activation", "linear_residual_layernorm", "attention")
+for _name in TORCH_OPS:
+    SPECS[_name].define()
 
 try:
-    from fastbert import _C  # noqa: F401 - importing registers the ops in torch.ops.fastbert
+    from fastbert import _C  # noqa: F401 - importing registers the kernels (and the helper ops) in torch.ops.fastbert
 except ImportError as err:
     _C = None
     EXTENSION_ERROR: str | None = (f"the C++ extension fastbert._C is not built ({err}); reinstall with "
@@ -42,12 +49,8 @@ def compiled_capability() -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------- fakes
+# Of the helper ops only this extension has (the fused ops' fakes are their specs').
 if _C is not None:
-
-    @torch.library.register_fake("fastbert::embedding_layernorm")
-    def _(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
-          weight, bias, eps):
-        return word_embeddings.new_empty((*input_ids.shape, word_embeddings.shape[1]))
 
     @torch.library.register_fake("fastbert::bias_activation")
     def _(x, bias, activation):
@@ -56,18 +59,6 @@ if _C is not None:
     @torch.library.register_fake("fastbert::bias_residual_layernorm")
     def _(x, bias, residual, ln_weight, ln_bias, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("fastbert::linear_activation")
-    def _(x, weight, bias, activation):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @torch.library.register_fake("fastbert::linear_residual_layernorm")
-    def _(x, weight, bias, residual, ln_weight, ln_bias, eps):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @torch.library.register_fake("fastbert::attention")
-    def _(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale):
-        return q.new_empty(q.shape)
 
     @torch.library.register_fake("fastbert::unpad")
     def _(x, indices):

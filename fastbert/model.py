@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastbert import ops
+from fastbert import backends
 from fastbert.config import FastBertConfig
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
 
@@ -46,10 +46,10 @@ class Embeddings(nn.Module):
         self.norm_bias = _param(width)
         self.eps = config.layer_norm_eps
 
-    def forward(self, input_ids, position_ids, token_type_ids, backend: str | None) -> torch.Tensor:
-        return ops.embedding_layernorm(input_ids, position_ids, token_type_ids, self.word_embeddings,
-                                       self.position_embeddings, self.token_type_embeddings, self.norm_weight,
-                                       self.norm_bias, self.eps, backend=backend)
+    def forward(self, input_ids, position_ids, token_type_ids, table: backends.OpTable) -> torch.Tensor:
+        return table.embedding_layernorm(input_ids, position_ids, token_type_ids, self.word_embeddings,
+                                         self.position_embeddings, self.token_type_embeddings, self.norm_weight,
+                                         self.norm_bias, self.eps)
 
     def from_inputs_embeds(self, inputs_embeds, position_ids, token_type_ids) -> torch.Tensor:
         """The same sum and LayerNorm for user-given word vectors (eager: there is nothing to gather)."""
@@ -77,22 +77,22 @@ class EncoderLayer(nn.Module):
         self.ffn_norm_weight, self.ffn_norm_bias = _param(hidden), _param(hidden)
 
     def forward(self, x: torch.Tensor, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,
-                backend: str | None) -> torch.Tensor:
-        """x: [T, H] packed tokens (padding_free) or [B*S, H] with key_padding_mask [B, S]."""
+                table: backends.OpTable) -> torch.Tensor:
+        """x: [T, H] packed tokens (padding_free) or [B*S, H] with key_padding_mask [B, S]. ``table`` holds the
+        ops (argument order of `fastbert.backends.dispatch`)."""
         tokens, hidden = x.shape
-        q, k, v = ops.qkv_projection(x, self.qkv_weight, self.qkv_bias, self.num_heads, backend=backend)
+        q, k, v = table.qkv_projection(x, self.qkv_weight, self.qkv_bias, self.num_heads)
         if key_padding_mask is None:
-            context = ops.attention(q, k, v, cu_seqlens=varlen.cu_seqlens, max_seqlen=varlen.max_seqlen,
-                                    scale=self.scale, backend=backend)
+            context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale)
         else:
             shape = (varlen.batch, varlen.seqlen, self.num_heads, hidden // self.num_heads)
-            context = ops.attention(q.view(shape), k.view(shape), v.view(shape), key_padding_mask=key_padding_mask,
-                                    scale=self.scale, backend=backend)
-        x = ops.linear_residual_layernorm(context.view(tokens, hidden), self.attn_out_weight, self.attn_out_bias, x,
-                                          self.attn_norm_weight, self.attn_norm_bias, self.eps, backend=backend)
-        inner = ops.linear_activation(x, self.ffn_in_weight, self.ffn_in_bias, self.activation, backend=backend)
-        return ops.linear_residual_layernorm(inner, self.ffn_out_weight, self.ffn_out_bias, x, self.ffn_norm_weight,
-                                             self.ffn_norm_bias, self.eps, backend=backend)
+            context = table.attention(q.view(shape), k.view(shape), v.view(shape), None, None, key_padding_mask,
+                                      self.scale)
+        x = table.linear_residual_layernorm(context.view(tokens, hidden), self.attn_out_weight, self.attn_out_bias,
+                                            x, self.attn_norm_weight, self.attn_norm_bias, self.eps)
+        inner = table.linear_activation(x, self.ffn_in_weight, self.ffn_in_bias, self.activation)
+        return table.linear_residual_layernorm(inner, self.ffn_out_weight, self.ffn_out_bias, x,
+                                               self.ffn_norm_weight, self.ffn_norm_bias, self.eps)
 
 
 def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int,
@@ -237,18 +237,39 @@ class FastBertModel(nn.Module):
         tokens: ids [T] (or word vectors [T, E] when ``embedded``); positions, types [T]; ``varlen`` describes
         the packed batch, or the whole padded batch when ``key_padding_mask`` [B, S] is given. Returns the
         hidden states [T, H]: the last only, or the embedding output and every layer's when ``all_states``."""
+        table = self.op_table(self.embeddings.word_embeddings)
         if embedded:
             x = self.embeddings.from_inputs_embeds(tokens, positions, types)
         else:
-            x = self.embeddings(tokens, positions, types, self.backend)
+            x = self.embeddings(tokens, positions, types, table)
         if self.embed_proj is not None:
             x = self.embed_proj(x)
         states = [x]
         for index in self.schedule:
-            x = self.layers[index](x, varlen, key_padding_mask, self.backend)
+            x = self.layers[index](x, varlen, key_padding_mask, table)
             if all_states:
                 states.append(x)
         return states if all_states else [x]
+
+    def op_table(self, like: torch.Tensor) -> backends.OpTable | backends.PerCallDispatch:
+        """The ops for tensors like ``like`` under the current grad mode: resolved once per (device, dtype, grad
+        mode, backend, `backends.generation()`), then called directly (while torch.compile traces, every call
+        dispatches instead)."""
+        if torch.compiler.is_compiling():
+            return backends.PerCallDispatch(self.backend)
+        key = (like.device, like.dtype, torch.is_grad_enabled(), self.backend, backends.generation())
+        tables = self.__dict__.setdefault("_op_tables", {})
+        table = tables.get(key)
+        if table is None:
+            if len(tables) > 16:  # stale generations
+                tables.clear()
+            table = tables[key] = backends.OpTable(self.backend)
+        return table
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_op_tables", None)  # resolved per process
+        return state
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """tanh(dense(first token)) [B, H], or None for a model without a pooler. hidden: [B, S, H]."""

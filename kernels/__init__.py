@@ -1,10 +1,11 @@
 """fastbert's Triton kernels (installed as `fastbert.kernels`): the `triton` backend of `fastbert.ops`.
 
-Importing this package registers the triton implementations of the five ops with `fastbert.backends`:
-embedding_layernorm, qkv_projection, attention, linear_activation, linear_residual_layernorm. Each is a
-`torch.library.custom_op` (`torch.ops.fastbert.triton_*`) with a fake, so `torch.compile(fullgraph=True)` traces
-through them. They run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this package was
-imported (the Triton interpreter: for tests, far too slow for use). Inference only (no backward).
+Importing this package registers the triton implementations of the ops with `fastbert.backends`:
+embedding_layernorm, qkv_projection, attention, linear_activation, linear_residual_layernorm. Each launches
+through a torch op ``torch.ops.fastbert.triton_<op>`` declared from the op's spec (`fastbert.ops.spec`: one schema
+and one fake per op), so `torch.compile(fullgraph=True)` traces through them. They run on CUDA tensors, or on CPU
+tensors when TRITON_INTERPRET=1 was set before this package was imported (the Triton interpreter: for tests, far
+too slow for use). Inference only (no backward).
 """
 
 from fastbert import backends

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops.attention import attention_reference
+from fastbert.ops.attention import SPEC, attention_reference
 
 from ._common import INTERPRETER, cast_rtne, device_reason, dot_precision, first_reason, float_reason
 
@@ -153,9 +153,10 @@ def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, s
     )
 
 
-@torch.library.custom_op("fastbert::triton_attention", mutates_args=())
-def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int,
-        key_padding_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
+            max_seqlen: int | None, key_padding_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    max_seqlen = 0 if max_seqlen is None else max_seqlen
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.numel() == 0:
         return out
@@ -184,9 +185,8 @@ def _op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Ten
     return out
 
 
-@_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+# torch.ops.fastbert.triton_attention: schema and fake from the op's spec.
+_op = SPEC.define("triton_", _launch)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,

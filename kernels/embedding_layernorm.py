@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops.embedding_layernorm import embedding_layernorm_reference
+from fastbert.ops.embedding_layernorm import SPEC, embedding_layernorm_reference
 
 from ._common import (
     cast_rtne,
@@ -81,10 +81,10 @@ def supports(input_ids, position_ids, token_type_ids, word_embeddings, position_
     )
 
 
-@torch.library.custom_op("fastbert::triton_embedding_layernorm", mutates_args=())
-def _op(input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
-        word_embeddings: torch.Tensor, position_embeddings: torch.Tensor, token_type_embeddings: torch.Tensor | None,
-        weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+            word_embeddings: torch.Tensor, position_embeddings: torch.Tensor,
+            token_type_embeddings: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+            eps: float) -> torch.Tensor:
     width = word_embeddings.shape[1]
     out = torch.empty(*input_ids.shape, width, dtype=word_embeddings.dtype, device=word_embeddings.device)
     rows = input_ids.numel()
@@ -111,10 +111,8 @@ def _op(input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: tor
     return out
 
 
-@_op.register_fake
-def _(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings, weight,
-      bias, eps):
-    return word_embeddings.new_empty(*input_ids.shape, word_embeddings.shape[1])
+# torch.ops.fastbert.triton_embedding_layernorm: schema and fake from the op's spec.
+_op = SPEC.define("triton_", _launch)
 
 
 def embedding_layernorm(input_ids: torch.Tensor, position_ids: torch.Tensor, token_type_ids: torch.Tensor | None,

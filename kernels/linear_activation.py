@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fastbert.ops.linear_activation import ACTIVATIONS, linear_activation_reference
+from fastbert.ops.linear_activation import ACTIVATIONS, SPEC, linear_activation_reference
 
 from . import _gemm
 from ._common import device_reason, first_reason, float_reason
@@ -27,14 +27,12 @@ def supports(x, weight, bias, activation) -> str | None:
     )
 
 
-@torch.library.custom_op("fastbert::triton_linear_activation", mutates_args=())
-def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     return _gemm.linear(x, weight, bias, activation=activation)
 
 
-@_op.register_fake
-def _(x, weight, bias, activation):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+# torch.ops.fastbert.triton_linear_activation: schema and fake from the op's spec.
+_op = SPEC.define("triton_", _launch)
 
 
 def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

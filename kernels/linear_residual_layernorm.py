@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops.linear_residual_layernorm import linear_residual_layernorm_reference
+from fastbert.ops.linear_residual_layernorm import SPEC, linear_residual_layernorm_reference
 
 from . import _gemm
 from ._common import (
@@ -81,17 +81,15 @@ def supports(x, weight, bias, residual, ln_weight, ln_bias, eps) -> str | None:
     )
 
 
-@torch.library.custom_op("fastbert::triton_linear_residual_layernorm", mutates_args=())
-def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-        ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+            ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float) -> torch.Tensor:
     out = _gemm.linear(x, weight, bias, residual=residual)
     layernorm_rows_(out.view(-1, weight.shape[0]), ln_weight, ln_bias, eps)
     return out
 
 
-@_op.register_fake
-def _(x, weight, bias, residual, ln_weight, ln_bias, eps):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+# torch.ops.fastbert.triton_linear_residual_layernorm: schema and fake from the op's spec.
+_op = SPEC.define("triton_", _launch)
 
 
 def linear_residual_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fastbert.ops.qkv_projection import qkv_projection_reference
+from fastbert.ops.qkv_projection import SPEC, qkv_projection_reference
 
 from . import _gemm
 from ._common import device_reason, first_reason, float_reason
@@ -25,14 +25,12 @@ def supports(x, weight, bias, num_heads) -> str | None:
                         "K = 0 (empty reduction)" if weight.shape[1] == 0 else None)
 
 
-@torch.library.custom_op("fastbert::triton_qkv_projection", mutates_args=())
-def _op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _gemm.linear(x, weight, bias)
 
 
-@_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+# torch.ops.fastbert.triton_qkv_projection (into the packed [..., 3H] buffer): schema and fake from the op's spec.
+_op = SPEC.define("triton_", _launch)
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

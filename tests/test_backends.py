@@ -37,11 +37,24 @@ def test_forced_backend_that_cannot_run_raises_with_reason():
         backends.choose("linear_activation", "triton", x.double(), w.double(), b.double(), "gelu")
 
 
-def test_env_var_forces_backend(monkeypatch):
-    x, w, b = _linear_args(torch.float64)
-    monkeypatch.setenv("FASTBERT_BACKEND", "eager")
+@pytest.fixture
+def environment(monkeypatch):
+    """monkeypatch for FASTBERT_BACKEND, which fastbert reads once: re-read after each change and at the end."""
+    yield monkeypatch
+    monkeypatch.undo()
+    backends.read_environment()
+
+
+def test_env_var_forces_backend_once_read(environment):
+    x, w, b = _linear_args()
+    environment.setenv("FASTBERT_BACKEND", "eager")
+    before = backends.choose("linear_activation", "auto", x, w, b, "gelu")[0]
+    if backends.available()["cpp"] is None:
+        assert before == "cpp"  # not read yet: auto still prefers cpp on CPU
+    backends.read_environment()
     assert backends.choose("linear_activation", "auto", x, w, b, "gelu") == ("eager", {})
-    monkeypatch.setenv("FASTBERT_BACKEND", "nonsense")
+    environment.setenv("FASTBERT_BACKEND", "nonsense")
+    backends.read_environment()
     with pytest.raises(ValueError, match="unknown backend"):
         backends.choose("linear_activation", "auto", x, w, b, "gelu")
 

@@ -1,7 +1,8 @@
 """Functional entries of fastbert's fused ops, one per op, each dispatched over backends eager | triton | cpp.
 
-Every op file holds the eager (pure PyTorch) reference the other backends are checked against, and the
-functional entry that dispatches (see `fastbert.backends`).
+Every op file declares its op once (`fastbert.ops.spec.OpSpec`: schema and fake of its torch op, argument
+checks, the eager implementation, the fp32 reference the other backends are checked against, its cost formula)
+and holds the functional entry that dispatches (see `fastbert.backends`). ``SPECS`` lists the ops.
 """
 
 from fastbert.ops.attention import attention, attention_reference
@@ -10,9 +11,12 @@ from fastbert.ops.linear_activation import ACTIVATIONS, apply_activation, linear
 from fastbert.ops.linear_residual_layernorm import linear_residual_layernorm, linear_residual_layernorm_reference
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
 from fastbert.ops.qkv_projection import qkv_projection, qkv_projection_reference
+from fastbert.ops.spec import SPECS, OpSpec
 
 __all__ = [
     "ACTIVATIONS",
+    "OpSpec",
+    "SPECS",
     "VarlenBatch",
     "apply_activation",
     "attention",

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.padding import varlen_positions
+from fastbert.ops.spec import OpSpec, declare
 
 
 def _padded_sdpa(q, k, v, key_padding_mask, scale):
@@ -66,7 +67,7 @@ def attention_reference(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_m
     return out.to(q.dtype)
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask) -> None:
+def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale=None) -> None:
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"attention: q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -89,7 +90,19 @@ def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask) -> None:
                              f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
 
 
-backends.register("attention", "eager", _eager, has_backward=True)
+def _fake(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale):
+    return q.new_empty(q.shape)
+
+
+SPEC = declare(OpSpec(
+    name="attention",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, int? max_seqlen, Tensor? key_padding_mask, "
+           "float? scale) -> Tensor",
+    fake=_fake,
+    check=_check,
+    eager=_eager,
+    reference=attention_reference,
+))
 
 
 def attention(

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.linear_activation import layer_norm_fp32
+from fastbert.ops.spec import OpSpec, declare
 
 
 def embedding_layernorm_reference(
@@ -51,7 +52,21 @@ def _check(input_ids, position_ids, token_type_ids, word_embeddings, position_em
         raise ValueError(f"embedding_layernorm: LayerNorm weight/bias must be [{width}]")
 
 
-backends.register("embedding_layernorm", "eager", embedding_layernorm_reference, has_backward=True)
+def _fake(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
+          weight, bias, eps):
+    return word_embeddings.new_empty((*input_ids.shape, word_embeddings.shape[1]))
+
+
+SPEC = declare(OpSpec(
+    name="embedding_layernorm",
+    schema="(Tensor input_ids, Tensor position_ids, Tensor? token_type_ids, Tensor word_embeddings, "
+           "Tensor position_embeddings, Tensor? token_type_embeddings, Tensor weight, Tensor bias, float eps) "
+           "-> Tensor",
+    fake=_fake,
+    check=_check,
+    eager=embedding_layernorm_reference,
+    reference=embedding_layernorm_reference,
+))
 
 
 def embedding_layernorm(

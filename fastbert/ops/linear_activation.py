@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.spec import OpSpec, declare
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
@@ -36,14 +37,29 @@ def linear_activation_reference(x: torch.Tensor, weight: torch.Tensor, bias: tor
     return apply_activation(F.linear(x, weight, bias), activation)
 
 
-backends.register("linear_activation", "eager", linear_activation_reference, has_backward=True)
+def _check(x, weight, bias, activation) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"linear_activation: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear_activation: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
+
+
+def _fake(x, weight, bias, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+SPEC = declare(OpSpec(
+    name="linear_activation",
+    schema="(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor",
+    fake=_fake,
+    check=_check,
+    eager=linear_activation_reference,
+    reference=linear_activation_reference,
+))
 
 
 def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, *,
                       backend: str | None = "auto") -> torch.Tensor:
     """act(x @ weight.T + bias) -> [..., N]."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"linear_activation: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"linear_activation: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
+    _check(x, weight, bias, activation)
     return backends.dispatch("linear_activation", backend, x, weight, bias, activation)

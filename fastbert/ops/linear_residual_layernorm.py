@@ -11,13 +11,34 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.linear_activation import layer_norm_fp32
+from fastbert.ops.spec import OpSpec, declare
 
 
 def linear_residual_layernorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps):
     return layer_norm_fp32(F.linear(x, weight, bias) + residual, ln_weight, ln_bias, eps)
 
 
-backends.register("linear_residual_layernorm", "eager", linear_residual_layernorm_reference, has_backward=True)
+def _check(x, weight, bias, residual, ln_weight, ln_bias, eps) -> None:
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear_residual_layernorm: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
+    expected = (*x.shape[:-1], weight.shape[0])
+    if tuple(residual.shape) != expected:
+        raise ValueError(f"linear_residual_layernorm: residual must be {expected}, got {tuple(residual.shape)}")
+
+
+def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+SPEC = declare(OpSpec(
+    name="linear_residual_layernorm",
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor ln_bias, float eps) "
+           "-> Tensor",
+    fake=_fake,
+    check=_check,
+    eager=linear_residual_layernorm_reference,
+    reference=linear_residual_layernorm_reference,
+))
 
 
 def linear_residual_layernorm(
@@ -32,9 +53,5 @@ def linear_residual_layernorm(
     backend: str | None = "auto",
 ) -> torch.Tensor:
     """LayerNorm(x @ weight.T + bias + residual) -> [..., N]."""
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"linear_residual_layernorm: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
-    expected = (*x.shape[:-1], weight.shape[0])
-    if tuple(residual.shape) != expected:
-        raise ValueError(f"linear_residual_layernorm: residual must be {expected}, got {tuple(residual.shape)}")
+    _check(x, weight, bias, residual, ln_weight, ln_bias, eps)
     return backends.dispatch("linear_residual_layernorm", backend, x, weight, bias, residual, ln_weight, ln_bias, eps)

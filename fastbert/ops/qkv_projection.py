@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.spec import OpSpec, declare
 
 
 def qkv_projection_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
@@ -20,16 +21,33 @@ def qkv_projection_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return q, k, v
 
 
-backends.register("qkv_projection", "eager", qkv_projection_reference, has_backward=True)
-
-
-def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, *,
-                   backend: str | None = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x @ weight.T + bias split into q, k, v of shape [..., num_heads, head_dim]; weight is [3H, H]."""
+def _check(x, weight, bias, num_heads) -> None:
     hidden = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] % (3 * num_heads):
         raise ValueError(f"qkv_projection: weight must be [3*heads*head_dim, {hidden}] with heads={num_heads}, "
                          f"got {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"qkv_projection: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def _fake(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# The torch op (for backends whose kernel is one) is the projection into the packed [..., 3H] buffer; the
+# functional entry splits it into q, k, v views, which no schema can return without copies.
+SPEC = declare(OpSpec(
+    name="qkv_projection",
+    schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    fake=_fake,
+    check=_check,
+    eager=qkv_projection_reference,
+    reference=qkv_projection_reference,
+))
+
+
+def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, *,
+                   backend: str | None = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x @ weight.T + bias split into q, k, v of shape [..., num_heads, head_dim]; weight is [3H, H]."""
+    _check(x, weight, bias, num_heads)
     return backends.dispatch("qkv_projection", backend, x, weight, bias, num_heads)

@@ -84,6 +84,7 @@ def test_padded_and_packed_execution_agree(family):
         fast_model.padding_free = True
         packed = optimized(**inputs).last_hidden_state
         fast_model.padding_free = False
+        fast_model.zero_padded_rows = True  # optimize keeps padded rows as transformers computes them
         padded = optimized(**inputs).last_hidden_state
     mask = inputs["attention_mask"]
     error = rel_err(real_positions(packed, mask), real_positions(padded, mask))

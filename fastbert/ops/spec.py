@@ -1,0 +1,65 @@
+"""The op registry: one `OpSpec` per fused op, declared once in its own file under `fastbert/ops/`.
+
+A spec holds everything about an op that does not depend on a backend: the schema and fake (shapes and dtypes of
+the result) of its registered torch op, the argument checks, the eager (pure PyTorch, differentiable)
+implementation, the fp32 reference the tests hold every backend to, and its cost formula. Backends attach an
+implementation and a ``supports`` check by name (`fastbert.backends.register`); a backend whose kernel is a torch
+op gets it from `OpSpec.define`, so the schema and the fake exist once whatever the number of backends.
+
+``SPECS`` is the list of ops: everything that enumerates ops (tests, benchmarks, CLI reports) reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastbert import backends
+
+NAMESPACE = "fastbert"
+SPECS: dict[str, OpSpec] = {}
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+_DEFINED: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One fused op. ``schema`` is the argument list and result of its torch op (``"(Tensor x, ...) -> Tensor"``;
+    None for an op no backend registers as a torch op); ``fake`` computes that op's result shape on meta/fake
+    tensors; ``check`` raises ValueError/TypeError for bad arguments of the functional entry; ``eager`` is the
+    PyTorch implementation (it has autograd) and ``reference`` the fp32 computation tests compare every backend
+    with; ``cost`` gives its FLOPs and bytes moved for given sizes (see the op's file for the arguments)."""
+
+    name: str
+    check: Callable[..., None]
+    eager: Callable
+    reference: Callable
+    cost: Callable | None = None
+    schema: str | None = None
+    fake: Callable | None = None
+
+    def define(self, prefix: str = "", impl: Callable | None = None):
+        """Register the torch op ``fastbert::<prefix><name>`` from this spec's schema and fake, with ``impl`` for
+        every device (a compiled extension registers its own kernels instead: ``impl=None``). Returns the op."""
+        if self.schema is None or self.fake is None:
+            raise ValueError(f"op {self.name} declares no torch op schema")
+        name = prefix + self.name
+        if name in _DEFINED:  # a backend module imported a second time under another name (`kernels` as a
+            return _DEFINED[name]  # top-level package when the repository root is on sys.path): keep the first
+        _LIBRARY.define(name + self.schema)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", self.fake, lib=_LIBRARY)
+        if impl is not None:
+            _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+        _DEFINED[name] = getattr(getattr(torch.ops, NAMESPACE), name)
+        return _DEFINED[name]
+
+
+def declare(spec: OpSpec) -> OpSpec:
+    """Add an op to the registry; its eager implementation is the ``eager`` backend's."""
+    if spec.name in SPECS:
+        raise ValueError(f"op {spec.name} is declared twice")
+    SPECS[spec.name] = spec
+    backends.register(spec.name, "eager", spec.eager, has_backward=True)
+    return spec
