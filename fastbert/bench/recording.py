@@ -9,8 +9,9 @@ from collections import Counter
 from collections.abc import Iterator
 
 from fastbert import backends
+from fastbert.ops import SPECS
 
-OPS = ("embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm")
+OPS = tuple(SPECS)  # the registry's list of fused ops
 
 
 @contextlib.contextmanager

@@ -13,13 +13,14 @@ unspecified). Inputs may be strided views (what `qkv_projection` returns).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.padding import varlen_positions
-from fastbert.ops.spec import OpSpec, declare
+from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
 def _padded_sdpa(q, k, v, key_padding_mask, scale):
@@ -94,8 +95,19 @@ def _fake(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale):
     return q.new_empty(q.shape)
 
 
+def attention_cost(seqlens: Sequence[int], heads: int, head_dim: int, dtype_bytes: int) -> OpCost:
+    """softmax(q k^T) v per sequence and head: 2*S^2*D for the scores plus 2*S^2*D for the context. Bytes: q, k, v
+    read once and the output written (what a fused kernel moves; the unfused one also writes the S x S scores)."""
+    squares = sum(s * s for s in seqlens)
+    tokens = sum(seqlens)
+    flops = 4 * squares * heads * head_dim
+    moved = 4 * tokens * heads * head_dim * dtype_bytes
+    return OpCost(float(flops), float(moved))
+
+
 SPEC = declare(OpSpec(
     name="attention",
+    cost=attention_cost,
     schema="(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, int? max_seqlen, Tensor? key_padding_mask, "
            "float? scale) -> Tensor",
     fake=_fake,

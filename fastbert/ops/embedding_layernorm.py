@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.linear_activation import layer_norm_fp32
-from fastbert.ops.spec import OpSpec, declare
+from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
 def embedding_layernorm_reference(
@@ -57,8 +57,19 @@ def _fake(input_ids, position_ids, token_type_ids, word_embeddings, position_emb
     return word_embeddings.new_empty((*input_ids.shape, word_embeddings.shape[1]))
 
 
+def embedding_layernorm_cost(tokens: int, width: int, dtype_bytes: int, token_types: bool = True,
+                             id_bytes: int = 8) -> OpCost:
+    """Gather word + position (+ token type) rows, sum, LayerNorm. Bytes: the gathered rows, the id tensors, the
+    LayerNorm weight and bias, the output. FLOPs: the sums plus ~8 per element for the normalisation."""
+    tables = 3 if token_types else 2
+    read = tokens * (tables * width * dtype_bytes + tables * id_bytes) + 2 * width * dtype_bytes
+    write = tokens * width * dtype_bytes
+    return OpCost(flops=float(tokens * width * (tables - 1 + 8)), bytes=float(read + write))
+
+
 SPEC = declare(OpSpec(
     name="embedding_layernorm",
+    cost=embedding_layernorm_cost,
     schema="(Tensor input_ids, Tensor position_ids, Tensor? token_type_ids, Tensor word_embeddings, "
            "Tensor position_embeddings, Tensor? token_type_embeddings, Tensor weight, Tensor bias, float eps) "
            "-> Tensor",

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
-from fastbert.ops.spec import OpSpec, declare
+from fastbert.ops.spec import OpCost, OpSpec, declare
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
@@ -48,8 +48,16 @@ def _fake(x, weight, bias, activation):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def linear_activation_cost(tokens: int, in_features: int, out_features: int, dtype_bytes: int) -> OpCost:
+    """act(x [T, K] @ W^T [K, N] + b). Bytes: x, W, b, the output."""
+    flops = 2 * tokens * in_features * out_features
+    moved = (tokens * in_features + in_features * out_features + out_features + tokens * out_features) * dtype_bytes
+    return OpCost(float(flops), float(moved))
+
+
 SPEC = declare(OpSpec(
     name="linear_activation",
+    cost=linear_activation_cost,
     schema="(Tensor x, Tensor weight, Tensor? bias, str activation) -> Tensor",
     fake=_fake,
     check=_check,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.linear_activation import layer_norm_fp32
-from fastbert.ops.spec import OpSpec, declare
+from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
 def linear_residual_layernorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps):
@@ -30,8 +30,17 @@ def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def linear_residual_layernorm_cost(tokens: int, in_features: int, out_features: int, dtype_bytes: int) -> OpCost:
+    """LayerNorm(x [T, K] @ W^T + b + residual [T, N]). Bytes: x, W, b, residual, LN weight and bias, output."""
+    flops = 2 * tokens * in_features * out_features + 10 * tokens * out_features
+    moved = (tokens * in_features + in_features * out_features + 3 * out_features
+             + 2 * tokens * out_features) * dtype_bytes
+    return OpCost(float(flops), float(moved))
+
+
 SPEC = declare(OpSpec(
     name="linear_residual_layernorm",
+    cost=linear_residual_layernorm_cost,
     schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor ln_bias, float eps) "
            "-> Tensor",
     fake=_fake,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
-from fastbert.ops.spec import OpSpec, declare
+from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
 def qkv_projection_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int):
@@ -36,8 +36,16 @@ def _fake(x, weight, bias):
 
 # The torch op (for backends whose kernel is one) is the projection into the packed [..., 3H] buffer; the
 # functional entry splits it into q, k, v views, which no schema can return without copies.
+def qkv_projection_cost(tokens: int, hidden: int, dtype_bytes: int) -> OpCost:
+    """x [T, H] @ W^T [H, 3H] + bias. Bytes: x, W, bias, q/k/v outputs."""
+    flops = 2 * tokens * hidden * 3 * hidden
+    moved = (tokens * hidden + 3 * hidden * hidden + 3 * hidden + 3 * tokens * hidden) * dtype_bytes
+    return OpCost(float(flops), float(moved))
+
+
 SPEC = declare(OpSpec(
     name="qkv_projection",
+    cost=qkv_projection_cost,
     schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     fake=_fake,
     check=_check,

@@ -25,12 +25,21 @@ _DEFINED: dict[str, object] = {}
 
 
 @dataclass(frozen=True)
+class OpCost:
+    """Work of one op call: floating point operations (a multiply-add counts 2) and bytes read plus written."""
+
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
 class OpSpec:
     """One fused op. ``schema`` is the argument list and result of its torch op (``"(Tensor x, ...) -> Tensor"``;
     None for an op no backend registers as a torch op); ``fake`` computes that op's result shape on meta/fake
     tensors; ``check`` raises ValueError/TypeError for bad arguments of the functional entry; ``eager`` is the
     PyTorch implementation (it has autograd) and ``reference`` the fp32 computation tests compare every backend
-    with; ``cost`` gives its FLOPs and bytes moved for given sizes (see the op's file for the arguments)."""
+    with; ``cost`` gives its `OpCost` (FLOPs, bytes moved) for given sizes, the formula the benchmarks use (its
+    arguments are in the op's file)."""
 
     name: str
     check: Callable[..., None]

@@ -12,7 +12,7 @@ import torch
 from fastbert import backends, ops
 from tests.kernels.numerics import DEVICE, rand
 
-OPS = ("embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm")
+OPS = tuple(ops.SPECS)
 
 
 def test_all_ops_registered():
