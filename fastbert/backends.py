@@ -222,8 +222,13 @@ class PerCallDispatch:
         return functools.partial(dispatch, op, self.backend)
 
 
-def explain(op: str, *args, backend: str | None = "auto", **kwargs) -> str:
-    """A one-line human answer: which backend runs ``op`` on these inputs and why the others were not used."""
+def explain(op, *args, backend: str | None = "auto", **kwargs) -> str:
+    """A one-line human answer: which backend runs ``op`` on these inputs and why the others were not used.
+
+    ``explain(model)`` (a fastbert model, or a model `fastbert.optimize` changed) needs no op arguments: which
+    backend each op of that model ran on, per (device, dtype, grad mode) it has run with."""
+    if isinstance(op, torch.nn.Module):
+        return _explain_model(op)
     chosen, skipped = choose(op, backend, *args, **kwargs)
     others = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
     return f"{op}: {chosen}" + (f" (not used: {others})" if others else "")
@@ -262,3 +267,29 @@ def describe_available() -> str:
         else:
             parts.append(f"{name} loaded")
     return "; ".join(parts)
+
+
+def _explain_model(model: torch.nn.Module) -> str:
+    encoders = []
+    for module in model.modules():
+        if "_op_tables" in module.__dict__ or type(module).__name__ == "FastBertModel":
+            encoders.append((type(module).__name__, module))
+        state = module.__dict__.get("_fastbert")  # fastbert.optimize's state on a transformers base model
+        build = getattr(state, "build", None)
+        if build is not None and build.fast is not None:
+            encoders.append((f"{type(module).__name__} (fastbert.optimize)", build.fast))
+    if not encoders:
+        return f"{type(model).__name__}: no fastbert encoder inside"
+    lines = []
+    for name, encoder in encoders:
+        tables = encoder.__dict__.get("_op_tables", {})
+        current = [(key, table) for key, table in tables.items() if key[-1] == _GENERATION and table.chosen]
+        if not current:
+            lines.append(f"{name} (backend {encoder.backend!r}): has not run since the backends last changed; each "
+                         f"op is resolved on its first call (loaded: {describe_available()})")
+        for (device, dtype, grad, requested, _), table in current:
+            ops = ", ".join(f"{op} {chosen}" for op, chosen in table.chosen.items())
+            mode = "grad" if grad else "no grad"
+            lines.append(f"{name} (backend {requested!r}) on {device} {str(dtype).removeprefix('torch.')} {mode}: "
+                         f"{ops}")
+    return "\n".join(lines)

@@ -160,3 +160,18 @@ def test_a_backend_that_fails_to_load_warns_once_when_an_op_wants_it(monkeypatch
     assert [str(w.message) for w in caught] == [
         "fastbert: the triton backend failed to load: ModuleNotFoundError: No module named "
         "'fastbert._no_such_backend_module'; its ops run on another backend"]
+
+
+def test_explain_a_model_says_which_backend_each_op_ran_on():
+    import fastbert
+    from tests.hf_tiny import padded_batch, tiny_model
+
+    model = fastbert.optimize(tiny_model("bert", "ForSequenceClassification"), backend="eager")
+    assert "has not run" in backends.explain(model)
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask)
+    text = backends.explain(model)
+    assert "on cpu float32 no grad" in text
+    assert all(f"{op} eager" in text for op in ops.SPECS)
+    assert backends.explain(torch.nn.Linear(2, 2)) == "Linear: no fastbert encoder inside"
