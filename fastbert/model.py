@@ -81,18 +81,19 @@ class EncoderLayer(nn.Module):
         """x: [T, H] packed tokens (padding_free) or [B*S, H] with key_padding_mask [B, S]. ``table`` holds the
         ops (argument order of `fastbert.backends.dispatch`)."""
         tokens, hidden = x.shape
-        q, k, v = table.qkv_projection(x, self.qkv_weight, self.qkv_bias, self.num_heads)
+        p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
+        q, k, v = table.qkv_projection(x, p["qkv_weight"], p["qkv_bias"], self.num_heads)
         if key_padding_mask is None:
             context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale)
         else:
             shape = (varlen.batch, varlen.seqlen, self.num_heads, hidden // self.num_heads)
             context = table.attention(q.view(shape), k.view(shape), v.view(shape), None, None, key_padding_mask,
                                       self.scale)
-        x = table.linear_residual_layernorm(context.view(tokens, hidden), self.attn_out_weight, self.attn_out_bias,
-                                            x, self.attn_norm_weight, self.attn_norm_bias, self.eps)
-        inner = table.linear_activation(x, self.ffn_in_weight, self.ffn_in_bias, self.activation)
-        return table.linear_residual_layernorm(inner, self.ffn_out_weight, self.ffn_out_bias, x,
-                                               self.ffn_norm_weight, self.ffn_norm_bias, self.eps)
+        x = table.linear_residual_layernorm(context.view(tokens, hidden), p["attn_out_weight"], p["attn_out_bias"],
+                                            x, p["attn_norm_weight"], p["attn_norm_bias"], self.eps)
+        inner = table.linear_activation(x, p["ffn_in_weight"], p["ffn_in_bias"], self.activation)
+        return table.linear_residual_layernorm(inner, p["ffn_out_weight"], p["ffn_out_bias"], x,
+                                               p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps)
 
 
 def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int,
@@ -245,8 +246,9 @@ class FastBertModel(nn.Module):
         if self.embed_proj is not None:
             x = self.embed_proj(x)
         states = [x]
+        layers = self.layers._modules  # by string key: ModuleList indexing costs microseconds per layer
         for index in self.schedule:
-            x = self.layers[index](x, varlen, key_padding_mask, table)
+            x = layers[str(index)](x, varlen, key_padding_mask, table)
             if all_states:
                 states.append(x)
         return states if all_states else [x]
