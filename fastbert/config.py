@@ -2,7 +2,7 @@
 
 Every family is normalised onto one set of fields (BERT's names); the per-family differences that change the
 computation (embedding size, position ids, layer sharing, pooler) are explicit fields, not `model_type` checks
-spread over the code.
+spread over the code. What maps each family's ``config.json`` onto these fields is its module in `fastbert.families`.
 """
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# model_type -> family. MiniLM and bge checkpoints declare model_type "bert".
-FAMILIES: dict[str, str] = {
-    "bert": "bert",
-    "roberta": "roberta",
-    "xlm-roberta": "roberta",
-    "camembert": "roberta",
-    "distilbert": "distilbert",
-    "albert": "albert",
-    "electra": "electra",
-}
+from fastbert import families
+
+# model_type -> family name (MiniLM and bge checkpoints declare model_type "bert"), from the registry of
+# `fastbert.families`, where each family's particulars live.
+FAMILIES: dict[str, str] = families.model_types()
 
 # HF activation name -> fastbert activation name (the names every backend of `linear_activation` accepts).
 ACTIVATIONS: dict[str, str] = {
@@ -65,10 +60,7 @@ class FastBertConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.model_type not in FAMILIES:
-            raise ValueError(
-                f"model_type {self.model_type!r} is not supported by fastbert; supported: {sorted(FAMILIES)}"
-            )
+        families.get(self.model_type)  # raises for a model type no family runs
         if self.embedding_size is None:
             self.embedding_size = self.hidden_size
         if self.hidden_act not in ACTIVATIONS:
@@ -82,7 +74,7 @@ class FastBertConfig:
 
     @property
     def family(self) -> str:
-        return FAMILIES[self.model_type]
+        return families.get(self.model_type).name
 
     @property
     def activation(self) -> str:
@@ -96,7 +88,7 @@ class FastBertConfig:
     @property
     def position_offset(self) -> int | None:
         """RoBERTa-style position ids start after the padding index; None for absolute arange positions."""
-        return self.pad_token_id + 1 if self.family == "roberta" else None
+        return self.pad_token_id + 1 if families.get(self.model_type).offset_positions else None
 
     @property
     def num_unique_layers(self) -> int:
@@ -118,8 +110,7 @@ class FastBertConfig:
         model_type = raw.get("model_type")
         if model_type is None:
             raise ValueError("config.json has no 'model_type'; cannot tell which BERT-family model this is")
-        if model_type not in FAMILIES:
-            raise ValueError(f"model_type {model_type!r} is not supported by fastbert; supported: {sorted(FAMILIES)}")
+        family = families.get(model_type)  # raises for a model type no family runs
         if raw.get("is_decoder") or raw.get("add_cross_attention"):
             raise ValueError("fastbert runs encoders only: is_decoder / add_cross_attention are not supported")
         position_type = raw.get("position_embedding_type", "absolute")
@@ -135,39 +126,7 @@ class FastBertConfig:
             problem_type=raw.get("problem_type"),
             extra=raw,
         )
-        family = FAMILIES[model_type]
-        if family == "distilbert":
-            return cls(
-                hidden_size=raw.get("dim", 768),
-                num_hidden_layers=raw.get("n_layers", 6),
-                num_attention_heads=raw.get("n_heads", 12),
-                intermediate_size=raw.get("hidden_dim", 3072),
-                hidden_act=raw.get("activation", "gelu"),
-                type_vocab_size=0,
-                layer_norm_eps=1e-12,  # DistilBERT hard-codes it
-                has_pooler=False,
-                **common,
-            )
-        fields = dict(
-            hidden_size=raw.get("hidden_size", 768),
-            num_hidden_layers=raw.get("num_hidden_layers", 12),
-            num_attention_heads=raw.get("num_attention_heads", 12),
-            intermediate_size=raw.get("intermediate_size", 3072),
-            hidden_act=raw.get("hidden_act", "gelu"),
-            type_vocab_size=raw.get("type_vocab_size", 2),
-            layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
-        )
-        if family == "albert":
-            fields.update(
-                embedding_size=raw.get("embedding_size", 128),
-                num_hidden_groups=raw.get("num_hidden_groups", 1),
-                inner_group_num=raw.get("inner_group_num", 1),
-                shared_layers=True,
-                hidden_act=raw.get("hidden_act", "gelu_new"),
-            )
-        elif family == "electra":
-            fields.update(embedding_size=raw.get("embedding_size", fields["hidden_size"]), has_pooler=False)
-        return cls(**fields, **common)
+        return cls(**family.config_fields(raw), **common)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> FastBertConfig:

@@ -2,7 +2,8 @@
 
 `encoder_key_map` names, for each fastbert encoder parameter, the HF keys it is made of (Q, K and V are three
 keys concatenated into one packed weight). The same map serves `from_pretrained` (tensors from a checkpoint file)
-and `fastbert.optimize` (parameters shared with a live transformers module).
+and `fastbert.optimize` (parameters shared with a live transformers module); the names are each family's, from
+`fastbert.families`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from pathlib import Path
 
 import torch
 
+from fastbert import families
 from fastbert.config import FastBertConfig
 
-# Base-model attribute name of each family in HF's task classes ("bert.embeddings...").
-BASE_PREFIX = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta",
-               "distilbert": "distilbert", "albert": "albert", "electra": "electra"}
+# Base-model attribute name of each model type in HF's task classes ("bert.embeddings...").
+BASE_PREFIX = {model_type: families.get(model_type).base_prefix for model_type in families.model_types()}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Non-persistent buffers that older checkpoints saved; they carry no weights.
 _IGNORED_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
@@ -33,7 +34,7 @@ def _linear(ours: str, theirs: str) -> list[tuple[str, list[str]]]:
 def encoder_key_map(config: FastBertConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
     """[(fastbert key, [HF keys concatenated along dim 0])] for the encoder, HF keys under ``prefix``."""
     p = prefix
-    family = config.family
+    family = families.get(config.model_type)
     emb = f"{p}embeddings."
     pairs = [
         ("embeddings.word_embeddings", [f"{emb}word_embeddings.weight"]),
@@ -44,33 +45,18 @@ def encoder_key_map(config: FastBertConfig, prefix: str = "") -> list[tuple[str,
     if config.type_vocab_size:
         pairs.append(("embeddings.token_type_embeddings", [f"{emb}token_type_embeddings.weight"]))
     if config.embedding_size != config.hidden_size:
-        proj = f"{p}encoder.embedding_hidden_mapping_in" if family == "albert" else f"{p}embeddings_project"
+        proj = f"{p}{family.embed_proj}"
         pairs += [("embed_proj.weight", [f"{proj}.weight"]), ("embed_proj.bias", [f"{proj}.bias"])]
     for index in range(config.num_unique_layers):
         ours = f"layers.{index}."
-        if family == "distilbert":
-            layer = f"{p}transformer.layer.{index}."
-            names = dict(q=f"{layer}attention.q_lin", k=f"{layer}attention.k_lin", v=f"{layer}attention.v_lin",
-                         attn_out=f"{layer}attention.out_lin", attn_norm=f"{layer}sa_layer_norm",
-                         ffn_in=f"{layer}ffn.lin1", ffn_out=f"{layer}ffn.lin2", ffn_norm=f"{layer}output_layer_norm")
-        elif family == "albert":
-            group, inner = divmod(index, config.inner_group_num)
-            layer = f"{p}encoder.albert_layer_groups.{group}.albert_layers.{inner}."
-            names = dict(q=f"{layer}attention.query", k=f"{layer}attention.key", v=f"{layer}attention.value",
-                         attn_out=f"{layer}attention.dense", attn_norm=f"{layer}attention.LayerNorm",
-                         ffn_in=f"{layer}ffn", ffn_out=f"{layer}ffn_output", ffn_norm=f"{layer}full_layer_layer_norm")
-        else:
-            layer = f"{p}encoder.layer.{index}."
-            names = dict(q=f"{layer}attention.self.query", k=f"{layer}attention.self.key",
-                         v=f"{layer}attention.self.value", attn_out=f"{layer}attention.output.dense",
-                         attn_norm=f"{layer}attention.output.LayerNorm", ffn_in=f"{layer}intermediate.dense",
-                         ffn_out=f"{layer}output.dense", ffn_norm=f"{layer}output.LayerNorm")
+        layer = f"{p}{family.layer(config, index)}."
+        names = {role: layer + name for role, name in family.layer_params.items()}
         for part in ("weight", "bias"):
             pairs.append((f"{ours}qkv_{part}", [f"{names[n]}.{part}" for n in "qkv"]))
         for name in ("attn_out", "attn_norm", "ffn_in", "ffn_out", "ffn_norm"):
             pairs += [(f"{ours}{key}", theirs) for key, theirs in _linear(name, names[name])]
     if config.has_pooler:
-        pooler = f"{p}pooler" if family == "albert" else f"{p}pooler.dense"
+        pooler = f"{p}{family.pooler}"
         pairs += [("pooler.weight", [f"{pooler}.weight"]), ("pooler.bias", [f"{pooler}.bias"])]
     return pairs
 
@@ -103,7 +89,7 @@ def read_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def detect_prefix(config: FastBertConfig, keys) -> str:
     """'bert.' for a checkpoint saved from a task class, '' for one saved from the bare base model."""
-    prefix = BASE_PREFIX[config.model_type] + "."
+    prefix = families.get(config.model_type).base_prefix + "."
     return prefix if any(k.startswith(prefix + "embeddings.") for k in keys) else ""
 
 
