@@ -9,11 +9,12 @@ Each task model is `encoder` (a `FastBertModel`) plus one or two heads built fro
   It covers BERT's classifiers, RoBERTa/ELECTRA's classification head, DistilBERT's pre_classifier, ELECTRA's
   discriminator and sequence summary, the span (QA) head.
 
-Which head, on which input, with which HF parameter names, per (family, task) is one table (`_family_heads`);
-`build_task_model` and `head_key_map` (used by `fastbert.from_pretrained`) both read it. The computation is the
-corresponding transformers class in eval mode; there is no dropout. Heads that read every token (masked LM, token
-classification, QA, discriminator) see zeros at padded positions where transformers sees padding garbage, so
-their outputs at padded positions differ from transformers' (real positions and losses over them match).
+Which head, on which input, with which HF parameter names, per task is one table per family (`Family.heads`, in
+the family's module of `fastbert.families`); `build_task_model` and `head_key_map` (used by
+`fastbert.from_pretrained`) both read it. The computation is the corresponding transformers class in eval mode;
+there is no dropout. Heads that read every token (masked LM, token classification, QA, discriminator) see zeros
+at padded positions where transformers sees padding garbage, so their outputs at padded positions differ from
+transformers' (real positions and losses over them match).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import ops
-from fastbert.config import ACTIVATIONS as HF_ACTIVATIONS
+from fastbert import families, ops
 from fastbert.config import FastBertConfig
 from fastbert.model import EncoderOutput, FastBertModel
 
@@ -305,92 +305,10 @@ def _tied(config: FastBertConfig) -> bool:
     return bool(config.extra.get("tie_word_embeddings", True))
 
 
-def _electra_summary(config: FastBertConfig) -> DenseSpec:
-    """ELECTRA's multiple-choice head: sequence_summary (first token [-> dense H -> H] [-> activation]) then
-    classifier H -> 1. Settings outside that are refused by `_check_electra_summary`."""
-    extra = config.extra
-    activation = extra.get("summary_activation", "gelu") or None
-    if activation is not None:
-        activation = HF_ACTIVATIONS.get(activation, activation)
-    dense = "sequence_summary.summary" if extra.get("summary_use_proj", True) else None
-    return DenseSpec(1, "first", "classifier", hf_dense=dense, activation=activation)
-
-
-def _check_electra_summary(config: FastBertConfig) -> None:
-    extra = config.extra
-    summary_type = extra.get("summary_type", "first")
-    if summary_type != "first":
-        raise ValueError(f"ELECTRA multiple choice: summary_type {summary_type!r} is not supported (only 'first'; "
-                         "the others read padded positions)")
-    if extra.get("summary_use_proj", True) and extra.get("summary_proj_to_labels"):
-        raise ValueError("ELECTRA multiple choice: summary_proj_to_labels=True is not supported")
-    activation = _electra_summary(config).activation
-    if activation not in HEAD_ACTIVATIONS + (None,):
-        raise ValueError(f"ELECTRA multiple choice: summary_activation {activation!r} is not supported; supported: "
-                         f"{sorted(HF_ACTIVATIONS)}, 'tanh'")
-
-
 def _family_heads(config: FastBertConfig) -> dict[str, dict[str, MLMSpec | DenseSpec]]:
-    """task -> {attribute name: head spec} for the config's family; the keys are `supported_tasks(config)`."""
-    family, labels, eps = config.family, config.num_labels, config.layer_norm_eps
-    hidden, embedding = config.hidden_size, config.embedding_size
-    if family == "bert":
-        mlm = MLMSpec(hidden, config.activation, eps, "cls.predictions.transform.dense",
-                      "cls.predictions.transform.LayerNorm", "cls.predictions.decoder", "cls.predictions.bias")
-        nsp = DenseSpec(2, "pooler", "cls.seq_relationship")
-        return {
-            "masked-lm": {"mlm": mlm},
-            "next-sentence": {"nsp": nsp},
-            "pretraining": {"mlm": mlm, "nsp": nsp},
-            "sequence-classification": {"classifier": DenseSpec(labels, "pooler", "classifier")},
-            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
-            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
-            "multiple-choice": {"classifier": DenseSpec(1, "pooler", "classifier")},
-        }
-    if family == "roberta":
-        return {  # RobertaLMHead and RobertaClassificationHead hard-code exact GELU and tanh
-            "masked-lm": {"mlm": MLMSpec(hidden, "gelu", eps, "lm_head.dense", "lm_head.layer_norm",
-                                         "lm_head.decoder", "lm_head.bias")},
-            "sequence-classification": {"classifier": DenseSpec(labels, "first", "classifier.out_proj",
-                                                                "classifier.dense", "tanh")},
-            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
-            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
-            "multiple-choice": {"classifier": DenseSpec(1, "pooler", "classifier")},
-        }
-    if family == "distilbert":
-        return {
-            "masked-lm": {"mlm": MLMSpec(hidden, config.activation, 1e-12, "vocab_transform", "vocab_layer_norm",
-                                         "vocab_projector", None)},
-            "sequence-classification": {"classifier": DenseSpec(labels, "first", "classifier", "pre_classifier",
-                                                                "relu")},
-            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
-            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
-            "multiple-choice": {"classifier": DenseSpec(1, "first", "classifier", "pre_classifier", "relu")},
-        }
-    if family == "albert":
-        mlm = MLMSpec(embedding, config.activation, eps, "predictions.dense", "predictions.LayerNorm",
-                      "predictions.decoder", "predictions.bias")
-        return {
-            "masked-lm": {"mlm": mlm},
-            "pretraining": {"mlm": mlm, "sop": DenseSpec(labels, "pooler", "sop_classifier.classifier")},
-            "sequence-classification": {"classifier": DenseSpec(labels, "pooler", "classifier")},
-            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
-            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
-            "multiple-choice": {"classifier": DenseSpec(1, "pooler", "classifier")},
-        }
-    if family == "electra":
-        return {
-            "pretraining": {"discriminator": DenseSpec(1, "tokens", "discriminator_predictions.dense_prediction",
-                                                       "discriminator_predictions.dense", config.activation)},
-            "masked-lm": {"mlm": MLMSpec(embedding, "gelu", eps, "generator_predictions.dense",
-                                         "generator_predictions.LayerNorm", "generator_lm_head", None)},
-            "sequence-classification": {"classifier": DenseSpec(labels, "first", "classifier.out_proj",
-                                                                "classifier.dense", "gelu")},
-            "token-classification": {"classifier": DenseSpec(labels, "tokens", "classifier")},
-            "question-answering": {"qa_outputs": DenseSpec(labels, "tokens", "qa_outputs")},
-            "multiple-choice": {"classifier": _electra_summary(config)},
-        }
-    raise ValueError(f"no task heads for family {family!r}")
+    """task -> {attribute name: head spec} for the config's family (its module in `fastbert.families`); the keys
+    are `supported_tasks(config)`."""
+    return families.get(config.model_type).heads(config)
 
 
 def supported_tasks(config: FastBertConfig) -> tuple[str, ...]:
@@ -406,8 +324,7 @@ def _task_heads(config: FastBertConfig, task: str) -> dict[str, MLMSpec | DenseS
         raise ValueError(f"{config.model_type} has no {task!r} head; its tasks are: {', '.join(tasks)}")
     if task == "question-answering" and config.num_labels != 2:
         raise ValueError(f"question answering needs num_labels == 2 (start, end logits), got {config.num_labels}")
-    if config.family == "electra" and task == "multiple-choice":
-        _check_electra_summary(config)
+    families.get(config.model_type).check_task(config, task)
     return _family_heads(config)[task]
 
 
@@ -589,8 +506,8 @@ class ForMultipleChoice(TaskModel):
         return MultipleChoiceOutput(loss, logits, encoded.hidden_states)
 
 
-def _model_class(config: FastBertConfig, task: str) -> type[TaskModel]:
-    if task == "pretraining" and config.family == "electra":
+def _model_class(task: str, heads: dict[str, MLMSpec | DenseSpec]) -> type[TaskModel]:
+    if task == "pretraining" and "discriminator" in heads:  # ELECTRA's: no MLM, no sentence-pair head
         return ForReplacedTokenDetection
     return {
         "masked-lm": ForMaskedLM,
@@ -609,7 +526,7 @@ def build_task_model(config: FastBertConfig, task: str, backend: str = "auto") -
     built with a pooler only where the task's head reads it. Raises ValueError for a task unknown or not offered
     by the family (the message lists the family's tasks)."""
     heads = _task_heads(config, task)
-    return _model_class(config, task)(config, heads, backend=backend)
+    return _model_class(task, heads)(config, heads, backend=backend)
 
 
 def head_key_map(config: FastBertConfig, task: str) -> list[tuple[str, list[str]]]:
