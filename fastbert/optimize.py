@@ -180,16 +180,18 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
     # What transformers' modules hold wins over the config, which they read once when they were built: the
     # number of layers in the module list, a pooler present or not, RoBERTa's padding index.
     config.has_pooler = _link(links, base._modules, "pooler") is not None  # e.g. RoBERTa's MLM class has none
-    if config.family == "albert":  # ALBERT's encoder reads these from the config on every call
-        watched += [(base.config, name, getattr(base.config, name))
-                    for name in ("num_hidden_layers", "num_hidden_groups", "inner_group_num")]
-    else:
-        stack = _module(base, "transformer.layer" if config.family == "distilbert" else "encoder.layer")
+    from fastbert import families
+
+    family = families.get(config.model_type)
+    # Config attributes the encoder reads on every call (ALBERT's depth and grouping)
+    watched += [(base.config, name, getattr(base.config, name)) for name in family.live_config]
+    if family.layer_list is not None:
+        stack = _module(base, family.layer_list)
         if isinstance(stack, nn.ModuleList):
             config.num_hidden_layers = len(stack)
             _link(links, stack._modules, str(len(stack)))  # a layer appended later
     embeddings = base._modules.get("embeddings")
-    if config.family == "roberta" and embeddings is not None and hasattr(embeddings, "padding_idx"):
+    if family.offset_positions and embeddings is not None and hasattr(embeddings, "padding_idx"):
         config.pad_token_id = embeddings.padding_idx
         watched.append((embeddings, "padding_idx", embeddings.padding_idx))
     pairs = encoder_key_map(config)
@@ -285,10 +287,13 @@ def _read_modules(base: nn.Module, config: FastBertConfig, pairs, links: dict, w
     if len(eps) != 1:
         return f"LayerNorms with different eps {sorted(eps)}"
     config.layer_norm_eps = eps.pop()
+    from fastbert import families
+
+    family = families.get(config.model_type)
     activations = set()
     for index in range(config.num_unique_layers):
-        qkv = dict(pairs)[f"layers.{index}.qkv_weight"]
-        attn = _module(base, qkv[0].rsplit(".", 2)[0])
+        layer = family.layer(config, index)
+        attn = _module(base, f"{layer}.{family.attention}")
         heads = getattr(attn, "num_attention_heads", getattr(attn, "n_heads", None))
         if not isinstance(heads, int) or heads <= 0 or config.hidden_size % heads:
             return f"attention module {type(attn).__name__} with {heads!r} heads"
@@ -296,13 +301,9 @@ def _read_modules(base: nn.Module, config: FastBertConfig, pairs, links: dict, w
         watched += [(attn, name, getattr(attn, name)) for name in ("num_attention_heads", "n_heads", "scaling")
                     if hasattr(attn, name)]
         attention.append((heads, scale))
-        ffn_in = dict(pairs)[f"layers.{index}.ffn_in_weight"][0].rsplit(".", 1)[0]
-        parent_path, _, ffn_name = ffn_in.rpartition(".")
+        parent_path, _, act_name = f"{layer}.{family.ffn_activation}".rpartition(".")
         parent = _module(base, parent_path)
-        if ffn_name == "dense":  # BERT-style: layer.intermediate.{dense, intermediate_act_fn}
-            act = _link(links, parent._modules, "intermediate_act_fn")
-        else:  # DistilBERT's FFN.{lin1, activation}, ALBERT's layer.{ffn, activation}
-            act = _link(links, parent._modules, "activation")
+        act = _link(links, parent._modules, act_name)
         name = _ACTIVATION_MODULES.get(type(act).__name__)
         if name is None:
             return f"activation {type(act).__name__} of {parent_path} (fastbert runs {sorted(_HF_ACTIVATION)})"
