@@ -55,6 +55,9 @@ def version(name):
 
 root = os.environ["FASTBERT_ROOT"]
 extras = os.environ["EXTRAS"].split(",")
+# Only the installed metadata counts: a fastbert.egg-info left in the checkout by a wheel or sdist build would
+# otherwise be found first through the current directory on sys.path.
+sys.path[:] = [path for path in sys.path if os.path.realpath(path or ".") != os.path.realpath(root)]
 torch = version("torch")
 if torch is None or not Requirement(f"torch=={os.environ['TORCH_VERSION']}").specifier.contains(torch):
     stale(f"torch is {torch or 'not installed'}, want {os.environ['TORCH_VERSION']}")  # a +cpu build matches
