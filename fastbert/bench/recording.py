@@ -30,10 +30,10 @@ def record_backends() -> Iterator[dict[str, Counter]]:
 
 
 def backends_used(seen: dict[str, Counter]) -> dict[str, str]:
-    """{op: 'cpp'} or {op: 'cpp x5, eager x1'} from `record_backends`' counts, in op order."""
+    """{op: 'cpp'} or {op: 'cpp x5, eager x1'} from `record_backends`' counts, in the order the ops first ran
+    (a forward's order: embedding_layernorm first)."""
     out = {}
-    for op in sorted(seen, key=lambda name: OPS.index(name) if name in OPS else len(OPS)):
-        counts = seen[op]
+    for op, counts in seen.items():
         out[op] = next(iter(counts)) if len(counts) == 1 else ", ".join(f"{b} x{n}" for b, n in counts.most_common())
     return out
 

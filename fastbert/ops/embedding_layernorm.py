@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
-from fastbert.ops.linear_activation import layer_norm_fp32
+from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 

@@ -25,13 +25,6 @@ def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 
-def layer_norm_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm over the last dim with fp32 statistics whatever x's dtype; returns x's dtype."""
-    if x.dtype in (torch.float16, torch.bfloat16):
-        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
-    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-
-
 def linear_activation_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 activation: str) -> torch.Tensor:
     return apply_activation(F.linear(x, weight, bias), activation)
