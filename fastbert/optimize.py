@@ -34,6 +34,7 @@ from itertools import repeat
 import torch
 from torch import nn
 
+from fastbert import families
 from fastbert.config import FastBertConfig
 from fastbert.loading import encoder_key_map
 from fastbert.model import FastBertModel
@@ -180,7 +181,6 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
     # What transformers' modules hold wins over the config, which they read once when they were built: the
     # number of layers in the module list, a pooler present or not, RoBERTa's padding index.
     config.has_pooler = _link(links, base._modules, "pooler") is not None  # e.g. RoBERTa's MLM class has none
-    from fastbert import families
 
     family = families.get(config.model_type)
     # Config attributes the encoder reads on every call (ALBERT's depth and grouping)
@@ -287,7 +287,6 @@ def _read_modules(base: nn.Module, config: FastBertConfig, pairs, links: dict, w
     if len(eps) != 1:
         return f"LayerNorms with different eps {sorted(eps)}"
     config.layer_norm_eps = eps.pop()
-    from fastbert import families
 
     family = families.get(config.model_type)
     activations = set()
