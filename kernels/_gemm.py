@@ -106,36 +106,65 @@ def _config(block_m: int, block_n: int, block_k: int, stages: int, warps: int) -
 
 
 # Hopper/Ampere-sized tiles from large to small; small-M configs for batch-1 latency. Untested on a GPU here: the
-# autotuner times them all once per key, so a poor entry costs tuning time, never correctness.
+# autotuner times them all once per key, so a poor entry costs tuning time, never correctness. Sized by compiling
+# them for sm_90 with the launch's specialisation (tests/kernels/compile_sm90.py, table in
+# benchmarks/results/sm90-resources): none spills in fp16/bf16 with any epilogue. 128x128 tiles need 8 warps (at 4
+# the fp32 accumulator + epilogue exceed 255 registers); 128x256 and 256x128 tiles spill even at 8 or 16 warps.
 GPU_CONFIGS = [
-    _config(128, 256, 64, 3, 8),
-    _config(256, 128, 64, 3, 8),
-    _config(128, 128, 64, 4, 4),
-    _config(128, 128, 32, 4, 4),
+    _config(128, 128, 64, 4, 8),
+    _config(128, 128, 32, 4, 8),
     _config(128, 64, 64, 4, 4),
     _config(64, 128, 64, 4, 4),
     _config(64, 64, 64, 4, 4),
     _config(32, 64, 128, 4, 4),
     _config(16, 64, 128, 4, 4),
 ]
+# fp32 (IEEE, no tensor cores): the dot runs on FMA units with its operands in registers, so large tiles take
+# BLOCK_K = 32 (at 64 the 128-wide tiles spill kilobytes).
+FP32_CONFIGS = [
+    _config(128, 128, 32, 4, 8),
+    _config(128, 64, 32, 4, 4),
+    _config(64, 128, 32, 4, 4),
+    _config(64, 64, 64, 4, 4),
+    _config(32, 64, 128, 4, 4),
+    _config(16, 64, 128, 4, 4),
+]
 
+
+def gpu_configs(dtype: torch.dtype) -> list[triton.Config]:
+    """The configs the autotuner times for inputs of this dtype."""
+    return FP32_CONFIGS if dtype == torch.float32 else GPU_CONFIGS
+
+
+def _config_key(config: triton.Config) -> tuple:
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+
+
+def _prune_by_dtype(configs, named_args, **kwargs):
+    wanted = {_config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype)}
+    return [c for c in configs if _config_key(c) in wanted]
+
+
+_ALL_CONFIGS = list({_config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS}.values())
 _autotuned = None if INTERPRETER else triton.autotune(
-    configs=GPU_CONFIGS, key=["m_bucket", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION"])(_linear_kernel)
+    configs=_ALL_CONFIGS, key=["m_bucket", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION"],
+    prune_configs_by={"early_config_prune": _prune_by_dtype})(_linear_kernel)
 
 
-def table_config(m: int) -> triton.Config:
+def table_config(m: int, dtype: torch.dtype = torch.float16) -> triton.Config:
     """One config per M range, for GPUs when autotuning is switched off (FASTBERT_TRITON_AUTOTUNE=0: tests and
     correctness checks, where tuning every shape would cost minutes of compiles)."""
+    fp32 = dtype == torch.float32
     if m <= 32:
         return _config(32, 64, 128, 4, 4)
     if m <= 256:
-        return _config(64, 128, 64, 4, 4)
-    return _config(128, 128, 64, 4, 4)
+        return _config(64, 64, 64, 4, 4) if fp32 else _config(64, 128, 64, 4, 4)
+    return _config(128, 128, 32, 4, 8) if fp32 else _config(128, 128, 64, 4, 8)
 
 
-def table_meta(m: int) -> dict:
-    """`table_config(m)` as launch keywords: meta-parameters plus num_warps and num_stages."""
-    config = table_config(m)
+def table_meta(m: int, dtype: torch.dtype = torch.float16) -> dict:
+    """`table_config(m, dtype)` as launch keywords: meta-parameters plus num_warps and num_stages."""
+    config = table_config(m, dtype)
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
@@ -178,7 +207,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     if INTERPRETER or not autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
-        meta = interpreter_config(m) if INTERPRETER else table_meta(m)
+        meta = interpreter_config(m) if INTERPRETER else table_meta(m, x.dtype)
         _linear_kernel[grid(meta)](*args, **flags, **meta)
     else:
         _autotuned[grid](*args, **flags)

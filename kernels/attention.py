@@ -115,14 +115,17 @@ def _attention_kernel(
 
 def _meta(head_dim: int, max_seqlen: int, dtype: torch.dtype) -> dict:
     """Block sizes: a fixed config under the interpreter, a table by head dim on a GPU (compiled for sm_90 here,
-    never run). fp32 tiles take twice the shared memory: smaller blocks keep them under A100's 163 KiB too."""
+    never run). fp32 tiles take twice the shared memory: smaller blocks keep them under A100's 163 KiB too.
+    fp32 runs 8 warps at every head dim and 16 keys a block above D = 64: its IEEE dots use FMA units with the
+    operands in registers, and at 4 warps and 32 keys they spill on sm_90 (16 KB per thread at D >= 80, see
+    benchmarks/results/sm90-resources)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     fit = max(16, triton.next_power_of_2(max_seqlen))
     if INTERPRETER:
         return {"BLOCK_M": min(64, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d}
     if dtype == torch.float32:
-        return {"BLOCK_M": min(64, fit), "BLOCK_N": min(32, fit), "BLOCK_D": block_d, "num_warps": 4,
-                "num_stages": 2}
+        return {"BLOCK_M": min(64, fit), "BLOCK_N": min(32 if block_d <= 64 else 16, fit), "BLOCK_D": block_d,
+                "num_warps": 8, "num_stages": 2}
     if block_d <= 64:
         return {"BLOCK_M": min(128, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d, "num_warps": 4,
                 "num_stages": 3}

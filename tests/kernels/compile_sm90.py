@@ -1,76 +1,286 @@
-"""Compile every triton kernel of fastbert for an sm_90 (H100/H200) target without a GPU: Triton's bundled ptxas
-turns them into cubins, which catches what the interpreter cannot (typing, layouts, shared memory sizes). Run in a
-process where TRITON_INTERPRET is unset (tests/kernels/test_compile_sm90.py does). Prints one line per kernel."""
+"""Compile every triton kernel config of fastbert for sm_90 (H100/H200) as a real launch compiles it, without a GPU,
+and report its resources: registers, spills, shared memory, estimated occupancy.
+
+A launch specialises its arguments (triton 3.9 `JITFunction.run`): an int equal to 1 becomes a constexpr, ints and
+pointers divisible by 16 get `tt.divisibility = 16`, ints are i32 when they fit. That decides vectorised loads and the
+pipelined (cp.async / TMA + wgmma) path, so it decides shared memory and registers. Here the launch's own binder
+(`create_function_from_signature` + `JITFunction._pack_args`) is run on realistic BERT arguments (contiguous inner
+strides, other strides and sizes multiples of 16, 16-byte aligned pointers via `MockTensor`) and the result is handed
+to `triton.compile` for `GPUTarget("cuda", 90, 32)`; Triton's bundled ptxas builds the cubin and its `-v` log gives
+registers and spills (`compiled.n_regs` / `n_spills` are only filled when a driver loads the cubin, which needs a GPU).
+
+Cases: every GEMM config the autotuner or the M table can pick for the dtype
+(`_gemm.gpu_configs(dtype)` and `_gemm.table_config`) with the epilogues the ops use, the attention meta for head dims
+32/64/80/96/128 (packed and padded forms, plus the BLOCK_M = 64 small-batch variant), and the row kernels at BERT
+widths; in fp16, bf16 and fp32. Shorter sequences only shrink the attention blocks, so they are not compiled.
+Fails (exit 1) on a compile error, a register spill in an fp16/bf16 kernel, or shared memory over the 227 KB an sm_90
+block may use; fp32 spills are reported, not failed.
+
+    python tests/kernels/compile_sm90.py [--out DIR] [--quick] [--jobs N]
+
+--out (or FASTBERT_SM90_OUT) writes resources.md and resources.json there (benchmarks/results/sm90-resources holds
+the committed table). --quick (the test's run) compiles the GEMM with the two heaviest epilogues only (gelu,
+residual; not qkv, gelu_tanh) and leaves out the attention small-batch variant: the same configs, fewer variants.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+import json
+import math
 import os
+import re
+import subprocess
 import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launch default in triton 3.9; silences its warning
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from fastbert.kernels import _gemm, attention  # noqa: E402
+from fastbert.kernels import _common, _gemm, attention  # noqa: E402
 from fastbert.kernels import embedding_layernorm as embedding  # noqa: E402
 from fastbert.kernels import linear_residual_layernorm as residual_ln  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+# H100/H200 (sm_90) per-SM limits
+REGS_PER_SM = 65536
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_BLOCK = 227 * 1024
+SMEM_RESERVED_PER_BLOCK = 1024  # the driver reserves 1 KB per resident block
+MAX_WARPS_PER_SM = 64
+MAX_BLOCKS_PER_SM = 32
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+KERNELS = {
+    "gemm": _gemm._linear_kernel,
+    "attention": attention._attention_kernel,
+    "embedding_layernorm": embedding._embedding_layernorm_kernel,
+    "layernorm_rows": residual_ln._layernorm_rows_kernel,
+}
+# (label, HAS_BIAS, HAS_RESIDUAL, ACTIVATION) as the ops launch the GEMM
+EPILOGUES = {"qkv": (True, False, 0), "gelu": (True, False, 1), "gelu_tanh": (True, False, 2),
+             "residual": (True, True, 0)}
+QUICK_EPILOGUES = ("gelu", "residual")
+
+# BERT-like sizes: tokens, hidden, heads (all multiples of 16, as the usual shapes are)
+TOKENS, HIDDEN, INTERMEDIATE, HEADS, BATCH, SEQ = 4096, 768, 3072, 12, 32, 128
 
 
-def compile_kernel(fn, pointers: dict, floats: tuple, constexprs: dict, options: dict) -> int:
-    """Compile with the given pointer types; other non-constexpr args are i64 strides/sizes or fp32 scalars.
-    Returns the kernel's shared memory bytes."""
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = pointers[name]
-        else:
-            signature[name] = "fp32" if name in floats else "i64"
-    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=TARGET, options=options)
-    return kernel.metadata.shared
+def _ptr(dtype: str):
+    return ("ptr", dtype)
 
 
-def cases(dtype: torch.dtype):
-    ptr = POINTER[dtype]
-    precision = "ieee" if dtype == torch.float32 else "tf32"
-    gemm_ptrs = {n: ptr for n in ("x_ptr", "w_ptr", "bias_ptr", "residual_ptr", "out_ptr")}
-    for config, activation, residual in ((_gemm.GPU_CONFIGS[0], 1, False), (_gemm.GPU_CONFIGS[-1], 2, True)):
-        consts = dict(HAS_BIAS=True, HAS_RESIDUAL=residual, ACTIVATION=activation, INPUT_PRECISION=precision,
-                      DOT_IN_FP32=False, **config.kwargs)
-        yield (f"gemm {config.kwargs}", _gemm._linear_kernel, gemm_ptrs, (), consts,
-               {"num_warps": config.num_warps, "num_stages": config.num_stages})
-    attention_ptrs = {n: ptr for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    attention_ptrs.update(cu_seqlens_ptr="*i32", mask_ptr="*u8")
-    for head_dim, packed in ((64, True), (80, False), (128, True)):
-        meta = attention._meta(head_dim, 512, dtype)
-        options = {k: meta.pop(k) for k in ("num_warps", "num_stages")}
-        consts = dict(PACKED=packed, HAS_MASK=not packed, INPUT_PRECISION=precision, DOT_IN_FP32=False, **meta)
-        yield f"attention d{head_dim} packed={packed}", attention._attention_kernel, attention_ptrs, ("qk_scale",), \
-            consts, options
-    embedding_ptrs = {n: ptr for n in ("word_ptr", "position_ptr", "type_ptr", "weight_ptr", "bias_ptr", "out_ptr")}
-    embedding_ptrs.update(input_ids_ptr="*i64", position_ids_ptr="*i64", token_type_ids_ptr="*i32")
-    yield ("embedding_layernorm", embedding._embedding_layernorm_kernel, embedding_ptrs, ("eps",),
-           dict(HAS_TYPE_TABLE=True, HAS_TYPE_IDS=True, ROWS=4, BLOCK_E=1024), {"num_warps": 4})
-    yield ("layernorm_rows", residual_ln._layernorm_rows_kernel, {n: ptr for n in ("x_ptr", "weight_ptr", "bias_ptr")},
-           ("eps",), dict(ROWS=4, BLOCK_N=1024), {"num_warps": 4})
+def gemm_cases(dtype: str, epilogues) -> list:
+    m, n, k = TOKENS, INTERMEDIATE, HIDDEN
+    p = _ptr(dtype)
+    cases = []
+    torch_dtype = DTYPES[dtype]
+    reachable = [*_gemm.gpu_configs(torch_dtype), *(_gemm.table_config(m, torch_dtype) for m in (16, 128, 4096))]
+    configs = {_gemm._config_key(c): c for c in reachable}.values()  # autotuner list + M table, no repeats
+    for config in configs:
+        for name in epilogues:
+            has_bias, has_residual, activation = EPILOGUES[name]
+            r_strides = (n, 1) if has_residual else (0, 0)
+            args = (p, p, p, p, p, m, n, k, k, 1, k, 1, *r_strides, n, 1, triton.next_power_of_2(m))
+            kw = dict(HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ACTIVATION=activation,
+                      INPUT_PRECISION=_common.dot_precision(DTYPES[dtype]), DOT_IN_FP32=False, **config.kwargs,
+                      num_warps=config.num_warps, num_stages=config.num_stages)
+            c = config.kwargs
+            label = (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{config.num_warps} s{config.num_stages} "
+                     f"{name}")
+            cases.append(("gemm", dtype, label, args, kw))
+    return cases
 
 
-def main() -> int:
+def attention_cases(dtype: str, quick: bool = False) -> list:
+    p = _ptr(dtype)
+    cases = []
+    for head_dim in (32, 64, 80, 96, 128):
+        hd = HEADS * head_dim
+        base = attention._meta(head_dim, 512, DTYPES[dtype])
+        metas = [base]
+        if base["BLOCK_M"] == 128 and not quick:  # the small-batch variant `_launch` switches to (fewer registers)
+            metas.append({**base, "BLOCK_M": 64})
+        for meta in metas:
+            for packed in (True, False):
+                if packed:  # q, k, v: [1, T, heads, D] views of the [T, 3, heads, D] projection; out contiguous
+                    qkv = (TOKENS * 3 * hd, 3 * hd, head_dim, 1)
+                    out = (TOKENS * hd, hd, head_dim, 1)
+                    rest = (_ptr("int32"), p, 0, 0, TOKENS)  # cu_seqlens, mask placeholder (q), strides, seqlen
+                else:  # [B, S, heads, D] views of [B, S, 3, heads, D]; uint8 mask [B, S]
+                    qkv = (SEQ * 3 * hd, 3 * hd, head_dim, 1)
+                    out = (SEQ * hd, hd, head_dim, 1)
+                    rest = (p, _ptr("uint8"), SEQ, 1, SEQ)
+                args = (p, *qkv, p, *qkv, p, *qkv, p, *out, *rest, head_dim, 0.125 * 1.4426950408889634)
+                kw = dict(PACKED=packed, HAS_MASK=not packed, INPUT_PRECISION=_common.dot_precision(DTYPES[dtype]),
+                          DOT_IN_FP32=False, **meta)
+                label = (f"d{head_dim} {meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_D']} w{meta['num_warps']} "
+                         f"s{meta['num_stages']} {'packed' if packed else 'padded'}")
+                cases.append(("attention", dtype, label, args, kw))
+    return cases
+
+
+def row_cases(dtype: str) -> list:
+    p = _ptr(dtype)
+    cases = []
+    for width in (384, 768, 1024):
+        rows = _common.rows_per_program(width)
+        warps = _common.row_warps(width, rows)
+        block = _common.row_block(width)
+        i64 = _ptr("int64")
+        args = (i64, i64, i64, p, width, 1, p, width, 1, p, width, 1, p, p, p, TOKENS, width, 1e-12)
+        kw = dict(HAS_TYPE_TABLE=True, HAS_TYPE_IDS=True, ROWS=rows, BLOCK_E=block, num_warps=warps)
+        cases.append(("embedding_layernorm", dtype, f"E{width} rows{rows} w{warps}", args, kw))
+        args = (p, p, p, TOKENS, width, width, 1e-12)
+        kw = dict(ROWS=rows, BLOCK_N=block, num_warps=warps)
+        cases.append(("layernorm_rows", dtype, f"N{width} rows{rows} w{warps}", args, kw))
+    return cases
+
+
+def all_cases(quick: bool = False) -> list:
+    epilogues = QUICK_EPILOGUES if quick else tuple(EPILOGUES)
+    return [case for dtype in DTYPES
+            for case in (*gemm_cases(dtype, epilogues), *attention_cases(dtype, quick), *row_cases(dtype))]
+
+
+_BACKEND = None
+
+
+def _backend():
+    global _BACKEND
+    if _BACKEND is None:
+        _BACKEND = make_backend(TARGET)
+        knobs.nvidia.dump_ptxas_log = True  # make_cubin prints ptxas -v's log: registers and spills
+    return _BACKEND
+
+
+_PTXAS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers", re.S)
+
+
+def _ptxas_stats(log: str, ptx: str) -> tuple[int, int]:
+    """(registers, spill store bytes) from ptxas -v; re-runs ptxas on the PTX when the cubin came from the cache."""
+    found = _PTXAS.search(log)
+    if found is None:
+        from triton.backends.nvidia.compiler import get_ptxas
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            done = subprocess.run([get_ptxas(90).path, "-lineinfo", "-v", "--regAllocOptLevel=2", "--gpu-name=sm_90a",
+                                   src, "-o", src + ".o"], capture_output=True, text=True, check=True)
+        found = _PTXAS.search(done.stderr + done.stdout)
+    return int(found.group(3)), int(found.group(1))
+
+
+def compile_case(case) -> dict:
+    """Compile one case as `kernel[grid](*args, **kw)` would on an sm_90 device; return its resources."""
+    kernel, dtype, label, args, kw = case
+    fn = KERNELS[kernel]
+    backend = _backend()
+    args = tuple(MockTensor(getattr(torch, a[1]) if a[1] in ("int32", "int64", "uint8") else DTYPES[a[1]])
+                 if isinstance(a, tuple) else a for a in args)
+    kw = dict(kw, debug=False)
+    row = {"kernel": kernel, "dtype": dtype, "config": label}
+    start = time.perf_counter()
+    try:
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kw)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization, options)
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                                      options=options.__dict__)
+        regs, spills = _ptxas_stats(log.getvalue(), compiled.asm["ptx"])
+    except Exception as err:  # noqa: BLE001 - report every case, then fail
+        row["error"] = f"{type(err).__name__}: {err}"[:2000]
+        return row
+    warps = compiled.metadata.num_warps
+    shared = compiled.metadata.shared
+    regs_per_warp = math.ceil(regs * 32 / REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = (REGS_PER_SM // regs_per_warp) // warps
+    by_smem = SMEM_PER_SM // (shared + SMEM_RESERVED_PER_BLOCK)
+    blocks = min(by_regs, by_smem, MAX_WARPS_PER_SM // warps, MAX_BLOCKS_PER_SM)
+    row.update(warps=warps, stages=compiled.metadata.num_stages, registers=regs, spill_bytes=spills,
+               shared_bytes=shared, blocks_per_sm=blocks, occupancy=round(blocks * warps / MAX_WARPS_PER_SM, 3),
+               limited_by=min((by_regs, "registers"), (by_smem, "shared"), (MAX_WARPS_PER_SM // warps, "warps"))[1],
+               compile_s=round(time.perf_counter() - start, 2))
+    return row
+
+
+def problems(row: dict) -> list[str]:
+    if "error" in row:
+        return [row["error"]]
+    found = []
+    if row["spill_bytes"] and row["dtype"] != "fp32":
+        found.append(f"spills {row['spill_bytes']} B")
+    if row["shared_bytes"] > SMEM_PER_BLOCK:
+        found.append(f"shared memory {row['shared_bytes']} B > {SMEM_PER_BLOCK} B per block")
+    return found
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["# sm_90 (H100/H200) resources of the triton kernels",
+             "",
+             "Compiled without a GPU with the launch's own argument specialisation (tests/kernels/compile_sm90.py, "
+             f"triton {triton.__version__}); registers and spills from ptxas -v. Occupancy: resident blocks per SM "
+             "from 64 K registers, 228 KB shared memory (+1 KB per block), 64 warps; as a fraction of 64 warps. "
+             "fp16/bf16 must not spill; fp32 spills are reported only.",
+             "",
+             "| kernel | dtype | config | warps | registers | spills (B) | shared (B) | blocks/SM | occupancy "
+             "| limited by |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {r['dtype']} | {r['config']} | error | | | | | | |")
+            continue
+        lines.append(f"| {r['kernel']} | {r['dtype']} | {r['config']} | {r['warps']} | {r['registers']} "
+                     f"| {r['spill_bytes']} | {r['shared_bytes']} | {r['blocks_per_sm']} | {r['occupancy']:.0%} "
+                     f"| {r['limited_by']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("FASTBERT_SM90_OUT"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    opts = parser.parse_args(argv)
+    cases = all_cases(opts.quick)
+    start = time.perf_counter()
+    if opts.jobs > 1:
+        import multiprocessing
+        with ProcessPoolExecutor(opts.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            rows = list(pool.map(compile_case, cases))
+    else:
+        rows = [compile_case(c) for c in cases]
     failures = 0
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for name, fn, pointers, floats, consts, options in cases(dtype):
-            try:
-                shared = compile_kernel(fn, pointers, floats, consts, options)
-                print(f"ok   {dtype} {name}: {shared} B shared memory")
-            except Exception as err:  # noqa: BLE001 - report every kernel, then fail
-                failures += 1
-                print(f"FAIL {dtype} {name}: {type(err).__name__}: {err}"[:2000])
+    for r in rows:
+        found = problems(r)
+        failures += bool(found)
+        if "error" in r:
+            print(f"FAIL {r['kernel']} {r['dtype']} {r['config']}: {r['error']}")
+            continue
+        print(f"{'FAIL' if found else 'ok  '} {r['kernel']} {r['dtype']} {r['config']}: {r['registers']} regs, "
+              f"{r['spill_bytes']} B spilled, {r['shared_bytes']} B shared, occupancy {r['occupancy']:.0%}"
+              + (f" -- {'; '.join(found)}" if found else ""))
+    print(f"{len(rows)} kernels compiled in {time.perf_counter() - start:.0f} s, {failures} failing")
+    if opts.out:
+        os.makedirs(opts.out, exist_ok=True)
+        with open(os.path.join(opts.out, "resources.json"), "w") as f:
+            json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
+        with open(os.path.join(opts.out, "resources.md"), "w") as f:
+            f.write(markdown(rows))
     return 1 if failures else 0
 
 
