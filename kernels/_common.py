@@ -25,6 +25,33 @@ GPU dot up to summation order."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+
+def _interpreter_index_fix() -> bool:
+    """Loops over a runtime length (``range(0, K, BLOCK_K)``) call ``int()`` on the interpreter's scalar, a 1-element
+    1-d numpy array; numpy >= 2.4 refuses that ("only 0-dimensional arrays can be converted to Python scalars").
+    triton >= 3.7 squeezes first; on older ones (3.6) the interpreter's patch of ``tl.tensor.__index__`` is wrapped
+    to do the same. Interpreter only: compiled kernels never see this. Returns whether the wrapper was installed."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_fastbert_index_fix", False):
+        return False
+
+    def patch_lang_tensor(tensor, scope, *args, **kwargs):
+        result = original(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+        return result
+
+    patch_lang_tensor._fastbert_index_fix = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
+if INTERPRETER:
+    _interpreter_index_fix()
+
 _INTERPRETED = tl.constexpr(INTERPRETER)
 
 
