@@ -18,10 +18,16 @@ def _probe_kernel(ptr):
 
 
 INTERPRETER: bool = type(_probe_kernel).__name__ == "InterpretedFunction"
-"""True when triton runs kernels in its interpreter. The kernels then also cast `tl.dot` operands to fp32 first
-(flag DOT_IN_FP32): the interpreter multiplies bf16 operands as raw integer bits (wrong by ~1e10, triton 3.9), and
-fp16 matmuls in numpy are slow. Products of fp16/bf16 values are exact in fp32, so results equal an fp32-accumulated
-GPU dot up to summation order."""
+"""True when triton runs kernels in its interpreter. For bf16 inputs the kernels then cast `tl.dot` operands to fp32
+first (flag DOT_IN_FP32): the interpreter multiplies bf16 operands as raw integer bits (wrong by ~1e10, triton 3.9).
+Products of bf16 values are exact in fp32, so results equal an fp32-accumulated GPU dot up to summation order.
+fp16 operands go to `tl.dot` unmodified, as on a GPU: the interpreter's fp16 dot is right, so every fp16 test runs
+the dot path the GPU runs."""
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether the kernels must widen `tl.dot` operands of this dtype (the interpreter's bf16 dot is wrong)."""
+    return INTERPRETER and dtype == torch.bfloat16
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

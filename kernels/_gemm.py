@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETER, cast_rtne, dot_precision
+from ._common import INTERPRETER, cast_rtne, dot_in_fp32, dot_precision
 
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
@@ -202,7 +202,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
             out.stride(0), out.stride(1), triton.next_power_of_2(m))
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
              "ACTIVATION": ACTIVATION_CODES[activation], "INPUT_PRECISION": dot_precision(x.dtype),
-             "DOT_IN_FP32": INTERPRETER}
+             "DOT_IN_FP32": dot_in_fp32(x.dtype)}
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from fastbert.ops.attention import SPEC, attention_reference
 
-from ._common import INTERPRETER, cast_rtne, device_reason, dot_precision, first_reason, float_reason
+from ._common import INTERPRETER, cast_rtne, device_reason, dot_in_fp32, dot_precision, first_reason, float_reason
 
 __all__ = ["attention", "attention_reference", "supports"]
 
@@ -184,7 +184,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch
         cu_seqlens.contiguous() if packed else q4, mask, *mask_strides,
         q4.shape[1], head_dim, scale * LOG2E,
         PACKED=packed, HAS_MASK=key_padding_mask is not None, INPUT_PRECISION=dot_precision(q.dtype),
-        DOT_IN_FP32=INTERPRETER, **meta)
+        DOT_IN_FP32=dot_in_fp32(q.dtype), **meta)
     return out
 
 

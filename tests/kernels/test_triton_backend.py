@@ -67,3 +67,12 @@ def test_torch_compile_fullgraph_over_triton_ops():
     eager = _layer(*args)
     compiled = torch.compile(_layer, fullgraph=True, backend="aot_eager")(*args)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+def test_fp16_dots_run_unmodified_in_the_interpreter():
+    """The interpreter widens only bf16 `tl.dot` operands (its bf16 dot is wrong); fp16 tests therefore run the
+    dot the GPU runs."""
+    from fastbert.kernels import _common
+
+    assert not _common.dot_in_fp32(torch.float16)
+    assert _common.dot_in_fp32(torch.bfloat16) == _common.INTERPRETER
