@@ -282,11 +282,14 @@ def _explain_model(model: torch.nn.Module) -> str:
         return f"{type(model).__name__}: no fastbert encoder inside"
     lines = []
     for name, encoder in encoders:
-        tables = encoder.__dict__.get("_op_tables", {})
-        current = [(key, table) for key, table in tables.items() if key[-1] == _GENERATION and table.chosen]
+        latest: dict = {}  # per (device, dtype, grad mode, request): the table of the newest generation
+        for key, table in encoder.__dict__.get("_op_tables", {}).items():
+            if table.chosen and (key[:-1] not in latest or latest[key[:-1]][0][-1] < key[-1]):
+                latest[key[:-1]] = (key, table)
+        current = list(latest.values())
         if not current:
-            lines.append(f"{name} (backend {encoder.backend!r}): has not run since the backends last changed; each "
-                         f"op is resolved on its first call (loaded: {describe_available()})")
+            lines.append(f"{name} (backend {encoder.backend!r}): has not run yet; each op is resolved on its first "
+                         f"call (loaded: {describe_available()})")
         for (device, dtype, grad, requested, _), table in current:
             ops = ", ".join(f"{op} {chosen}" for op, chosen in table.chosen.items())
             mode = "grad" if grad else "no grad"

@@ -405,7 +405,7 @@ class OptimizedState:
         if torch.is_grad_enabled():
             params = self.build.tensors if self.build is not None else base.parameters()
             if any(p.requires_grad for p in params):
-                return ("autograd is enabled, so transformers' own code runs; call the model under "
+                return ("autograd is enabled (grad mode on, parameters that require grad): call the model under "
                         "torch.inference_mode() or torch.no_grad() for fastbert's path")
         return None
 
