@@ -169,15 +169,22 @@ def _build(base: nn.Module, backend: str) -> _Build:
 def _build_over(base: nn.Module, backend: str) -> _Build:
     submodules = [m for m in base.modules() if m is not base]
     inputs = _signature(type(base))[1]
+    links: dict = {}
+    watched: list[tuple[object, str, object]] = []
+    tensors: list[nn.Parameter] = []
+
+    def refuse(reason: str) -> _Build:
+        """A build that runs transformers' code, watching what was read so far (a change may mend it)."""
+        return _Build(None, reason, list(links.values()), tensors, tuple(t.data_ptr() for t in tensors),
+                      submodules, watched=watched)
+
     raw = base.config.to_dict()
     if raw.get("pruned_heads"):
-        return _Build(None, "attention heads were pruned (config.pruned_heads)", submodules=submodules)
+        return refuse("attention heads were pruned (config.pruned_heads)")
     try:
         config = FastBertConfig.from_hf_dict(raw)
     except ValueError as err:  # a config edited after optimize() (optimize itself raises for these)
-        return _Build(None, str(err), submodules=submodules)
-    links: dict = {}
-    watched: list[tuple[object, str, object]] = []
+        return refuse(str(err))
     # What transformers' modules hold wins over the config, which they read once when they were built: the
     # number of layers in the module list, a pooler present or not, RoBERTa's padding index.
     config.has_pooler = _link(links, base._modules, "pooler") is not None  # e.g. RoBERTa's MLM class has none
@@ -200,14 +207,13 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
         for name in theirs:
             param, reason = _resolve(base, name, _owner_kind(ours), links)
             if reason is not None:
-                return _Build(None, reason, list(links.values()), submodules=submodules)
+                return refuse(reason)
             found[name] = param
-    tensors = list(found.values())
-    pointers = tuple(t.data_ptr() for t in tensors)
+    tensors.extend(found.values())
     attention: list[tuple[int, float]] = []  # (heads, scaling) per unique layer, as the modules hold them
     unsupported = _reason_of_tensors(tensors) or _read_modules(base, config, pairs, links, watched, attention)
     if unsupported:
-        return _Build(None, unsupported, list(links.values()), tensors, pointers, submodules, watched=watched)
+        return refuse(unsupported)
     # The tables' sizes come from the tensors, not the config: resize_token_embeddings and friends change both,
     # but a config edited by hand would otherwise let an id past the table through the range check.
     rows = {ours: found[theirs[0]].shape[0] for ours, theirs in pairs if len(theirs) == 1}
@@ -225,13 +231,11 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
         if torch.Size(shape) != expected[ours].shape:
             bad.append(f"{' + '.join(theirs)}: {shape}, expected {tuple(expected[ours].shape)}")
     if bad:
-        return _Build(None, "tensors of unexpected shape: " + "; ".join(bad[:3]), list(links.values()), tensors,
-                      pointers, submodules, watched=watched)
+        return refuse("tensors of unexpected shape: " + "; ".join(bad[:3]))
     try:
         output_class = _output_class(base)
     except Exception as err:  # noqa: BLE001 - a model transformers cannot run once is not one to take over
-        return _Build(None, f"transformers' forward failed on one token: {type(err).__name__}: {err}",
-                      list(links.values()), tensors, pointers, submodules, watched=watched)
+        return refuse(f"transformers' forward failed on one token: {type(err).__name__}: {err}")
     for ours, theirs in pairs:
         owner_name, _, attr = ours.rpartition(".")
         owner = owners[owner_name]
@@ -369,13 +373,13 @@ class OptimizedState:
         self.backend = state["backend"]
         self._reset()
 
-    def current(self, base: nn.Module, check: bool = True) -> _Build:
+    def current(self, base: nn.Module) -> _Build:
         """The build over ``base``'s tensors as they are now (rebuilt when any of them changed)."""
         build = self.build
-        if build is None or (check and build.stale()):
+        if build is None or build.stale():
             with self.lock:  # one rebuild when threads share a model
                 build = self.build
-                if build is None or (check and build.stale()):
+                if build is None or build.stale():
                     build = self.build = _build(base, self.backend)
         return build
 
