@@ -14,10 +14,6 @@ from typing import Any
 
 from fastbert import families
 
-# model_type -> family name (MiniLM and bge checkpoints declare model_type "bert"), from the registry of
-# `fastbert.families`, where each family's particulars live.
-FAMILIES: dict[str, str] = families.model_types()
-
 # HF activation name -> fastbert activation name (the names every backend of `linear_activation` accepts).
 ACTIVATIONS: dict[str, str] = {
     "gelu": "gelu",

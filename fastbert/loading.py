@@ -16,8 +16,6 @@ import torch
 from fastbert import families
 from fastbert.config import FastBertConfig
 
-# Base-model attribute name of each model type in HF's task classes ("bert.embeddings...").
-BASE_PREFIX = {model_type: families.get(model_type).base_prefix for model_type in families.model_types()}
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Non-persistent buffers that older checkpoints saved; they carry no weights.
 _IGNORED_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")

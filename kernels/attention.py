@@ -196,6 +196,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
               max_seqlen: int | None = None, key_padding_mask: torch.Tensor | None = None,
               scale: float | None = None) -> torch.Tensor:
     """The triton backend of `fastbert.ops.attention` (forms and limits in the module docstring)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    longest = int(max_seqlen) if max_seqlen is not None else 0
+    # Defaults are the launcher's (the schema takes None); Python numbers are normalised for the op's int/float.
+    scale = None if scale is None else float(scale)
+    longest = None if max_seqlen is None else int(max_seqlen)
     return torch.ops.fastbert.triton_attention(q, k, v, cu_seqlens, longest, key_padding_mask, scale)

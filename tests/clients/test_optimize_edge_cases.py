@@ -1,5 +1,7 @@
-"""Review of `fastbert.optimize`: things users do to a live model that make an optimized model differ from an
-untouched one treated the same way (other numbers, an exception, or a fast path lost for no reason).
+"""Harder things users do to a live model after `fastbert.optimize` (found in review): functional_call and
+torch.func, autocast, module attributes and config edits, a pooler added later, left padding, gradient checkpointing,
+accelerate hooks. Each case gives the optimized model the same numbers as an untouched one treated the same way,
+or fastbert's path where nothing should stop it.
 
 Every test builds two identical seeded tiny models (`tests.hf_tiny.tiny_model`), optimizes one, applies the same
 operation to both and compares the results of the same call under inference mode (or asserts that fastbert's ops
@@ -46,8 +48,8 @@ def real_tokens_err(actual, expected, mask: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------------- torch.func
 def test_functional_call_with_plain_tensors_uses_them():
-    """torch.func.functional_call swaps plain tensors into ``module._parameters`` for one call. The rebuild
-    assigns them to fastbert's nn.Parameter slots (setattr) and raises TypeError; the untouched model runs."""
+    """torch.func.functional_call swaps plain tensors into ``module._parameters`` for one call: the optimized model
+runs transformers' code on them (fastbert takes parameters only) and gives the untouched model's result."""
     reference, model = pair()
     inputs = batch_for(reference)
     run(model, **inputs)  # built over the model's own parameters first
@@ -61,7 +63,7 @@ def test_functional_call_with_plain_tensors_uses_them():
 
 def test_torch_func_grad_through_functional_call():
     """torch.func.grad over functional_call (per-sample gradients, meta-learning): grad is enabled, so the call is
-    transformers' code, but the build runs first and raises TypeError on the wrapped plain tensors."""
+transformers' code, decided before any build, and the gradients equal the untouched model's."""
     reference, model = pair()
     inputs = batch_for(reference)
     params = {k: v.detach() for k, v in reference.named_parameters()}
@@ -80,9 +82,8 @@ def test_torch_func_grad_through_functional_call():
 # ------------------------------------------------------------------------------------------ autocast
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cpu_autocast_around_a_call(dtype):
-    """torch.autocast(cpu) around a call of a float32 model: transformers runs it; fastbert's cpp ops get a mix of
-    autocast-bf16 GEMM outputs and float32 weights and raise (bf16: 'expected scalar type BFloat16 but found Float';
-    fp16: 'fastbert_bias_activation not implemented for Half')."""
+    """torch.autocast(cpu) around a call of a float32 model: fastbert's kernels take one dtype, so the call runs
+transformers' code (with a warning) and equals the untouched model's."""
     reference, model = pair()
     inputs = batch_for(reference)
     with torch.autocast("cpu", dtype=dtype):
@@ -153,9 +154,9 @@ MODULE_STATE = [
 @pytest.mark.parametrize(("family", "change", "changes_output"), MODULE_STATE,
                          ids=[f"{family}-{change.__name__.strip('_')}" for family, change, _ in MODULE_STATE])
 def test_state_the_modules_hold_is_followed(family, change, changes_output):
-    """The build reads eps, activation, heads, padding index and layer count from ``base.config`` (at build time
-    only) and never from the modules transformers runs: after these changes the untouched model computes something
-    else, and fastbert silently keeps (or rebuilds with) the config's values."""
+    """What transformers' modules hold (LayerNorm eps, activation module, Embedding max_norm, heads, padding index,
+layer count, ALBERT's live config) is what fastbert computes with, not a config edited later: after these changes
+the optimized model still equals the untouched one."""
     reference, model = pair(family)
     inputs = batch_for(reference)
     run(model, **inputs)  # built before the change
@@ -169,8 +170,8 @@ def test_state_the_modules_hold_is_followed(family, change, changes_output):
 
 
 def test_pooler_added_after_the_first_call():
-    """A BertModel built without a pooler that is given one later: transformers returns pooler_output, fastbert
-    keeps returning None (no link watches the absent ``pooler`` slot)."""
+    """A BertModel built without a pooler that is given one later: the empty ``pooler`` slot is watched, so the
+optimized model rebuilds and returns the same pooler_output as the untouched one."""
     from transformers import BertModel
     from transformers.models.bert.modeling_bert import BertPooler
 
@@ -195,9 +196,9 @@ def test_pooler_added_after_the_first_call():
 # ------------------------------------------------------------------------------------------- left padding
 @pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "electra"])
 def test_left_padded_batch_classification_logits(family):
-    """A tokenizer with padding_side="left": the heads read token 0 (BERT's pooler, RoBERTa/ELECTRA's first-token
-    classifier), a padded position. transformers computes a hidden state there; fastbert returns zeros, so the
-    logits differ although the README says pooled outputs agree."""
+    """padding_side="left": the heads read token 0 (BERT's pooler, RoBERTa/ELECTRA's first-token classifier), a
+padded position the padding-free encoder does not compute, so such a batch runs transformers' code and the logits
+equal the untouched model's."""
     reference, model = pair(family, "ForSequenceClassification")
     inputs = batch_for(reference)
     inputs = {k: v.flip(1) for k, v in inputs.items()}  # the same sequences, padded on the left
@@ -209,8 +210,8 @@ def test_left_padded_batch_classification_logits(family):
 # -------------------------------------------------------------------------------------- lost fast paths
 def test_gradient_checkpointing_enabled_model_evaluates_on_the_fast_path():
     """gradient_checkpointing_enable() (Trainer(gradient_checkpointing=True) does it) installs transformers'
-    ``make_inputs_require_grads`` forward hook on the word embeddings; it is inert without autograd, yet every
-    later eval/predict call runs transformers' code."""
+``make_inputs_require_grads`` forward hook on the word embeddings; it is inert without autograd, so later
+eval/predict calls stay on fastbert's path."""
     reference, model = pair("bert", "ForSequenceClassification")
     for module in (reference, model):
         with warnings.catch_warnings():
@@ -225,9 +226,8 @@ def test_gradient_checkpointing_enabled_model_evaluates_on_the_fast_path():
 
 
 def test_fast_path_returns_after_accelerate_hooks_are_removed():
-    """accelerate's remove_hook_from_module restores each submodule's ``forward`` as an instance attribute (the
-    original bound method): `_hook_reason` sees ``"forward" in module.__dict__`` and falls back for good, with no
-    further warning."""
+    """accelerate's remove_hook_from_module leaves each submodule's own bound ``forward`` as an instance attribute:
+that is not a replaced forward, so the model returns to fastbert's path."""
     from accelerate import cpu_offload
     from accelerate.hooks import remove_hook_from_module
 
