@@ -313,8 +313,10 @@ void check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                          const std::optional<at::Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen,
-                         const std::optional<at::Tensor>& key_padding_mask, std::optional<double> scale) {
+                         const std::optional<at::Tensor>& key_padding_mask, std::optional<double> scale,
+                         std::optional<int64_t> window) {
   check_attention_args(q_in, k_in, v_in, cu_seqlens, max_seqlen, key_padding_mask);
+  TORCH_CHECK(!window.has_value(), "fastbert::attention: the sliding window is not implemented in C++ yet");
   auto unit_last = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
   const at::Tensor q = unit_last(q_in), k = unit_last(k_in), v = unit_last(v_in);
   const bool packed = cu_seqlens.has_value();

@@ -106,7 +106,9 @@ def _qkv_supports(x, weight, bias, num_heads):
     return _why_not(x, weight, bias)
 
 
-def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
+def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
+    if window is not None:
+        return "the cpp attention kernel has no sliding window yet"
     return _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
 
 
@@ -134,8 +136,8 @@ def _qkv_projection(x, weight, bias, num_heads):
     return q, k, v
 
 
-def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
-    return torch.ops.fastbert.attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale)
+def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
+    return torch.ops.fastbert.attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window)
 
 
 def _linear_activation(x, weight, bias, activation):

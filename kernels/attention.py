@@ -143,7 +143,10 @@ def _sm_count(device: torch.device) -> int:
 MAX_GRID_BATCH = 65535
 
 
-def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None) -> str | None:
+def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None,
+             window=None) -> str | None:
+    if window is not None:
+        return "the triton attention kernel has no sliding window yet"
     head_dim = q.shape[-1]
     batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
     return first_reason(
@@ -157,7 +160,10 @@ def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, s
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
-            max_seqlen: int | None, key_padding_mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+            max_seqlen: int | None, key_padding_mask: torch.Tensor | None, scale: float | None,
+            window: int | None = None) -> torch.Tensor:
+    if window is not None:
+        raise NotImplementedError("fastbert triton attention: the sliding window is not implemented yet")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     max_seqlen = 0 if max_seqlen is None else max_seqlen
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -194,9 +200,10 @@ _op = SPEC.define("triton_", _launch)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
               max_seqlen: int | None = None, key_padding_mask: torch.Tensor | None = None,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """The triton backend of `fastbert.ops.attention` (forms and limits in the module docstring)."""
     # Defaults are the launcher's (the schema takes None); Python numbers are normalised for the op's int/float.
     scale = None if scale is None else float(scale)
     longest = None if max_seqlen is None else int(max_seqlen)
-    return torch.ops.fastbert.triton_attention(q, k, v, cu_seqlens, longest, key_padding_mask, scale)
+    window = None if window is None else int(window)
+    return torch.ops.fastbert.triton_attention(q, k, v, cu_seqlens, longest, key_padding_mask, scale, window)

@@ -8,6 +8,14 @@ Returns a contiguous tensor shaped like q. Softmax in fp32 in the fused backends
 masked gets zeros, never NaN. A masked key contributes exactly nothing on every backend, even when its K or V
 hold NaN or Inf: real query rows come out as if those values were zeros (rows at padded query positions are
 unspecified). Inputs may be strided views (what `qkv_projection` returns).
+
+Sliding window (ModernBERT's local layers): `window` is the total width, ModernBERT's `config.local_attention`
+(e.g. 128). A query at position i attends key j (positions within its own sequence: the packed sequence's token
+index, or the padded form's index along S) iff |i - j| <= window // 2, and the key is real. This is transformers'
+rule: ModernBertConfig.sliding_window = local_attention // 2 and `create_bidirectional_sliding_window_mask` keeps
+`abs(q_idx - kv_idx) <= sliding_window` (tests/test_attention_window.py compares with it). So window 0 or 1 is each
+token attending to itself alone, an odd window w has width w, an even one w + 1, and a window of 2 * (S - 1) or more
+is global attention. window=None: global. A query whose window holds no real key gets zeros.
 """
 
 from __future__ import annotations
@@ -23,20 +31,33 @@ from fastbert.ops.padding import varlen_positions
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
-def _padded_sdpa(q, k, v, key_padding_mask, scale):
-    """[B, S, h, D] attention through PyTorch's SDPA; fully masked rows zeroed."""
+def window_half_width(window: int | None, seqlen: int) -> int | None:
+    """The largest |i - j| a query may attend, or None when the window is global for sequences of ``seqlen``."""
+    if window is None or window // 2 >= seqlen - 1:
+        return None
+    return window // 2
+
+
+def _padded_sdpa(q, k, v, key_padding_mask, scale, half_width=None):
+    """[B, S, h, D] attention through PyTorch's SDPA, keys limited to |i - j| <= half_width when given; rows without
+    a key zeroed."""
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    if half_width is not None:
+        position = torch.arange(q.shape[1], device=q.device)
+        band = (position[:, None] - position[None, :]).abs() <= half_width
+        mask = band[None, None] if mask is None else mask & band
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale)
     out = out.transpose(1, 2)
-    if key_padding_mask is not None:
-        has_key = key_padding_mask.any(dim=1)
-        out = torch.where(has_key[:, None, None, None], out, out.new_zeros(()))
+    if mask is not None:
+        has_key = mask.any(dim=-1)[:, 0, :, None, None]  # [B or 1, S or 1, 1, 1]: per query
+        out = torch.where(has_key, out, out.new_zeros(()))
     return out.contiguous()
 
 
-def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
-    """SDPA on K and V with zeros selected at masked keys, so NaN or Inf stored there never reaches a real row."""
+def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
+    """SDPA on K and V with zeros selected at masked keys, so NaN or Inf stored there never reaches a real row; the
+    window as a band of the boolean mask."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if cu_seqlens is None:
         if key_padding_mask is not None:
@@ -45,7 +66,7 @@ def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, sca
             real = key_padding_mask[:, :, None, None]
             k = torch.where(real, k, k.new_zeros(()))
             v = torch.where(real, v, v.new_zeros(()))
-        return _padded_sdpa(q, k, v, key_padding_mask, scale)
+        return _padded_sdpa(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]))
     total, heads, dim = q.shape
     batch = cu_seqlens.numel() - 1
     seq_index, position = varlen_positions(cu_seqlens, total)
@@ -58,17 +79,26 @@ def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, sca
 
     mask = torch.zeros(batch * max_seqlen, dtype=torch.bool, device=q.device)
     mask[flat_index] = True
-    out = _padded_sdpa(to_padded(q), to_padded(k), to_padded(v), mask.view(batch, max_seqlen), scale)
+    out = _padded_sdpa(to_padded(q), to_padded(k), to_padded(v), mask.view(batch, max_seqlen), scale,
+                       window_half_width(window, max_seqlen))
     return out.view(batch * max_seqlen, heads, dim).index_select(0, flat_index)
 
 
-def attention_reference(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None):
+def attention_reference(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
     """The eager computation in fp32 (SDPA on upcast inputs), for tests of every backend; returns q's dtype."""
-    out = _eager(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, key_padding_mask, scale)
+    out = _eager(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, key_padding_mask, scale, window)
     return out.to(q.dtype)
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale=None) -> None:
+def check_window(window) -> None:
+    """A window is None (global) or a Python int >= 0 (ModernBERT's local_attention); ValueError otherwise."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"attention: window must be None (global) or an int >= 0 (the total width, ModernBERT's "
+                         f"local_attention), got {window!r}")
+
+
+def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale=None, window=None) -> None:
+    check_window(window)
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"attention: q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -91,16 +121,27 @@ def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale=None) -> Non
                              f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
 
 
-def _fake(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale):
+def _fake(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window=None):
     return q.new_empty(q.shape)
 
 
-def attention_cost(seqlens: Sequence[int], heads: int, head_dim: int, dtype_bytes: int) -> OpCost:
-    """softmax(q k^T) v per sequence and head: 2*S^2*D for the scores plus 2*S^2*D for the context. Bytes: q, k, v
+def attended_pairs(seqlen: int, window: int | None = None) -> int:
+    """(query, key) pairs one sequence of ``seqlen`` tokens attends: S^2 globally; with a window of half width
+    h = window // 2 < S - 1, S * (2h + 1) minus the h * (h + 1) pairs the band loses past both ends."""
+    half = window_half_width(window, seqlen)
+    if half is None:
+        return seqlen * seqlen
+    return seqlen * (2 * half + 1) - half * (half + 1)
+
+
+def attention_cost(seqlens: Sequence[int], heads: int, head_dim: int, dtype_bytes: int,
+                   window: int | None = None) -> OpCost:
+    """softmax(q k^T) v per sequence and head: 2*P*D for the scores plus 2*P*D for the context, P the attended
+    (query, key) pairs (S^2 globally, about S * window with a sliding window: `attended_pairs`). Bytes: q, k, v
     read once and the output written (what a fused kernel moves; the unfused one also writes the S x S scores)."""
-    squares = sum(s * s for s in seqlens)
+    pairs = sum(attended_pairs(s, window) for s in seqlens)
     tokens = sum(seqlens)
-    flops = 4 * squares * heads * head_dim
+    flops = 4 * pairs * heads * head_dim
     moved = 4 * tokens * heads * head_dim * dtype_bytes
     return OpCost(float(flops), float(moved))
 
@@ -109,7 +150,7 @@ SPEC = declare(OpSpec(
     name="attention",
     cost=attention_cost,
     schema="(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, int? max_seqlen, Tensor? key_padding_mask, "
-           "float? scale) -> Tensor",
+           "float? scale, int? window=None) -> Tensor",
     fake=_fake,
     check=_check,
     eager=_eager,
@@ -126,8 +167,10 @@ def attention(
     max_seqlen: int | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    window: int | None = None,
     backend: str | None = "auto",
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) v per head, masked as described in the module docstring; scale defaults to D^-0.5."""
-    _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask)
-    return backends.dispatch("attention", backend, q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale)
+    """softmax(q k^T * scale) v per head, masked as described in the module docstring; scale defaults to D^-0.5;
+    ``window`` (total width, None = global) limits each query to keys within window // 2 positions."""
+    _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window)
+    return backends.dispatch("attention", backend, q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window)
