@@ -10,7 +10,8 @@ import torch
 from fastbert import backends, ops
 from fastbert.ops.spec import OpSpec, declare
 
-FUSED = {"embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm"}
+FUSED = {"embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm",
+         "qkv_rotary"}
 
 
 def test_every_fused_op_is_declared_with_all_its_parts():

@@ -11,6 +11,7 @@ from fastbert.ops.linear_activation import ACTIVATIONS, apply_activation, linear
 from fastbert.ops.linear_residual_layernorm import linear_residual_layernorm, linear_residual_layernorm_reference
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
 from fastbert.ops.qkv_projection import qkv_projection, qkv_projection_reference
+from fastbert.ops.qkv_rotary import qkv_rotary, qkv_rotary_reference, rotary_tables
 from fastbert.ops.spec import SPECS, OpSpec
 
 __all__ = [
@@ -30,6 +31,9 @@ __all__ = [
     "pad_tokens",
     "qkv_projection",
     "qkv_projection_reference",
+    "qkv_rotary",
+    "qkv_rotary_reference",
+    "rotary_tables",
     "unpad_tokens",
     "varlen_from_mask",
 ]
