@@ -72,8 +72,8 @@ inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / st
 
 // ---------------------------------------------------------------------------------------------- LayerNorm
 // Normalise one fp32 row in place (two passes over an L1-resident row: the mean first, then the centred
-// variance, which is exact enough where a one-pass E[x^2] - E[x]^2 loses digits), then apply weight and bias and
-// store in the output dtype.
+// variance, which is exact enough where a one-pass E[x^2] - E[x]^2 loses digits), then apply weight and bias (null:
+// no shift) and store in the output dtype.
 template <typename out_t, typename param_t>
 inline void layernorm_row(float* row, int64_t n, const param_t* weight, const param_t* bias, double eps,
                           out_t* out) {
@@ -96,7 +96,7 @@ inline void layernorm_row(float* row, int64_t n, const param_t* weight, const pa
   for (i = 0; i < n; i += kLanes) {
     const int64_t m = std::min<int64_t>(kLanes, n - i);
     Vec y = (Vec::loadu(row + i, m) - mean_v) * rstd_v;
-    y = at::vec::fmadd(y, load_f(weight + i, m), load_f(bias + i, m));
+    y = bias != nullptr ? at::vec::fmadd(y, load_f(weight + i, m), load_f(bias + i, m)) : y * load_f(weight + i, m);
     if (m == kLanes) {
       store_f(out + i, y);
     } else {

@@ -7,9 +7,12 @@ dispatched op with `fastbert.backends`:
 
 - embedding_layernorm: one fused gather + sum + LayerNorm kernel;
 - qkv_projection: one ``addmm`` over the packed [3H, H] weight, returning strided views (attention reads them);
-- attention: the blocked online-softmax kernel, packed (cost follows real lengths) or padded with a key mask;
+- attention: the blocked online-softmax kernel, packed (cost follows real lengths) or padded with a key mask,
+  global or in a sliding window (cost follows the window);
 - linear_activation: a GEMM without bias, then bias + activation fused in place on its output;
-- linear_residual_layernorm: a GEMM, then bias + residual + LayerNorm fused in place.
+- linear_glu: a GEMM without bias into both halves, then bias + act(input) * gate fused into the output;
+- linear_residual_layernorm: a GEMM, then bias + residual + LayerNorm fused in place;
+- linear_residual_prenorm: a GEMM, then bias + residual written in place and its LayerNorm beside it.
 
 GEMMs stay with PyTorch (MKL/oneDNN). Limits: CPU tensors, float32 or bfloat16, no autograd. When the extension
 is missing (``FASTBERT_SKIP_EXT=1``, or its build failed) this module still imports: it warns once and every op's
@@ -26,7 +29,8 @@ from fastbert import backends
 from fastbert.ops.spec import SPECS
 
 # The torch ops whose CPU kernels the extension holds: schema and fake come from each op's spec.
-TORCH_OPS = ("embedding_layernorm", "linear_activation", "linear_residual_layernorm", "attention")
+TORCH_OPS = ("embedding_layernorm", "linear_activation", "linear_residual_layernorm", "attention", "linear_glu",
+             "linear_residual_prenorm")
 for _name in TORCH_OPS:
     SPECS[_name].define()
 
@@ -107,8 +111,6 @@ def _qkv_supports(x, weight, bias, num_heads):
 
 
 def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
-    if window is not None:
-        return "the cpp attention kernel has no sliding window yet"
     return _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
 
 
@@ -118,6 +120,10 @@ def _linear_activation_supports(x, weight, bias, activation):
 
 def _linear_residual_layernorm_supports(x, weight, bias, residual, ln_weight, ln_bias, eps):
     return _why_not(x, weight, bias, residual, ln_weight, ln_bias)
+
+
+def _linear_glu_supports(x, weight, bias, activation):
+    return _why_not(x, weight, bias)
 
 
 # ----------------------------------------------------------------------------------------------------- impls
@@ -148,6 +154,14 @@ def _linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, ep
     return torch.ops.fastbert.linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps)
 
 
+def _linear_glu(x, weight, bias, activation):
+    return torch.ops.fastbert.linear_glu(x, weight, bias, activation)
+
+
+def _linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    return torch.ops.fastbert.linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps)
+
+
 def unpad(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Rows of x [B, S, ...] at int64 flat indices (b * S + s) -> [T, ...] (the C++ kernel)."""
     return torch.ops.fastbert.unpad(x, indices)
@@ -159,7 +173,7 @@ def pad(x: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torc
 
 
 def bias_activation(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """act(x + bias) -> like x, contiguous; activation "gelu" | "gelu_tanh" | "relu" (the C++ kernel)."""
+    """act(x + bias) -> like x, contiguous; activation "gelu" | "gelu_tanh" | "relu" | "silu" (the C++ kernel)."""
     return torch.ops.fastbert.bias_activation(x, bias, activation)
 
 
@@ -175,5 +189,7 @@ backends.register("attention", "cpp", _attention, _attention_supports)
 backends.register("linear_activation", "cpp", _linear_activation, _linear_activation_supports)
 backends.register("linear_residual_layernorm", "cpp", _linear_residual_layernorm,
                   _linear_residual_layernorm_supports)
+backends.register("linear_glu", "cpp", _linear_glu, _linear_glu_supports)
+backends.register("linear_residual_prenorm", "cpp", _linear_residual_prenorm, _linear_residual_layernorm_supports)
 
 __all__ = ["EXTENSION_ERROR", "bias_activation", "bias_residual_layernorm", "compiled_capability", "pad", "unpad"]

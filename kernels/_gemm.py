@@ -1,7 +1,7 @@
 """The GEMM every linear op of the triton backend runs: out = epilogue(x @ W^T), W in PyTorch's [N, K] layout.
 
 Epilogue (all in fp32, one rounding at the store): + bias, + residual, then one activation ("gelu" = exact erf,
-"gelu_tanh", "relu"). Used by qkv_projection (bias), linear_activation (bias + activation) and
+"gelu_tanh", "relu", "silu"; `activate`, which linear_glu's kernel shares). Used by qkv_projection (bias), linear_activation (bias + activation) and
 linear_residual_layernorm (bias + residual; its LayerNorm runs in a row kernel after this one).
 x, W, residual and out may have any strides (W is read transposed through its strides, never copied).
 
@@ -21,13 +21,27 @@ import triton.language as tl
 
 from ._common import INTERPRETER, cast_rtne, dot_in_fp32, dot_precision
 
-ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
 
 
 @triton.jit
 def _tanh(x):
     # tanh(u) = 1 - 2 / (1 + e^{2u}): saturates cleanly to +-1 when e^{2u} over/underflows.
     return 1.0 - 2.0 / (1.0 + tl.exp(2.0 * x))
+
+
+@triton.jit
+def activate(acc, ACTIVATION: tl.constexpr):
+    """The activation of code ACTIVATION (`ACTIVATION_CODES`) on an fp32 tile; 0 returns it unchanged."""
+    if ACTIVATION == 1:
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    elif ACTIVATION == 2:
+        acc = 0.5 * acc * (1.0 + _tanh(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
+    elif ACTIVATION == 3:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == 4:  # x * sigmoid(x); exp overflows to inf for x < -88, giving -0 as it should
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc
 
 
 @triton.jit
@@ -45,7 +59,7 @@ def _linear_kernel(
     m_bucket,  # power-of-two bucket of M: only an autotune key, so token counts that vary per batch share tunings
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 gelu_tanh, 3 relu
+    ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 gelu_tanh, 3 relu, 4 silu
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
     BLOCK_M: tl.constexpr,
@@ -90,12 +104,7 @@ def _linear_kernel(
         residual = tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=out_mask,
                            other=0.0)
         acc += residual.to(tl.float32)
-    if ACTIVATION == 1:
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    elif ACTIVATION == 2:
-        acc = 0.5 * acc * (1.0 + _tanh(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
-    elif ACTIVATION == 3:
-        acc = tl.maximum(acc, 0.0)
+    acc = activate(acc, ACTIVATION)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, cast_rtne(acc, out_ptr.dtype.element_ty), mask=out_mask)
 

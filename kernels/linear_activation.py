@@ -1,6 +1,6 @@
 """Linear + bias + activation in one GEMM: act(x @ W^T + b), the activation applied in the GEMM's epilogue.
 
-Activations: "gelu" (exact erf), "gelu_tanh", "relu". Shapes: x [..., K] (any strides for 2-D x), weight [N, K]
+Activations: "gelu" (exact erf), "gelu_tanh", "relu", "silu". Shapes: x [..., K] (any strides for 2-D x), weight [N, K]
 (any strides), bias [N] | None -> [..., N] contiguous. fp16, bf16, fp32 (fp32 without TF32). The kernel is the
 shared GEMM in `_gemm.py`; this file holds the op's checks, registration and fake.
 """

@@ -7,8 +7,16 @@ and holds the functional entry that dispatches (see `fastbert.backends`). ``SPEC
 
 from fastbert.ops.attention import attention, attention_reference
 from fastbert.ops.embedding_layernorm import embedding_layernorm, embedding_layernorm_reference
-from fastbert.ops.linear_activation import ACTIVATIONS, apply_activation, linear_activation, linear_activation_reference
+from fastbert.ops.linear_activation import (
+    ACTIVATIONS,
+    activation_from_hf,
+    apply_activation,
+    linear_activation,
+    linear_activation_reference,
+)
+from fastbert.ops.linear_glu import linear_glu, linear_glu_reference
 from fastbert.ops.linear_residual_layernorm import linear_residual_layernorm, linear_residual_layernorm_reference
+from fastbert.ops.linear_residual_prenorm import linear_residual_prenorm, linear_residual_prenorm_reference
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
 from fastbert.ops.qkv_projection import qkv_projection, qkv_projection_reference
 from fastbert.ops.qkv_rotary import qkv_rotary, qkv_rotary_reference, rotary_tables
@@ -19,6 +27,7 @@ __all__ = [
     "OpSpec",
     "SPECS",
     "VarlenBatch",
+    "activation_from_hf",
     "apply_activation",
     "attention",
     "attention_reference",
@@ -26,8 +35,12 @@ __all__ = [
     "embedding_layernorm_reference",
     "linear_activation",
     "linear_activation_reference",
+    "linear_glu",
+    "linear_glu_reference",
     "linear_residual_layernorm",
     "linear_residual_layernorm_reference",
+    "linear_residual_prenorm",
+    "linear_residual_prenorm_reference",
     "pad_tokens",
     "qkv_projection",
     "qkv_projection_reference",

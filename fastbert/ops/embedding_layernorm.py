@@ -1,7 +1,10 @@
 """Embedding gather (word + position + token type) + LayerNorm.
 
-Shapes: ids of any shape [...]; tables [V, E], [P, E], [T, E] (token types optional: DistilBERT has none);
-returns [..., E] in the tables' dtype. LayerNorm statistics in fp32.
+Shapes: ids of any shape [...]; tables [V, E], [P, E], [T, E]; LayerNorm weight [E] and bias [E]; returns [..., E]
+in the tables' dtype. LayerNorm statistics in fp32. Optional parts: token types (DistilBERT has none; ids None with
+a table: row 0), positions (``position_ids`` and ``position_embeddings`` both None: ModernBERT, whose positions are
+rotary), the LayerNorm bias (None: no shift, ModernBERT's ``norm_bias=False``). With no positions and no token types
+this is LayerNorm(word[ids]).
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ from fastbert.ops.spec import OpCost, OpSpec, declare
 
 def embedding_layernorm_reference(
     input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor | None,
     word_embeddings: torch.Tensor,
-    position_embeddings: torch.Tensor,
+    position_embeddings: torch.Tensor | None,
     token_type_embeddings: torch.Tensor | None,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    """Eager reference: three gathers, their sum, then LayerNorm (what BERT's embedding module does)."""
-    summed = F.embedding(input_ids, word_embeddings) + F.embedding(position_ids, position_embeddings)
+    """Eager reference: the gathers, their sum, then LayerNorm (what BERT's embedding module does)."""
+    summed = F.embedding(input_ids, word_embeddings)
+    if position_embeddings is not None:
+        summed = summed + F.embedding(position_ids, position_embeddings)
     if token_type_embeddings is not None:
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
@@ -38,7 +43,10 @@ def _check(input_ids, position_ids, token_type_ids, word_embeddings, position_em
            weight, bias, eps) -> None:
     if input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"embedding_layernorm: input_ids must be int32/int64, got {input_ids.dtype}")
-    if position_ids.shape != input_ids.shape:
+    if (position_ids is None) != (position_embeddings is None):
+        raise ValueError("embedding_layernorm: position_ids and position_embeddings must be given together (or "
+                         "both None: no position table)")
+    if position_ids is not None and position_ids.shape != input_ids.shape:
         raise ValueError(f"embedding_layernorm: position_ids {tuple(position_ids.shape)} must match input_ids "
                          f"{tuple(input_ids.shape)}")
     if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
@@ -48,8 +56,9 @@ def _check(input_ids, position_ids, token_type_ids, word_embeddings, position_em
     for name, table in (("position_embeddings", position_embeddings), ("token_type_embeddings", token_type_embeddings)):
         if table is not None and table.shape[1] != width:
             raise ValueError(f"embedding_layernorm: {name} width {table.shape[1]} != word_embeddings width {width}")
-    if weight.shape != (width,) or bias.shape != (width,):
-        raise ValueError(f"embedding_layernorm: LayerNorm weight/bias must be [{width}]")
+    if weight.shape != (width,) or (bias is not None and bias.shape != (width,)):
+        raise ValueError(f"embedding_layernorm: LayerNorm weight/bias must be [{width}], got {tuple(weight.shape)}/"
+                         f"{None if bias is None else tuple(bias.shape)}")
 
 
 def _fake(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
@@ -58,10 +67,10 @@ def _fake(input_ids, position_ids, token_type_ids, word_embeddings, position_emb
 
 
 def embedding_layernorm_cost(tokens: int, width: int, dtype_bytes: int, token_types: bool = True,
-                             id_bytes: int = 8) -> OpCost:
-    """Gather word + position (+ token type) rows, sum, LayerNorm. Bytes: the gathered rows, the id tensors, the
+                             id_bytes: int = 8, positions: bool = True) -> OpCost:
+    """Gather word (+ position) (+ token type) rows, sum, LayerNorm. Bytes: the gathered rows, the id tensors, the
     LayerNorm weight and bias, the output. FLOPs: the sums plus ~8 per element for the normalisation."""
-    tables = 3 if token_types else 2
+    tables = 1 + int(token_types) + int(positions)
     read = tokens * (tables * width * dtype_bytes + tables * id_bytes) + 2 * width * dtype_bytes
     write = tokens * width * dtype_bytes
     return OpCost(flops=float(tokens * width * (tables - 1 + 8)), bytes=float(read + write))
@@ -70,8 +79,8 @@ def embedding_layernorm_cost(tokens: int, width: int, dtype_bytes: int, token_ty
 SPEC = declare(OpSpec(
     name="embedding_layernorm",
     cost=embedding_layernorm_cost,
-    schema="(Tensor input_ids, Tensor position_ids, Tensor? token_type_ids, Tensor word_embeddings, "
-           "Tensor position_embeddings, Tensor? token_type_embeddings, Tensor weight, Tensor bias, float eps) "
+    schema="(Tensor input_ids, Tensor? position_ids, Tensor? token_type_ids, Tensor word_embeddings, "
+           "Tensor? position_embeddings, Tensor? token_type_embeddings, Tensor weight, Tensor? bias, float eps) "
            "-> Tensor",
     fake=_fake,
     check=_check,
@@ -82,19 +91,20 @@ SPEC = declare(OpSpec(
 
 def embedding_layernorm(
     input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor | None,
     word_embeddings: torch.Tensor,
-    position_embeddings: torch.Tensor,
+    position_embeddings: torch.Tensor | None,
     token_type_embeddings: torch.Tensor | None,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     *,
     backend: str | None = "auto",
 ) -> torch.Tensor:
-    """LayerNorm(word[ids] + position[pos] + token_type[types]) -> [..., E]. Ids are not range-checked here
-    (the model checks them once per batch)."""
+    """LayerNorm(word[ids] + position[pos] + token_type[types]) -> [..., E]; positions, token types and the
+    LayerNorm bias may be None (see the module docstring). Ids are not range-checked here (the model checks them
+    once per batch)."""
     args = (input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
             weight, bias, eps)
     _check(*args)

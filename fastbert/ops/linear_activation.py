@@ -1,6 +1,7 @@
 """Linear + bias + activation (the BERT FFN's first half): act(x @ W^T + b).
 
-Activations: "gelu" (exact erf, BERT's), "gelu_tanh" (the tanh approximation), "relu".
+Activations: "gelu" (exact erf, BERT's), "gelu_tanh" (the tanh approximation), "relu", "silu" (x * sigmoid(x));
+`activation_from_hf` maps transformers' ``hidden_act`` / ``hidden_activation`` names onto them.
 Shapes: x [..., K], weight [N, K], bias [N] -> [..., N].
 """
 
@@ -12,16 +13,41 @@ import torch.nn.functional as F
 from fastbert import backends
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+
+# transformers' activation names (keys of transformers.activations.ACT2FN) -> fastbert's: those computing the same
+# function. Others ("gelu_10", "quick_gelu", "gelu_accurate", ...) compute something else and are refused.
+HF_ACTIVATIONS: dict[str, str] = {
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+
+
+def activation_from_hf(name: str) -> str:
+    """fastbert's activation name (one of `ACTIVATIONS`) for a transformers activation name (a config's
+    ``hidden_act``, ModernBERT's ``hidden_activation``); ValueError for one fastbert does not compute."""
+    if name not in HF_ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(HF_ACTIVATIONS)}")
+    return HF_ACTIVATIONS[name]
 
 
 def apply_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """One of `ACTIVATIONS` applied elementwise (the eager definition every backend is checked against)."""
     if activation == "gelu":
         return F.gelu(x)
     if activation == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
     if activation == "relu":
         return F.relu(x)
+    if activation == "silu":
+        return F.silu(x)
     raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
 
 

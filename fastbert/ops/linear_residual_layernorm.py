@@ -1,7 +1,7 @@
 """Linear + bias + residual add + LayerNorm (BERT's post-LN sublayer output): LN(x @ W^T + b + residual).
 
-Shapes: x [..., K], weight [N, K], bias [N], residual [..., N], LayerNorm weight/bias [N] -> [..., N].
-LayerNorm statistics in fp32.
+Shapes: x [..., K], weight [N, K], bias [N] | None, residual [..., N], LayerNorm weight [N] and bias [N] | None
+(None: no shift) -> [..., N]. LayerNorm statistics in fp32.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def linear_residual_layernorm_cost(tokens: int, in_features: int, out_features: 
 SPEC = declare(OpSpec(
     name="linear_residual_layernorm",
     cost=linear_residual_layernorm_cost,
-    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor ln_bias, float eps) "
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) "
            "-> Tensor",
     fake=_fake,
     check=_check,
@@ -56,11 +56,11 @@ def linear_residual_layernorm(
     bias: torch.Tensor | None,
     residual: torch.Tensor,
     ln_weight: torch.Tensor,
-    ln_bias: torch.Tensor,
+    ln_bias: torch.Tensor | None,
     eps: float,
     *,
     backend: str | None = "auto",
 ) -> torch.Tensor:
-    """LayerNorm(x @ weight.T + bias + residual) -> [..., N]."""
+    """LayerNorm(x @ weight.T + bias + residual) -> [..., N]; ``ln_bias`` None: LayerNorm without shift."""
     _check(x, weight, bias, residual, ln_weight, ln_bias, eps)
     return backends.dispatch("linear_residual_layernorm", backend, x, weight, bias, residual, ln_weight, ln_bias, eps)

@@ -1,0 +1,79 @@
+"""Linear + bias + residual add, returning the sum and its LayerNorm (the end of a pre-LN sublayer, ModernBERT's):
+
+    summed = x @ W^T + b + residual        (the new residual stream)
+    normed = LayerNorm(summed)             (the next sublayer's input: mlp_norm, the next attn_norm, final_norm)
+
+``normed`` is the LayerNorm of ``summed`` as returned (after its rounding to the dtype), so the two outputs agree
+exactly as an unfused model's would. LayerNorm statistics in fp32; ``ln_bias`` None: no shift (``norm_bias=False``).
+Shapes: x [..., K], weight [N, K], bias [N] | None, residual [..., N], ln_weight [N], ln_bias [N] | None
+-> (summed, normed), both [..., N] in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastbert import backends
+from fastbert.ops.layernorm import layer_norm_fp32
+from fastbert.ops.spec import OpCost, OpSpec, declare
+
+
+def linear_residual_prenorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    """Eager definition: Linear, + residual, then LayerNorm of that sum; returns (summed, normed)."""
+    summed = F.linear(x, weight, bias) + residual
+    return summed, layer_norm_fp32(summed, ln_weight, ln_bias, eps)
+
+
+def _check(x, weight, bias, residual, ln_weight, ln_bias, eps) -> None:
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear_residual_prenorm: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
+    width = weight.shape[0]
+    expected = (*x.shape[:-1], width)
+    if tuple(residual.shape) != expected:
+        raise ValueError(f"linear_residual_prenorm: residual must be {expected}, got {tuple(residual.shape)}")
+    for name, vector in (("bias", bias), ("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if vector is not None and tuple(vector.shape) != (width,):
+            raise ValueError(f"linear_residual_prenorm: {name} must be [{width}], got {tuple(vector.shape)}")
+
+
+def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps):
+    shape = (*x.shape[:-1], weight.shape[0])
+    return x.new_empty(shape), x.new_empty(shape)
+
+
+def linear_residual_prenorm_cost(tokens: int, in_features: int, out_features: int, dtype_bytes: int) -> OpCost:
+    """x [T, K] @ W^T + b + residual [T, N], and its LayerNorm. Bytes: x, W, b, residual, LN weight and bias, the
+    two outputs."""
+    flops = 2 * tokens * in_features * out_features + 10 * tokens * out_features
+    moved = (tokens * in_features + in_features * out_features + 3 * out_features
+             + 3 * tokens * out_features) * dtype_bytes
+    return OpCost(float(flops), float(moved))
+
+
+SPEC = declare(OpSpec(
+    name="linear_residual_prenorm",
+    cost=linear_residual_prenorm_cost,
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) "
+           "-> (Tensor, Tensor)",
+    fake=_fake,
+    check=_check,
+    eager=linear_residual_prenorm_reference,
+    reference=linear_residual_prenorm_reference,
+))
+
+
+def linear_residual_prenorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor | None,
+    eps: float,
+    *,
+    backend: str | None = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed, normed): summed = x @ weight.T + bias + residual, normed = LayerNorm(summed) -> two [..., N]."""
+    _check(x, weight, bias, residual, ln_weight, ln_bias, eps)
+    return backends.dispatch("linear_residual_prenorm", backend, x, weight, bias, residual, ln_weight, ln_bias, eps)
