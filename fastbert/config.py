@@ -14,6 +14,9 @@ from typing import Any
 
 from fastbert import families
 
+# The attention kinds of `FastBertConfig.layer_types` (transformers' names).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 # HF activation name -> fastbert activation name (the names every backend of `linear_activation` accepts).
 ACTIVATIONS: dict[str, str] = {
     "gelu": "gelu",
@@ -32,6 +35,19 @@ class FastBertConfig:
     ``embedding_size`` differs from ``hidden_size`` for ALBERT and ELECTRA (factorised embeddings projected to H).
     ``position_offset`` is RoBERTa's: position ids start at ``pad_token_id + 1`` and skip padding tokens.
     ``num_hidden_groups``/``inner_group_num`` are ALBERT's layer sharing (1/1 and unshared for the others).
+
+    The layer architecture (BERT's defaults; ModernBERT's values in brackets):
+
+    - ``norm_placement``: "post" (LayerNorm after each residual sum) [or "pre": LayerNorm before attention and
+      before the FFN, the first layer's attention reading the embedding LayerNorm's output directly, and
+      ``final_norm`` after the last layer];
+    - ``positions``: "absolute" (a learned position table added to the embeddings) [or "rotary": RoPE on q and k,
+      with ``rope_theta`` per attention kind];
+    - ``layer_types``: per layer "full_attention" or "sliding_attention" (empty: all full); a sliding layer attends
+      keys within ``local_attention // 2`` positions (``local_attention`` is transformers' total window width);
+    - ``glu``: the FFN input projection gives [input | gate] and computes act(input) * gate (GeGLU) [True];
+    - ``attention_bias`` / ``mlp_bias`` / ``norm_bias``: whether the attention Linears, the FFN Linears and the
+      LayerNorms have a bias [ModernBERT's config says; all False in ModernBERT-base].
     """
 
     model_type: str = "bert"
@@ -53,6 +69,16 @@ class FastBertConfig:
     num_labels: int = 2
     problem_type: str | None = None
     classifier_activation: str | None = None
+    norm_placement: str = "post"
+    final_norm: bool = False
+    positions: str = "absolute"
+    rope_theta: dict[str, float] = field(default_factory=dict)
+    layer_types: tuple[str, ...] = ()
+    local_attention: int | None = None
+    glu: bool = False
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    norm_bias: bool = True
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +93,55 @@ class FastBertConfig:
             )
         if self.num_hidden_layers % self.num_hidden_groups:
             raise ValueError("num_hidden_layers must be a multiple of num_hidden_groups")
+        self._check_architecture()
+
+    def _check_architecture(self) -> None:
+        """The combinations fastbert's layers implement: post-LN with absolute positions (BERT and relatives), or
+        pre-LN with rotary positions, a GLU FFN and a final norm (ModernBERT)."""
+        if self.norm_placement not in ("post", "pre"):
+            raise ValueError(f"norm_placement must be 'post' or 'pre', got {self.norm_placement!r}")
+        if self.positions not in ("absolute", "rotary"):
+            raise ValueError(f"positions must be 'absolute' or 'rotary', got {self.positions!r}")
+        pre = self.norm_placement == "pre"
+        if pre != (self.positions == "rotary") or pre != self.glu or pre != self.final_norm:
+            raise ValueError("fastbert runs post-LN layers with absolute positions, or pre-LN layers with rotary "
+                             "positions, a GLU FFN and a final LayerNorm; got norm_placement="
+                             f"{self.norm_placement!r}, positions={self.positions!r}, glu={self.glu}, "
+                             f"final_norm={self.final_norm}")
+        if self.layer_types:
+            self.layer_types = tuple(self.layer_types)
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types {unknown} are not supported; supported: {list(LAYER_TYPES)}")
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, num_hidden_layers is "
+                                 f"{self.num_hidden_layers}")
+            if "sliding_attention" in self.layer_types and (self.local_attention is None or self.local_attention < 0):
+                raise ValueError(f"sliding_attention layers need local_attention >= 0, got {self.local_attention!r}")
+        if self.positions == "rotary":
+            if self.head_dim % 2:
+                raise ValueError(f"rotary positions need an even head dimension, got {self.head_dim}")
+            kinds = set(self.layer_types or ("full_attention",))
+            missing = sorted(kinds - set(self.rope_theta))
+            if missing:
+                raise ValueError(f"rotary positions: no rope_theta for the layer types {missing}")
+            bad = [kind for kind in kinds if not self.rope_theta[kind] > 0]
+            if bad:
+                raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.shared_layers and pre:
+            raise ValueError("pre-LN layers are not shared across depth in any supported family")
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer ``index``'s attention window (total width, as `fastbert.ops.attention` takes it); None: global."""
+        if self.layer_types and self.layer_types[index] == "sliding_attention":
+            return self.local_attention
+        return None
+
+    def layer_theta(self, index: int) -> float | None:
+        """Layer ``index``'s RoPE theta (rotary positions), else None."""
+        if self.positions != "rotary":
+            return None
+        return self.rope_theta[self.layer_types[index] if self.layer_types else "full_attention"]
 
     @property
     def family(self) -> str:

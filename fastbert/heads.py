@@ -5,9 +5,10 @@ Each task model is `encoder` (a `FastBertModel`) plus one or two heads built fro
 
 - `MaskedLMHead`: dense -> activation -> LayerNorm -> decoder tied to the word embeddings (+ own bias). Its
   widths and activation cover BERT, RoBERTa, DistilBERT, ALBERT (H -> E) and ELECTRA's generator (H -> E).
-- `DenseHead`: [dense -> activation ->] linear, applied to the pooler output, the first token or every token.
-  It covers BERT's classifiers, RoBERTa/ELECTRA's classification head, DistilBERT's pre_classifier, ELECTRA's
-  discriminator and sequence summary, the span (QA) head.
+- `DenseHead`: [dense -> activation -> [LayerNorm] ->] linear, applied to the pooler output, the first token,
+  the first real token, the mean of the real tokens or every token. It covers BERT's classifiers, RoBERTa/ELECTRA's
+  classification head, DistilBERT's pre_classifier, ELECTRA's discriminator and sequence summary, the span (QA)
+  head, ModernBERT's prediction head + classifier (cls or mean pooling).
 
 Which head, on which input, with which HF parameter names, per task is one table per family (`Family.heads`, in
 the family's module of `fastbert.families`); `build_task_model` and `head_key_map` (used by
@@ -212,13 +213,13 @@ class MaskedLMHead(nn.Module):
     its own) unless the checkpoint unties them (`tied=False`: own `decoder_weight`)."""
 
     def __init__(self, hidden_size: int, width: int, vocab_size: int, activation: str, eps: float,
-                 tied: bool = True):
+                 tied: bool = True, dense_bias: bool = True, norm_bias: bool = True, decoder_bias: bool = True):
         super().__init__()
         self.activation = activation
-        self.dense = nn.Linear(hidden_size, width)
-        self.norm = nn.LayerNorm(width, eps=eps)
+        self.dense = nn.Linear(hidden_size, width, bias=dense_bias)
+        self.norm = nn.LayerNorm(width, eps=eps, bias=norm_bias)
         self.decoder_weight = None if tied else nn.Parameter(torch.empty(vocab_size, width))
-        self.decoder_bias = nn.Parameter(torch.zeros(vocab_size))
+        self.decoder_bias = nn.Parameter(torch.zeros(vocab_size)) if decoder_bias else None
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor, backend: str | None = None):
         x = self.norm(dense_activation(hidden, self.dense, self.activation, backend))
@@ -227,20 +228,26 @@ class MaskedLMHead(nn.Module):
 
 
 class DenseHead(nn.Module):
-    """[dense (in -> inner) ->] [activation ->] out (-> out_features): [..., in] -> [..., out_features]."""
+    """[dense (in -> inner) ->] [activation ->] [LayerNorm ->] out (-> out_features): [..., in] ->
+    [..., out_features]."""
 
     def __init__(self, in_features: int, out_features: int, inner_features: int | None = None,
-                 activation: str | None = None):
+                 activation: str | None = None, dense_bias: bool = True, norm_eps: float | None = None,
+                 norm_bias: bool = True):
         super().__init__()
         self.activation = activation
-        self.dense = nn.Linear(in_features, inner_features) if inner_features else None
-        self.out = nn.Linear(inner_features or in_features, out_features)
+        self.dense = nn.Linear(in_features, inner_features, bias=dense_bias) if inner_features else None
+        width = inner_features or in_features
+        self.norm = nn.LayerNorm(width, eps=norm_eps, bias=norm_bias) if norm_eps is not None else None
+        self.out = nn.Linear(width, out_features)
 
     def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         if self.dense is not None:
             x = dense_activation(x, self.dense, self.activation, backend)
         else:
             x = activate(x, self.activation)
+        if self.norm is not None:
+            x = self.norm(x)
         return self.out(x)
 
 
@@ -256,20 +263,25 @@ class MLMSpec:
     hf_norm: str
     hf_decoder: str
     hf_tied_bias: str | None  # where a tied decoder's bias is saved (BERT's cls.predictions.bias); None: decoder's own
+    # ModernBERT's head may lack the dense bias (classifier_bias), the LayerNorm bias (norm_bias), the decoder's
+    dense_bias: bool = True
+    norm_bias: bool = True
+    decoder_bias: bool = True
 
     def build(self, config: FastBertConfig) -> MaskedLMHead:
         return MaskedLMHead(config.hidden_size, self.width, config.vocab_size, self.activation, self.eps,
-                            tied=_tied(config))
+                            tied=_tied(config), dense_bias=self.dense_bias, norm_bias=self.norm_bias,
+                            decoder_bias=self.decoder_bias)
 
     def key_map(self, name: str, config: FastBertConfig) -> list[tuple[str, list[str]]]:
-        pairs = [(f"{name}.dense.{p}", [f"{self.hf_dense}.{p}"]) for p in ("weight", "bias")]
-        pairs += [(f"{name}.norm.{p}", [f"{self.hf_norm}.{p}"]) for p in ("weight", "bias")]
+        pairs = _module_keys(f"{name}.dense", self.hf_dense, self.dense_bias)
+        pairs += _module_keys(f"{name}.norm", self.hf_norm, self.norm_bias)
         if _tied(config):
             bias = self.hf_tied_bias or f"{self.hf_decoder}.bias"
         else:  # untied: transformers ties neither weight nor bias and runs the decoder Linear as saved
             pairs.append((f"{name}.decoder_weight", [f"{self.hf_decoder}.weight"]))
             bias = f"{self.hf_decoder}.bias"
-        return pairs + [(f"{name}.decoder_bias", [bias])]
+        return pairs + ([(f"{name}.decoder_bias", [bias])] if self.decoder_bias else [])
 
     def redundant_keys(self, config: FastBertConfig) -> list[str]:
         """HF keys a checkpoint may hold that carry nothing of their own: a tied decoder's copies of the word
@@ -281,24 +293,36 @@ class MLMSpec:
 
 @dataclass(frozen=True)
 class DenseSpec:
-    """A `DenseHead` on ``source`` ("pooler": the pooler output, "first": the first token, "tokens": every token)."""
+    """A `DenseHead` on ``source``: "pooler" (the pooler output), "first" (the first token), "first_real" (each
+    row's first real token), "mean" (the mean over the real tokens) or "tokens" (every token). ``hf_norm``: a
+    LayerNorm (eps ``eps``) after the activation (ModernBERT's prediction head)."""
 
     out_features: int
     source: str
     hf_out: str
     hf_dense: str | None = None
     activation: str | None = None
+    hf_norm: str | None = None
+    dense_bias: bool = True
+    norm_bias: bool = True
+    eps: float = 1e-12
 
     def build(self, config: FastBertConfig) -> DenseHead:
         inner = config.hidden_size if self.hf_dense else None
-        return DenseHead(config.hidden_size, self.out_features, inner, self.activation)
+        return DenseHead(config.hidden_size, self.out_features, inner, self.activation, self.dense_bias,
+                         self.eps if self.hf_norm else None, self.norm_bias)
 
     def key_map(self, name: str, config: FastBertConfig) -> list[tuple[str, list[str]]]:
-        parts = ([("dense", self.hf_dense)] if self.hf_dense else []) + [("out", self.hf_out)]
-        return [(f"{name}.{ours}.{p}", [f"{theirs}.{p}"]) for ours, theirs in parts for p in ("weight", "bias")]
+        pairs = _module_keys(f"{name}.dense", self.hf_dense, self.dense_bias) if self.hf_dense else []
+        pairs += _module_keys(f"{name}.norm", self.hf_norm, self.norm_bias) if self.hf_norm else []
+        return pairs + _module_keys(f"{name}.out", self.hf_out)
 
     def redundant_keys(self, config: FastBertConfig) -> list[str]:
         return []
+
+
+def _module_keys(ours: str, theirs: str, bias: bool = True) -> list[tuple[str, list[str]]]:
+    return [(f"{ours}.weight", [f"{theirs}.weight"])] + ([(f"{ours}.bias", [f"{theirs}.bias"])] if bias else [])
 
 
 def _tied(config: FastBertConfig) -> bool:
@@ -349,19 +373,33 @@ class TaskModel(nn.Module):
                             position_ids=position_ids, inputs_embeds=inputs_embeds,
                             output_hidden_states=output_hidden_states)
 
-    def _head(self, name: str, encoded: EncoderOutput) -> torch.Tensor:
-        """Run head ``name`` on its input: pooler output [B, H], first token [B, H] or every token [B, S, H]."""
+    def _head(self, name: str, encoded: EncoderOutput, attention_mask: MaybeTensor = None) -> torch.Tensor:
+        """Run head ``name`` on its input: pooler output [B, H], first token [B, H], first real token [B, H], mean
+        of the real tokens [B, H] (``attention_mask`` [B, S] says which are real; None: all) or every token
+        [B, S, H]."""
         head = getattr(self, name)
         backend = self.encoder.backend
         if isinstance(head, MaskedLMHead):
             return head(encoded.last_hidden_state, self.encoder.embeddings.word_embeddings, backend)
         source = self.sources[name]
+        hidden = encoded.last_hidden_state
         if source == "pooler":
             x = encoded.pooler_output
         elif source == "first":
-            x = encoded.last_hidden_state[:, 0]
+            x = hidden[:, 0]
+        elif source == "first_real":  # transformers: argmax of the mask (position 0 for a row without tokens)
+            first = (attention_mask.argmax(dim=-1) if attention_mask is not None
+                     else torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device))
+            x = hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
+        elif source == "mean":
+            if attention_mask is None:
+                x = hidden.mean(dim=1)
+            else:  # a select, not a product: nothing at a padded position reaches the mean
+                real = attention_mask[..., None] != 0
+                x = torch.where(real, hidden, hidden.new_zeros(())).sum(dim=1) / attention_mask.sum(
+                    dim=1, keepdim=True).to(hidden.dtype)
         else:
-            x = encoded.last_hidden_state
+            x = hidden
         return head(x, backend)
 
 
@@ -445,7 +483,7 @@ class ForSequenceClassification(TaskModel):
         (regression, num_labels == 1); config.problem_type overrides the choice."""
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_hidden_states)
-        logits = self._head("classifier", encoded)
+        logits = self._head("classifier", encoded, attention_mask)
         loss = None
         if labels is not None:
             loss = sequence_classification_loss(logits, labels, self.config.problem_type)
@@ -501,7 +539,7 @@ class ForMultipleChoice(TaskModel):
 
         encoded = self._encode(flat(input_ids), flat(attention_mask), flat(token_type_ids), flat(position_ids),
                                flat(inputs_embeds), output_hidden_states)
-        logits = self._head("classifier", encoded).view(-1, num_choices)
+        logits = self._head("classifier", encoded, flat(attention_mask)).view(-1, num_choices)
         loss = token_cross_entropy(logits, labels) if labels is not None else None
         return MultipleChoiceOutput(loss, logits, encoded.hidden_states)
 

@@ -25,34 +25,43 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded: a file missing, keys missing or unexpected, wrong shapes."""
 
 
-def _linear(ours: str, theirs: str) -> list[tuple[str, list[str]]]:
-    return [(f"{ours}_weight", [f"{theirs}.weight"]), (f"{ours}_bias", [f"{theirs}.bias"])]
+def _module_params(ours: str, theirs: str, bias: bool = True) -> list[tuple[str, list[str]]]:
+    """fastbert's ``<ours>_weight`` (and ``<ours>_bias``) from the HF module ``theirs``."""
+    return [(f"{ours}_weight", [f"{theirs}.weight"])] + ([(f"{ours}_bias", [f"{theirs}.bias"])] if bias else [])
 
 
 def encoder_key_map(config: FastBertConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
-    """[(fastbert key, [HF keys concatenated along dim 0])] for the encoder, HF keys under ``prefix``."""
+    """[(fastbert key, [HF keys concatenated along dim 0])] for the encoder, HF keys under ``prefix``. Biases
+    appear where the config says the modules have them (`FastBertConfig.attention_bias` / ``mlp_bias`` /
+    ``norm_bias``); pre-LN's first layer has no attention norm (it reads the embedding LayerNorm's output)."""
     p = prefix
     family = families.get(config.model_type)
-    emb = f"{p}embeddings."
-    pairs = [
-        ("embeddings.word_embeddings", [f"{emb}word_embeddings.weight"]),
-        ("embeddings.position_embeddings", [f"{emb}position_embeddings.weight"]),
-        ("embeddings.norm_weight", [f"{emb}LayerNorm.weight"]),
-        ("embeddings.norm_bias", [f"{emb}LayerNorm.bias"]),
-    ]
+    emb = {part: f"{p}{name}" for part, name in family.embedding_params.items()}
+    pairs = [("embeddings.word_embeddings", [f"{emb['word']}.weight"])]
+    if config.positions == "absolute":
+        pairs.append(("embeddings.position_embeddings", [f"{emb['position']}.weight"]))
+    pairs += _module_params("embeddings.norm", emb["norm"], config.norm_bias)
     if config.type_vocab_size:
-        pairs.append(("embeddings.token_type_embeddings", [f"{emb}token_type_embeddings.weight"]))
+        pairs.append(("embeddings.token_type_embeddings", [f"{emb['token_type']}.weight"]))
     if config.embedding_size != config.hidden_size:
         proj = f"{p}{family.embed_proj}"
         pairs += [("embed_proj.weight", [f"{proj}.weight"]), ("embed_proj.bias", [f"{proj}.bias"])]
+    biases = {"qkv": config.attention_bias, "attn_out": config.attention_bias, "attn_norm": config.norm_bias,
+              "ffn_in": config.mlp_bias, "ffn_out": config.mlp_bias, "ffn_norm": config.norm_bias}
     for index in range(config.num_unique_layers):
         ours = f"layers.{index}."
         layer = f"{p}{family.layer(config, index)}."
         names = {role: layer + name for role, name in family.layer_params.items()}
-        for part in ("weight", "bias"):
-            pairs.append((f"{ours}qkv_{part}", [f"{names[n]}.{part}" for n in "qkv"]))
-        for name in ("attn_out", "attn_norm", "ffn_in", "ffn_out", "ffn_norm"):
-            pairs += [(f"{ours}{key}", theirs) for key, theirs in _linear(name, names[name])]
+        packed = [names[families.PACKED_QKV_ROLE]] if families.PACKED_QKV_ROLE in names else [names[n] for n in "qkv"]
+        pairs.append((f"{ours}qkv_weight", [f"{name}.weight" for name in packed]))
+        if biases["qkv"]:
+            pairs.append((f"{ours}qkv_bias", [f"{name}.bias" for name in packed]))
+        for role in ("attn_out", "attn_norm", "ffn_in", "ffn_out", "ffn_norm"):
+            if role == "attn_norm" and config.norm_placement == "pre" and index == 0:
+                continue
+            pairs += _module_params(f"{ours}{role}", names[role], biases[role])
+    if config.final_norm:
+        pairs += _module_params("final_norm", f"{p}{family.final_norm}", config.norm_bias)
     if config.has_pooler:
         pooler = f"{p}{family.pooler}"
         pairs += [("pooler.weight", [f"{pooler}.weight"]), ("pooler.bias", [f"{pooler}.bias"])]

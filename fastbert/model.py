@@ -1,4 +1,4 @@
-"""fastbert's BERT-family encoder: embeddings, post-LN encoder stack, pooler.
+"""fastbert's BERT-family encoder: embeddings, the layer stack (post-LN, or ModernBERT's pre-LN), pooler.
 
 The encoder removes padding once at the entry (from ``attention_mask``), runs every token-wise op on
 [total_tokens, H] with packed variable-length attention, and restores padding once at the exit; padded positions
@@ -33,27 +33,39 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape))
 
 
+def _weight_and_bias(module: nn.Module, role: str, shape: tuple[int, ...], has_bias: bool) -> None:
+    """Parameters ``<role>_weight`` [shape] and ``<role>_bias`` [shape[0]], the bias registered as None when the
+    checkpoint has none (so that ``module._parameters[...]`` always finds it)."""
+    module.register_parameter(f"{role}_weight", _param(*shape))
+    module.register_parameter(f"{role}_bias", _param(shape[0]) if has_bias else None)
+
+
 class Embeddings(nn.Module):
-    """Word + token type + learned absolute position embeddings, then LayerNorm (width E)."""
+    """Word (+ token type) (+ learned absolute position) embeddings, then LayerNorm (width E). Rotary models have
+    no position table, DistilBERT and ModernBERT no token types, ModernBERT may have no LayerNorm bias."""
 
     def __init__(self, config: FastBertConfig):
         super().__init__()
         width = config.embedding_size
         self.word_embeddings = _param(config.vocab_size, width)
-        self.position_embeddings = _param(config.max_position_embeddings, width)
+        absolute = config.positions == "absolute"
+        self.position_embeddings = _param(config.max_position_embeddings, width) if absolute else None
         self.token_type_embeddings = _param(config.type_vocab_size, width) if config.type_vocab_size else None
-        self.norm_weight = _param(width)
-        self.norm_bias = _param(width)
+        _weight_and_bias(self, "norm", (width,), config.norm_bias)
         self.eps = config.layer_norm_eps
 
     def forward(self, input_ids, position_ids, token_type_ids, table: backends.OpTable) -> torch.Tensor:
+        if self.position_embeddings is None:  # rotary positions: they act in attention, not here
+            position_ids = None
         return table.embedding_layernorm(input_ids, position_ids, token_type_ids, self.word_embeddings,
                                          self.position_embeddings, self.token_type_embeddings, self.norm_weight,
                                          self.norm_bias, self.eps)
 
     def from_inputs_embeds(self, inputs_embeds, position_ids, token_type_ids) -> torch.Tensor:
         """The same sum and LayerNorm for user-given word vectors (eager: there is nothing to gather)."""
-        summed = inputs_embeds + nn.functional.embedding(position_ids, self.position_embeddings)
+        summed = inputs_embeds
+        if self.position_embeddings is not None:
+            summed = summed + nn.functional.embedding(position_ids, self.position_embeddings)
         if self.token_type_embeddings is not None:
             summed = summed + nn.functional.embedding(token_type_ids, self.token_type_embeddings)
         return nn.functional.layer_norm(summed, summed.shape[-1:], self.norm_weight, self.norm_bias, self.eps)
@@ -96,6 +108,62 @@ class EncoderLayer(nn.Module):
                                                p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps)
 
 
+class PreNormLayer(nn.Module):
+    """ModernBERT's pre-LN layer: x + Wo(attention(rotary(Wqkv(attn_norm(x))))), then
+    x + Wo(act(input) * gate) with [input | gate] = Wi(mlp_norm(x)) (GeGLU).
+
+    The LayerNorm before each block is fused into the op that ends the block before it: the layer takes the
+    residual stream and its normed copy and returns both, the normed one by the *next* norm, whose parameters the
+    caller passes (the next layer's ``attn_norm``, or the model's final norm after the last layer). So this layer's
+    own ``attn_norm`` is applied by the layer before it; the first layer has none (its attention reads the
+    embedding LayerNorm's output). Sliding-window layers attend keys within ``window // 2`` positions."""
+
+    def __init__(self, config: FastBertConfig, index: int):
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.num_heads = config.num_attention_heads
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.activation = config.activation
+        self.eps = config.layer_norm_eps
+        self.window = config.layer_window(index)
+        self.theta = config.layer_theta(index)
+
+        shapes = {"qkv": ((3 * hidden, hidden), config.attention_bias),
+                  "attn_out": ((hidden, hidden), config.attention_bias),
+                  "attn_norm": ((hidden,), config.norm_bias),
+                  "ffn_norm": ((hidden,), config.norm_bias),
+                  "ffn_in": ((2 * inner, hidden), config.mlp_bias),  # rows: [input | gate]
+                  "ffn_out": ((hidden, inner), config.mlp_bias)}
+        if index == 0:
+            del shapes["attn_norm"]
+        for role, (shape, has_bias) in shapes.items():
+            _weight_and_bias(self, role, shape, has_bias)
+
+    def forward(self, x: torch.Tensor, normed: torch.Tensor, varlen: VarlenBatch,
+                key_padding_mask: torch.Tensor | None, table: backends.OpTable, positions: torch.Tensor,
+                rotary: dict, next_norm_weight: torch.Tensor, next_norm_bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, H] (packed, or [B*S, H] with key_padding_mask [B, S]); normed: x through
+        this layer's attention norm; positions [T]: each token's position in its sequence; rotary: theta ->
+        (cos, sin) tables. Returns (x after the layer, that x through the next norm)."""
+        tokens, hidden = x.shape
+        p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
+        cos, sin = rotary[self.theta]
+        q, k, v = table.qkv_rotary(normed, p["qkv_weight"], p["qkv_bias"], self.num_heads, positions, cos, sin)
+        if key_padding_mask is None:
+            context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale, self.window)
+        else:
+            shape = (varlen.batch, varlen.seqlen, self.num_heads, hidden // self.num_heads)
+            context = table.attention(q.view(shape), k.view(shape), v.view(shape), None, None, key_padding_mask,
+                                      self.scale, self.window)
+        x, normed = table.linear_residual_prenorm(context.view(tokens, hidden), p["attn_out_weight"],
+                                                  p["attn_out_bias"], x, p["ffn_norm_weight"], p["ffn_norm_bias"],
+                                                  self.eps)
+        inner = table.linear_glu(normed, p["ffn_in_weight"], p["ffn_in_bias"], self.activation)
+        return table.linear_residual_prenorm(inner, p["ffn_out_weight"], p["ffn_out_bias"], x, next_norm_weight,
+                                             next_norm_bias, self.eps)
+
+
 def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int,
                              check_values: bool = True) -> torch.Tensor | None:
     """Check a user's [B, S] attention mask (1 = token, 0 = padding) and return it as bool."""
@@ -131,8 +199,14 @@ class FastBertModel(nn.Module):
         self.embeddings = Embeddings(config)
         self.embed_proj = (nn.Linear(config.embedding_size, config.hidden_size)
                            if config.embedding_size != config.hidden_size else None)
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_unique_layers))
+        self.pre_norm = config.norm_placement == "pre"
+        if self.pre_norm:
+            self.layers = nn.ModuleList(PreNormLayer(config, index) for index in range(config.num_unique_layers))
+        else:
+            self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_unique_layers))
         self.schedule = config.layer_schedule()
+        if config.final_norm:
+            _weight_and_bias(self, "final_norm", (config.hidden_size,), config.norm_bias)
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if config.has_pooler else None
 
     # ----------------------------------------------------------------------------------------------- inputs
@@ -245,6 +319,8 @@ class FastBertModel(nn.Module):
             x = self.embeddings(tokens, positions, types, table)
         if self.embed_proj is not None:
             x = self.embed_proj(x)
+        if self.pre_norm:
+            return self._pre_norm_stack(x, positions, varlen, key_padding_mask, table, all_states)
         states = [x]
         layers = self.layers._modules  # by string key: ModuleList indexing costs microseconds per layer
         for index in self.schedule:
@@ -252,6 +328,44 @@ class FastBertModel(nn.Module):
             if all_states:
                 states.append(x)
         return states if all_states else [x]
+
+    def _pre_norm_stack(self, x: torch.Tensor, positions: torch.Tensor, varlen: VarlenBatch,
+                        key_padding_mask: torch.Tensor | None, table, all_states: bool) -> list[torch.Tensor]:
+        """The pre-LN stack: each layer ends with the norm the next one starts with (the final norm after the
+        last). States as transformers reports them: the embeddings, each layer's residual stream, and the last
+        one after the final norm (transformers ties hidden_states[-1] to last_hidden_state)."""
+        rotary = self.rotary_tables(x.device)
+        layers = self.layers._modules
+        states, normed = [x], x  # the first layer's attention reads the embedding LayerNorm's output
+        own = self._parameters
+        for step, index in enumerate(self.schedule):
+            if step + 1 < len(self.schedule):
+                upcoming = layers[str(self.schedule[step + 1])]._parameters
+                weight, bias = upcoming["attn_norm_weight"], upcoming["attn_norm_bias"]
+            else:
+                weight, bias = own["final_norm_weight"], own["final_norm_bias"]
+            x, normed = layers[str(index)](x, normed, varlen, key_padding_mask, table, positions, rotary, weight,
+                                           bias)
+            if all_states:
+                states.append(x)
+        if all_states:
+            states[-1] = normed
+            return states
+        return [normed]
+
+    def rotary_tables(self, device: torch.device) -> dict[float, tuple[torch.Tensor, torch.Tensor]]:
+        """theta -> (cos, sin) float32 [max_position_embeddings, head_dim / 2] for every RoPE theta the layers
+        use, on ``device`` (shared, cached: `fastbert.ops.qkv_rotary.rotary_tables`)."""
+        cache = self.__dict__.setdefault("_rotary", {})
+        tables = cache.get(device)
+        if tables is None:
+            from fastbert.ops.qkv_rotary import rotary_tables
+
+            cfg = self.config
+            thetas = {layer.theta for layer in self.layers}
+            tables = cache[device] = {theta: rotary_tables(theta, cfg.head_dim, cfg.max_position_embeddings, device)
+                                      for theta in thetas}
+        return tables
 
     def op_table(self, like: torch.Tensor) -> backends.OpTable | backends.PerCallDispatch:
         """The ops for tensors like ``like`` under the current grad mode: resolved once per (device, dtype, grad
@@ -271,6 +385,7 @@ class FastBertModel(nn.Module):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("_op_tables", None)  # resolved per process
+        state.pop("_rotary", None)
         return state
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -218,7 +218,8 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
     # but a config edited by hand would otherwise let an id past the table through the range check.
     rows = {ours: found[theirs[0]].shape[0] for ours, theirs in pairs if len(theirs) == 1}
     config.vocab_size = rows["embeddings.word_embeddings"]
-    config.max_position_embeddings = rows["embeddings.position_embeddings"]
+    if "embeddings.position_embeddings" in rows:  # rotary models have no table: the config's length stands
+        config.max_position_embeddings = rows["embeddings.position_embeddings"]
     if config.type_vocab_size:
         config.type_vocab_size = rows["embeddings.token_type_embeddings"]
     with torch.device("meta"):
@@ -298,11 +299,14 @@ def _read_modules(base: nn.Module, config: FastBertConfig, pairs, links: dict, w
         layer = family.layer(config, index)
         attn = _module(base, f"{layer}.{family.attention}")
         heads = getattr(attn, "num_attention_heads", getattr(attn, "n_heads", None))
+        head_dim = getattr(attn, "head_dim", None)
+        if heads is None and isinstance(head_dim, int) and head_dim > 0:  # ModernBERT's holds the head size only
+            heads = config.hidden_size // head_dim
         if not isinstance(heads, int) or heads <= 0 or config.hidden_size % heads:
             return f"attention module {type(attn).__name__} with {heads!r} heads"
         scale = float(getattr(attn, "scaling", (config.hidden_size // heads) ** -0.5))
-        watched += [(attn, name, getattr(attn, name)) for name in ("num_attention_heads", "n_heads", "scaling")
-                    if hasattr(attn, name)]
+        watched += [(attn, name, getattr(attn, name)) for name in ("num_attention_heads", "n_heads", "head_dim",
+                                                                   "scaling") if hasattr(attn, name)]
         attention.append((heads, scale))
         parent_path, _, act_name = f"{layer}.{family.ffn_activation}".rpartition(".")
         parent = _module(base, parent_path)

@@ -18,6 +18,12 @@ FAMILIES = {
     "albert": ("AlbertConfig", {"embedding_size": 16, "num_hidden_groups": 2, "inner_group_num": 1,
                                 "num_hidden_layers": 4, "hidden_act": "gelu_new"}, "Albert"),
     "electra": ("ElectraConfig", {"embedding_size": 24}, "Electra"),
+    # 3 layers: global, sliding, sliding (window 4: +-2 positions, shorter than the test batches); every bias
+    # present (tests/test_modernbert.py covers ModernBERT-base's bias-free default)
+    "modernbert": ("ModernBertConfig", {"num_hidden_layers": 3, "local_attention": 4, "norm_bias": True,
+                                        "attention_bias": True, "mlp_bias": True, "classifier_bias": True,
+                                        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1,
+                                        "sep_token_id": 2}, "ModernBert"),
 }
 HEADS = {
     "bert": ["Model", "ForMaskedLM", "ForNextSentencePrediction", "ForPreTraining", "ForSequenceClassification",
@@ -32,6 +38,7 @@ HEADS = {
                 "ForQuestionAnswering", "ForMultipleChoice"],
 }
 HEADS["xlm-roberta"] = HEADS["camembert"] = HEADS["roberta"]
+HEADS["modernbert"] = HEADS["distilbert"]
 
 
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
@@ -40,6 +47,9 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     if family == "distilbert":
         fields = dict(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=37,
                       max_position_embeddings=MAX_POSITIONS)
+    elif family == "modernbert":  # no token types
+        fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=37, max_position_embeddings=MAX_POSITIONS)
     else:
         fields = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       intermediate_size=37, max_position_embeddings=MAX_POSITIONS, type_vocab_size=2)

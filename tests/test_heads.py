@@ -34,6 +34,7 @@ FAMILY_TASKS = {
     "distilbert": NO_PAIR_TASKS,
     "albert": ("masked-lm", "pretraining") + NO_PAIR_TASKS[1:],
     "electra": ("masked-lm", "pretraining") + NO_PAIR_TASKS[1:],
+    "modernbert": NO_PAIR_TASKS,
 }
 # (output field, per token?) compared for each task; "pretraining" differs per family.
 FIELDS = {
@@ -180,7 +181,7 @@ def test_sequence_classification_losses(family, variant, tmp_path):
     compare(family, task, hf_model, model, batch, labels, FIELDS[task])
 
 
-@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert", "electra"])
+@pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "albert", "electra", "modernbert"])
 def test_untied_decoder(family, tmp_path):
     """tie_word_embeddings=False: the MLM decoder has its own weight (and, for BERT/RoBERTa/ALBERT, bias; their
     head's separate `bias`, unused by transformers then, is skipped without a warning)."""

@@ -22,8 +22,14 @@ if TYPE_CHECKING:
     HeadTable = dict[str, dict[str, MLMSpec | DenseSpec]]
 
 # The parts of an encoder layer that `Family.layer_params` names (fastbert's parameters are "<role>_weight" and
-# "<role>_bias", except q/k/v, which are concatenated into "qkv_weight"/"qkv_bias").
+# "<role>_bias", except q/k/v, which are concatenated into "qkv_weight"/"qkv_bias"). A family whose checkpoints
+# hold Q, K and V as one packed Linear (ModernBERT's Wqkv) names it as the role "qkv" instead of q, k and v.
 LAYER_ROLES = ("q", "k", "v", "attn_out", "attn_norm", "ffn_in", "ffn_out", "ffn_norm")
+PACKED_QKV_ROLE = "qkv"
+# The embedding parts that `Family.embedding_params` names: the tables ("word", "position", "token_type": the
+# nn.Embedding modules) and the LayerNorm after their sum ("norm"). BERT's names are the default.
+BERT_EMBEDDING_PARAMS = {"word": "embeddings.word_embeddings", "position": "embeddings.position_embeddings",
+                         "token_type": "embeddings.token_type_embeddings", "norm": "embeddings.LayerNorm"}
 
 
 def _no_check(config: FastBertConfig, task: str) -> None:
@@ -46,7 +52,9 @@ class Family:
     config_fields: Callable[[dict[str, Any]], dict[str, Any]]
     # (config, index of a unique layer) -> the path of that layer ("encoder.layer.3").
     layer: Callable[[FastBertConfig, int], str]
-    # role (`LAYER_ROLES`) -> the Linear / LayerNorm module of that role, under the layer.
+    # role (`LAYER_ROLES`, or "qkv" in place of q/k/v) -> the Linear / LayerNorm module of that role, under the
+    # layer. Which of them hold a bias, and whether pre-LN's first layer has an attention norm, is the config's
+    # (`FastBertConfig.attention_bias` / `mlp_bias` / `norm_bias` / `norm_placement`).
     layer_params: Mapping[str, str]
     # The attention module (it holds the number of heads and the scaling), under the layer.
     attention: str
@@ -66,6 +74,11 @@ class Family:
     pooler: str = "pooler.dense"
     # RoBERTa's positions: ids start at pad_token_id + 1 and skip padding tokens (the embeddings' padding_idx).
     offset_positions: bool = False
+    # The embedding modules by part ("word", "position", "token_type", "norm"); a family without a position or
+    # token type table (rotary positions, `type_vocab_size == 0`) leaves those parts unused.
+    embedding_params: Mapping[str, str] = field(default_factory=lambda: dict(BERT_EMBEDDING_PARAMS))
+    # The LayerNorm after the last layer (pre-LN stacks: `FastBertConfig.final_norm`), when the family has one.
+    final_norm: str | None = None
     # (config, task) -> raises ValueError for a head configuration the family's table cannot express.
     check_task: Callable[[FastBertConfig, str], None] = field(default=_no_check)
 
@@ -78,7 +91,10 @@ def register(family: Family) -> Family:
     taken = [t for t in family.model_types if t in _REGISTRY and _REGISTRY[t].name != family.name]
     if taken:
         raise ValueError(f"model types {taken} are already registered (family {_REGISTRY[taken[0]].name!r})")
-    missing = [role for role in LAYER_ROLES if role not in family.layer_params]
+    roles = set(family.layer_params)
+    if PACKED_QKV_ROLE in roles:  # one packed Linear stands for q, k and v
+        roles |= {"q", "k", "v"}
+    missing = [role for role in LAYER_ROLES if role not in roles]
     if missing:
         raise ValueError(f"family {family.name!r} names no module for the layer roles {missing}")
     for model_type in family.model_types:
@@ -105,5 +121,6 @@ from fastbert.families import (  # noqa: E402 - the modules import Family and re
     bert,  # noqa: F401
     distilbert,  # noqa: F401
     electra,  # noqa: F401
+    modernbert,  # noqa: F401
     roberta,  # noqa: F401
 )
