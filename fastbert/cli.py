@@ -3,7 +3,7 @@
     fastbert                      demo: the embedded all-MiniLM-L6-v2 on real sentences, transformers vs fastbert
     fastbert demo [options]       the same, with options
     fastbert check [options]      fastbert against transformers on a checkpoint: errors, PASS/FAIL (exit 1 on FAIL)
-    fastbert embed TEXT...        sentence embeddings (mean pooling, normalised) as JSON lines, or --similarity
+    fastbert embed [TEXT...]      embeddings of texts or a corpus (streaming, resumable, --ray), or --similarity
     fastbert bench [options]      end-to-end benchmark against HF eager/SDPA, torch.compile, ONNX Runtime
 
 Errors the user can fix (a missing path, an unsupported model family, a device that is not there, a bad dtype)
@@ -14,17 +14,20 @@ are imported inside the commands, so ``fastbert --help`` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastbert import __version__, numerics
+from fastbert import embed as embedding
 from fastbert.backends import BACKENDS, BackendUnavailable
 from fastbert.bench import e2e, peers, recording, report, timing
 from fastbert.bench.workloads import Workload
+from fastbert.embed import FORMATS, POOLINGS
 from fastbert.loading import CheckpointError
 from fastbert.resolve import UserError, model_name, resolve_device, resolve_dtype, resolve_model
 from fastbert.text import SENTENCES, TextEncoder, mean_pool
@@ -65,10 +68,62 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="compare fastbert with transformers on a checkpoint; PASS/FAIL")
     _add_model_options(check)
 
-    embed = commands.add_parser("embed", help="sentence embeddings (mean pooling, L2-normalised)")
-    embed.add_argument("texts", nargs="*", metavar="TEXT", help="sentences; none: one per line from stdin")
+    embed = commands.add_parser(
+        "embed", help="embed texts or a whole corpus: streaming, one output row per input row, resumable",
+        description="Embeddings of TEXT arguments, or of every row of --input (a text file with one text per line, "
+        "JSONL, or stdin), written as they are computed, in input order: a blank text gives a null row, never a "
+        "skipped one. Texts are sorted by length within a window of rows and batched by a token budget on the "
+        "padding-free encoder. A progress line and a summary go to stderr.")
+    embed.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (none: read --input, default stdin)")
     _add_model_options(embed)
-    embed.add_argument("--similarity", action="store_true", help="print the cosine similarity matrix instead")
+    embed.add_argument("-i", "--input", metavar="FILE", default=None,
+                       help="one text per line, or JSONL with --field; '-' = stdin (the default without TEXT)")
+    embed.add_argument("--input-format", choices=("auto", "text", "jsonl"), default="auto",
+                       help="auto (default): jsonl for *.jsonl / *.ndjson, else text")
+    embed.add_argument("--field", default="text", help="JSONL: the field holding the text (default: text)")
+    embed.add_argument("--id-field", default=None,
+                       help="JSONL: the field written as each row's id (default: the line number)")
+    embed.add_argument("-o", "--output", metavar="FILE", default=None,
+                       help="one output file, written as rows are done; format from the extension (.jsonl, .npy, "
+                       ".parquet) or --format (default: JSONL on stdout)")
+    embed.add_argument("--output-dir", metavar="DIR", default=None,
+                       help="write shards (one per window) and manifest.json, each atomically: resumable with "
+                       "--resume")
+    embed.add_argument("--format", choices=FORMATS, default=None,
+                       help="output format (default: from --output's extension; jsonl otherwise)")
+    embed.add_argument("--output-dtype", choices=("float32", "float16"), default="float32",
+                       help="npy/parquet value type (default float32)")
+    embed.add_argument("--resume", action="store_true",
+                       help="continue the interrupted run in --output-dir (same input and settings) after its last "
+                       "complete shard")
+    embed.add_argument("--pooling", choices=POOLINGS, default="mean",
+                       help="mean over real tokens (default; sentence-transformers') or cls")
+    embed.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                       help="L2-normalise each embedding (default: on)")
+    embed.add_argument("--max-length", type=int, default=None,
+                       help="tokens per text, longer texts truncated and counted (default: the checkpoint's "
+                       "sentence-transformers max_seq_length, else the model's limit)")
+    embed.add_argument("--max-batch-tokens", type=int, default=8192,
+                       help="token budget per batch: texts x longest text of the batch (default 8192)")
+    embed.add_argument("--batch-size", type=int, default=None, help="at most this many texts per batch")
+    embed.add_argument("--window-rows", type=int, default=None,
+                       help="rows read, sorted and written together; one shard each with --output-dir (default "
+                       "2048; with --ray 16384)")
+    embed.add_argument("--on-blank", choices=("null", "error"), default="null",
+                       help="a blank text: a null row (default) or stop with its line number")
+    embed.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress on stderr (default: on when stderr is a terminal)")
+    embed.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    embed.add_argument("--ray", action="store_true",
+                       help="embed on a Ray cluster (fastbert.ray.RayEmbedder actors; pip install 'fastbert[ray]')")
+    embed.add_argument("--ray-address", default=None,
+                       help="the cluster to join, e.g. ray://head:10001 or auto (default: RAY_ADDRESS, else a new "
+                       "local cluster)")
+    embed.add_argument("--ray-actors", type=int, default=1, help="model replicas on Ray (default 1)")
+    embed.add_argument("--ray-cpus", type=float, default=1.0, help="CPUs per Ray actor (default 1)")
+    embed.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per Ray actor (default 0)")
+    embed.add_argument("--similarity", action="store_true",
+                       help="print the cosine similarity matrix of the TEXTs instead")
 
     bench = commands.add_parser("bench", help="end-to-end benchmark against transformers, torch.compile, ONNX "
                                 "Runtime")
@@ -263,25 +318,125 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- embed
-def cmd_embed(args: argparse.Namespace) -> int:
-    """Sentence embeddings with fastbert (no transformers needed): JSON lines or a cosine similarity matrix."""
-    texts = list(args.texts) or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+def _embed_output_format(args: argparse.Namespace) -> str:
+    if args.format is not None:
+        return args.format
+    if args.output is not None:
+        suffix = Path(args.output).suffix.lower().lstrip(".")
+        if suffix in FORMATS:
+            return suffix
+        if suffix in ("json", "ndjson"):
+            return "jsonl"
+        raise UserError(f"cannot tell the format of --output {args.output}: give --format or use .jsonl, .npy or "
+                        ".parquet")
+    return "jsonl"
+
+
+def _embed_rows(args: argparse.Namespace):
+    """The input rows (and a byte counter and size for progress)."""
+    if args.texts:
+        if args.input is not None:
+            raise UserError("give TEXT arguments or --input, not both")
+        rows = (embedding.Row(i, i, t if t.strip() else None) for i, t in enumerate(args.texts, start=1))
+        return rows, None, None, None
+    path = args.input or "-"
+    input_format = args.input_format
+    if input_format == "auto":
+        input_format = "jsonl" if path.lower().endswith((".jsonl", ".ndjson")) else "text"
+    if args.id_field is not None and input_format != "jsonl":
+        raise UserError("--id-field needs JSONL input")
+    counter, size, name = embedding.open_input(path)
+    rows = embedding.read_rows(counter, input_format, args.field, args.id_field, name)
+    return rows, counter, size, counter.stream
+
+
+def _similarity(args: argparse.Namespace, embedder) -> int:
+    texts = list(args.texts)
     if not texts:
-        raise UserError("embed needs at least one TEXT (or lines on stdin)")
-    model_dir, config = resolve_model(args.model)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype or "float32", device)
-    model = _load_fastbert(model_dir, dtype, device, args.backend)
-    batch = TextEncoder(model_dir, config)(texts, device)
-    embeddings = mean_pool(_forward(model, batch).last_hidden_state, batch["attention_mask"]).cpu()
+        raise UserError("--similarity needs TEXT arguments")
+    vectors, _ = embedder.embed([t if t.strip() else None for t in texts])
+    matrix = torch.from_numpy(vectors) @ torch.from_numpy(vectors).T
+    labels = [f"[{i}] " + (t if len(t) <= 48 else t[:45] + "...") for i, t in enumerate(texts)]
+    rows = [[label] + [f"{float(v):.3f}" for v in row] for label, row in zip(labels, matrix, strict=True)]
+    print(report.format_table(["text"] + [f"[{i}]" for i in range(len(texts))], rows))
+    return 0
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    """Embed TEXT arguments or a corpus (fastbert.embed): one output row per input row, in input order."""
+    started = time.perf_counter()
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    if args.output is not None and args.output_dir is not None:
+        raise UserError("give --output or --output-dir, not both")
+    if args.resume and args.output_dir is None:
+        raise UserError("--resume continues an --output-dir run; give --output-dir")
+    output_format = _embed_output_format(args)
+    options = dict(model_dir=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
+                   pooling=args.pooling, normalize=args.normalize, max_length=args.max_length,
+                   max_batch_tokens=args.max_batch_tokens, max_batch_size=args.batch_size)
+    if args.ray:
+        from fastbert.ray import RayClusterEmbedder
+
+        embedder = RayClusterEmbedder(options, actors=args.ray_actors, address=args.ray_address,
+                                      cpus_per_actor=args.ray_cpus, gpus_per_actor=args.ray_gpus)
+        window_rows = args.window_rows or 16384
+    else:
+        embedder = embedding.Embedder(**options)
+        window_rows = args.window_rows or 2048
     if args.similarity:
-        matrix = embeddings @ embeddings.T
-        labels = [f"[{i}] " + (t if len(t) <= 48 else t[:45] + "...") for i, t in enumerate(texts)]
-        rows = [[label] + [f"{float(v):.3f}" for v in row] for label, row in zip(labels, matrix, strict=True)]
-        print(report.format_table(["text"] + [f"[{i}]" for i in range(len(texts))], rows))
-        return 0
-    for text, vector in zip(texts, embeddings.tolist(), strict=True):
-        print(json.dumps({"text": text, "embedding": [round(v, 7) for v in vector]}))
+        return _similarity(args, embedder)
+    rows, counter, size, stream = _embed_rows(args)
+    settings = {**embedder.settings(), "window_rows": window_rows, "input": args.input or "-",
+                "input_format": args.input_format, "field": args.field, "id_field": args.id_field}
+    string_ids = args.id_field is not None
+    dtype = np.float16 if args.output_dtype == "float16" else np.float32
+    initial = None
+    if args.output_dir is not None:
+        output = embedding.ShardedOutput(args.output_dir, output_format, embedder.dimension, dtype, settings,
+                                         resume=args.resume, string_ids=string_ids)
+        if args.resume:
+            if output.manifest["complete"]:
+                sys.stderr.write(f"fastbert embed: {args.output_dir} is complete ({output.rows_done:,} rows); "
+                                 "nothing to resume\n")
+                return 0
+            embedding.skip_rows(rows, output.rows_done)
+            initial = output.stats()
+            sys.stderr.write(f"fastbert embed: resuming after row {output.rows_done:,} "
+                             f"({len(output.manifest['shards'])} shards done)\n")
+    else:
+        output = embedding.FileOutput(args.output, output_format, embedder.dimension, dtype, string_ids)
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    progress = embedding.Progress(size, show)
+    error = None
+    try:
+        stats = embedding.run(embedder, rows, output, window_rows, progress,
+                              bytes_read=(lambda: counter.bytes_read) if counter is not None else (lambda: 0),
+                              blank=args.on_blank, initial=initial)
+    except embedding.InputError as err:
+        error, stats = err, None
+    finally:
+        if stream is not None and stream is not sys.stdin.buffer:
+            stream.close()
+        if isinstance(output, embedding.FileOutput):
+            output.close()
+    if error is not None:
+        written = output.rows_done if isinstance(output, embedding.ShardedOutput) else output.rows
+        raise UserError(f"{error} ({written:,} rows before it were written to {output.describe()} and are valid)")
+    if isinstance(output, embedding.ShardedOutput):
+        output.finish(stats)
+    elapsed = time.perf_counter() - started
+    if stats.truncated:
+        lines = ", ".join(str(n) for n in stats.truncated_lines) + (", ..." if stats.truncated > 10 else "")
+        limit = embedder.settings()["max_length"]
+        sys.stderr.write(f"fastbert: warning: {stats.truncated:,} texts were longer than {limit} tokens and were "
+                         f"truncated (lines {lines}); --max-length sets the limit\n")
+    sys.stderr.write(f"fastbert embed: {stats.rows:,} rows -> {output.describe()}: {stats.embedded:,} embedded, "
+                     f"{stats.null_rows:,} null (blank), {stats.truncated:,} truncated; {stats.tokens:,} tokens in "
+                     f"{elapsed:.1f} s ({stats.embedded / elapsed:,.0f} texts/s, {stats.tokens / elapsed:,.0f} "
+                     "tokens/s, model load included)\n")
     return 0
 
 
