@@ -7,6 +7,7 @@ dispatched op with `fastbert.backends`:
 
 - embedding_layernorm: one fused gather + sum + LayerNorm kernel;
 - qkv_projection: one ``addmm`` over the packed [3H, H] weight, returning strided views (attention reads them);
+- qkv_rotary: the same GEMM, then the rotary embedding applied in place to q and k (vectorised, threaded);
 - attention: the blocked online-softmax kernel, packed (cost follows real lengths) or padded with a key mask,
   global or in a sliding window (cost follows the window);
 - linear_activation: a GEMM without bias, then bias + activation fused in place on its output;
@@ -26,11 +27,12 @@ import warnings
 import torch
 
 from fastbert import backends
+from fastbert.ops.qkv_rotary import split_packed
 from fastbert.ops.spec import SPECS
 
 # The torch ops whose CPU kernels the extension holds: schema and fake come from each op's spec.
 TORCH_OPS = ("embedding_layernorm", "linear_activation", "linear_residual_layernorm", "attention", "linear_glu",
-             "linear_residual_prenorm")
+             "linear_residual_prenorm", "qkv_rotary")
 for _name in TORCH_OPS:
     SPECS[_name].define()
 
@@ -43,6 +45,12 @@ except ImportError as err:
     warnings.warn(f"fastbert: {EXTENSION_ERROR}; the cpp backend is unavailable, CPU ops run eager", stacklevel=2)
 else:
     EXTENSION_ERROR = None
+
+# An extension built before csrc/rotary.cpp existed loads but has no qkv_rotary kernel: say so instead of failing.
+QKV_ROTARY_ERROR: str | None = EXTENSION_ERROR or (
+    None if torch._C._dispatch_has_kernel_for_dispatch_key("fastbert::qkv_rotary", "CPU")
+    else "fastbert._C was built without csrc/rotary.cpp (qkv_rotary); rebuild it "
+         "(`python setup.py build_ext --inplace` or reinstall)")
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -110,6 +118,11 @@ def _qkv_supports(x, weight, bias, num_heads):
     return _why_not(x, weight, bias)
 
 
+def _qkv_rotary_supports(x, weight, bias, num_heads, positions, cos, sin):
+    return (QKV_ROTARY_ERROR or _why_not(x, weight, bias) or _ids_on_cpu(positions)
+            or _why_not(cos, sin))  # the tables are float32 whatever x's dtype: a check of their own
+
+
 def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
     return _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
 
@@ -140,6 +153,11 @@ def _qkv_projection(x, weight, bias, num_heads):
     head_dim = weight.shape[0] // (3 * num_heads)
     q, k, v = packed.view(*x.shape[:-1], 3, num_heads, head_dim).unbind(-3)
     return q, k, v
+
+
+def _qkv_rotary(x, weight, bias, num_heads, positions, cos, sin):
+    """One GEMM into the packed [..., 3, heads, D] buffer, q and k rotated in place; q, k, v are strided views."""
+    return split_packed(torch.ops.fastbert.qkv_rotary(x, weight, bias, positions, cos, sin, num_heads), num_heads)
 
 
 def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
@@ -185,6 +203,7 @@ def bias_residual_layernorm(x: torch.Tensor, bias: torch.Tensor | None, residual
 
 backends.register("embedding_layernorm", "cpp", _embedding_layernorm, _embedding_supports)
 backends.register("qkv_projection", "cpp", _qkv_projection, _qkv_supports)
+backends.register("qkv_rotary", "cpp", _qkv_rotary, _qkv_rotary_supports)
 backends.register("attention", "cpp", _attention, _attention_supports)
 backends.register("linear_activation", "cpp", _linear_activation, _linear_activation_supports)
 backends.register("linear_residual_layernorm", "cpp", _linear_residual_layernorm,
