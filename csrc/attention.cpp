@@ -10,6 +10,12 @@
 // read. The output is contiguous and shaped like q; a query whose keys are all masked gets zeros. Only real keys'
 // K and V rows are read, so NaN or Inf stored at masked keys never reaches a real query's output.
 // Softmax statistics and accumulation in fp32 (bf16 in, bf16 out). Limits: CPU, float32 or bfloat16.
+//
+// Sliding window (`window`, ModernBERT's local_attention): a query at position i attends the keys j with
+// |i - j| <= window / 2 (positions within the sequence; the padded form's index along S). Each work item walks only
+// the key blocks its rows' windows reach, and each 4-row tile only the columns of that block its rows' windows
+// cover, so a local layer costs about S * window instead of S^2; the band's edges are masked per row inside the
+// register tiles.
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -44,12 +50,15 @@ inline void prefetch_row(const scalar_t* row, int64_t dim) {
 
 // s[r][j] = sum_d q[r][d] * kt[d][j] for r < kRows and j < ncols (a multiple of kCols).
 // q: kRows rows of `dim` floats; kt: dim rows of `ldk` floats (K transposed); s: kRows rows of `lds` floats.
-// Also returns each row's maximum over the first `valid` columns in row_max[r]; columns from `valid` on (the
-// zero padding of the last tile) are stored as -inf so that the softmax ignores them.
-inline void scores_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, int64_t ncols, int64_t valid,
-                        float* s, int64_t lds, float* row_max) {
+// Row r keeps columns [lo[r], hi[r]) (the real keys, within its window); the others (the zero padding of the last
+// tile, keys outside the window) are stored as -inf so that the softmax ignores them. Also returns each row's
+// maximum over its kept columns in row_max[r] (-inf when it keeps none).
+inline void scores_tile(const float* q, int64_t dim, const float* kt, int64_t ldk, int64_t ncols, const int64_t* lo,
+                        const int64_t* hi, float* s, int64_t lds, float* row_max) {
   const Vec neg_inf(-std::numeric_limits<float>::infinity());
   const Vec lane = Vec::arange(0.f, 1.f);
+  const int64_t widest_lo = std::max(std::max(lo[0], lo[1]), std::max(lo[2], lo[3]));
+  const int64_t narrowest_hi = std::min(std::min(hi[0], hi[1]), std::min(hi[2], hi[3]));
   Vec m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf;
   for (int64_t j = 0; j < ncols; j += kCols) {
     Vec a00(0.f), a01(0.f), a10(0.f), a11(0.f), a20(0.f), a21(0.f), a30(0.f), a31(0.f);
@@ -66,17 +75,18 @@ inline void scores_tile(const float* q, int64_t dim, const float* kt, int64_t ld
       a30 = at::vec::fmadd(q3, k0, a30);
       a31 = at::vec::fmadd(q3, k1, a31);
     }
-    if (j + kCols > valid) {
-      const Vec keep0 = lane < Vec(static_cast<float>(valid - j));
-      const Vec keep1 = lane < Vec(static_cast<float>(valid - j - kLanes));
-      a00 = Vec::blendv(neg_inf, a00, keep0);
-      a10 = Vec::blendv(neg_inf, a10, keep0);
-      a20 = Vec::blendv(neg_inf, a20, keep0);
-      a30 = Vec::blendv(neg_inf, a30, keep0);
-      a01 = Vec::blendv(neg_inf, a01, keep1);
-      a11 = Vec::blendv(neg_inf, a11, keep1);
-      a21 = Vec::blendv(neg_inf, a21, keep1);
-      a31 = Vec::blendv(neg_inf, a31, keep1);
+    if (j < widest_lo || j + kCols > narrowest_hi) {  // a tile on an edge of some row's kept columns
+      auto keep = [&](int64_t r, int64_t first) {  // lanes first.. of row r that lie in [lo[r], hi[r])
+        return (lane >= Vec(static_cast<float>(lo[r] - first))) & (lane < Vec(static_cast<float>(hi[r] - first)));
+      };
+      a00 = Vec::blendv(neg_inf, a00, keep(0, j));
+      a10 = Vec::blendv(neg_inf, a10, keep(1, j));
+      a20 = Vec::blendv(neg_inf, a20, keep(2, j));
+      a30 = Vec::blendv(neg_inf, a30, keep(3, j));
+      a01 = Vec::blendv(neg_inf, a01, keep(0, j + kLanes));
+      a11 = Vec::blendv(neg_inf, a11, keep(1, j + kLanes));
+      a21 = Vec::blendv(neg_inf, a21, keep(2, j + kLanes));
+      a31 = Vec::blendv(neg_inf, a31, keep(3, j + kLanes));
     }
     m0 = at::vec::maximum(m0, at::vec::maximum(a00, a01));
     m1 = at::vec::maximum(m1, at::vec::maximum(a10, a11));
@@ -145,8 +155,10 @@ struct Layout {
   int64_t v_offset(int64_t b) const { return cu_seqlens ? cu_seqlens[b] * v_pos : b * v_batch; }
 };
 
+// Rows [q_begin, q_end) of one sequence and head; their keys are entries [key_begin, key_end) of the sequence's
+// real keys (all of them without a window).
 struct WorkItem {
-  int64_t batch, head, q_begin, q_end, cost;
+  int64_t batch, head, q_begin, q_end, key_begin, key_end, cost;
 };
 
 // Per-thread fp32 scratch, sized once per call.
@@ -160,22 +172,41 @@ struct Scratch {
 // The first rows of an item's q, k and v (its whole sequence when short), fetched while the previous item runs.
 template <typename scalar_t>
 void prefetch_item_start(const WorkItem& item, const Layout& L, const scalar_t* q, const scalar_t* k,
-                         const scalar_t* v, int64_t dim, int64_t num_keys) {
+                         const scalar_t* v, int64_t dim) {
   constexpr int64_t kRowsAhead = 16;
   const scalar_t* qb = q + L.q_offset(item.batch) + item.head * L.q_head + item.q_begin * L.q_pos;
   const scalar_t* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
   const scalar_t* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
   for (int64_t r = 0; r < std::min(kRowsAhead, item.q_end - item.q_begin); ++r) prefetch_row(qb + r * L.q_pos, dim);
-  // Rows 0.. of the sequence: a masked padded batch's real keys may be others, a harmless guess.
-  for (int64_t r = 0; r < std::min(kRowsAhead, num_keys); ++r) {
+  // Rows key_begin.. of the sequence: a masked padded batch's real keys may be others, a harmless guess.
+  for (int64_t r = item.key_begin; r < std::min(item.key_begin + kRowsAhead, item.key_end); ++r) {
     prefetch_row(kb + r * L.k_pos, dim);
     prefetch_row(vb + r * L.v_pos, dim);
   }
 }
 
+// Columns [lo[r], hi[r]) of the block of keys key_begin.. (nk of them) that query row q_position + r may attend:
+// |position - key position| <= half_width (half_width < 0: every column). key_positions: the sequence's real keys'
+// positions (sorted), nullptr when key index = position.
+inline void window_columns(int64_t q_position, int64_t half_width, const int64_t* key_positions, int64_t key_begin,
+                           int64_t nk, int64_t* lo, int64_t* hi) {
+  for (int64_t r = 0; r < kRows; ++r) {
+    if (half_width < 0) {
+      lo[r] = 0, hi[r] = nk;
+    } else if (key_positions == nullptr) {
+      lo[r] = std::clamp<int64_t>(q_position + r - half_width - key_begin, 0, nk);
+      hi[r] = std::clamp<int64_t>(q_position + r + half_width + 1 - key_begin, 0, nk);
+    } else {
+      const int64_t* first = key_positions + key_begin;
+      lo[r] = std::lower_bound(first, first + nk, q_position + r - half_width) - first;
+      hi[r] = std::upper_bound(first, first + nk, q_position + r + half_width) - first;
+    }
+  }
+}
+
 template <typename scalar_t>
 void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                 const int64_t* key_positions, int64_t num_keys, float scale, scalar_t* out, Scratch& w) {
+                 const int64_t* key_positions, int64_t half_width, float scale, scalar_t* out, Scratch& w) {
   const int64_t dim = L.dim, dp = round_up(dim, kCols);
   const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kRows);
   const scalar_t* qb = q + L.q_offset(item.batch) + item.head * L.q_head;
@@ -195,8 +226,8 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
   std::fill(w.row_max.begin(), w.row_max.begin() + rows_padded, -std::numeric_limits<float>::infinity());
   std::fill(w.row_sum.begin(), w.row_sum.begin() + rows_padded, 0.f);
 
-  for (int64_t k0 = 0; k0 < num_keys; k0 += kKeyBlock) {
-    const int64_t nk = std::min(kKeyBlock, num_keys - k0), nk_padded = round_up(nk, kCols);
+  for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, item.key_end - k0), nk_padded = round_up(nk, kCols);
     // Pack the block: K transposed [dim][kKeyBlock] (zero columns past nk), V [nk][dp].
     int64_t j_transposed = 0;
     if constexpr (std::is_same_v<scalar_t, float>) {
@@ -231,17 +262,30 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
     }
 
     for (int64_t r0 = 0; r0 < rows_padded; r0 += kRows) {
+      // The columns this tile's rows attend, widened to whole register tiles: [first, last). (Rows past the
+      // item's end are zero queries whose output is never stored.)
+      int64_t lo[kRows], hi[kRows];
+      window_columns(item.q_begin + r0, half_width, key_positions, k0, nk, lo, hi);
+      const int64_t first = *std::min_element(lo, lo + kRows) / kCols * kCols;
+      const int64_t last = round_up(*std::max_element(hi, hi + kRows), kCols);
+      if (last <= first) continue;  // no row of this tile has a key in this block
+      for (int64_t r = 0; r < kRows; ++r) lo[r] -= first, hi[r] -= first;
+      const int64_t ncols = last - first;
       float* s = w.s.data();
       float tile_max[kRows];
-      scores_tile(qs + r0 * dim, dim, w.kt.data(), kKeyBlock, nk_padded, nk, s, kKeyBlock, tile_max);
+      scores_tile(qs + r0 * dim, dim, w.kt.data() + first, kKeyBlock, ncols, lo, hi, s, kKeyBlock, tile_max);
       for (int64_t r = 0; r < kRows; ++r) {
         float* sr = s + r * kKeyBlock;
         const float block_max = tile_max[r];
         const float old_max = w.row_max[r0 + r];
         const float new_max = std::max(old_max, block_max);
+        if (new_max == -std::numeric_limits<float>::infinity()) {  // no key for this row yet: nothing to add
+          std::fill(sr, sr + ncols, 0.f);
+          continue;
+        }
         const Vec new_max_v(new_max);
         Vec sum(0.f);
-        for (int64_t j = 0; j < nk_padded; j += kLanes) {
+        for (int64_t j = 0; j < ncols; j += kLanes) {
           const Vec p = (Vec::loadu(sr + j) - new_max_v).exp_u20();
           p.store(sr + j);
           sum = sum + p;
@@ -256,7 +300,7 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
           for (int64_t c = 0; c < dp; c += kLanes) (Vec::loadu(ar + c) * alpha_v).store(ar + c);
         }
       }
-      pv_tile(s, kKeyBlock, w.v.data(), dp, nk, w.acc.data() + r0 * dp, dp, dp);
+      pv_tile(s, kKeyBlock, w.v.data() + first * dp, dp, std::min(last, nk) - first, w.acc.data() + r0 * dp, dp, dp);
     }
   }
 
@@ -316,7 +360,9 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
                          const std::optional<at::Tensor>& key_padding_mask, std::optional<double> scale,
                          std::optional<int64_t> window) {
   check_attention_args(q_in, k_in, v_in, cu_seqlens, max_seqlen, key_padding_mask);
-  TORCH_CHECK(!window.has_value(), "fastbert::attention: the sliding window is not implemented in C++ yet");
+  TORCH_CHECK(!window.has_value() || *window >= 0,
+              "fastbert::attention: window must be >= 0 (the total width, ModernBERT's local_attention), got ",
+              window.value_or(0));
   auto unit_last = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
   const at::Tensor q = unit_last(q_in), k = unit_last(k_in), v = unit_last(v_in);
   const bool packed = cu_seqlens.has_value();
@@ -371,11 +417,27 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
     }
   }
 
+  // A window as wide as the longest sequence is global: -1, every key of the sequence.
+  const int64_t longest = seq_lengths.empty() ? 0 : *std::max_element(seq_lengths.begin(), seq_lengths.end());
+  const int64_t half_width = window.has_value() && *window / 2 < longest - 1 ? *window / 2 : -1;
+  const int64_t S = packed ? 0 : L.seqlen;
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < batch; ++b) {
+    const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + b * S;
     for (int64_t q0 = 0; q0 < seq_lengths[b]; q0 += kQueryChunk) {
       const int64_t q1 = std::min(seq_lengths[b], q0 + kQueryChunk);
-      for (int64_t h = 0; h < heads; ++h) items.push_back({b, h, q0, q1, (q1 - q0) * (num_keys[b] + kRows)});
+      // The real keys that some row of q0..q1-1 may attend: a range of the sequence's key list.
+      int64_t key_begin = 0, key_end = num_keys[b];
+      if (half_width >= 0 && positions == nullptr) {
+        key_begin = std::max<int64_t>(0, q0 - half_width);
+        key_end = std::min(num_keys[b], q1 + half_width);
+      } else if (half_width >= 0) {
+        key_begin = std::lower_bound(positions, positions + num_keys[b], q0 - half_width) - positions;
+        key_end = std::upper_bound(positions, positions + num_keys[b], q1 - 1 + half_width) - positions;
+      }
+      key_end = std::max(key_begin, key_end);
+      const int64_t cost = (q1 - q0) * (key_end - key_begin + kRows);
+      for (int64_t h = 0; h < heads; ++h) items.push_back({b, h, q0, q1, key_begin, key_end, cost});
     }
   }
   // Longest first, then threads take the next item as they finish: balanced even for very uneven lengths.
@@ -388,7 +450,6 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t S = packed ? 0 : L.seqlen;
     std::atomic<int64_t> next{0};
     const int64_t n_items = static_cast<int64_t>(items.size());
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
@@ -400,11 +461,11 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
         while (i < n_items) {
           const int64_t following = next++;
           if (following < n_items) {
-            prefetch_item_start(items[following], L, qp, kp, vp, dim, num_keys[items[following].batch]);
+            prefetch_item_start(items[following], L, qp, kp, vp, dim);
           }
           const WorkItem& item = items[i];
           const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + item.batch * S;
-          attend_item<scalar_t>(item, L, qp, kp, vp, positions, num_keys[item.batch], softmax_scale, op, scratch);
+          attend_item<scalar_t>(item, L, qp, kp, vp, positions, half_width, softmax_scale, op, scratch);
           i = following;
         }
       }
