@@ -9,7 +9,8 @@ strides, other strides and sizes multiples of 16, 16-byte aligned pointers via `
 to `triton.compile` for `GPUTarget("cuda", 90, 32)`; Triton's bundled ptxas builds the cubin and its `-v` log gives
 registers and spills (`compiled.n_regs` / `n_spills` are only filled when a driver loads the cubin, which needs a GPU).
 
-Cases: every GEMM config the autotuner or the M table can pick for the dtype
+Cases: every GEMM config the autotuner or the M table can pick for the dtype (qkv_rotary's GEMM with its rotary
+epilogue too, at ModernBERT-base sizes, the same tiles as pairs of columns; --quick: without bias only)
 (`_gemm.gpu_configs(dtype)` and `_gemm.table_config`) with the epilogues the ops use, the attention meta for head dims
 32/64/80/96/128 (packed and padded forms, plus the BLOCK_M = 64 small-batch variant), and the row kernels at BERT
 widths; in fp16, bf16 and fp32. Shorter sequences only shrink the attention blocks, so they are not compiled.
@@ -46,6 +47,7 @@ import triton  # noqa: E402
 from fastbert.kernels import _common, _gemm, attention  # noqa: E402
 from fastbert.kernels import embedding_layernorm as embedding  # noqa: E402
 from fastbert.kernels import linear_residual_layernorm as residual_ln  # noqa: E402
+from fastbert.kernels import qkv_rotary as rotary  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
@@ -64,6 +66,7 @@ MAX_BLOCKS_PER_SM = 32
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 KERNELS = {
     "gemm": _gemm._linear_kernel,
+    "qkv_rotary": rotary._qkv_rotary_kernel,
     "attention": attention._attention_kernel,
     "embedding_layernorm": embedding._embedding_layernorm_kernel,
     "layernorm_rows": residual_ln._layernorm_rows_kernel,
@@ -100,6 +103,31 @@ def gemm_cases(dtype: str, epilogues) -> list:
             label = (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{config.num_warps} s{config.num_stages} "
                      f"{name}")
             cases.append(("gemm", dtype, label, args, kw))
+    return cases
+
+
+
+def qkv_rotary_cases(dtype: str, biases=(False, True)) -> list:
+    """qkv_rotary's GEMM with the rotary epilogue at ModernBERT-base sizes (H = 768, 12 heads of D = 64, W [3H, H],
+    8192 table rows) for every config the autotuner or the M table can pick; ``biases``: without bias (ModernBERT's
+    attention_bias=False) and/or with."""
+    m, n, k, head_dim = TOKENS, 3 * HIDDEN, HIDDEN, HIDDEN // HEADS
+    p = _ptr(dtype)
+    torch_dtype = DTYPES[dtype]
+    reachable = [*rotary.gpu_configs(torch_dtype),
+                 *(rotary.pair_config(_gemm.table_config(m, torch_dtype)) for m in (16, 128, 4096))]
+    cases = []
+    for config in {_gemm._config_key(c): c for c in reachable}.values():
+        for has_bias in biases:
+            # x, W, bias, positions, cos, sin, out, M, N, K, rotated columns, table rows, strides, M bucket
+            args = (p, p, p, _ptr("int64"), _ptr("fp32"), _ptr("fp32"), p, m, n, k, 2 * HIDDEN, 8192, k, 1, k, 1,
+                    head_dim // 2, n, 1, triton.next_power_of_2(m))
+            kw = dict(HALF=head_dim // 2, HAS_BIAS=has_bias, INPUT_PRECISION=_common.dot_precision(torch_dtype),
+                      DOT_IN_FP32=False, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+            c = config.kwargs
+            label = (f"{c['BLOCK_M']}x{2 * c['BLOCK_C']}x{c['BLOCK_K']} w{config.num_warps} s{config.num_stages}"
+                     f"{'' if has_bias else ' no-bias'}")
+            cases.append(("qkv_rotary", dtype, label, args, kw))
     return cases
 
 
@@ -151,7 +179,8 @@ def row_cases(dtype: str) -> list:
 def all_cases(quick: bool = False) -> list:
     epilogues = QUICK_EPILOGUES if quick else tuple(EPILOGUES)
     return [case for dtype in DTYPES
-            for case in (*gemm_cases(dtype, epilogues), *attention_cases(dtype, quick), *row_cases(dtype))]
+            for case in (*gemm_cases(dtype, epilogues), *qkv_rotary_cases(dtype, (False,) if quick else (False, True)),
+                         *attention_cases(dtype, quick), *row_cases(dtype))]
 
 
 _BACKEND = None
