@@ -1,7 +1,8 @@
 """fastbert's Triton kernels (installed as `fastbert.kernels`): the `triton` backend of `fastbert.ops`.
 
 Importing this package registers the triton implementations of the ops with `fastbert.backends`:
-embedding_layernorm, qkv_projection, attention, linear_activation, linear_residual_layernorm, qkv_rotary. Each launches
+embedding_layernorm, qkv_projection, attention, linear_activation, linear_residual_layernorm, linear_glu,
+linear_residual_prenorm, qkv_rotary. Each launches
 through a torch op ``torch.ops.fastbert.triton_<op>`` declared from the op's spec (`fastbert.ops.spec`: one schema
 and one fake per op), so `torch.compile(fullgraph=True)` traces through them. They run on CUDA tensors, or on CPU
 tensors when TRITON_INTERPRET=1 was set before this package was imported (the Triton interpreter: for tests, far
@@ -14,14 +15,16 @@ from . import (
     attention,
     embedding_layernorm,
     linear_activation,
+    linear_glu,
     linear_residual_layernorm,
+    linear_residual_prenorm,
     qkv_projection,
     qkv_rotary,
 )
 from ._common import INTERPRETER
 
 for _module in (embedding_layernorm, qkv_projection, attention, linear_activation, linear_residual_layernorm,
-                qkv_rotary):
+                linear_glu, linear_residual_prenorm, qkv_rotary):
     _name = _module.__name__.rpartition(".")[2]
     backends.register(_name, "triton", getattr(_module, _name), supports=_module.supports)
 

@@ -62,15 +62,17 @@ _INTERPRETED = tl.constexpr(INTERPRETER)
 
 
 @triton.jit
-def layernorm_tile(x, mask, offs_col, col_mask, weight_ptr, bias_ptr, width, eps):
+def layernorm_tile(x, mask, offs_col, col_mask, weight_ptr, bias_ptr, width, eps, HAS_BIAS: tl.constexpr):
     """LayerNorm of each row of an fp32 tile x [ROWS, BLOCK] (``mask``: real elements; padding columns may hold
-    anything), statistics in fp32; returns the normalised, scaled and shifted fp32 tile."""
+    anything), statistics in fp32; returns the normalised, scaled and (when HAS_BIAS) shifted fp32 tile."""
     mean = tl.sum(tl.where(mask, x, 0.0), axis=1) / width
     centred = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / width + eps)
     weight = tl.load(weight_ptr + offs_col, mask=col_mask, other=0.0).to(tl.float32)
-    bias = tl.load(bias_ptr + offs_col, mask=col_mask, other=0.0).to(tl.float32)
-    return centred * rstd[:, None] * weight[None, :] + bias[None, :]
+    y = centred * rstd[:, None] * weight[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return y
 
 
 @triton.jit

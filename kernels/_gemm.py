@@ -1,8 +1,9 @@
 """The GEMM every linear op of the triton backend runs: out = epilogue(x @ W^T), W in PyTorch's [N, K] layout.
 
 Epilogue (all in fp32, one rounding at the store): + bias, + residual, then one activation ("gelu" = exact erf,
-"gelu_tanh", "relu", "silu"; `activate`, which linear_glu's kernel shares). Used by qkv_projection (bias), linear_activation (bias + activation) and
-linear_residual_layernorm (bias + residual; its LayerNorm runs in a row kernel after this one).
+"gelu_tanh", "relu", "silu"; `activate`, which linear_glu's kernel shares). Used by qkv_projection (bias),
+linear_activation (bias + activation), linear_residual_layernorm and linear_residual_prenorm (bias + residual; their
+LayerNorm runs in a row kernel after this one).
 x, W, residual and out may have any strides (W is read transposed through its strides, never copied).
 
 Meta-parameters: on a GPU, `triton.autotune` over a small config list keyed by (power-of-two bucket of M, N, K,

@@ -1,10 +1,12 @@
 """Linear + bias + residual add + LayerNorm: LN(x @ W^T + b + residual), BERT's post-LN sublayer output.
 
 Two kernels: the shared GEMM (`_gemm.py`) adds bias and residual in its epilogue (fp32, one rounding to the
-output dtype, as PyTorch rounds the sum), then a row kernel normalises that buffer in place with fp32 statistics.
+output dtype, as PyTorch rounds the sum), then a row kernel normalises that buffer in place with fp32 statistics
+(`layernorm_rows`, which linear_residual_prenorm shares: it writes the LayerNorm beside the sum instead).
 (Fusing the LayerNorm into the GEMM epilogue would need one program to own whole 768/1024-wide rows, which
 starves the GEMM of parallelism at small token counts.)
-Shapes: x [..., K], weight [N, K], bias [N] | None, residual [..., N], ln_weight/ln_bias [N] -> [..., N].
+Shapes: x [..., K], weight [N, K], bias [N] | None, residual [..., N], ln_weight [N], ln_bias [N] | None (no
+shift) -> [..., N].
 Any strides for 2-D x and residual. fp16, bf16, fp32. N up to 65536 (a row must fit one block).
 """
 
@@ -28,18 +30,20 @@ from ._common import (
     rows_per_program,
 )
 
-__all__ = ["layernorm_rows_", "linear_residual_layernorm", "linear_residual_layernorm_reference", "supports"]
+__all__ = ["layernorm_rows", "linear_residual_layernorm", "linear_residual_layernorm_reference", "supports"]
 
 MAX_WIDTH = 65536
 
 
 @triton.jit
 def _layernorm_rows_kernel(
-    x_ptr,  # [rows, N] normalised in place, row stride stride_x (unit column stride)
+    x_ptr,  # [rows, N] input, row stride stride_x (unit column stride)
+    out_ptr,  # [rows, N] output, row stride stride_out (unit column stride); may be x_ptr (in place)
     weight_ptr,  # [N] LayerNorm scale
-    bias_ptr,  # [N] LayerNorm shift
-    rows, N, stride_x,
+    bias_ptr,  # [N] LayerNorm shift (ignored unless HAS_BIAS)
+    rows, N, stride_x, stride_out,
     eps,
+    HAS_BIAS: tl.constexpr,
     ROWS: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= N: one block holds a whole row
 ):
@@ -48,27 +52,32 @@ def _layernorm_rows_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     col_mask = offs_n < N
     mask = (offs_r < rows)[:, None] & col_mask[None, :]
-    ptrs = x_ptr + offs_r[:, None] * stride_x + offs_n[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    y = layernorm_tile(x, mask, offs_n, col_mask, weight_ptr, bias_ptr, N, eps)
-    tl.store(ptrs, cast_rtne(y, x_ptr.dtype.element_ty), mask=mask)
+    x = tl.load(x_ptr + offs_r[:, None] * stride_x + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = layernorm_tile(x, mask, offs_n, col_mask, weight_ptr, bias_ptr, N, eps, HAS_BIAS)
+    tl.store(out_ptr + offs_r[:, None] * stride_out + offs_n[None, :], cast_rtne(y, out_ptr.dtype.element_ty),
+             mask=mask)
 
 
-def layernorm_rows_(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm over the last dim of a 2-D tensor with unit column stride, in place; returns x."""
+def layernorm_rows(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim of a 2-D tensor x into out (same shape and dtype; may be x itself: in place),
+    both with unit column stride; bias None: no shift. Returns out."""
     rows, width = x.shape
     if rows == 0:
-        return x
-    if width > 1 and x.stride(1) != 1:
-        raise ValueError(f"layernorm_rows_: x must have unit column stride, got strides {x.stride()}")
-    weight, bias = weight.contiguous(), bias.contiguous()  # read with unit stride; no copy when already so
+        return out
+    for name, t in (("x", x), ("out", out)):
+        if width > 1 and t.stride(1) != 1:
+            raise ValueError(f"layernorm_rows: {name} must have unit column stride, got strides {t.stride()}")
     if width > MAX_WIDTH:
         raise ValueError(f"layernorm: width {width} exceeds {MAX_WIDTH}")
+    weight = weight.contiguous()  # read with unit stride; no copy when already so
+    has_bias = bias is not None
+    bias = bias.contiguous() if has_bias else weight  # a placeholder the kernel never reads without HAS_BIAS
     per_program = rows_per_program(width)
     _layernorm_rows_kernel[(triton.cdiv(rows, per_program),)](
-        x, weight, bias, rows, width, x.stride(0), eps, ROWS=per_program, BLOCK_N=row_block(width),
-        num_warps=row_warps(width, per_program))
-    return x
+        x, out, weight, bias, rows, width, x.stride(0), out.stride(0), eps, HAS_BIAS=has_bias, ROWS=per_program,
+        BLOCK_N=row_block(width), num_warps=row_warps(width, per_program))
+    return out
 
 
 def supports(x, weight, bias, residual, ln_weight, ln_bias, eps) -> str | None:
@@ -82,9 +91,10 @@ def supports(x, weight, bias, residual, ln_weight, ln_bias, eps) -> str | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-            ln_weight: torch.Tensor, ln_bias: torch.Tensor, eps: float) -> torch.Tensor:
+            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     out = _gemm.linear(x, weight, bias, residual=residual)
-    layernorm_rows_(out.view(-1, weight.shape[0]), ln_weight, ln_bias, eps)
+    rows = out.view(-1, weight.shape[0])
+    layernorm_rows(rows, rows, ln_weight, ln_bias, eps)
     return out
 
 
@@ -93,7 +103,7 @@ _op = SPEC.define("triton_", _launch)
 
 
 def linear_residual_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                              residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+                              residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
                               eps: float) -> torch.Tensor:
     """LayerNorm(x @ weight.T + bias + residual) -> [..., N] (the triton backend's
     `fastbert.ops.linear_residual_layernorm`)."""

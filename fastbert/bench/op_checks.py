@@ -69,13 +69,15 @@ def check_qkv_projection(rows, hidden, heads, dtype, strided, leading=()):
         assert_accurate(f, p, r, f"qkv_projection {name}")
 
 
-def check_linear_residual_layernorm(rows, hidden, dtype, strided, with_bias=True):
-    inner = 4 * hidden
+def check_linear_residual_layernorm(rows, hidden, dtype, strided, with_bias=True, with_ln_bias=True, inner=None):
+    """inner: K (default 4 x hidden); with_ln_bias False: LayerNorm without shift."""
+    inner = 4 * hidden if inner is None else inner
     x = _maybe_strided(rows, inner, dtype, strided)
     weight = _weight(hidden, inner, dtype, strided)
     bias = rand(hidden, dtype=dtype, scale=0.5) if with_bias else None
     residual = _maybe_strided(rows, hidden, dtype, strided, scale=2.0)
-    ln_weight, ln_bias = rand(hidden, dtype=dtype).abs() + 0.5, rand(hidden, dtype=dtype, scale=0.2)
+    ln_weight = rand(hidden, dtype=dtype).abs() + 0.5
+    ln_bias = rand(hidden, dtype=dtype, scale=0.2) if with_ln_bias else None
     args = (x, weight, bias, residual, ln_weight, ln_bias, 1e-12)
     fast = ops.linear_residual_layernorm(*args, backend="triton")
     plain = ops.linear_residual_layernorm(*args, backend="eager")
@@ -84,11 +86,52 @@ def check_linear_residual_layernorm(rows, hidden, dtype, strided, with_bias=True
     assert_accurate(fast, plain, reference, "linear_residual_layernorm")
 
 
+def check_linear_glu(rows, hidden, inner, dtype, activation, strided, with_bias=True, leading=()):
+    """act(x W_in^T + b_in) * (x W_gate^T + b_gate) with weight [2 inner, hidden] (ModernBERT's Wi); strided: x a
+    column slice and the weight a transposed view; leading: x reshaped to [*leading, hidden]."""
+    x = _maybe_strided(rows, hidden, dtype, strided)
+    if leading:
+        x = x.reshape(*leading, hidden)
+    weight = _weight(2 * inner, hidden, dtype, strided)
+    bias = rand(2 * inner, dtype=dtype, scale=0.5) if with_bias else None
+    fast = ops.linear_glu(x, weight, bias, activation, backend="triton")
+    plain = ops.linear_glu(x, weight, bias, activation, backend="eager")
+    reference = ops.linear_glu(x.double(), weight.double(), None if bias is None else bias.double(), activation,
+                               backend="eager")
+    _require(fast.is_contiguous(), "linear_glu: the output is not contiguous")
+    assert_accurate(fast, plain, reference, f"linear_glu {activation} rows{rows} H{hidden} I{inner}")
+
+
+def check_linear_residual_prenorm(rows, hidden, inner, dtype, strided, with_bias=True, with_ln_bias=True):
+    """(x W^T + b + residual, its LayerNorm) with x [rows, inner], W [hidden, inner]; both outputs checked, and
+    normed must be the LayerNorm of summed as returned."""
+    x = _maybe_strided(rows, inner, dtype, strided)
+    weight = _weight(hidden, inner, dtype, strided)
+    bias = rand(hidden, dtype=dtype, scale=0.5) if with_bias else None
+    residual = _maybe_strided(rows, hidden, dtype, strided, scale=2.0)
+    ln_weight = rand(hidden, dtype=dtype).abs() + 0.5
+    ln_bias = rand(hidden, dtype=dtype, scale=0.2) if with_ln_bias else None
+    args = (x, weight, bias, residual, ln_weight, ln_bias, 1e-5)
+    summed, normed = ops.linear_residual_prenorm(*args, backend="triton")
+    plain = ops.linear_residual_prenorm(*args, backend="eager")
+    reference = ops.linear_residual_prenorm(*(a.double() if isinstance(a, torch.Tensor) else a for a in args),
+                                            backend="eager")
+    what = f"linear_residual_prenorm rows{rows} N{hidden} K{inner}"
+    _require(summed.is_contiguous() and normed.is_contiguous(), f"{what}: the outputs are not contiguous")
+    assert_accurate(summed, plain[0], reference[0], f"{what} summed")
+    assert_accurate(normed, plain[1], reference[1], f"{what} normed")
+    # normed is LN(summed) as stored: compare with an fp64 LayerNorm of the returned sum, to the output's rounding
+    again = torch.nn.functional.layer_norm(summed.double(), (hidden,), ln_weight.double(),
+                                           None if ln_bias is None else ln_bias.double(), 1e-5)
+    assert_accurate(normed, again.to(dtype), again, f"{what} normed vs LayerNorm(summed)")
+
+
 # ----------------------------------------------------------------------------------------- embedding_layernorm
 def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tables=False, id_dtype=torch.int64,
-                              strided_ids=False):
+                              strided_ids=False, positions=True, ln_bias=True):
     """types: "ids" (token type ids given), "default" (table but no ids: row 0), "none" (no table, DistilBERT).
-    strided_ids: every id tensor is a column-strided view whose flattening stays a view (batch 1)."""
+    strided_ids: every id tensor is a column-strided view whose flattening stays a view (batch 1).
+    positions False: no position ids nor table; ln_bias False: LayerNorm without shift (ModernBERT: both)."""
     vocab, positions = 50, 140
 
     def table(rows):
@@ -108,6 +151,10 @@ def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tabl
     position_ids = ids(positions) if strided_ids else torch.arange(ids_shape[-1], device=DEVICE).expand(ids_shape)
     token_type_ids = ids(2) if types == "ids" else None  # position ids above: stride-0 rows, as models pass
     weight, bias = rand(width, dtype=dtype).abs() + 0.5, rand(width, dtype=dtype, scale=0.2)
+    if not positions:
+        position_ids, position = None, None
+    if not ln_bias:
+        bias = None
     args = (input_ids, position_ids, token_type_ids, word, position, token_type, weight, bias, 1e-12)
     fast = ops.embedding_layernorm(*args, backend="triton")
     plain = ops.embedding_layernorm(*args, backend="eager")
@@ -116,7 +163,8 @@ def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tabl
     _require(fast.shape == (*ids_shape, width) and fast.is_contiguous(),
              f"embedding_layernorm: output {tuple(fast.shape)} (contiguous: {fast.is_contiguous()}), expected a "
              f"contiguous {(*ids_shape, width)}")
-    assert_accurate(fast, plain, reference, f"embedding_layernorm {ids_shape} E{width} types={types}")
+    assert_accurate(fast, plain, reference, f"embedding_layernorm {ids_shape} E{width} types={types} "
+                                            f"positions={positions} ln_bias={ln_bias}")
 
 
 # --------------------------------------------------------------------------------------------------- attention

@@ -11,9 +11,11 @@ registers and spills (`compiled.n_regs` / `n_spills` are only filled when a driv
 
 Cases: every GEMM config the autotuner or the M table can pick for the dtype (qkv_rotary's GEMM with its rotary
 epilogue too, at ModernBERT-base sizes, the same tiles as pairs of columns; --quick: without bias only)
-(`_gemm.gpu_configs(dtype)` and `_gemm.table_config`) with the epilogues the ops use, the attention meta for head dims
+(`_gemm.gpu_configs(dtype)` and `_gemm.table_config`) with the epilogues the ops use, the same for linear_glu's
+two-accumulator GEMM (`linear_glu.gpu_configs`/`table_config`, ModernBERT-base sizes), the attention meta for head dims
 32/64/80/96/128 (packed and padded forms, plus the BLOCK_M = 64 small-batch variant), and the row kernels at BERT
-widths; in fp16, bf16 and fp32. Shorter sequences only shrink the attention blocks, so they are not compiled.
+widths (with and without positions / LayerNorm bias); in fp16, bf16 and fp32. Shorter sequences only shrink the
+attention blocks, so they are not compiled.
 Fails (exit 1) on a compile error, a register spill in any kernel (fp32 included: its configs were sized not to
 spill), or shared memory over the 227 KB an sm_90 block may use.
 
@@ -21,7 +23,8 @@ spill), or shared memory over the 227 KB an sm_90 block may use.
 
 --out (or FASTBERT_SM90_OUT) writes resources.md and resources.json there (benchmarks/results/sm90-resources holds
 the committed table). --quick (the test's run) compiles the GEMM with the two heaviest epilogues only (gelu,
-residual; not qkv, gelu_tanh) and leaves out the attention small-batch variant: the same configs, fewer variants.
+residual; not qkv, gelu_tanh), linear_glu with gelu and no bias only, and leaves out the attention small-batch
+variant: the same configs, fewer variants.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from fastbert.kernels import _common, _gemm, attention  # noqa: E402
 from fastbert.kernels import embedding_layernorm as embedding  # noqa: E402
+from fastbert.kernels import linear_glu as glu  # noqa: E402
 from fastbert.kernels import linear_residual_layernorm as residual_ln  # noqa: E402
 from fastbert.kernels import qkv_rotary as rotary  # noqa: E402
 from triton import knobs  # noqa: E402
@@ -67,6 +71,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 KERNELS = {
     "gemm": _gemm._linear_kernel,
     "qkv_rotary": rotary._qkv_rotary_kernel,
+    "linear_glu": glu._linear_glu_kernel,
     "attention": attention._attention_kernel,
     "embedding_layernorm": embedding._embedding_layernorm_kernel,
     "layernorm_rows": residual_ln._layernorm_rows_kernel,
@@ -76,8 +81,11 @@ EPILOGUES = {"qkv": (True, False, 0), "gelu": (True, False, 1), "gelu_tanh": (Tr
              "residual": (True, True, 0)}
 QUICK_EPILOGUES = ("gelu", "residual")
 
-# BERT-like sizes: tokens, hidden, heads (all multiples of 16, as the usual shapes are)
+# BERT-like sizes: tokens, hidden, heads (all multiples of 16, as the usual shapes are); ModernBERT-base's GLU width
 TOKENS, HIDDEN, INTERMEDIATE, HEADS, BATCH, SEQ = 4096, 768, 3072, 12, 32, 128
+GLU_INTERMEDIATE = 1152
+GLU_ACTIVATIONS = ("gelu", "silu")
+QUICK_GLU_ACTIVATIONS = ("gelu",)
 
 
 def _ptr(dtype: str):
@@ -103,6 +111,28 @@ def gemm_cases(dtype: str, epilogues) -> list:
             label = (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{config.num_warps} s{config.num_stages} "
                      f"{name}")
             cases.append(("gemm", dtype, label, args, kw))
+    return cases
+
+
+def glu_cases(dtype: str, activations, biases=(False, True)) -> list:
+    """linear_glu's two-accumulator GEMM at ModernBERT-base sizes (I = 1152, W [2I, H]) for every config the autotuner
+    or the M table can pick; ``biases``: without bias (ModernBERT's mlp_bias=False) and/or with."""
+    m, inner, k = TOKENS, GLU_INTERMEDIATE, HIDDEN
+    p = _ptr(dtype)
+    torch_dtype = DTYPES[dtype]
+    reachable = [*glu.gpu_configs(torch_dtype), *(glu.table_config(m, torch_dtype) for m in (16, 128, 4096))]
+    cases = []
+    for config in {_gemm._config_key(c): c for c in reachable}.values():
+        for activation in activations:
+            for has_bias in biases:
+                args = (p, p, p, p, m, inner, k, k, 1, k, 1, inner, 1, triton.next_power_of_2(m))
+                kw = dict(HAS_BIAS=has_bias, ACTIVATION=_gemm.ACTIVATION_CODES[activation],
+                          INPUT_PRECISION=_common.dot_precision(torch_dtype), DOT_IN_FP32=False, **config.kwargs,
+                          num_warps=config.num_warps, num_stages=config.num_stages)
+                c = config.kwargs
+                label = (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{config.num_warps} s{config.num_stages} "
+                         f"{activation}{'' if has_bias else ' no-bias'}")
+                cases.append(("linear_glu", dtype, label, args, kw))
     return cases
 
 
@@ -168,18 +198,25 @@ def row_cases(dtype: str) -> list:
         block = _common.row_block(width)
         i64 = _ptr("int64")
         args = (i64, i64, i64, p, width, 1, p, width, 1, p, width, 1, p, p, p, TOKENS, width, 1e-12)
-        kw = dict(HAS_TYPE_TABLE=True, HAS_TYPE_IDS=True, ROWS=rows, BLOCK_E=block, num_warps=warps)
-        cases.append(("embedding_layernorm", dtype, f"E{width} rows{rows} w{warps}", args, kw))
-        args = (p, p, p, TOKENS, width, width, 1e-12)
-        kw = dict(ROWS=rows, BLOCK_N=block, num_warps=warps)
-        cases.append(("layernorm_rows", dtype, f"N{width} rows{rows} w{warps}", args, kw))
+        # BERT's (every table, LayerNorm bias) and ModernBERT's (word table only, no LayerNorm bias)
+        for label, full in (("", True), (" no-position no-bias", False)):
+            kw = dict(HAS_POSITION=full, HAS_BIAS=full, HAS_TYPE_TABLE=full, HAS_TYPE_IDS=full, ROWS=rows,
+                      BLOCK_E=block, num_warps=warps)
+            cases.append(("embedding_layernorm", dtype, f"E{width} rows{rows} w{warps}{label}", args, kw))
+        # in place with bias (linear_residual_layernorm), into a second buffer without (linear_residual_prenorm)
+        args = (p, p, p, p, TOKENS, width, width, width, 1e-12)
+        for label, has_bias in (("", True), (" no-bias", False)):
+            kw = dict(HAS_BIAS=has_bias, ROWS=rows, BLOCK_N=block, num_warps=warps)
+            cases.append(("layernorm_rows", dtype, f"N{width} rows{rows} w{warps}{label}", args, kw))
     return cases
 
 
 def all_cases(quick: bool = False) -> list:
     epilogues = QUICK_EPILOGUES if quick else tuple(EPILOGUES)
+    glu = (QUICK_GLU_ACTIVATIONS, (False,)) if quick else (GLU_ACTIVATIONS, (False, True))
     return [case for dtype in DTYPES
-            for case in (*gemm_cases(dtype, epilogues), *qkv_rotary_cases(dtype, (False,) if quick else (False, True)),
+            for case in (*gemm_cases(dtype, epilogues), *glu_cases(dtype, *glu),
+                         *qkv_rotary_cases(dtype, (False,) if quick else (False, True)),
                          *attention_cases(dtype, quick), *row_cases(dtype))]
 
 

@@ -77,6 +77,18 @@ def test_linear_residual_layernorm_without_bias():
     check_linear_residual_layernorm(7, 384, torch.bfloat16, strided=True, with_bias=False)
 
 
+def test_linear_residual_layernorm_without_ln_bias_fp16():
+    check_linear_residual_layernorm(7, 130, torch.float16, strided=True, with_ln_bias=False, inner=383)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("rows,hidden,inner", [(1, 7, 130), (130, 383, 7), (7, 768, 1152)],
+                         ids=["rows1-n7-k130", "rows130-n383-k7", "rows7-n768-k1152"])
+def test_linear_residual_layernorm_without_ln_bias(rows, hidden, inner, dtype):
+    check_linear_residual_layernorm(rows, hidden, dtype, strided=rows == 7, with_ln_bias=False, inner=inner)
+
+
 @pytest.mark.interpreter
 def test_linear_activation_no_bias_3d_input():
     x = rand(2, 5, 384, dtype=torch.float16)
