@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from fastbert import backends, ops, resolve
 from fastbert.bench import costs, machine, recording, report, timing
+from fastbert.ops.qkv_rotary import qkv_rotary_cost
 
 if os.environ.get("FASTBERT_BENCH_THREADS"):
     torch.set_num_threads(int(os.environ["FASTBERT_BENCH_THREADS"]))
@@ -78,6 +79,28 @@ def case_qkv_projection():
                      for w, b in zip(weight.chunk(3), bias.chunk(3), strict=True))
 
     return "qkv_projection", args, unfused, costs.qkv_projection_cost(TOKENS, HIDDEN, ELEMENT), None
+
+
+def case_qkv_rotary():
+    """ModernBERT's attention input (Wqkv without bias, rotary on q and k) on the padded batch flattened to
+    [B * S, H], against transformers' code: the Linear, its cos/sin computed per forward as ModernBertRotaryEmbedding
+    does, apply_rotary_pos_emb (in the [B, S, heads, D] layout, which skips transformers' transposes)."""
+    from transformers.models.modernbert.modeling_modernbert import apply_rotary_pos_emb
+
+    positions = torch.arange(SEQ, device=DEVICE).repeat(BATCH)
+    cos, sin = ops.rotary_tables(160000.0, HEAD_DIM, SEQ, DEVICE)
+    args = (_randn(TOKENS, HIDDEN), _randn(3 * HIDDEN, HIDDEN, scale=HIDDEN ** -0.5), None, HEADS, positions, cos,
+            sin)
+    inv_freq = 1.0 / (160000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float, device=DEVICE) / HEAD_DIM))
+
+    def unfused(x, weight, bias, heads, positions, cos, sin):
+        q, k, v = F.linear(x, weight, bias).view(BATCH, SEQ, 3, heads, HEAD_DIM).unbind(2)
+        freqs = positions.view(BATCH, SEQ)[..., None].float() * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        q, k = apply_rotary_pos_emb(q, k, angles.cos().to(x.dtype), angles.sin().to(x.dtype), unsqueeze_dim=2)
+        return tuple(t.reshape(TOKENS, heads, HEAD_DIM) for t in (q, k, v))
+
+    return "qkv_rotary", args, unfused, qkv_rotary_cost(TOKENS, HIDDEN, HEAD_DIM, ELEMENT), None
 
 
 def _hf_eager_attention(q, k, v, additive_mask):
@@ -150,12 +173,13 @@ def case_linear_residual_layernorm():
     return "linear_residual_layernorm", args, unfused, cost, None
 
 
-CASES = [case_embedding_layernorm, case_qkv_projection, case_attention, case_attention_varlen,
+CASES = [case_embedding_layernorm, case_qkv_projection, case_qkv_rotary, case_attention, case_attention_varlen,
          case_linear_activation, case_linear_residual_layernorm]
 
 
 def _fused(op: str, backend: str):
     entry = {"embedding_layernorm": ops.embedding_layernorm, "qkv_projection": ops.qkv_projection,
+             "qkv_rotary": ops.qkv_rotary,
              "linear_activation": ops.linear_activation, "linear_residual_layernorm": ops.linear_residual_layernorm}
     if op == "attention":
         return lambda q, k, v, cu, max_seqlen, mask, scale: ops.attention(q, k, v, cu_seqlens=cu,
