@@ -90,6 +90,15 @@ def _opcheck_cases():
     yield "linear_activation", (torch.randn(2, 3, 8), torch.randn(9, 8), torch.randn(9), "relu")
     yield "linear_residual_layernorm", (torch.randn(5, 8), torch.randn(9, 8), None, torch.randn(5, 9),
                                         torch.randn(9), torch.randn(9), 1e-5)
+    yield "linear_residual_layernorm", (torch.randn(5, 8), torch.randn(9, 8), torch.randn(9), torch.randn(5, 9),
+                                        torch.randn(9), None, 1e-5)
+    yield "embedding_layernorm", (ids, None, None, torch.randn(11, 7), None, None, torch.randn(7), None, 1e-5)
+    yield "linear_glu", (torch.randn(2, 3, 8), torch.randn(18, 8), torch.randn(18), "gelu")
+    yield "linear_glu", (torch.randn(5, 8).bfloat16(), torch.randn(14, 8).bfloat16(), None, "silu")
+    yield "linear_residual_prenorm", (torch.randn(2, 3, 8), torch.randn(9, 8), None, torch.randn(2, 3, 9),
+                                      torch.randn(9), None, 1e-5)
+    yield "linear_residual_prenorm", (torch.randn(5, 8), torch.randn(9, 8), torch.randn(9), torch.randn(5, 9),
+                                      torch.randn(9), torch.randn(9), 1e-12)
     qkv = torch.randn(10, 3, 2, 8)
     q, k, v = qkv.unbind(1)
     yield "attention", (q, k, v, torch.tensor([0, 3, 3, 10], dtype=torch.int32), 7, None, None)
@@ -117,14 +126,19 @@ def test_embedding_layernorm(width, dtype):
     types = torch.randint(0, 2, (3, 7), generator=gen)
     tables = [torch.randn(n, width, generator=gen) for n in (50, 20, 2)] + [
         1 + 0.1 * torch.randn(width, generator=gen), torch.randn(width, generator=gen)]
-    for token_types, type_table in ((types, tables[2]), (None, tables[2]), (None, None)):
-        def args(dt, token_types=token_types, type_table=type_table):
-            return (ids, pos, token_types, tables[0].to(dt), tables[1].to(dt),
-                    None if type_table is None else type_table.to(dt), tables[3].to(dt), tables[4].to(dt), 1e-5)
+    # (token type ids, type table, positions, LayerNorm bias): BERT, no type ids, DistilBERT, ModernBERT, mixed
+    variants = ((types, tables[2], True, True), (None, tables[2], True, True), (None, None, True, True),
+                (None, None, False, False), (types, tables[2], False, True), (None, None, True, False))
+    for token_types, type_table, positions, ln_bias in variants:
+        def args(dt, token_types=token_types, type_table=type_table, positions=positions, ln_bias=ln_bias):
+            return (ids, pos if positions else None, token_types, tables[0].to(dt),
+                    tables[1].to(dt) if positions else None, None if type_table is None else type_table.to(dt),
+                    tables[3].to(dt), tables[4].to(dt) if ln_bias else None, 1e-5)
 
         fast = ops.embedding_layernorm(*args(dtype), backend="cpp")
         plain = ops.embedding_layernorm_reference(*args(dtype))
-        _accurate(fast, plain, ops.embedding_layernorm_reference(*args(torch.float64)), f"emb-ln w={width}")
+        _accurate(fast, plain, ops.embedding_layernorm_reference(*args(torch.float64)),
+                  f"emb-ln w={width} positions={positions} ln_bias={ln_bias}")
 
 
 def test_embedding_layernorm_rejects_bad_ids():
@@ -136,6 +150,11 @@ def test_embedding_layernorm_rejects_bad_ids():
     with pytest.raises(RuntimeError, match="position_ids holds 4294967297, outside"):  # not narrowed to int32's 1
         torch.ops.fastbert.embedding_layernorm(torch.tensor([[1, 2]], dtype=torch.int32),
                                                torch.tensor([[0, 2**32 + 1]]), None, *tables)
+    with pytest.raises(RuntimeError, match="position_ids and position_embeddings must be given together"):
+        torch.ops.fastbert.embedding_layernorm(torch.tensor([[1, 2]]), None, None, *tables)
+    with pytest.raises(RuntimeError, match=r"bias must be \[4\]"):
+        torch.ops.fastbert.embedding_layernorm(torch.tensor([[1, 2]]), None, None, tables[0], None, None,
+                                               torch.randn(4), torch.randn(5), 1e-5)
 
 
 def _strided(rows: int, width: int, dtype, gen) -> torch.Tensor:
@@ -191,12 +210,12 @@ def test_linear_ops(width, dtype):
             plain = ops.linear_activation_reference(x, w, bias, activation)
             ref = ops.linear_activation_reference(*f64(x, w, bias), activation)
             _accurate(fast, plain, ref, f"linear-{activation}")
-    for bias in (b, None):
-        args = (x, w, bias, residual, ln_w, ln_b, 1e-5)
+    for bias, ln_bias in ((b, ln_b), (None, ln_b), (b, None)):
+        args = (x, w, bias, residual, ln_w, ln_bias, 1e-5)
         fast = ops.linear_residual_layernorm(*args, backend="cpp")
         plain = ops.linear_residual_layernorm_reference(*args)
         ref = ops.linear_residual_layernorm_reference(*f64(*args[:-1]), 1e-5)
-        _accurate(fast, plain, ref, "linear-res-ln")
+        _accurate(fast, plain, ref, f"linear-res-ln ln_bias={ln_bias is not None}")
     heads = 1
     w3 = torch.cat([w, w * 0.5, -w])
     b3 = torch.cat([b, b, b])
@@ -205,6 +224,50 @@ def test_linear_ops(width, dtype):
                                 ops.qkv_projection_reference(x, w3, b3, heads), reference, strict=True):
         assert fast.shape == plain.shape == (2, 5, heads, width)
         _accurate(fast, plain, ref, "qkv")
+
+
+GLU_SIZES = [(7, 7), (130, 383), (383, 130), (768, 1152)]  # (hidden K, intermediate I): odd, and ModernBERT-base
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("hidden,inner", GLU_SIZES, ids=[f"h{h}-i{i}" for h, i in GLU_SIZES])
+def test_linear_glu(hidden, inner, dtype):
+    """act(x W_in^T + b_in) * (x W_gate^T + b_gate) for every activation, with and without bias, strided 3-D x."""
+    gen = torch.Generator().manual_seed(hidden + inner)
+    x = _strided(2 * 7, hidden, dtype, gen).view(2, 7, hidden)
+    w = (torch.randn(2 * inner, hidden, generator=gen) / math.sqrt(hidden)).to(dtype)
+    b = torch.randn(2 * inner, generator=gen).to(dtype)
+    for activation in ops.ACTIVATIONS:
+        for bias in (b, None):
+            fast = ops.linear_glu(x, w, bias, activation, backend="cpp")
+            plain = ops.linear_glu_reference(x, w, bias, activation)
+            ref = ops.linear_glu_reference(x.double(), w.double(), None if bias is None else bias.double(), activation)
+            assert fast.shape == (2, 7, inner) and fast.is_contiguous()
+            _accurate(fast, plain, ref, f"linear-glu-{activation} bias={bias is not None}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("rows", (1, 7, 130))
+@pytest.mark.parametrize("width", WIDTHS + (768,))
+def test_linear_residual_prenorm(width, rows, dtype):
+    """(x W^T + b + residual, its LayerNorm); K = width + 3; normed is the LayerNorm of summed as returned."""
+    gen = torch.Generator().manual_seed(width + rows)
+    x = _strided(rows, width + 3, dtype, gen)
+    w = (torch.randn(width, width + 3, generator=gen) / math.sqrt(width + 3)).to(dtype)
+    b = torch.randn(width, generator=gen).to(dtype)
+    residual = _strided(rows, width, dtype, gen) * 2
+    ln_w, ln_b = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype), torch.randn(width, generator=gen).to(dtype)
+    for bias, ln_bias in ((b, ln_b), (None, None), (b, None)):
+        args = (x, w, bias, residual, ln_w, ln_bias, 1e-5)
+        summed, normed = ops.linear_residual_prenorm(*args, backend="cpp")
+        plain = ops.linear_residual_prenorm_reference(*args)
+        ref = ops.linear_residual_prenorm_reference(*(None if a is None else a.double() for a in args[:-1]), 1e-5)
+        what = f"prenorm bias={bias is not None} ln_bias={ln_bias is not None}"
+        _accurate(summed, plain[0], ref[0], f"{what} summed")
+        _accurate(normed, plain[1], ref[1], f"{what} normed")
+        again = F.layer_norm(summed.double(), (width,), ln_w.double(), None if ln_bias is None else ln_bias.double(),
+                             1e-5)
+        _accurate(normed, again.to(dtype), again, f"{what} normed vs LayerNorm(summed)")
 
 
 def test_linear_ops_reject_bad_shapes():
@@ -217,6 +280,23 @@ def test_linear_ops_reject_bad_shapes():
                                                      torch.randn(5), torch.randn(5), 1e-5)
     with pytest.raises(RuntimeError, match=r"bias must be \[5\]"):
         torch.ops.fastbert.bias_activation(torch.randn(3, 5), torch.randn(4), "relu")
+    with pytest.raises(RuntimeError, match=r"weight must be \[2I, 8\]"):
+        torch.ops.fastbert.linear_glu(torch.randn(3, 8), torch.randn(5, 8), None, "gelu")
+    with pytest.raises(RuntimeError, match=r"weight must be \[2I, 8\]"):
+        torch.ops.fastbert.linear_glu(torch.randn(3, 8), torch.randn(6, 7), None, "gelu")
+    with pytest.raises(RuntimeError, match=r"bias must be \[6\]"):
+        torch.ops.fastbert.linear_glu(torch.randn(3, 8), torch.randn(6, 8), torch.randn(3), "gelu")
+    with pytest.raises(RuntimeError, match="activation must be one of"):
+        torch.ops.fastbert.linear_glu(torch.randn(3, 8), torch.randn(6, 8), None, "swish")
+    with pytest.raises(RuntimeError, match=r"residual must be \[3, 5\]"):
+        torch.ops.fastbert.linear_residual_prenorm(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 4),
+                                                   torch.randn(5), None, 1e-5)
+    with pytest.raises(RuntimeError, match=r"ln_bias must be \[5\]"):
+        torch.ops.fastbert.linear_residual_prenorm(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 5),
+                                                   torch.randn(5), torch.randn(4), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be Float like x"):
+        torch.ops.fastbert.linear_residual_prenorm(torch.randn(3, 8), torch.randn(5, 8).bfloat16(), None,
+                                                   torch.randn(3, 5), torch.randn(5), None, 1e-5)
 
 
 # ------------------------------------------------------------------------------------------------- attention
