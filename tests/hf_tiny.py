@@ -41,6 +41,20 @@ HEADS["xlm-roberta"] = HEADS["camembert"] = HEADS["roberta"]
 HEADS["modernbert"] = HEADS["distilbert"]
 
 
+# The fused ops each layer architecture runs (fastbert's config.norm_placement).
+ARCHITECTURE_OPS = {
+    "post": ("embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm"),
+    "pre": ("embedding_layernorm", "qkv_rotary", "attention", "linear_residual_prenorm", "linear_glu"),
+}
+
+
+def fused_ops(model: torch.nn.Module) -> tuple[str, ...]:
+    """The fused ops fastbert's encoder runs for a transformers ``model`` (by its config's layer architecture)."""
+    from fastbert.config import FastBertConfig
+
+    return ARCHITECTURE_OPS[FastBertConfig.from_hf_dict(model.config.to_dict()).norm_placement]
+
+
 def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
     config_name, extra, _ = FAMILIES[family]
     cls = getattr(transformers, config_name)

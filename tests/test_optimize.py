@@ -12,25 +12,19 @@ import transformers
 import fastbert
 from fastbert import backends
 from fastbert import benchmarking as bm
-from tests.hf_tiny import HEADS, VOCAB, padded_batch, rel_err, tiny_model
+from tests.hf_tiny import HEADS, VOCAB, fused_ops, padded_batch, rel_err, tiny_model
 
 # CI builds the C++ extension: every op must run on it (a `supports` regression that falls back to eager fails).
 EXPECTED_BACKEND = "eager" if os.environ.get("FASTBERT_SKIP_EXT", "0").lower() in ("1", "true", "yes") else "cpp"
 PER_TOKEN = {"last_hidden_state", "prediction_logits", "start_logits", "end_logits"}
 CASES = [(family, head) for family, heads in HEADS.items() for head in heads]
-# The fused ops each layer architecture runs (config.norm_placement).
-ARCHITECTURE_OPS = {
-    "post": ("embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm"),
-    "pre": ("embedding_layernorm", "qkv_rotary", "attention", "linear_residual_prenorm", "linear_glu"),
-}
 
 
 def expected_backends(model) -> dict[str, str]:
     """op -> the backend it must run on: EXPECTED_BACKEND wherever that backend implements the op (an op it has
     not implemented yet runs on eager)."""
-    placement = fastbert.FastBertConfig.from_hf_dict(model.config.to_dict()).norm_placement
     return {op: EXPECTED_BACKEND if EXPECTED_BACKEND in backends._REGISTRY.get(op, {}) else "eager"
-            for op in ARCHITECTURE_OPS[placement]}
+            for op in fused_ops(model)}
 
 
 def _inputs(family: str, head: str, model) -> dict:
