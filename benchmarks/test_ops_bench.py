@@ -38,6 +38,7 @@ FULL = os.environ.get("FASTBERT_BENCH_FULL", "0") in ("1", "true", "yes")
 BATCH, SEQ = (32, 512) if FULL and DEVICE.type == "cuda" else (8, 128) if FULL else (2, 128)
 HIDDEN, HEADS, INTERMEDIATE, VOCAB, EPS = 768, 12, 3072, 30522, 1e-12  # BERT-base
 HEAD_DIM = HIDDEN // HEADS
+GLU_INTERMEDIATE = 1152  # ModernBERT-base: Wi [2 x 1152, 768], Wo [768, 1152]
 TOKENS = BATCH * SEQ
 ELEMENT = torch.finfo(DTYPE).bits // 8
 MEMORY_BOUND = {"embedding_layernorm"}
@@ -173,14 +174,39 @@ def case_linear_residual_layernorm():
     return "linear_residual_layernorm", args, unfused, cost, None
 
 
+def case_linear_glu():
+    """ModernBERT's MLP input half as transformers writes it: Wi, chunk(2), act(input) * gate (GELU, no bias)."""
+    args = (_randn(TOKENS, HIDDEN), _randn(2 * GLU_INTERMEDIATE, HIDDEN, scale=HIDDEN ** -0.5), None, "gelu")
+
+    def unfused(x, weight, bias, activation):
+        projected, gate = F.linear(x, weight, bias).chunk(2, dim=-1)
+        return F.gelu(projected) * gate
+
+    return "linear_glu", args, unfused, ops.SPECS["linear_glu"].cost(TOKENS, HIDDEN, GLU_INTERMEDIATE, ELEMENT), None
+
+
+def case_linear_residual_prenorm():
+    """ModernBERT's MLP output: Wo (no bias), + residual, then the next layer's attn_norm (LayerNorm without bias)."""
+    args = (_randn(TOKENS, GLU_INTERMEDIATE), _randn(HIDDEN, GLU_INTERMEDIATE, scale=GLU_INTERMEDIATE ** -0.5), None,
+            _randn(TOKENS, HIDDEN), _randn(HIDDEN), None, 1e-5)
+
+    def unfused(x, weight, bias, residual, ln_weight, ln_bias, eps):
+        summed = residual + F.linear(x, weight, bias)
+        return summed, F.layer_norm(summed, (HIDDEN,), ln_weight, ln_bias, eps)
+
+    cost = ops.SPECS["linear_residual_prenorm"].cost(TOKENS, GLU_INTERMEDIATE, HIDDEN, ELEMENT)
+    return "linear_residual_prenorm", args, unfused, cost, None
+
+
 CASES = [case_embedding_layernorm, case_qkv_projection, case_qkv_rotary, case_attention, case_attention_varlen,
-         case_linear_activation, case_linear_residual_layernorm]
+         case_linear_activation, case_linear_residual_layernorm, case_linear_glu, case_linear_residual_prenorm]
 
 
 def _fused(op: str, backend: str):
     entry = {"embedding_layernorm": ops.embedding_layernorm, "qkv_projection": ops.qkv_projection,
              "qkv_rotary": ops.qkv_rotary,
-             "linear_activation": ops.linear_activation, "linear_residual_layernorm": ops.linear_residual_layernorm}
+             "linear_activation": ops.linear_activation, "linear_residual_layernorm": ops.linear_residual_layernorm,
+             "linear_glu": ops.linear_glu, "linear_residual_prenorm": ops.linear_residual_prenorm}
     if op == "attention":
         return lambda q, k, v, cu, max_seqlen, mask, scale: ops.attention(q, k, v, cu_seqlens=cu,
                                                                           max_seqlen=max_seqlen, backend=backend)
