@@ -10,6 +10,11 @@ The head dim is padded to a power-of-two block with masking: D is any multiple o
 masked gets zeros, never NaN (running max kept finite, zero denominator -> zero output). K and V at masked keys are
 never loaded, so NaN or Inf stored there never reaches a real query's output.
 Output: contiguous, shaped like q, in q's dtype. fp16, bf16, fp32 (fp32 dots in IEEE, no TF32).
+Sliding window (`window`, ModernBERT's local_attention, see fastbert.ops.attention): a query at position i attends
+the keys j with |i - j| <= window // 2 (positions within its sequence). A query block's key loop runs only over the
+key blocks its rows' windows reach (from the first one touching m_start - window // 2 to m_end + window // 2), so a
+local layer costs about S * window; inside those blocks the band is masked per element. A window reaching every key
+launches the global kernel. A query whose window holds no real key gets zeros.
 Packed form contract (not checked: it would cost a device sync): cu_seqlens[-1] == T and max_seqlen >= the
 longest sequence; rows outside that are left unwritten. Grid: (query blocks, batch <= 65535, heads).
 """
@@ -44,8 +49,10 @@ def _attention_kernel(
     seqlen,  # padded form: S
     head_dim,
     qk_scale,  # softmax scale * log2(e): scores go straight to exp2
+    window_half,  # WINDOW only: a query attends keys at most this many positions away
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    WINDOW: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
     BLOCK_M: tl.constexpr,
@@ -83,7 +90,13 @@ def _attention_kernel(
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for key_start in range(0, length, BLOCK_N):
+    if WINDOW:  # only the key blocks some row's window reaches; the first one aligned to BLOCK_N
+        key_begin = tl.maximum(block_m * BLOCK_M - window_half, 0) // BLOCK_N * BLOCK_N
+        key_end = tl.minimum((block_m + 1) * BLOCK_M + window_half, length)
+    else:
+        key_begin = 0
+        key_end = length
+    for key_start in range(key_begin, key_end, BLOCK_N):
         keys = key_start + offs_n
         key_valid = keys < length
         if HAS_MASK:
@@ -97,7 +110,13 @@ def _attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        scores = tl.where(key_valid[None, :], scores, float("-inf"))
+        if WINDOW:
+            # |query - key| from block-local int32 offsets (64-bit [BLOCK_M, BLOCK_N] indices would spill on sm_90)
+            shift = (block_m * BLOCK_M - key_start).to(tl.int32)
+            in_window = tl.abs(tl.arange(0, BLOCK_M)[:, None] - offs_n[None, :] + shift) <= window_half
+            scores = tl.where(key_valid[None, :] & in_window, scores, float("-inf"))
+        else:
+            scores = tl.where(key_valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         # While every key seen so far is masked the max is -inf; subtract 0 then so exp2 gives 0, not NaN.
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -113,16 +132,25 @@ def _attention_kernel(
     tl.store(out_ptrs, cast_rtne(out, out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def _meta(head_dim: int, max_seqlen: int, dtype: torch.dtype) -> dict:
+def _meta(head_dim: int, max_seqlen: int, dtype: torch.dtype, window: bool = False) -> dict:
     """Block sizes: a fixed config under the interpreter, a table by head dim on a GPU (compiled for sm_90 here,
     never run). fp32 tiles take twice the shared memory: smaller blocks keep them under A100's 163 KiB too.
     fp32 runs 8 warps at every head dim and 16 keys a block above D = 64: its IEEE dots use FMA units with the
     operands in registers, and at 4 warps and 32 keys they spill on sm_90 (16 KB per thread at D >= 80, see
-    benchmarks/results/sm90-resources)."""
+    benchmarks/results/sm90-resources). A sliding window halves BLOCK_M (64 in fp16/bf16, 32 in fp32): the band
+    mask's registers made the full-size tiles spill on sm_90, and shorter query blocks also reach fewer keys outside
+    their rows' windows (a block of BLOCK_M rows walks BLOCK_M + window keys for about window useful ones)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     fit = max(16, triton.next_power_of_2(max_seqlen))
     if INTERPRETER:
         return {"BLOCK_M": min(64, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d}
+    meta = _global_meta(block_d, fit, dtype)
+    if window:
+        meta["BLOCK_M"] = min(meta["BLOCK_M"], 32 if dtype == torch.float32 else 64)
+    return meta
+
+
+def _global_meta(block_d: int, fit: int, dtype: torch.dtype) -> dict:
     if dtype == torch.float32:
         return {"BLOCK_M": min(64, fit), "BLOCK_N": min(32 if block_d <= 64 else 16, fit), "BLOCK_D": block_d,
                 "num_warps": 8, "num_stages": 2}
@@ -145,8 +173,6 @@ MAX_GRID_BATCH = 65535
 
 def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None,
              window=None) -> str | None:
-    if window is not None:
-        return "the triton attention kernel has no sliding window yet"
     head_dim = q.shape[-1]
     batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
     return first_reason(
@@ -162,8 +188,8 @@ def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, s
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
             max_seqlen: int | None, key_padding_mask: torch.Tensor | None, scale: float | None,
             window: int | None = None) -> torch.Tensor:
-    if window is not None:
-        raise NotImplementedError("fastbert triton attention: the sliding window is not implemented yet")
+    if window is not None and window < 0:
+        raise ValueError(f"fastbert triton attention: window must be >= 0 (the total width), got {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     max_seqlen = 0 if max_seqlen is None else max_seqlen
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -181,15 +207,18 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch
         return out.zero_()
     mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else q4  # q4: an unread placeholder
     mask_strides = key_padding_mask.stride() if key_padding_mask is not None else (0, 0)
-    meta = _meta(head_dim, longest, q.dtype)
+    # A window reaching every key of the longest sequence is global attention: the kernel without the band.
+    window_half = window // 2 if window is not None and window // 2 < longest - 1 else None
+    meta = _meta(head_dim, longest, q.dtype, window=window_half is not None)
     if not INTERPRETER and meta["BLOCK_M"] == 128 and triton.cdiv(longest, 128) * batch * heads < _sm_count(q.device):
         meta["BLOCK_M"] = 64  # small batches: more, shorter programs to occupy the SMs
     grid = (triton.cdiv(longest, meta["BLOCK_M"]), batch, heads)
     _attention_kernel[grid](
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(),
         cu_seqlens.contiguous() if packed else q4, mask, *mask_strides,
-        q4.shape[1], head_dim, scale * LOG2E,
-        PACKED=packed, HAS_MASK=key_padding_mask is not None, INPUT_PRECISION=dot_precision(q.dtype),
+        q4.shape[1], head_dim, scale * LOG2E, 0 if window_half is None else window_half,
+        PACKED=packed, HAS_MASK=key_padding_mask is not None, WINDOW=window_half is not None,
+        INPUT_PRECISION=dot_precision(q.dtype),
         DOT_IN_FP32=dot_in_fp32(q.dtype), **meta)
     return out
 

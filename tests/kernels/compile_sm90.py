@@ -162,30 +162,35 @@ def qkv_rotary_cases(dtype: str, biases=(False, True)) -> list:
 
 
 def attention_cases(dtype: str, quick: bool = False) -> list:
+    """Global and sliding-window attention (ModernBERT's local_attention 128: window_half 64, its own meta), packed
+    and padded, per head dim."""
     p = _ptr(dtype)
     cases = []
     for head_dim in (32, 64, 80, 96, 128):
         hd = HEADS * head_dim
-        base = attention._meta(head_dim, 512, DTYPES[dtype])
-        metas = [base]
-        if base["BLOCK_M"] == 128 and not quick:  # the small-batch variant `_launch` switches to (fewer registers)
-            metas.append({**base, "BLOCK_M": 64})
-        for meta in metas:
-            for packed in (True, False):
-                if packed:  # q, k, v: [1, T, heads, D] views of the [T, 3, heads, D] projection; out contiguous
-                    qkv = (TOKENS * 3 * hd, 3 * hd, head_dim, 1)
-                    out = (TOKENS * hd, hd, head_dim, 1)
-                    rest = (_ptr("int32"), p, 0, 0, TOKENS)  # cu_seqlens, mask placeholder (q), strides, seqlen
-                else:  # [B, S, heads, D] views of [B, S, 3, heads, D]; uint8 mask [B, S]
-                    qkv = (SEQ * 3 * hd, 3 * hd, head_dim, 1)
-                    out = (SEQ * hd, hd, head_dim, 1)
-                    rest = (p, _ptr("uint8"), SEQ, 1, SEQ)
-                args = (p, *qkv, p, *qkv, p, *qkv, p, *out, *rest, head_dim, 0.125 * 1.4426950408889634)
-                kw = dict(PACKED=packed, HAS_MASK=not packed, INPUT_PRECISION=_common.dot_precision(DTYPES[dtype]),
-                          DOT_IN_FP32=False, **meta)
-                label = (f"d{head_dim} {meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_D']} w{meta['num_warps']} "
-                         f"s{meta['num_stages']} {'packed' if packed else 'padded'}")
-                cases.append(("attention", dtype, label, args, kw))
+        for window in (False, True):
+            base = attention._meta(head_dim, 512, DTYPES[dtype], window=window)
+            metas = [base]
+            if base["BLOCK_M"] == 128 and not quick:  # the small-batch variant `_launch` switches to (fewer registers)
+                metas.append({**base, "BLOCK_M": 64})
+            for meta in metas:
+                for packed in (True, False):
+                    if packed:  # q, k, v: [1, T, heads, D] views of the [T, 3, heads, D] projection; out contiguous
+                        qkv = (TOKENS * 3 * hd, 3 * hd, head_dim, 1)
+                        out = (TOKENS * hd, hd, head_dim, 1)
+                        rest = (_ptr("int32"), p, 0, 0, TOKENS)  # cu_seqlens, mask placeholder (q), strides, seqlen
+                    else:  # [B, S, heads, D] views of [B, S, 3, heads, D]; uint8 mask [B, S]
+                        qkv = (SEQ * 3 * hd, 3 * hd, head_dim, 1)
+                        out = (SEQ * hd, hd, head_dim, 1)
+                        rest = (p, _ptr("uint8"), SEQ, 1, SEQ)
+                    args = (p, *qkv, p, *qkv, p, *qkv, p, *out, *rest, head_dim, 0.125 * 1.4426950408889634,
+                            64 if window else 0)
+                    kw = dict(PACKED=packed, HAS_MASK=not packed, WINDOW=window,
+                              INPUT_PRECISION=_common.dot_precision(DTYPES[dtype]), DOT_IN_FP32=False, **meta)
+                    label = (f"d{head_dim} {meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_D']} "
+                             f"w{meta['num_warps']} s{meta['num_stages']} {'packed' if packed else 'padded'}"
+                             f"{' window' if window else ''}")
+                    cases.append(("attention", dtype, label, args, kw))
     return cases
 
 

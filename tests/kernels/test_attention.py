@@ -1,5 +1,6 @@
-"""The triton attention kernel (packed variable-length and padded + key padding mask) against fp64 references
-(the checks are `fastbert.bench.op_checks`', shared with benchmarks/gpu_check.py)."""
+"""The triton attention kernel (packed variable-length and padded + key padding mask, global or in a sliding window)
+against fp64 references (the global checks are `fastbert.bench.op_checks`', shared with benchmarks/gpu_check.py; the
+window checks tests/test_attention_window.py's, shared with the cpp backend)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from fastbert import backends, ops
 from fastbert.bench.op_checks import check_packed, check_padded
+from tests import test_attention_window as window_checks
 from tests.kernels.numerics import DEVICE, DTYPE_IDS
 from tests.test_backends import check_padding_poison
 
@@ -100,3 +102,85 @@ def test_long_sequence_4096():
 @pytest.mark.interpreter
 def test_long_sequence_520():
     check_packed([520, 3], heads=1, head_dim=64, dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ sliding window
+def test_window_rule_matches_transformers_modernbert_mask():
+    """Which keys each query attends (probed through the output) equals transformers' ModernBERT mask: padded with
+    holes and an all-padding row, packed lengths 1, 7, 13; the odd window 7 (half 3) and the even 16 (half 8)."""
+    for window in (7, 16):
+        window_checks.check_rule_matches_transformers("triton", window, device=DEVICE)
+
+
+def test_window_packed_fp16_lengths_1_7_130():
+    window_checks.check_against_reference("triton", torch.float16, 16, [1, 7, 130], head_dim=64, device=DEVICE)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # NaN q at padded rows
+def test_window_without_a_real_key_gives_zeros_and_masked_nan_does_not_leak():
+    window_checks.check_no_key_in_window_gives_zeros("triton", torch.float16, device=DEVICE)
+    window_checks.check_window_poison("triton", torch.float32, 7, device=DEVICE)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", [0, 1, 2, 128], ids=lambda w: f"w{w}")
+def test_window_rule_other_widths(window):
+    window_checks.check_rule_matches_transformers("triton", window, device=DEVICE)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("window", [1, 2, 7, 16, 128], ids=lambda w: f"w{w}")
+def test_window_packed(window, dtype):
+    window_checks.check_against_reference("triton", dtype, window, [1, 7, 130], head_dim=64, device=DEVICE)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("window", [2, 7, 128], ids=lambda w: f"w{w}")
+def test_window_padded(window, dtype):
+    """Right padding and an all-padding row (zeros), an explicit scale."""
+    window_checks.check_against_reference("triton", dtype, window, [130, 7, 1, 0], head_dim=32, form="padded",
+                                          device=DEVICE, scale=0.3)
+
+
+@pytest.mark.interpreter
+def test_window_128_over_a_long_sequence():
+    """S = 520 with blocks of 64: query blocks in the middle skip whole key blocks on both sides."""
+    window_checks.check_against_reference("triton", torch.bfloat16, 128, [520, 3], heads=1, head_dim=64,
+                                          device=DEVICE)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("seqlen", [1, 7, 130], ids=lambda s: f"S{s}")
+def test_window_wider_than_the_sequence_is_global(seqlen):
+    window_checks.check_wide_window_is_global("triton", torch.float16, seqlen, device=DEVICE)
+
+
+@pytest.mark.interpreter
+def test_window_packed_and_padded_agree():
+    window_checks.check_packed_matches_padded("triton", torch.float32, 7, [1, 7, 70], device=DEVICE)
+
+
+@pytest.mark.interpreter
+# the NaN q rows at padded query positions make numpy's matmul warn; those rows' outputs are unspecified
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)])
+def test_window_nan_and_inf_at_masked_keys_never_reach_real_rows(dtype):
+    window_checks.check_window_poison("triton", dtype, 2, device=DEVICE)
+
+
+@pytest.mark.interpreter
+def test_window_opcheck():
+    q, k, v = torch.randn(10, 3, 2, 8, device=DEVICE).unbind(1)
+    cu_seqlens = window_checks.cu_seqlens_of([3, 0, 7], DEVICE)
+    torch.library.opcheck(torch.ops.fastbert.triton_attention.default, (q, k, v, cu_seqlens, 7, None, None, 2))
+    q, k, v = torch.randn(2, 6, 3, 2, 8, device=DEVICE).unbind(2)
+    mask = torch.tensor([[True] * 4 + [False] * 2, [False] * 6], device=DEVICE)
+    torch.library.opcheck(torch.ops.fastbert.triton_attention.default, (q, k, v, None, None, mask, 0.5, 3))
+
+
+def test_window_launcher_rejects_a_negative_window():
+    q = torch.zeros(1, 4, 1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        torch.ops.fastbert.triton_attention(q, q, q, None, None, None, None, -1)
