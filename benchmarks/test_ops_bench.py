@@ -39,6 +39,7 @@ BATCH, SEQ = (32, 512) if FULL and DEVICE.type == "cuda" else (8, 128) if FULL e
 HIDDEN, HEADS, INTERMEDIATE, VOCAB, EPS = 768, 12, 3072, 30522, 1e-12  # BERT-base
 HEAD_DIM = HIDDEN // HEADS
 GLU_INTERMEDIATE = 1152  # ModernBERT-base: Wi [2 x 1152, 768], Wo [768, 1152]
+LONG_SEQ, LOCAL_WINDOW = 1024, 128  # ModernBERT's local layers attend local_attention = 128 positions
 TOKENS = BATCH * SEQ
 ELEMENT = torch.finfo(DTYPE).bits // 8
 MEMORY_BOUND = {"embedding_layernorm"}
@@ -153,6 +154,36 @@ def case_attention_varlen():
     return "attention", args, unfused, costs.attention_cost(lengths, HEADS, HEAD_DIM, ELEMENT), "varlen"
 
 
+def _long_attention(window: int | None):
+    """One sequence of LONG_SEQ tokens, 12 heads of 64, globally or in ModernBERT's sliding window, against
+    transformers' eager attention with the matching band mask (which computes all S^2 scores; the cost counts the
+    attended pairs only): the local layer's fused cost follows S * window, the global one S^2."""
+    q, k, v = _randn(LONG_SEQ, 3, HEADS, HEAD_DIM).unbind(1)
+    cu = torch.tensor([0, LONG_SEQ], dtype=torch.int32, device=DEVICE)
+    args = (q, k, v, cu, LONG_SEQ, None, None, window)
+    additive = None
+    if window is not None:
+        position = torch.arange(LONG_SEQ, device=DEVICE)
+        outside = (position[:, None] - position[None, :]).abs() > window // 2
+        additive = torch.zeros(LONG_SEQ, LONG_SEQ, dtype=DTYPE, device=DEVICE).masked_fill(outside,
+                                                                                             torch.finfo(DTYPE).min)
+
+    def unfused(q, k, v, cu, max_seqlen, mask, scale, window):
+        shape = (1, LONG_SEQ, HEADS, HEAD_DIM)
+        return _hf_eager_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape), additive).view(q.shape)
+
+    cost = costs.attention_cost([LONG_SEQ], HEADS, HEAD_DIM, ELEMENT, window=window)
+    return "attention", args, unfused, cost, f"s{LONG_SEQ}" + (f"-window{window}" if window is not None else "")
+
+
+def case_attention_long_global():
+    return _long_attention(None)
+
+
+def case_attention_long_local():
+    return _long_attention(LOCAL_WINDOW)
+
+
 def case_linear_activation():
     args = (_randn(TOKENS, HIDDEN), _randn(INTERMEDIATE, HIDDEN, scale=HIDDEN ** -0.5), _randn(INTERMEDIATE), "gelu")
 
@@ -199,7 +230,8 @@ def case_linear_residual_prenorm():
 
 
 CASES = [case_embedding_layernorm, case_qkv_projection, case_qkv_rotary, case_attention, case_attention_varlen,
-         case_linear_activation, case_linear_residual_layernorm, case_linear_glu, case_linear_residual_prenorm]
+         case_attention_long_global, case_attention_long_local, case_linear_activation, case_linear_residual_layernorm,
+         case_linear_glu, case_linear_residual_prenorm]
 
 
 def _fused(op: str, backend: str):
@@ -208,8 +240,8 @@ def _fused(op: str, backend: str):
              "linear_activation": ops.linear_activation, "linear_residual_layernorm": ops.linear_residual_layernorm,
              "linear_glu": ops.linear_glu, "linear_residual_prenorm": ops.linear_residual_prenorm}
     if op == "attention":
-        return lambda q, k, v, cu, max_seqlen, mask, scale: ops.attention(q, k, v, cu_seqlens=cu,
-                                                                          max_seqlen=max_seqlen, backend=backend)
+        return lambda q, k, v, cu, max_seqlen, mask, scale, window=None: ops.attention(
+            q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, window=window, backend=backend)
     return lambda *args: entry[op](*args, backend=backend)
 
 
