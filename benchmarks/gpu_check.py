@@ -244,6 +244,8 @@ def real_size_cases(dry_run: bool) -> list:
                 op_checks.check_linear_residual_layernorm(rows, h, d, strided=False))
             add(f"embedding_layernorm 8x{min(rows // 8, 128)} e{hidden}", lambda h=hidden, d=dtype:
                 op_checks.check_embedding_layernorm((8, min(rows // 8, 128)), h, d))
+            add(f"qkv_rotary rows{rows} h{hidden} no-bias", lambda h=hidden, n=heads, d=dtype:
+                op_checks.check_qkv_rotary(rows, n, h // n, d, with_bias=False))
         for head_dim in (32,) if dry_run else (32, 64, 80, 96, 128):
             heads = 2 if dry_run else 12
             seqlens = [1, 7, 33] if dry_run else [1, 7, 130, 512, 1000, 60]
@@ -279,6 +281,8 @@ def grid_cases(dry_run: bool) -> list:
                     t=strided: op_checks.check_linear_residual_layernorm(r, h, d, strided=t))
             add(f"linear_relu rows{rows} h{hidden}", lambda r=rows, h=hidden, d=dtype:
                 op_checks.check_linear_activation(r, h, d, "relu", strided=False))
+            add(f"qkv_rotary rows{rows} h{hidden} strided", lambda r=rows, h=hidden, n=heads, d=dtype:
+                op_checks.check_qkv_rotary(r, n, h // n, d, strided=True))
         for ids_shape, width in [((2, 7), 64)] if dry_run else [((1, 1), 1024), ((2, 7), 768), ((1, 130), 384)]:
             add(f"embedding_layernorm {ids_shape} e{width}", lambda i=ids_shape, w=width, d=dtype:
                 op_checks.check_embedding_layernorm(i, w, d))

@@ -126,6 +126,41 @@ def check_linear_residual_prenorm(rows, hidden, inner, dtype, strided, with_bias
     assert_accurate(normed, again.to(dtype), again, f"{what} normed vs LayerNorm(summed)")
 
 
+def packed_positions(tokens: int) -> torch.Tensor:
+    """Positions of packed sequences of lengths 5, 11, 23, ... (the last one cut at ``tokens``), each restarting at
+    0, as varlen batches give them to qkv_rotary."""
+    parts, left, length = [], tokens, 5
+    while left:
+        parts.append(torch.arange(min(length, left)))
+        left -= len(parts[-1])
+        length = 2 * length + 1
+    return torch.cat(parts).to(DEVICE)
+
+
+def check_qkv_rotary(rows, heads, head_dim, dtype, strided=False, with_bias=True, leading=None,
+                     position_dtype=torch.int64, theta=160000.0):
+    """ModernBERT's QKV projection + rotary on q and k, positions restarting per packed sequence; strided: x a
+    column slice, the weight a transposed view; leading: x and positions reshaped to [*leading, ...]."""
+    hidden = heads * head_dim
+    x = _maybe_strided(rows, hidden, dtype, strided)
+    weight = _weight(3 * hidden, hidden, dtype, strided)
+    bias = rand(3 * hidden, dtype=dtype, scale=0.5) if with_bias else None
+    positions = packed_positions(rows).to(position_dtype)
+    if leading is not None:
+        x, positions = x.reshape(*leading, hidden), positions.reshape(leading)
+    cos, sin = ops.rotary_tables(theta, head_dim, max(rows, 256), DEVICE)
+    fast = ops.qkv_rotary(x, weight, bias, heads, positions, cos, sin, backend="triton")
+    plain = ops.qkv_rotary(x, weight, bias, heads, positions, cos, sin, backend="eager")
+    reference = ops.qkv_rotary_reference(x.double(), weight.double(), None if bias is None else bias.double(), heads,
+                                         positions, cos, sin)
+    base = fast[0].untyped_storage().data_ptr()
+    for name, f, p, r in zip("qkv", fast, plain, reference, strict=True):
+        expected = (*x.shape[:-1], heads, head_dim)
+        _require(f.shape == expected, f"qkv_rotary {name}: shape {tuple(f.shape)} != {expected}")
+        _require(f.untyped_storage().data_ptr() == base, "qkv_rotary: q, k, v must be views of one buffer")
+        assert_accurate(f, p, r, f"qkv_rotary {name} rows{rows} heads{heads} d{head_dim}")
+
+
 # ----------------------------------------------------------------------------------------- embedding_layernorm
 def check_embedding_layernorm(ids_shape, width, dtype, types="ids", strided_tables=False, id_dtype=torch.int64,
                               strided_ids=False, positions=True, ln_bias=True):

@@ -1,6 +1,7 @@
 """The triton backend of qkv_rotary (kernels/qkv_rotary.py): the GEMM with the rotary embedding of q and k in its
 epilogue, against the fp64 reference with plain PyTorch in the same dtype as the yardstick (`fastbert.numerics`),
-and against transformers' ModernBERT rotary code. On CPU it runs in the Triton interpreter."""
+and against transformers' ModernBERT rotary code (the accuracy checks are `fastbert.bench.op_checks`', shared with
+benchmarks/gpu_check.py). On CPU it runs in the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -12,47 +13,13 @@ from transformers import ModernBertConfig
 from transformers.models.modernbert.modeling_modernbert import ModernBertRotaryEmbedding, apply_rotary_pos_emb
 
 from fastbert import backends, ops
-from tests.kernels.numerics import DEVICE, DTYPE_IDS, assert_accurate, rand
+from fastbert.bench.op_checks import check_qkv_rotary, packed_positions
+from tests.kernels.numerics import DEVICE, DTYPE_IDS, rand
 
 ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
 # (tokens, heads, head_dim): odd token counts; 1, 2 and 12 heads; head_dim 32 and 64
 SHAPES = [(1, 1, 64), (7, 2, 32), (130, 12, 64)]
 SHAPE_IDS = [f"T{t}-heads{h}-d{d}" for t, h, d in SHAPES]
-
-
-def packed_positions(tokens: int) -> torch.Tensor:
-    """Positions of packed sequences of lengths 5, 11, 23, ... (the last one cut at ``tokens``): each restarts at 0."""
-    parts, left, n = [], tokens, 5
-    while left:
-        parts.append(torch.arange(min(n, left)))
-        left -= len(parts[-1])
-        n = 2 * n + 1
-    return torch.cat(parts).to(DEVICE)
-
-
-def check_qkv_rotary(tokens, heads, head_dim, dtype, strided=False, with_bias=True, leading=None,
-                     position_dtype=torch.int64, theta=160000.0):
-    hidden = heads * head_dim
-    if strided:  # x a column slice of a wider tensor, the weight a transposed view of [H, 3H]
-        x = rand(tokens, hidden + 9, dtype=dtype)[:, 5:5 + hidden]
-        weight = rand(hidden, 3 * hidden, dtype=dtype, scale=hidden ** -0.5).t()
-    else:
-        x = rand(tokens, hidden, dtype=dtype)
-        weight = rand(3 * hidden, hidden, dtype=dtype, scale=hidden ** -0.5)
-    bias = rand(3 * hidden, dtype=dtype, scale=0.5) if with_bias else None
-    positions = packed_positions(tokens).to(position_dtype)
-    if leading is not None:
-        x, positions = x.reshape(*leading, hidden), positions.reshape(leading)
-    cos, sin = ops.rotary_tables(theta, head_dim, 256, DEVICE)
-    fast = ops.qkv_rotary(x, weight, bias, heads, positions, cos, sin, backend="triton")
-    plain = ops.qkv_rotary(x, weight, bias, heads, positions, cos, sin, backend="eager")
-    reference = ops.qkv_rotary_reference(x.double(), weight.double(), None if bias is None else bias.double(), heads,
-                                         positions, cos, sin)
-    base = fast[0].untyped_storage().data_ptr()
-    for name, f, p, r in zip("qkv", fast, plain, reference, strict=True):
-        assert f.shape == (*x.shape[:-1], heads, head_dim), name
-        assert f.untyped_storage().data_ptr() == base, "q, k, v must be views of one buffer (no copies)"
-        assert_accurate(f, p, r, f"qkv_rotary {name}")
 
 
 # ---------------------------------------------------------------------------------- cheap subset (CI, unmarked)
