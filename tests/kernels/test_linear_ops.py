@@ -48,7 +48,7 @@ def test_linear_gelu(rows, hidden, heads, dtype):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("activation", ["gelu_tanh", "relu"])
+@pytest.mark.parametrize("activation", ["gelu_tanh", "relu", "silu"])
 def test_linear_other_activations(dtype, activation):
     check_linear_activation(7, 384, dtype, activation, strided=True)
 
