@@ -33,8 +33,29 @@ def encoder_flops_per_token(layers: int, hidden: int, seqlen: int, intermediate:
 
 
 def batch_flops(config: FastBertConfig, lengths: Sequence[int]) -> float:
-    """Useful FLOPs of one forward over sequences of the given real lengths (padding excluded)."""
-    return sum(length * encoder_flops_per_token(config.num_hidden_layers, config.hidden_size, length,
-                                                config.intermediate_size) for length in lengths)
+    """Useful FLOPs of one forward over sequences of the given real lengths (padding excluded).
+
+    BERT's layers as `encoder_flops_per_token`. ModernBERT's differ in two places: the GLU FFN's input projection
+    gives 2I columns (FFN 2*3*H*I instead of 2*2*H*I), and a sliding-window layer's attention covers only the
+    (query, key) pairs within its window (`attention_pairs`) instead of S^2."""
+    hidden, inner = config.hidden_size, config.intermediate_size
+    if not config.glu and not config.layer_types:
+        return sum(length * encoder_flops_per_token(config.num_hidden_layers, hidden, length, inner)
+                   for length in lengths)
+    ffn = (6 if config.glu else 4) * hidden * inner
+    total = 0.0
+    for index in range(config.num_hidden_layers):
+        window = config.layer_window(index)
+        for length in lengths:
+            total += length * (8 * hidden * hidden + ffn) + 4 * attention_pairs(length, window) * hidden
+    return total
 
 
+def attention_pairs(seqlen: int, window: int | None) -> int:
+    """(query, key) pairs a sequence of ``seqlen`` tokens attends: S^2 globally; within a window of total width w
+    (|i - j| <= w // 2, as `fastbert.ops.attention` takes it), S * (2h + 1) less the h * (h + 1) pairs the band
+    loses past both ends, h = w // 2."""
+    if window is None or window // 2 >= seqlen - 1:
+        return seqlen * seqlen
+    half = window // 2
+    return seqlen * (2 * half + 1) - half * (half + 1)
