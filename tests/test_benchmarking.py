@@ -95,9 +95,11 @@ def test_record_backends_counts_every_op_and_restores_dispatch(minilm_dir):
     with torch.inference_mode(), recording.record_backends() as seen:
         model(input_ids=torch.tensor([[101, 7592, 2088, 102]]))
     assert backends.dispatch is original
-    assert set(seen) == set(recording.OPS)
+    # the ops a BERT encoder runs (ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm are not among them)
+    bert_ops = {"embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm"}
+    assert bert_ops <= set(recording.OPS) and set(seen) == bert_ops
     assert seen["attention"]["eager"] == model.config.num_hidden_layers
-    assert recording.backends_used(seen) == {op: "eager" for op in recording.OPS}
+    assert recording.backends_used(seen) == {op: "eager" for op in bert_ops}
 
 
 def test_mean_pooling_matches_sentence_transformers(minilm_dir):
