@@ -49,8 +49,8 @@ def _padded_sdpa(q, k, v, key_padding_mask, scale, half_width=None):
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          scale=scale)
     out = out.transpose(1, 2)
-    if mask is not None:
-        has_key = mask.any(dim=-1)[:, 0, :, None, None]  # [B or 1, S or 1, 1, 1]: per query
+    if key_padding_mask is not None:  # (without one every query has a key: itself, inside any window)
+        has_key = mask.any(dim=-1)[:, 0, :, None, None]  # [B, S or 1, 1, 1]: per query
         out = torch.where(has_key, out, out.new_zeros(()))
     return out.contiguous()
 
