@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fastbert.config import FastBertConfig
+from fastbert.ops.attention import attended_pairs as attention_pairs  # the op's own band count
 from fastbert.ops.attention import attention_cost
 from fastbert.ops.embedding_layernorm import embedding_layernorm_cost
 from fastbert.ops.linear_activation import linear_activation_cost
@@ -49,13 +50,3 @@ def batch_flops(config: FastBertConfig, lengths: Sequence[int]) -> float:
         for length in lengths:
             total += length * (8 * hidden * hidden + ffn) + 4 * attention_pairs(length, window) * hidden
     return total
-
-
-def attention_pairs(seqlen: int, window: int | None) -> int:
-    """(query, key) pairs a sequence of ``seqlen`` tokens attends: S^2 globally; within a window of total width w
-    (|i - j| <= w // 2, as `fastbert.ops.attention` takes it), S * (2h + 1) less the h * (h + 1) pairs the band
-    loses past both ends, h = w // 2."""
-    if window is None or window // 2 >= seqlen - 1:
-        return seqlen * seqlen
-    half = window // 2
-    return seqlen * (2 * half + 1) - half * (half + 1)
