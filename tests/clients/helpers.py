@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 
 import fastbert
 from fastbert import benchmarking as bm
-from tests.hf_tiny import ARCHITECTURE_OPS, tiny_model
+from tests.hf_tiny import ARCHITECTURE_OPS, fused_ops, tiny_model
 
 TOL = 1e-5  # max |actual - expected| / max |expected| over one output (hidden states, scores, logits)
 
@@ -46,13 +46,14 @@ NER_LABELS = {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}
 # How a pipeline is fed: one text per forward, or a list in batches of 4 (padded, mixed lengths).
 BATCHING = {"batch1": 1, "batch4": 4}
 
-OTHER_FAMILIES = ("roberta", "distilbert", "albert", "electra")
+OTHER_FAMILIES = ("roberta", "distilbert", "albert", "electra", "modernbert")
 # The inputs each family's own tokenizer returns (RoBERTa's and DistilBERT's give no token_type_ids).
 FAMILY_INPUT_NAMES = {
     "roberta": ["input_ids", "attention_mask"],
     "distilbert": ["input_ids", "attention_mask"],
     "albert": ["input_ids", "token_type_ids", "attention_mask"],
     "electra": ["input_ids", "token_type_ids", "attention_mask"],
+    "modernbert": ["input_ids", "attention_mask"],
 }
 
 
@@ -136,14 +137,14 @@ def counting_forwards(model: torch.nn.Module) -> Iterator[list[int]]:
         del base.forward
 
 
-def assert_fast_path(seen: dict, forwards: int) -> None:
+def assert_fast_path(seen: dict, forwards: int, ops: Sequence[str] = ARCHITECTURE_OPS["post"]) -> None:
     """fastbert's encoder ran once per encoder forward (its embedding op runs exactly once per forward), with
-    every fused op."""
+    every fused op of its layer architecture (``ops``: BERT's by default)."""
     assert forwards > 0, "the client made no encoder forward at all"
     ran = sum(seen.get("embedding_layernorm", {}).values())
     assert ran == forwards, (f"fastbert's encoder ran on {ran} of the {forwards} encoder forwards; the others ran "
                              f"transformers' own code (ops seen: {bm.backends_used(seen)})")
-    assert set(seen) == set(ARCHITECTURE_OPS["post"]), f"ops that ran: {bm.backends_used(seen)}"  # MiniLM: BERT
+    assert set(seen) == set(ops), f"ops that ran: {bm.backends_used(seen)}"
 
 
 def run_both(call: Callable[[torch.nn.Module], object], reference: torch.nn.Module, optimized: torch.nn.Module,
@@ -157,7 +158,7 @@ def run_both(call: Callable[[torch.nn.Module], object], reference: torch.nn.Modu
         assert len(calls) == forwards, f"the client made {len(calls)} encoder forwards, not {forwards}"
     with bm.record_backends() as seen:
         actual = call(optimized)
-    assert_fast_path(seen, len(calls))
+    assert_fast_path(seen, len(calls), fused_ops(base_model(reference)))
     return expected, actual
 
 

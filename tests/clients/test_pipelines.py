@@ -176,3 +176,14 @@ def test_distilbert_with_a_bert_tokenizer(minilm_dir, tokenizer):
     expected = _pipe("text-classification", reference, tokenizer)(TEXTS, top_k=None, batch_size=4)
     actual = _pipe("text-classification", optimized, tokenizer)(TEXTS, top_k=None, batch_size=4)
     _compare_records(expected, actual)
+
+
+@pytest.mark.parametrize("batch_size", BATCHING.values(), ids=BATCHING.keys())
+def test_modernbert_fill_mask(minilm_dir, batch_size):
+    """ModernBERT's masked-LM class (prediction head, decoder tied to the token embeddings) under fill-mask."""
+    tokenizer = _family_tokenizer(minilm_dir, "modernbert")
+    pair = _family_pair("modernbert", "ForMaskedLM", tokenizer)
+    expected, actual = run_both(
+        lambda model: _pipe("fill-mask", model, tokenizer)(MASKED_TEXTS, top_k=5, batch_size=batch_size), *pair)
+    assert all(len(candidates) == 5 for candidates in expected)
+    _compare_records(expected, actual, tol=2 * TOL)
