@@ -1,0 +1,124 @@
+"""Corpus embedding: `fastbert embed`'s pipeline vs sentence-transformers' `encode`, plain and `fastbert.optimize`d.
+
+Same model (default: the embedded all-MiniLM-L6-v2), same real sentences (CPython's documentation,
+`fastbert.bench.corpus`, 20,000 by default), same run, interleaved rounds; the model is loaded once per
+implementation before timing. fastbert embed is timed end to end as the command runs it after loading: reading the
+text file, tokenizing, sorting within windows, token-budget batches, the model, pooling, normalising and writing a
+.npy file. sentence-transformers' encode is timed on the list of texts (its defaults: batch 32, sorted by length).
+
+    .venv/bin/python benchmarks/embed_bench.py                      # 20,000 sentences, 3 rounds
+    .venv/bin/python benchmarks/embed_bench.py --sentences 2000 --rounds 1 --out /tmp/embed-smoke
+
+Writes embed.json and embed.md under --out (default benchmarks/results/cpu-2core-embed). Target (issue 13):
+fastbert embed >= 1.6x plain sentence-transformers on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastbert import embed as embedding
+from fastbert.bench.corpus import cpython_sentences
+from fastbert.bench.machine import machine_info
+from fastbert.resolve import default_model_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--sentences", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu-2core-embed"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model or default_model_dir()
+    texts = list(cpython_sentences(limit=args.sentences))
+    if len(texts) < args.sentences:
+        print(f"only {len(texts)} sentences available", file=sys.stderr)
+    workdir = Path(tempfile.mkdtemp(prefix="embed-bench-"))
+    source = workdir / "corpus.txt"
+    source.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+
+    from sentence_transformers import SentenceTransformer
+
+    import fastbert
+
+    embedder = embedding.Embedder(model_dir, max_batch_tokens=args.max_batch_tokens)
+    st_plain = SentenceTransformer(model_dir, device="cpu")
+    st_fast = fastbert.optimize(SentenceTransformer(model_dir, device="cpu"))
+
+    def run_fastbert_embed() -> np.ndarray:
+        counter, _, name = embedding.open_input(str(source))
+        output = embedding.FileOutput(str(workdir / "out.npy"), "npy", embedder.dimension, np.float32)
+        try:
+            embedding.run(embedder, embedding.read_rows(counter, "text", name=name), output, window_rows=2048)
+        finally:
+            output.close()
+            counter.stream.close()
+        return np.load(workdir / "out.npy")
+
+    implementations = {
+        "fastbert embed": run_fastbert_embed,
+        "sentence-transformers encode": lambda: st_plain.encode(texts, convert_to_numpy=True),
+        "sentence-transformers encode, fastbert.optimize": lambda: st_fast.encode(texts, convert_to_numpy=True),
+    }
+    tokens = sum(len(ids) for ids in embedder.tokenize(texts)[0])
+    results = {name: [] for name in implementations}
+    outputs = {}
+    embedder.embed(texts[:256])  # warm-up on a slice (first-call costs), not timed
+    st_plain.encode(texts[:256])
+    st_fast.encode(texts[:256])
+    for round_index in range(args.rounds):
+        for name, fn in implementations.items():
+            start = time.perf_counter()
+            outputs[name] = fn()
+            results[name].append(time.perf_counter() - start)
+            print(f"round {round_index + 1}/{args.rounds}  {name}: {results[name][-1]:.2f} s", file=sys.stderr,
+                  flush=True)
+    reference = outputs["sentence-transformers encode"]
+    rows = []
+    plain = statistics.median(results["sentence-transformers encode"])
+    for name, times in results.items():
+        median = statistics.median(times)
+        out = outputs[name]
+        rows.append({"implementation": name, "median_s": median, "times_s": times, "texts_per_s": len(texts) / median,
+                     "tokens_per_s": tokens / median, "speedup_vs_plain_st": plain / median,
+                     "max_abs_diff_vs_plain_st": float(np.abs(out - reference).max())})
+    report = {"benchmark": "corpus embedding", "model": os.path.basename(os.path.dirname(model_dir)),
+              "sentences": len(texts), "tokens": tokens, "rounds": args.rounds,
+              "max_batch_tokens": args.max_batch_tokens, "threads": torch.get_num_threads(),
+              "machine": machine_info(torch.device("cpu")), "results": rows}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "embed.json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [f"# Corpus embedding: {len(texts):,} sentences of CPython's documentation ({tokens:,} tokens), "
+             f"{report['model']}", "",
+             f"{args.rounds} interleaved rounds, median; {torch.get_num_threads()} torch threads; model loading "
+             "excluded; command: `.venv/bin/python benchmarks/embed_bench.py " + " ".join(
+                 sys.argv[1:] if argv is None else argv) + "`", "",
+             "| implementation | median s | texts/s | tokens/s | speed-up vs plain sentence-transformers | "
+             "max abs diff vs plain ST |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['implementation']} | {row['median_s']:.2f} | {row['texts_per_s']:,.0f} | "
+                     f"{row['tokens_per_s']:,.0f} | {row['speedup_vs_plain_st']:.2f}x | "
+                     f"{row['max_abs_diff_vs_plain_st']:.1e} |")
+    (out_dir / "embed.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
