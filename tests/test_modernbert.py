@@ -278,3 +278,18 @@ def test_optimize_falls_back_for_left_padding_and_watches_the_window():
             expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
             actual = model(input_ids=ids, attention_mask=mask).last_hidden_state
             assert rel_err(actual[mask.bool()], expected[mask.bool()]) <= 1e-5, window
+
+
+def test_benchmark_flops_count_the_glu_and_the_window():
+    """fastbert.bench.costs: a GLU FFN is 6*H*I per token, a sliding layer attends only its band."""
+    from fastbert.bench.costs import attention_pairs, batch_flops
+
+    for seqlen, window in ((5, 2), (10, 4), (9, 3), (7, 100), (1, 0)):
+        band = sum(abs(i - j) <= window // 2 for i in range(seqlen) for j in range(seqlen))
+        assert attention_pairs(seqlen, window) == band
+    assert attention_pairs(6, None) == 36
+    config = FastBertConfig.from_hf_dict(hf_model(num_hidden_layers=3, local_attention=4).config.to_dict())
+    hidden, inner = config.hidden_size, config.intermediate_size
+    per_token = 8 * hidden * hidden + 6 * hidden * inner
+    expected = sum(n * per_token * 3 + 4 * hidden * (n * n + 2 * attention_pairs(n, 4)) for n in (3, 9))
+    assert batch_flops(config, [3, 9]) == expected
