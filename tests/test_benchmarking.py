@@ -22,6 +22,10 @@ def test_encoder_flops_bert_base_known_number():
     assert costs.encoder_flops_per_token(12, 768, 128) == 174_587_904
 
 
+# The ops a BERT encoder (MiniLM here) runs: ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm are not
+# among them, so a BERT forward records a subset of recording.OPS.
+BERT_OPS = {"embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm"}
+
 def test_encoder_flops_minilm_and_explicit_intermediate():
     # MiniLM-L6-H384: I = 1536 = 4H, so both forms agree: 6 * (24 * 384^2 + 4 * 16 * 384)
     assert costs.encoder_flops_per_token(6, 384, 16) == 6 * (24 * 384**2 + 4 * 16 * 384) == 21_381_120
@@ -95,11 +99,9 @@ def test_record_backends_counts_every_op_and_restores_dispatch(minilm_dir):
     with torch.inference_mode(), recording.record_backends() as seen:
         model(input_ids=torch.tensor([[101, 7592, 2088, 102]]))
     assert backends.dispatch is original
-    # the ops a BERT encoder runs (ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm are not among them)
-    bert_ops = {"embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm"}
-    assert bert_ops <= set(recording.OPS) and set(seen) == bert_ops
+    assert BERT_OPS <= set(recording.OPS) and set(seen) == BERT_OPS
     assert seen["attention"]["eager"] == model.config.num_hidden_layers
-    assert recording.backends_used(seen) == {op: "eager" for op in bert_ops}
+    assert recording.backends_used(seen) == {op: "eager" for op in BERT_OPS}
 
 
 def test_mean_pooling_matches_sentence_transformers(minilm_dir):
@@ -144,7 +146,7 @@ def test_run_e2e_quick_reports_figures_and_failed_peers(minilm_dir, tmp_path, mo
         assert key in results
     assert results["machine"]["cpu_cores"] >= 1 and results["machine"]["versions"]["torch"]
     assert [w["name"] for w in results["workloads"]] == ["b2 s12", "varlen b2 s<=12"]
-    assert set(results["fastbert_backends"]) == set(recording.OPS)
+    assert set(results["fastbert_backends"]) == BERT_OPS
     for workload in results["workloads"]:
         row = workload["results"]
         assert row["compile"]["status"] == "unavailable" and "no C++ compiler" in row["compile"]["reason"]
