@@ -15,16 +15,16 @@ from fastbert import backends, resolve, text
 from fastbert.bench import costs, e2e, machine, peers, recording, report, timing, workloads
 from fastbert.config import FastBertConfig
 
+# The ops a BERT encoder (MiniLM here) runs: ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm are not
+# among them, so a BERT forward records a subset of recording.OPS.
+BERT_OPS = {"embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm"}
+
 
 # ------------------------------------------------------------------------------------------------ formulas
 def test_encoder_flops_bert_base_known_number():
     # BERT-base, S=128: 12 * (24 * 768^2 + 4 * 128 * 768) = 12 * 14_548_992
     assert costs.encoder_flops_per_token(12, 768, 128) == 174_587_904
 
-
-# The ops a BERT encoder (MiniLM here) runs: ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm are not
-# among them, so a BERT forward records a subset of recording.OPS.
-BERT_OPS = {"embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm"}
 
 def test_encoder_flops_minilm_and_explicit_intermediate():
     # MiniLM-L6-H384: I = 1536 = 4H, so both forms agree: 6 * (24 * 384^2 + 4 * 16 * 384)
