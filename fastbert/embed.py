@@ -203,22 +203,24 @@ class Embedder:
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.dimension = self.config.hidden_size
         self.uses_token_types = bool(self.config.type_vocab_size)
+        self.model = None  # a Ray driver (load_model=False) reads the settings and width only: the actors hold models
+        if load_model:
+            try:
+                self.model = fastbert.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
+                                                      backend=backend).eval()
+            except ValueError as err:  # CheckpointError, an unsupported family
+                raise UserError(f"{self.model_dir}: {err}") from err
         self._load_tokenizer()
-        if not load_model:  # the settings and width only (a Ray driver: the actors hold the models)
-            self.model = None
-            return
-        try:
-            self.model = fastbert.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
-                                                  backend=backend).eval()
-        except ValueError as err:  # CheckpointError, an unsupported family
-            raise UserError(f"{self.model_dir}: {err}") from err
 
     def _load_tokenizer(self) -> None:
         path = os.path.join(self.model_dir, "tokenizer.json")
         if os.path.isfile(path):
             from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_file(path)
+            try:
+                tokenizer = Tokenizer.from_file(path)
+            except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+                raise UserError(f"{path} is not a tokenizer file the tokenizers library can read ({err})") from err
             tokenizer.no_padding()
             tokenizer.enable_truncation(max_length=self.max_length)
             self._tokenizer, self._hf_tokenizer = tokenizer, None
