@@ -14,6 +14,7 @@ are imported inside the commands, so ``fastbert --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -494,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("fastbert: interrupted\n")
         return 130
+    except BrokenPipeError:  # the reader of stdout went away (`fastbert embed ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 141
 
 
 if __name__ == "__main__":

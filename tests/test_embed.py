@@ -197,6 +197,14 @@ def test_cli_errors_are_one_line(tiny_dir, tmp_path, argv, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_cli_stops_quietly_when_the_reader_of_stdout_goes_away(tiny_dir, tmp_path, sentences):
+    source = _write_lines(tmp_path / "in.txt", sentences[:400])
+    proc = subprocess.run(f"{sys.executable} -m fastbert.cli embed -i {source} --model {tiny_dir} --window-rows 50 "
+                          "| head -n 2", shell=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert len(proc.stdout.splitlines()) == 2
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
 def test_cli_warns_about_truncation_and_shows_progress(tiny_dir, tmp_path):
     source = _write_lines(tmp_path / "in.txt", ["short", "long " * 100, "short again"])
     proc = _cli("-i", str(source), "--model", tiny_dir, "--max-length", "8", "--progress", "-o",
