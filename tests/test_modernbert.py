@@ -293,3 +293,19 @@ def test_benchmark_flops_count_the_glu_and_the_window():
     per_token = 8 * hidden * hidden + 6 * hidden * inner
     expected = sum(n * per_token * 3 + 4 * hidden * (n * n + 2 * attention_pairs(n, 4)) for n in (3, 9))
     assert batch_flops(config, [3, 9]) == expected
+
+
+def test_masked_lm_loss_trains_every_weight(tmp_path):
+    """With autograd, fastbert's ModernBERT gives transformers' loss and gradients reach the weights of every op
+    (the tied decoder trains the token embeddings)."""
+    reference = hf_model("ForMaskedLM", num_hidden_layers=3, local_attention=4)
+    model = load(reference, tmp_path, task="masked-lm")
+    inputs = head_inputs("ForMaskedLM")
+    loss = model(**inputs).loss
+    assert rel_err(loss.detach(), reference(**inputs).loss.detach()) <= 1e-5
+    loss.backward()
+    encoder = model.encoder
+    for name in ("embeddings.word_embeddings", "layers.1.qkv_weight", "layers.1.attn_norm_weight",
+                 "layers.2.ffn_in_weight", "layers.2.ffn_out_weight", "final_norm_weight"):
+        grad = encoder.get_parameter(name).grad
+        assert grad is not None and float(grad.abs().sum()) > 0, name
