@@ -4,7 +4,8 @@ classification, extractive QA and multiple choice, for every supported family, w
 Each task model is `encoder` (a `FastBertModel`) plus one or two heads built from two blocks:
 
 - `MaskedLMHead`: dense -> activation -> LayerNorm -> decoder tied to the word embeddings (+ own bias). Its
-  widths and activation cover BERT, RoBERTa, DistilBERT, ALBERT (H -> E) and ELECTRA's generator (H -> E).
+  widths and activation cover BERT, RoBERTa, DistilBERT, ALBERT (H -> E), ELECTRA's generator (H -> E) and
+  ModernBERT (whose dense, LayerNorm and decoder may lack biases).
 - `DenseHead`: [dense -> activation -> [LayerNorm] ->] linear, applied to the pooler output, the first token,
   the first real token, the mean of the real tokens or every token. It covers BERT's classifiers, RoBERTa/ELECTRA's
   classification head, DistilBERT's pre_classifier, ELECTRA's discriminator and sequence summary, the span (QA)
@@ -263,7 +264,8 @@ class MLMSpec:
     hf_norm: str
     hf_decoder: str
     hf_tied_bias: str | None  # where a tied decoder's bias is saved (BERT's cls.predictions.bias); None: decoder's own
-    # ModernBERT's head may lack the dense bias (classifier_bias), the LayerNorm bias (norm_bias), the decoder's
+    # ModernBERT's head may lack the dense bias (classifier_bias), the LayerNorm's (norm_bias) and the decoder's
+    # (decoder_bias)
     dense_bias: bool = True
     norm_bias: bool = True
     decoder_bias: bool = True
