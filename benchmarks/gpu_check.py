@@ -16,13 +16,15 @@ Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate 
      ModernBERT-base (22 layers, window 128, every third layer global, random weights) in fp32 and in fp16 next to
      transformers fp16, on 8 padded sequences of up to 512 tokens;
   4. pytest_kernels (only with --pytest, and only where pytest and an installed fastbert exist).
-- timing (section limits sum to 420 s, setup excluded; hard stop 570 s): BERT-base fp16, fastbert (optimize,
+- timing (section limits sum to 480 s, setup excluded; hard stop 570 s): BERT-base fp16, fastbert (optimize,
   backend triton) vs transformers eager, SDPA and
   torch.compile(SDPA) for (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of varying length
   (mean 60% of 512, padded to 512); also fastbert through CUDA graphs (fastbert.cuda_graphs). Median of CUDA-event
   timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster). timings_modernbert (90 s):
   ModernBERT-base fp16, fastbert (optimize, triton) vs transformers eager and SDPA on 8x512 and 32 sequences of
-  seeded lengths 16..1024 padded to 1024.
+  seeded lengths 16..1024 padded to 1024. timings_embed (60 s): corpus embedding, all-MiniLM-L6-v2 fp16 on up to
+  20,000 sentences of CPython's documentation: fastbert.embed.Embedder (the pipeline of `fastbert embed`) vs
+  sentence-transformers' encode, plain and fastbert.optimize'd (batch 32), one timed pass each after a warm-up.
 
 GEMMs use the fixed pre-tuned table (FASTBERT_TRITON_AUTOTUNE=0) unless --autotune (timing phase only).
 Accuracy is judged by `fastbert.numerics` (the rule of the tests and of `fastbert check`); this script imports
@@ -65,16 +67,16 @@ if importlib.util.find_spec("fastbert") is None or "--no-install" in sys.argv:
 
 PHASES = {
     "correctness": ["kernel_checks_real_sizes", "kernel_checks_grid", "model_checks", "pytest_kernels"],
-    "timing": ["timings", "timings_modernbert"],
+    "timing": ["timings", "timings_modernbert", "timings_embed"],
 }
 PHASES["all"] = PHASES["correctness"] + PHASES["timing"]
 # Upper bounds, sized so that both phases and a machine start fit a 15-minute device budget (section limits:
-# correctness 345 s, timing 420 s; setup and imports are outside them, bounded only by gpu_check.sh's 570 s stop);
+# correctness 345 s, timing 480 s; setup and imports are outside them, bounded only by gpu_check.sh's 570 s stop);
 # --limit SECTION=SECONDS changes one.
 SECTION_LIMITS_S = {"kernel_checks_real_sizes": 150, "kernel_checks_grid": 75, "model_checks": 120,
-                    "pytest_kernels": 60, "timings": 330, "timings_modernbert": 90}
+                    "pytest_kernels": 60, "timings": 330, "timings_modernbert": 90, "timings_embed": 60}
 CHECK_LIMIT_S = {"kernel_checks_real_sizes": 60, "kernel_checks_grid": 30, "model_checks": 90,
-                 "pytest_kernels": 60, "timings": 120, "timings_modernbert": 60}
+                 "pytest_kernels": 60, "timings": 120, "timings_modernbert": 60, "timings_embed": 30}
 
 
 def ensure_kernels_importable() -> str:
@@ -579,6 +581,51 @@ def modernbert_timing_section(section: Section, dry_run: bool, device) -> None:
                          "ratio_best_peer_ms_over_ours": round(min(peers) / medians["fastbert_triton"], 3)})
 
 
+def embed_timing_section(section: Section, dry_run: bool, device, minilm: str | None) -> None:
+    """Corpus embedding (issue 13's case): texts/s of fastbert.embed.Embedder vs sentence-transformers' encode."""
+    import fastbert
+    from fastbert import embed as embedding
+    from fastbert.bench.corpus import cpython_sentences
+
+    path, source = minilm_dir(minilm)
+    if path is None:
+        section.add({"check": "embed", "ok": None, "skipped": "no all-MiniLM-L6-v2 checkpoint"})
+        return
+    from sentence_transformers import SentenceTransformer
+
+    dtype = torch.float32 if dry_run else torch.float16
+    texts = list(cpython_sentences(limit=200 if dry_run else 20_000))
+    embedder = embedding.Embedder(str(path), device=device, dtype=dtype)
+    plain = SentenceTransformer(str(path), device=str(device)).to(dtype)
+    optimized = fastbert.optimize(SentenceTransformer(str(path), device=str(device)).to(dtype))
+    contenders = {"fastbert_embed": lambda t: embedder.embed(t)[0],
+                  "st_encode": lambda t: plain.encode(t, batch_size=32, convert_to_numpy=True),
+                  "st_encode_fastbert_optimize": lambda t: optimized.encode(t, batch_size=32, convert_to_numpy=True)}
+    tokens = sum(len(ids) for ids in embedder.tokenize(texts)[0])
+    seconds = {}
+    for name, fn in contenders.items():
+        def timed(f=fn):
+            with torch.inference_mode():
+                f(texts[:512])  # warm-up: first-call costs, kernel compilation
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                f(texts)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+            return {"ok": None, "timed_s": round(elapsed, 3), "texts_per_s": round(len(texts) / elapsed),
+                    "tokens_per_s": round(tokens / elapsed)}
+
+        row = section.run(f"embed {len(texts)} sentences {name}", timed, contender=name, sentences=len(texts),
+                          tokens=tokens, dtype=str(dtype).removeprefix("torch."), checkpoint=source)
+        if row and row.get("timed_s"):
+            seconds[name] = row["timed_s"]
+    if seconds.get("fastbert_embed") and seconds.get("st_encode"):
+        section.add({"check": "embed ratio fastbert_embed", "ok": None,
+                     "ratio_st_encode_s_over_ours": round(seconds["st_encode"] / seconds["fastbert_embed"], 3)})
+
+
 # --------------------------------------------------------------------------------------------------- main
 def parse_limits(items: list[str]) -> dict[str, float]:
     limits = dict(SECTION_LIMITS_S)
@@ -634,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         "pytest_kernels": lambda s: run_pytest(s, args.dry_run, kernels),
         "timings": lambda s: timing_section(s, args.dry_run, device),
         "timings_modernbert": lambda s: modernbert_timing_section(s, args.dry_run, device),
+        "timings_embed": lambda s: embed_timing_section(s, args.dry_run, device, args.minilm),
     }
     names = [n for n in PHASES[args.phase] if n != "pytest_kernels" or args.pytest]
     for name in names:  # all listed up front: a kill leaves the ones never started as "pending"
