@@ -15,7 +15,8 @@ dispatched op with `fastbert.backends`:
 - linear_residual_layernorm: a GEMM, then bias + residual + LayerNorm fused in place;
 - linear_residual_prenorm: a GEMM, then bias + residual written in place and its LayerNorm beside it.
 
-GEMMs stay with PyTorch (MKL/oneDNN). Limits: CPU tensors, float32 or bfloat16, no autograd. When the extension
+GEMMs stay with PyTorch (MKL/oneDNN). Limits: CPU tensors, float32 or bfloat16. Autograd: every op has a backward,
+its spec's (PyTorch ops recomputing what they need; no fused backward kernels yet). When the extension
 is missing (``FASTBERT_SKIP_EXT=1``, or its build failed) this module still imports: it warns once and every op's
 ``supports`` gives that reason, so ``auto`` runs eager.
 """
@@ -201,14 +202,17 @@ def bias_residual_layernorm(x: torch.Tensor, bias: torch.Tensor | None, residual
     return torch.ops.fastbert.bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, eps)
 
 
-backends.register("embedding_layernorm", "cpp", _embedding_layernorm, _embedding_supports)
-backends.register("qkv_projection", "cpp", _qkv_projection, _qkv_supports)
-backends.register("qkv_rotary", "cpp", _qkv_rotary, _qkv_rotary_supports)
-backends.register("attention", "cpp", _attention, _attention_supports)
-backends.register("linear_activation", "cpp", _linear_activation, _linear_activation_supports)
-backends.register("linear_residual_layernorm", "cpp", _linear_residual_layernorm,
-                  _linear_residual_layernorm_supports)
-backends.register("linear_glu", "cpp", _linear_glu, _linear_glu_supports)
-backends.register("linear_residual_prenorm", "cpp", _linear_residual_prenorm, _linear_residual_layernorm_supports)
+# Differentiable: the torch ops carry their spec's backward (`OpSpec.define`), qkv_projection is PyTorch's addmm.
+for _op, _impl, _supports in (
+    ("embedding_layernorm", _embedding_layernorm, _embedding_supports),
+    ("qkv_projection", _qkv_projection, _qkv_supports),
+    ("qkv_rotary", _qkv_rotary, _qkv_rotary_supports),
+    ("attention", _attention, _attention_supports),
+    ("linear_activation", _linear_activation, _linear_activation_supports),
+    ("linear_residual_layernorm", _linear_residual_layernorm, _linear_residual_layernorm_supports),
+    ("linear_glu", _linear_glu, _linear_glu_supports),
+    ("linear_residual_prenorm", _linear_residual_prenorm, _linear_residual_layernorm_supports),
+):
+    backends.register(_op, "cpp", _impl, _supports, has_backward=_op not in TORCH_OPS or SPECS[_op].has_backward)
 
 __all__ = ["EXTENSION_ERROR", "bias_activation", "bias_residual_layernorm", "compiled_capability", "pad", "unpad"]

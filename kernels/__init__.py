@@ -6,10 +6,12 @@ linear_residual_prenorm, qkv_rotary. Each launches
 through a torch op ``torch.ops.fastbert.triton_<op>`` declared from the op's spec (`fastbert.ops.spec`: one schema
 and one fake per op), so `torch.compile(fullgraph=True)` traces through them. They run on CUDA tensors, or on CPU
 tensors when TRITON_INTERPRET=1 was set before this package was imported (the Triton interpreter: for tests, far
-too slow for use). Inference only (no backward).
+too slow for use). Autograd: each torch op carries its spec's backward (PyTorch ops, no Triton backward kernels
+yet), so every op here is differentiable.
 """
 
 from fastbert import backends
+from fastbert.ops.spec import SPECS
 
 from . import (
     attention,
@@ -26,6 +28,7 @@ from ._common import INTERPRETER
 for _module in (embedding_layernorm, qkv_projection, attention, linear_activation, linear_residual_layernorm,
                 linear_glu, linear_residual_prenorm, qkv_rotary):
     _name = _module.__name__.rpartition(".")[2]
-    backends.register(_name, "triton", getattr(_module, _name), supports=_module.supports)
+    backends.register(_name, "triton", getattr(_module, _name), supports=_module.supports,
+                      has_backward=SPECS[_name].has_backward)
 
 __all__ = ["INTERPRETER"]

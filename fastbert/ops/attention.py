@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.backward import compute_dtype
 from fastbert.ops.padding import varlen_positions
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -149,6 +150,95 @@ def attention_cost(seqlens: Sequence[int], heads: int, head_dim: int, dtype_byte
     return OpCost(float(flops), float(moved))
 
 
+# ----------------------------------------------------------------------------------------------------- backward
+# Elements of one [sequences, heads, queries, keys] block of recomputed probabilities (fp32: 16 MiB); the backward
+# holds about four such blocks at once.
+BACKWARD_BLOCK_ELEMENTS = 1 << 22
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window = inputs
+    ctx.max_seqlen, ctx.scale, ctx.window = max_seqlen, scale, window
+    ctx.save_for_backward(q, k, v, cu_seqlens, key_padding_mask)
+
+
+def _padded_grads(q, k, v, grad, key_padding_mask, scale, half_width):
+    """(dq, dk, dv) of the eager padded attention, each [B, S, h, D] in the inputs' (compute) dtype. The
+    probabilities are recomputed block by block (a few sequences and query rows at a time, every key and head), so
+    no [S, S] matrix exists for the whole batch; a query without an allowed key has zero probabilities (its output
+    was zeros), and k, v hold zeros at masked keys (the caller selects them)."""
+    batch, seqlen, heads, _ = q.shape
+    q, k, v, grad = (t.transpose(1, 2) for t in (q, k, v, grad))  # [B, h, S, D]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    allowed = None
+    if half_width is not None:
+        position = torch.arange(seqlen, device=q.device)
+        allowed = ((position[:, None] - position[None, :]).abs() <= half_width)[None, None]  # [1, 1, S, S]
+    if key_padding_mask is not None:
+        keys = key_padding_mask[:, None, None, :]  # [B, 1, 1, S]
+        allowed = keys if allowed is None else allowed & keys
+    query_rows = max(1, min(seqlen, BACKWARD_BLOCK_ELEMENTS // max(1, heads * seqlen)))
+    sequences = max(1, min(batch, BACKWARD_BLOCK_ELEMENTS // max(1, heads * query_rows * seqlen)))
+    for first in range(0, batch, sequences):
+        rows = slice(first, first + sequences)
+        k_block, v_block = k[rows], v[rows]
+        for start in range(0, seqlen, query_rows):
+            queries = slice(start, start + query_rows)
+            q_block, grad_block = q[rows, :, queries], grad[rows, :, queries]
+            scores = (q_block @ k_block.transpose(-1, -2)) * scale
+            if allowed is not None:
+                block_allowed = allowed[rows if allowed.shape[0] > 1 else slice(None), :, queries]
+                scores = scores.masked_fill(~block_allowed, float("-inf"))
+                # a query with no allowed key: softmax of all -inf is NaN; its output was zeros, its probabilities 0
+                probs = torch.softmax(scores, dim=-1).masked_fill(~block_allowed.any(dim=-1, keepdim=True), 0.0)
+            else:
+                probs = torch.softmax(scores, dim=-1)
+            dv[rows] += probs.transpose(-1, -2) @ grad_block
+            grad_probs = grad_block @ v_block.transpose(-1, -2)
+            grad_scores = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True)) * scale
+            dq[rows, :, queries] = grad_scores @ k_block
+            dk[rows] += grad_scores.transpose(-1, -2) @ q_block
+    return tuple(t.transpose(1, 2) for t in (dq, dk, dv))
+
+
+def _backward(ctx, grad):
+    """Gradients of q, k, v, as the eager attention's (rows at padded query positions included, computed as
+    the forward computes them), in fp32 (fp64 for fp64 inputs) from probabilities recomputed in blocks
+    (`_padded_grads`). Masked keys get zero gradients and what they store (even NaN) reaches no gradient; the
+    packed form is scattered into a zero-padded batch, as the eager forward does."""
+    q, k, v, cu_seqlens, key_padding_mask = ctx.saved_tensors
+    compute = compute_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if ctx.scale is None else ctx.scale
+    q_c, k_c, v_c, grad_c = (t.to(compute) for t in (q, k, v, grad))
+    if cu_seqlens is None:
+        if key_padding_mask is not None:
+            real = key_padding_mask[:, :, None, None]
+            k_c = torch.where(real, k_c, k_c.new_zeros(()))
+            v_c = torch.where(real, v_c, v_c.new_zeros(()))
+        dq, dk, dv = _padded_grads(q_c, k_c, v_c, grad_c, key_padding_mask, scale,
+                                   window_half_width(ctx.window, q.shape[1]))
+        if key_padding_mask is not None:  # the forward selected zeros there: nothing flows to the stored values
+            dk = torch.where(real, dk, dk.new_zeros(()))
+            dv = torch.where(real, dv, dv.new_zeros(()))
+    else:
+        total, heads, dim = q.shape
+        batch, longest = cu_seqlens.numel() - 1, ctx.max_seqlen
+        seq_index, position = varlen_positions(cu_seqlens, total)
+        flat_index = seq_index * longest + position
+
+        def to_padded(t):
+            out = t.new_zeros(batch * longest, heads, dim)
+            out.index_copy_(0, flat_index, t)
+            return out.view(batch, longest, heads, dim)
+
+        mask = torch.zeros(batch * longest, dtype=torch.bool, device=q.device)
+        mask[flat_index] = True
+        padded = _padded_grads(to_padded(q_c), to_padded(k_c), to_padded(v_c), to_padded(grad_c),
+                               mask.view(batch, longest), scale, window_half_width(ctx.window, longest))
+        dq, dk, dv = (t.reshape(batch * longest, heads, dim).index_select(0, flat_index) for t in padded)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
 SPEC = declare(OpSpec(
     name="attention",
     cost=attention_cost,
@@ -158,6 +248,8 @@ SPEC = declare(OpSpec(
     check=_check,
     eager=_eager,
     reference=attention_reference,
+    setup_context=_setup_context,
+    backward=_backward,
 ))
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.backward import layer_norm_grads
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -29,6 +30,15 @@ def embedding_layernorm_reference(
     eps: float,
 ) -> torch.Tensor:
     """Eager reference: the gathers, their sum, then LayerNorm (what BERT's embedding module does)."""
+    summed = embedding_layernorm_sum(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
+                                     token_type_embeddings)
+    return layer_norm_fp32(summed, weight, bias, eps)
+
+
+def embedding_layernorm_sum(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
+                            token_type_embeddings) -> torch.Tensor:
+    """word[ids] (+ position[pos]) (+ token_type[types], row 0 when the ids are None), in the tables' dtype: the
+    LayerNorm's input."""
     summed = F.embedding(input_ids, word_embeddings)
     if position_embeddings is not None:
         summed = summed + F.embedding(position_ids, position_embeddings)
@@ -36,7 +46,7 @@ def embedding_layernorm_reference(
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         summed = summed + F.embedding(token_type_ids, token_type_embeddings)
-    return layer_norm_fp32(summed, weight, bias, eps)
+    return summed
 
 
 def _check(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
@@ -76,6 +86,40 @@ def embedding_layernorm_cost(tokens: int, width: int, dtype_bytes: int, token_ty
     return OpCost(flops=float(tokens * width * (tables - 1 + 8)), bytes=float(read + write))
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.eps = inputs[-1]
+    ctx.save_for_backward(*inputs[:-1])
+
+
+def _table_grad(table: torch.Tensor, ids: torch.Tensor, grad_rows: torch.Tensor) -> torch.Tensor:
+    """Each gathered row's gradient summed into its table row (in fp32: ``grad_rows`` is), in the table's dtype."""
+    summed = torch.zeros(table.shape, dtype=grad_rows.dtype, device=table.device)
+    return summed.index_add_(0, ids.reshape(-1), grad_rows).to(table.dtype)
+
+
+def _backward(ctx, grad):
+    """The gathered sum is recomputed, the LayerNorm's gradient (fp32 statistics and sums) taken, and summed
+    into the rows of each table that the ids gathered (fp32 accumulation)."""
+    (input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
+     weight, bias) = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    summed = embedding_layernorm_sum(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
+                                     token_type_embeddings)
+    grad_summed, grad_weight, grad_bias = layer_norm_grads(grad, summed, weight, bias, ctx.eps,
+                                                           (any(needs[3:6]), needs[6], needs[7]))
+    grad_word = grad_position = grad_type = None
+    if any(needs[3:6]):
+        grad_rows = grad_summed.reshape(-1, summed.shape[-1])
+        if needs[3]:
+            grad_word = _table_grad(word_embeddings, input_ids, grad_rows)
+        if needs[4] and position_embeddings is not None:
+            grad_position = _table_grad(position_embeddings, position_ids, grad_rows)
+        if needs[5] and token_type_embeddings is not None:
+            types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
+            grad_type = _table_grad(token_type_embeddings, types, grad_rows)
+    return None, None, None, grad_word, grad_position, grad_type, grad_weight, grad_bias, None
+
+
 SPEC = declare(OpSpec(
     name="embedding_layernorm",
     cost=embedding_layernorm_cost,
@@ -86,6 +130,8 @@ SPEC = declare(OpSpec(
     check=_check,
     eager=embedding_layernorm_reference,
     reference=embedding_layernorm_reference,
+    setup_context=_setup_context,
+    backward=_backward,
 ))
 
 

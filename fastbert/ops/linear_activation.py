@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.backward import activation_grad, compute_dtype, linear_grads
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
@@ -74,6 +75,23 @@ def linear_activation_cost(tokens: int, in_features: int, out_features: int, dty
     return OpCost(float(flops), float(moved))
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, activation = inputs
+    ctx.activation = activation
+    # relu's derivative reads from the output (y > 0 iff relu(y) > 0): no GEMM to recompute
+    ctx.save_for_backward(x, weight, bias, output if activation == "relu" else None)
+
+
+def _backward(ctx, grad):
+    """The pre-activation x @ W^T + b is recomputed (one GEMM; relu reads its output instead), the activation's
+    derivative taken in fp32, then the linear layer's gradients."""
+    x, weight, bias, output = ctx.saved_tensors
+    compute = compute_dtype(x.dtype)
+    pre_activation = output if output is not None else F.linear(x, weight, bias)
+    grad_pre = activation_grad(grad.to(compute), pre_activation.to(compute), ctx.activation)
+    return (*linear_grads(grad_pre, x, weight, bias, ctx.needs_input_grad[:3]), None)
+
+
 SPEC = declare(OpSpec(
     name="linear_activation",
     cost=linear_activation_cost,
@@ -82,6 +100,8 @@ SPEC = declare(OpSpec(
     check=_check,
     eager=linear_activation_reference,
     reference=linear_activation_reference,
+    setup_context=_setup_context,
+    backward=_backward,
 ))
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.backward import activation_grad, compute_dtype, linear_grads
 from fastbert.ops.linear_activation import ACTIVATIONS, apply_activation
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -49,6 +50,25 @@ def linear_glu_cost(tokens: int, in_features: int, out_features: int, dtype_byte
     return OpCost(float(flops), float(moved))
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, activation = inputs
+    ctx.activation = activation
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _backward(ctx, grad):
+    """The projection x @ W^T + b is recomputed (one GEMM); the gradients of its input and gate halves (fp32)
+    are the linear layer's upstream gradient."""
+    x, weight, bias = ctx.saved_tensors
+    compute = compute_dtype(x.dtype)
+    projected_input, gate = F.linear(x, weight, bias).to(compute).chunk(2, dim=-1)
+    grad = grad.to(compute)
+    grad_input = activation_grad(grad * gate, projected_input, ctx.activation)
+    grad_gate = grad * apply_activation(projected_input, ctx.activation)
+    return (*linear_grads(torch.cat((grad_input, grad_gate), dim=-1), x, weight, bias, ctx.needs_input_grad[:3]),
+            None)
+
+
 SPEC = declare(OpSpec(
     name="linear_glu",
     cost=linear_glu_cost,
@@ -57,6 +77,8 @@ SPEC = declare(OpSpec(
     check=_check,
     eager=linear_glu_reference,
     reference=linear_glu_reference,
+    setup_context=_setup_context,
+    backward=_backward,
 ))
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.backward import layer_norm_grads, linear_grads
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -38,6 +39,26 @@ def linear_residual_layernorm_cost(tokens: int, in_features: int, out_features: 
     return OpCost(float(flops), float(moved))
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, residual, ln_weight, ln_bias, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(x, weight, bias, residual, ln_weight, ln_bias)
+
+
+def _backward(ctx, grad):
+    """The LayerNorm's input x @ W^T + b + residual is recomputed (one GEMM), its gradient (fp32 statistics and
+    weight/bias sums) is the residual's and the linear layer's upstream gradient."""
+    x, weight, bias, residual, ln_weight, ln_bias = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    summed = F.linear(x, weight, bias) + residual
+    grad_summed, grad_ln_weight, grad_ln_bias = layer_norm_grads(grad, summed, ln_weight, ln_bias, ctx.eps,
+                                                                 (any(needs[:4]), needs[4], needs[5]))
+    grad_x, grad_weight, grad_bias = linear_grads(grad_summed, x, weight, bias, needs[:3]) if any(needs[:3]) else \
+        (None, None, None)
+    grad_residual = grad_summed.to(residual.dtype) if needs[3] else None
+    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None
+
+
 SPEC = declare(OpSpec(
     name="linear_residual_layernorm",
     cost=linear_residual_layernorm_cost,
@@ -47,6 +68,8 @@ SPEC = declare(OpSpec(
     check=_check,
     eager=linear_residual_layernorm_reference,
     reference=linear_residual_layernorm_reference,
+    setup_context=_setup_context,
+    backward=_backward,
 ))
 
 

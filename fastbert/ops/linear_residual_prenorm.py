@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.backward import compute_dtype, layer_norm_grads, linear_grads
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -51,6 +52,29 @@ def linear_residual_prenorm_cost(tokens: int, in_features: int, out_features: in
     return OpCost(float(flops), float(moved))
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, residual, ln_weight, ln_bias, eps = inputs
+    ctx.eps = eps
+    ctx.residual_dtype = residual.dtype
+    ctx.save_for_backward(x, weight, bias, ln_weight, ln_bias, output[0])  # summed: the LayerNorm's input
+
+
+def _backward(ctx, grad_summed, grad_normed):
+    """summed's gradient is its own plus the LayerNorm's (from the saved summed, fp32 statistics); it is the
+    residual's and the linear layer's upstream gradient. Nothing is recomputed."""
+    x, weight, bias, ln_weight, ln_bias, summed = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad_through_norm, grad_ln_weight, grad_ln_bias = layer_norm_grads(grad_normed, summed, ln_weight, ln_bias,
+                                                                       ctx.eps, (any(needs[:4]), needs[4], needs[5]))
+    grad_x = grad_weight = grad_bias = grad_residual = None
+    if any(needs[:4]):
+        compute = compute_dtype(summed.dtype)
+        grad_total = grad_summed.to(compute) + grad_through_norm.to(compute)
+        grad_x, grad_weight, grad_bias = linear_grads(grad_total, x, weight, bias, needs[:3])
+        grad_residual = grad_total.to(ctx.residual_dtype) if needs[3] else None
+    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None
+
+
 SPEC = declare(OpSpec(
     name="linear_residual_prenorm",
     cost=linear_residual_prenorm_cost,
@@ -60,6 +84,8 @@ SPEC = declare(OpSpec(
     check=_check,
     eager=linear_residual_prenorm_reference,
     reference=linear_residual_prenorm_reference,
+    setup_context=_setup_context,
+    backward=_backward,
 ))
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.backward import linear_grads
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
@@ -43,6 +44,16 @@ def qkv_projection_cost(tokens: int, hidden: int, dtype_bytes: int) -> OpCost:
     return OpCost(float(flops), float(moved))
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)  # x, weight, bias
+
+
+def _backward(ctx, grad):
+    """The linear layer's gradients from the packed [..., 3H] output's."""
+    x, weight, bias = ctx.saved_tensors
+    return linear_grads(grad, x, weight, bias, ctx.needs_input_grad)
+
+
 SPEC = declare(OpSpec(
     name="qkv_projection",
     cost=qkv_projection_cost,
@@ -51,6 +62,8 @@ SPEC = declare(OpSpec(
     check=_check,
     eager=qkv_projection_reference,
     reference=qkv_projection_reference,
+    setup_context=_setup_context,
+    backward=_backward,
 ))
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import backends
+from fastbert.ops.backward import compute_dtype, linear_grads
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 POSITION_DTYPES = (torch.int32, torch.int64)
@@ -144,6 +145,45 @@ def qkv_rotary_cost(tokens: int, hidden: int, head_dim: int, dtype_bytes: int, b
     return OpCost(float(flops), float(moved))
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, positions, cos, sin, num_heads = inputs
+    ctx.num_heads = num_heads
+    ctx.save_for_backward(x, weight, bias, positions, cos, sin)
+
+
+def _backward(ctx, grad):
+    """q's and k's gradients rotated back (the transposed rotation, fp32), v's as they are: the linear layer's
+    upstream gradient. The tables' gradients (rarely wanted) recompute the projection."""
+    x, weight, bias, positions, cos, sin = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    heads = ctx.num_heads
+    head_dim = weight.shape[0] // (3 * heads)
+    compute = compute_dtype(x.dtype)
+    index = positions.long()
+    c = cos[index].to(compute).unsqueeze(-2).unsqueeze(-3)  # [..., 1, 1, D/2]: q and k, every head
+    s = sin[index].to(compute).unsqueeze(-2).unsqueeze(-3)
+    grad = grad.reshape(*x.shape[:-1], 3, heads, head_dim).to(compute)
+    g1, g2 = grad[..., :2, :, :].chunk(2, dim=-1)
+    grad_qk = torch.cat((g1 * c + g2 * s, g2 * c - g1 * s), dim=-1)
+    grad_packed = torch.cat((grad_qk, grad[..., 2:, :, :]), dim=-3).reshape(*x.shape[:-1], weight.shape[0])
+    grad_x, grad_weight, grad_bias = linear_grads(grad_packed, x, weight, bias, needs[:3])
+    grad_cos = grad_sin = None
+    if needs[4] or needs[5]:
+        packed = F.linear(x, weight, bias).reshape(*x.shape[:-1], 3, heads, head_dim)
+        u1, u2 = packed[..., :2, :, :].to(compute).chunk(2, dim=-1)
+        flat = index.reshape(-1)
+        half = head_dim // 2
+        if needs[4]:
+            per_token = (g1 * u1 + g2 * u2).sum(dim=(-3, -2)).reshape(-1, half)
+            grad_cos = torch.zeros(cos.shape, dtype=compute, device=cos.device).index_add_(0, flat, per_token)
+            grad_cos = grad_cos.to(cos.dtype)
+        if needs[5]:
+            per_token = (g2 * u1 - g1 * u2).sum(dim=(-3, -2)).reshape(-1, half)
+            grad_sin = torch.zeros(sin.shape, dtype=compute, device=sin.device).index_add_(0, flat, per_token)
+            grad_sin = grad_sin.to(sin.dtype)
+    return grad_x, grad_weight, grad_bias, None, grad_cos, grad_sin, None
+
+
 SPEC = declare(OpSpec(
     name="qkv_rotary",
     cost=qkv_rotary_cost,
@@ -153,6 +193,8 @@ SPEC = declare(OpSpec(
     check=_check,
     eager=qkv_rotary_reference,
     reference=qkv_rotary_reference,
+    setup_context=_setup_context,
+    backward=_backward,
 ))
 
 

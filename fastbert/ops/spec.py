@@ -4,7 +4,10 @@ A spec holds everything about an op that does not depend on a backend: the schem
 the result) of its registered torch op, the argument checks, the eager (pure PyTorch, differentiable)
 implementation, the fp32 reference the tests hold every backend to, and its cost formula. Backends attach an
 implementation and a ``supports`` check by name (`fastbert.backends.register`); a backend whose kernel is a torch
-op gets it from `OpSpec.define`, so the schema and the fake exist once whatever the number of backends.
+op gets it from `OpSpec.define`, so the schema and the fake exist once whatever the number of backends. An op's
+backward (``setup_context`` and ``backward``, the `torch.library.register_autograd` contract, in PyTorch ops) is
+written once in its spec too, and `OpSpec.define` attaches it to every torch op it defines: each backend's kernel
+is then differentiable.
 
 ``SPECS`` is the list of ops: everything that enumerates ops (tests, benchmarks, CLI reports) reads it.
 """
@@ -39,7 +42,13 @@ class OpSpec:
     tensors; ``check`` raises ValueError/TypeError for bad arguments of the functional entry; ``eager`` is the
     PyTorch implementation (it has autograd) and ``reference`` the fp32 computation tests compare every backend
     with; ``cost`` gives its `OpCost` (FLOPs, bytes moved) for given sizes, the formula the benchmarks use (its
-    arguments are in the op's file)."""
+    arguments are in the op's file).
+
+    ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grads)`` are the torch op's autograd formula (the
+    contract of `torch.library.register_autograd`: ``inputs`` are the schema's arguments, ``output`` its result,
+    ``backward`` returns one gradient per argument, None for non-tensors, integer tensors, None optionals and
+    inputs that need none). They work on the torch op's result (the packed [..., 3H] buffer for the QKV ops), in
+    PyTorch ops, recomputing from saved inputs what they need. None: the op has no backward outside eager."""
 
     name: str
     check: Callable[..., None]
@@ -48,10 +57,18 @@ class OpSpec:
     cost: Callable | None = None
     schema: str | None = None
     fake: Callable | None = None
+    setup_context: Callable | None = None
+    backward: Callable | None = None
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether the torch ops `define` registers are differentiable (the spec has a backward formula)."""
+        return self.backward is not None
 
     def define(self, prefix: str = "", impl: Callable | None = None):
         """Register the torch op ``fastbert::<prefix><name>`` from this spec's schema and fake, with ``impl`` for
-        every device (a compiled extension registers its own kernels instead: ``impl=None``). Returns the op."""
+        every device (a compiled extension registers its own kernels instead: ``impl=None``), and the spec's
+        backward as its autograd formula when it has one. Returns the op."""
         if self.schema is None or self.fake is None:
             raise ValueError(f"op {self.name} declares no torch op schema")
         name = prefix + self.name
@@ -61,6 +78,9 @@ class OpSpec:
         torch.library.register_fake(f"{NAMESPACE}::{name}", self.fake, lib=_LIBRARY)
         if impl is not None:
             _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+        if self.backward is not None:
+            torch.library.register_autograd(f"{NAMESPACE}::{name}", self.backward, setup_context=self.setup_context,
+                                            lib=_LIBRARY)
         _DEFINED[name] = getattr(getattr(torch.ops, NAMESPACE), name)
         return _DEFINED[name]
 
