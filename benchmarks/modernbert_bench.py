@@ -117,7 +117,8 @@ def bench_case(runners: dict, inputs: dict, rounds: int) -> dict:
 
 
 def layer_cost(fast, seqlen: int, repeats: int) -> dict:
-    """Wall time of one of fastbert's global and one of its sliding-window layers on one packed sequence."""
+    """Wall time of one of fastbert's global and one of its sliding-window layers on one packed sequence (the layer
+    alone: ``repeats`` calls after a warm-up one)."""
     config = fast.config
     kinds = {}
     for index, kind in enumerate(config.layer_types):
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", nargs="+", default=list(TARGETS))
+    parser.add_argument("--cases", nargs="*", default=list(TARGETS), help="cases to time (none: --layer-cost only)")
     parser.add_argument("--optimize", action="store_true", help="also time fastbert.optimize on HF sdpa")
     parser.add_argument("--layer-cost", action="store_true", help="also time a global and a local layer, S=1024")
     parser.add_argument("--out", default=None, help="directory for <name>.json / <name>.md")
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, entry in cases[case]["runners"].items():
                 print(f"  {name:28s} median {entry['median_ms']:9.1f} ms  min {entry['min_ms']:9.1f} ms  "
                       f"rel err {entry['max_rel_err_vs_hf_eager']:.1e}", flush=True)
-        layers = layer_cost(fast, 1024, max(3, args.rounds)) if args.layer_cost else None
+        layers = layer_cost(fast, 1024, 10) if args.layer_cost else None
         if layers:
             for kind, entry in layers.items():
                 print(f"  layer {entry['layer']} ({kind}, window {entry['window']}) at S=1024: median "
