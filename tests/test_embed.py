@@ -315,3 +315,29 @@ def test_cli_parser_knows_the_corpus_options():
                                           "--no-normalize", "--max-batch-tokens", "4096", "--ray"])
     assert (args.input, args.output_dir, args.resume, args.pooling, args.normalize, args.max_batch_tokens,
             args.ray) == ("x.txt", "d", True, "cls", False, 4096, True)
+
+
+def test_embeds_a_modernbert_checkpoint_like_transformers(tmp_path, minilm_dir, sentences):
+    """Any supported checkpoint directory: a random ModernBERT (rotary, local windows shorter than the texts)."""
+    import shutil
+
+    import transformers
+
+    config = transformers.ModernBertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=3, num_attention_heads=2, intermediate_size=96,
+        max_position_embeddings=512, local_attention=16, global_attn_every_n_layers=3, pad_token_id=0,
+        bos_token_id=101, eos_token_id=102, cls_token_id=101, sep_token_id=102)
+    torch.manual_seed(0)
+    transformers.ModernBertModel(config).eval().save_pretrained(tmp_path)
+    shutil.copy(os.path.join(minilm_dir, "tokenizer.json"), tmp_path)
+    texts = sentences[:24]
+    embedder = embedding.Embedder(str(tmp_path))
+    ours, _ = embedder.embed(texts)
+    model = transformers.AutoModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ids = [embedder.tokenize([t])[0][0] for t in texts]
+    for row, tokens in enumerate(ids):  # one text at a time: no padding on the reference side
+        with torch.no_grad():
+            hidden = model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
+        expected = torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).numpy()
+        np.testing.assert_allclose(ours[row], expected, rtol=0, atol=2e-6)
+    assert max(len(t) for t in ids) > 16  # texts longer than the local window
