@@ -87,7 +87,8 @@ def run_grads(fn, args: tuple, seed: int = 7) -> tuple[torch.Tensor, ...]:
     out = fn(*args)
     out = out if isinstance(out, tuple) else (out,)
     gen = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in out)
+    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
+               for o in out)
     return torch.autograd.grad(loss, leaves)
 
 
