@@ -238,11 +238,13 @@ def test_packed_and_padded_grads_agree(window):
         assert_accurate(b[mask], b[mask], a, what="padded vs packed")
 
 
-def test_attention_backward_in_blocks_equals_one_block(monkeypatch):
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("form", ["packed", "padded"])
+def test_attention_backward_in_blocks_equals_one_block(monkeypatch, form, window):
     """The blocked recomputation (sequences and query rows in chunks) gives the gradients of one block."""
     attention_module = importlib.import_module("fastbert.ops.attention")  # (fastbert.ops.attention: the function)
 
-    args = attention_args("padded", [13, 9, 4], window=5)
+    args = attention_args(form, [13, 9, 4], window=window)
     whole = run_grads(_attention_call("cpp"), args)
     monkeypatch.setattr(attention_module, "BACKWARD_BLOCK_ELEMENTS", HEADS * 13 * 3)  # 3 query rows, 1 sequence
     blocked = run_grads(_attention_call("cpp"), args)

@@ -187,7 +187,8 @@ def _padded_grads(q, k, v, grad, key_padding_mask, scale, half_width):
             q_block, grad_block = q[rows, :, queries], grad[rows, :, queries]
             scores = (q_block @ k_block.transpose(-1, -2)) * scale
             if allowed is not None:
-                block_allowed = allowed[rows if allowed.shape[0] > 1 else slice(None), :, queries]
+                block_allowed = allowed[rows if allowed.shape[0] > 1 else slice(None), :,
+                                        queries if allowed.shape[2] > 1 else slice(None)]  # (broadcast dims kept)
                 scores = scores.masked_fill(~block_allowed, float("-inf"))
                 # a query with no allowed key: softmax of all -inf is NaN; its output was zeros, its probabilities 0
                 probs = torch.softmax(scores, dim=-1).masked_fill(~block_allowed.any(dim=-1, keepdim=True), 0.0)
