@@ -357,13 +357,17 @@ def padded_inputs(config, batch: int, seqlen: int, device, lengths=None, seed: i
 def compare_models(reference, fast, inputs) -> dict:
     """fast's last_hidden_state against reference's at real tokens: max abs error, relative to max|reference|."""
     from fastbert import numerics
+    from fastbert.bench import recording
 
     with torch.inference_mode():
         expected = reference(**inputs).last_hidden_state
-        actual = fast(**inputs).last_hidden_state
+        with recording.record_backends() as seen:
+            actual = fast(**inputs).last_hidden_state
     real = inputs["attention_mask"].bool()
     error, scale = numerics.max_error(actual[real], expected[real]), float(expected[real].abs().max())
-    return {"max_abs_error": error, "relative_error": error / scale, "reference_max_abs": scale}
+    # which backend ran each fastbert op (empty: the model ran transformers' code, e.g. a fallback)
+    ran = {op: dict(counts) for op, counts in seen.items()}
+    return {"max_abs_error": error, "relative_error": error / scale, "reference_max_abs": scale, "ops_ran_on": ran}
 
 
 def judged(dtype: torch.dtype, fast: dict, plain: dict | None = None) -> dict:
