@@ -362,18 +362,25 @@ def test_every_spec_has_a_backward_on_every_backend():
 
 # ------------------------------------------------------------------------------------------ backend choice
 @pytest.mark.parametrize("op", TOKEN_OPS)
-def test_auto_picks_cpp_under_grad(op):
+def test_under_grad_auto_trains_through_eager_on_cpu_and_cpp_when_forced(op):
+    """auto keeps eager under autograd on CPU (cpp's backward recomputes with PyTorch ops and is slower, see
+    fastbert.backends.AUTO_ORDER_AUTOGRAD), saying why; backend="cpp" trains through cpp."""
     args = op_args(op, 7, torch.float32)
-    assert backends.explain(op, *args) == f"{op}: cpp"
-    table = backends.OpTable("auto")
+    explained = backends.explain(op, *args)
+    assert explained.startswith(f"{op}: eager") and "cpp: auto trains through eager here" in explained
+    assert backends.explain(op, *args, backend="cpp") == f"{op}: cpp"
+    table = backends.OpTable("cpp")
     out = getattr(table, op)(*args)
     assert table.chosen[op] == "cpp"
     assert (out[0] if isinstance(out, tuple) else out).requires_grad
+    with torch.no_grad():
+        assert backends.explain(op, *op_args(op, 7, torch.float32)) == f"{op}: cpp"  # inference still takes cpp
 
 
-def test_auto_picks_cpp_for_attention_under_grad():
+def test_forced_cpp_attention_under_grad():
     args = attention_args("packed", [5, 3], window=2)
-    assert backends.explain("attention", *args) == "attention: cpp"
+    assert backends.explain("attention", *args, backend="cpp") == "attention: cpp"
+    assert backends.explain("attention", *args).startswith("attention: eager")
 
 
 # ------------------------------------------------------------------------------------------------- model
