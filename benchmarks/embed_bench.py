@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: all-MiniLM-L6-v2)")
     parser.add_argument("--sentences", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--max-batch-tokens", type=int, default=None, help="default: fastbert embed's")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu-2core-embed"))
     args = parser.parse_args(argv)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max_abs_diff_vs_plain_st": float(np.abs(out - reference).max())})
     report = {"benchmark": "corpus embedding", "model": os.path.basename(os.path.dirname(model_dir)),
               "sentences": len(texts), "tokens": tokens, "rounds": args.rounds,
-              "max_batch_tokens": args.max_batch_tokens, "threads": torch.get_num_threads(),
+              "max_batch_tokens": embedder.max_batch_tokens, "threads": torch.get_num_threads(),
               "machine": machine_info(torch.device("cpu")), "results": rows}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

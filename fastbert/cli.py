@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--max-length", type=int, default=None,
                        help="tokens per text, longer texts truncated and counted (default: the checkpoint's "
                        "sentence-transformers max_seq_length, else the model's limit)")
-    embed.add_argument("--max-batch-tokens", type=int, default=8192,
-                       help="token budget per batch: texts x longest text of the batch (default 8192)")
+    embed.add_argument("--max-batch-tokens", type=int, default=None,
+                       help="token budget per batch: texts x longest text of the batch (default 4096 on CPU, 16384 on "
+                       "CUDA, at least --max-length)")
     embed.add_argument("--batch-size", type=int, default=None, help="at most this many texts per batch")
     embed.add_argument("--window-rows", type=int, default=None,
                        help="rows read, sorted and written together; one shard each with --output-dir (default "
