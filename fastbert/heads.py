@@ -385,6 +385,12 @@ class TaskModel(nn.Module):
             return head(encoded.last_hidden_state, self.encoder.embeddings.word_embeddings, backend)
         source = self.sources[name]
         hidden = encoded.last_hidden_state
+        if (source in ("pooler", "first") and attention_mask is not None and self.encoder.padding_free
+                and not torch.compiler.is_compiling() and not bool(attention_mask[:, 0].all())):
+            # transformers' head reads the state it computed at position 0 even where that is padding; the
+            # padding-free encoder computes no padded position, so the two would disagree without a word
+            raise ValueError(f"{name} reads the first position, which is padding in some rows (left padding or an "
+                             "empty row): pad on the right, or build the model with padding_free=False")
         if source == "pooler":
             x = encoded.pooler_output
         elif source == "first":
@@ -429,7 +435,7 @@ class ForNextSentence(TaskModel):
             labels = next_sentence_label
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_hidden_states)
-        logits = self._head("nsp", encoded)
+        logits = self._head("nsp", encoded, attention_mask)
         loss = token_cross_entropy(logits, labels) if labels is not None else None
         return NextSentencePredictorOutput(loss, logits, encoded.hidden_states)
 
@@ -452,7 +458,7 @@ class ForPreTraining(TaskModel):
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                output_hidden_states)
         prediction_logits = self._head("mlm", encoded)
-        pair_logits = self._head("sop" if sentence_order else "nsp", encoded)
+        pair_logits = self._head("sop" if sentence_order else "nsp", encoded, attention_mask)
         loss = None
         if labels is not None and pair_label is not None:
             loss = token_cross_entropy(prediction_logits, labels) + token_cross_entropy(pair_logits, pair_label)

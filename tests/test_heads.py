@@ -286,3 +286,21 @@ def test_inputs_embeds(family, task, tmp_path):
     width = getattr(hf_model.config, "embedding_size", hf_model.config.hidden_size)
     batch["inputs_embeds"] = torch.randn(*batch.pop("input_ids").shape, width)
     compare(family, task, hf_model, model, batch, task_labels(family, task, batch, 2), FIELDS[task])
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_first_position_heads_refuse_left_padding_instead_of_disagreeing(family, tmp_path):
+    """A head reading position 0 on a row whose position 0 is padding: transformers reads a state computed at a
+    padded position, the padding-free encoder has none; fastbert says so instead of returning other logits."""
+    import fastbert
+
+    model = tiny_model(family, "ForSequenceClassification")
+    model.save_pretrained(tmp_path)
+    ours = fastbert.from_pretrained(tmp_path, task="sequence-classification").eval()
+    ids = torch.randint(3, 90, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="first position, which is padding"):
+        ours(input_ids=ids, attention_mask=mask)
+    mask[1, :3], mask[1, 5:] = 1, 0  # the same row padded on the right runs
+    ours(input_ids=ids, attention_mask=mask)
