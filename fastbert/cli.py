@@ -97,10 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--resume", action="store_true",
                        help="continue the interrupted run in --output-dir (same input and settings) after its last "
                        "complete shard")
-    embed.add_argument("--pooling", choices=POOLINGS, default="mean",
-                       help="mean over real tokens (default; sentence-transformers') or cls")
-    embed.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
-                       help="L2-normalise each embedding (default: on)")
+    embed.add_argument("--pooling", choices=POOLINGS, default=None,
+                       help="mean over real tokens or cls (default: what the checkpoint's sentence-transformers "
+                       "1_Pooling declares, else mean)")
+    embed.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                       help="L2-normalise each embedding (default: as the checkpoint's sentence-transformers "
+                       "modules declare, else on)")
     embed.add_argument("--max-length", type=int, default=None,
                        help="tokens per text, longer texts truncated and counted (default: the checkpoint's "
                        "sentence-transformers max_seq_length, else the model's limit)")
@@ -356,6 +358,8 @@ def _similarity(args: argparse.Namespace, embedder) -> int:
     texts = list(args.texts)
     if not texts:
         raise UserError("--similarity needs TEXT arguments")
+    if any(not t.strip() for t in texts):
+        raise UserError("--similarity: a TEXT is blank")
     vectors, _ = embedder.embed([t if t.strip() else None for t in texts])
     matrix = torch.from_numpy(vectors) @ torch.from_numpy(vectors).T
     labels = [f"[{i}] " + (t if len(t) <= 48 else t[:45] + "...") for i, t in enumerate(texts)]
@@ -411,7 +415,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     else:
         output = embedding.FileOutput(args.output, output_format, embedder.dimension, dtype, string_ids)
     show = args.progress if args.progress is not None else sys.stderr.isatty()
-    progress = embedding.Progress(size, show)
+    progress = embedding.Progress(size, show, initial=initial)
     error = None
     try:
         stats = embedding.run(embedder, rows, output, window_rows, progress,
@@ -435,10 +439,12 @@ def cmd_embed(args: argparse.Namespace) -> int:
         limit = embedder.settings()["max_length"]
         sys.stderr.write(f"fastbert: warning: {stats.truncated:,} texts were longer than {limit} tokens and were "
                          f"truncated (lines {lines}); --max-length sets the limit\n")
-    sys.stderr.write(f"fastbert embed: {stats.rows:,} rows -> {output.describe()}: {stats.embedded:,} embedded, "
-                     f"{stats.null_rows:,} null (blank), {stats.truncated:,} truncated; {stats.tokens:,} tokens in "
-                     f"{elapsed:.1f} s ({stats.embedded / elapsed:,.0f} texts/s, {stats.tokens / elapsed:,.0f} "
-                     "tokens/s, model load included)\n")
+    before = initial or embedding.EmbedStats()
+    this_run = f" ({stats.rows - before.rows:,} this run)" if initial is not None else ""
+    sys.stderr.write(f"fastbert embed: {stats.rows:,} rows{this_run} -> {output.describe()}: {stats.embedded:,} "
+                     f"embedded, {stats.null_rows:,} null (blank), {stats.truncated:,} truncated; {stats.tokens:,} "
+                     f"tokens; this run {elapsed:.1f} s ({(stats.embedded - before.embedded) / elapsed:,.0f} "
+                     f"texts/s, {(stats.tokens - before.tokens) / elapsed:,.0f} tokens/s, model load included)\n")
     return 0
 
 

@@ -45,6 +45,14 @@ class InputError(UserError):
     """A row of the input that cannot be embedded (the message names its line)."""
 
 
+class NonFiniteEmbedding(ValueError):
+    """Rows (indices into the texts given) whose embedding holds NaN or Inf."""
+
+    def __init__(self, rows: list[int]):
+        super().__init__(f"non-finite embeddings at rows {rows[:10]}")
+        self.rows = rows
+
+
 # ------------------------------------------------------------------------------------------------------ input
 @dataclass
 class Row:
@@ -153,6 +161,40 @@ class EmbedStats:
         self.truncated_lines.extend(other.truncated_lines[: max(0, 10 - len(self.truncated_lines))])
 
 
+def sentence_transformers_head(model_dir: str) -> tuple[str | None, bool | None]:
+    """The pooling ("mean" or "cls") and normalisation a sentence-transformers checkpoint declares
+    (``modules.json``: its Pooling module's ``config.json``, a Normalize module), None where it declares nothing.
+    A pooling fastbert does not implement (max, mean-sqrt-len, weighted mean, last token) raises UserError."""
+    path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        with open(path) as f:
+            modules = json.load(f)
+    except (OSError, ValueError):
+        return None, None
+    types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+    normalize = any(t.endswith(".Normalize") for t in types)
+    pooling = None
+    for module in modules:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith(".Pooling"):
+            try:
+                with open(os.path.join(model_dir, module.get("path", ""), "config.json")) as f:
+                    settings = json.load(f)
+            except (OSError, ValueError):
+                break
+            modes = sorted(k.removeprefix("pooling_mode_") for k, v in settings.items()
+                           if k.startswith("pooling_mode_") and v is True)
+            if modes == ["mean_tokens"]:
+                pooling = "mean"
+            elif modes == ["cls_token"]:
+                pooling = "cls"
+            else:
+                raise UserError(f"{model_dir} pools with {', '.join(modes) or 'nothing'} (sentence-transformers' "
+                                "1_Pooling); fastbert embed pools mean or cls: give --pooling to choose one")
+    return pooling, normalize
+
+
 def default_max_length(model_dir: str, model_limit: int) -> int:
     """sentence-transformers' ``max_seq_length`` when the checkpoint has one (all-MiniLM-L6-v2: 256), else the
     model's position limit."""
@@ -171,24 +213,34 @@ def default_max_length(model_dir: str, model_limit: int) -> int:
 class Embedder:
     """A checkpoint's tokenizer and fastbert model, embedding lists of texts with token-budget batching.
 
-    pooling: "mean" (over real tokens, sentence-transformers') or "cls" (the first token's vector); normalize:
-    L2-normalise each embedding. max_length: tokens per text after truncation (default: the checkpoint's
-    sentence-transformers ``max_seq_length``, else the model's limit); a longer text is truncated and counted.
+    pooling: "mean" (over real tokens) or "cls" (the first token's vector); normalize: L2-normalise each embedding;
+    both default to what the checkpoint's sentence-transformers files declare (``modules.json``, ``1_Pooling``,
+    a Normalize module), else mean and normalised. max_length: tokens per text after truncation (default: the
+    checkpoint's sentence-transformers ``max_seq_length``, else the model's limit); a longer text is truncated and
+    counted.
     max_batch_tokens: a batch holds at most this many tokens counted padded (texts x longest text of the batch;
     texts are sorted by length first, so padding is small); default `DEFAULT_BATCH_TOKENS` of the device, at least
     max_length. max_batch_size caps the texts per batch."""
 
     def __init__(self, model_dir: str | None = None, *, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, backend: str = "auto", pooling: str = "mean",
-                 normalize: bool = True, max_length: int | None = None, max_batch_tokens: int | None = None,
+                 dtype: str | torch.dtype | None = None, backend: str = "auto", pooling: str | None = None,
+                 normalize: bool | None = None, max_length: int | None = None, max_batch_tokens: int | None = None,
                  max_batch_size: int | None = None, load_model: bool = True):
         import fastbert
         from fastbert.resolve import resolve_device, resolve_dtype, resolve_model
 
+        self.model_dir, self.config = resolve_model(model_dir)
+        if pooling is None or normalize is None:
+            declared_pooling, declared_normalize = sentence_transformers_head(self.model_dir) if pooling is None else (
+                pooling, None)
+            pooling = pooling or declared_pooling or "mean"
+            normalize = normalize if normalize is not None else (
+                declared_normalize if declared_normalize is not None else True)
         if pooling not in POOLINGS:
             raise UserError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        self.model_dir, self.config = resolve_model(model_dir)
-        self.device = resolve_device(None if device is None else str(device))
+        # A Ray driver (load_model=False) may name a device only its actors have.
+        self.device = (resolve_device(None if device is None else str(device)) if load_model
+                       else torch.device(str(device) if device is not None else "cpu"))
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).replace("torch.", "")
         self.dtype = resolve_dtype(dtype or "float32", self.device)
@@ -244,9 +296,9 @@ class Embedder:
         if self._tokenizer is not None:
             encodings = self._tokenizer.encode_batch(list(texts))
             return [e.ids for e in encodings], [bool(e.overflowing) for e in encodings]
-        full = self._hf_tokenizer(list(texts), truncation=False, add_special_tokens=True)["input_ids"]
-        return [ids[: self.max_length - 1] + ids[-1:] if len(ids) > self.max_length else ids for ids in full], [
-            len(ids) > self.max_length for ids in full]
+        full = self._hf_tokenizer(list(texts), truncation=False)["input_ids"]
+        cut = self._hf_tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
+        return cut, [len(ids) > self.max_length for ids in full]
 
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
         """Indices of the texts, longest first, cut into batches of at most max_batch_tokens padded tokens."""
@@ -288,8 +340,14 @@ class Embedder:
 
     def embed(self, texts: Sequence[str | None], lines: Sequence[int] | None = None) -> tuple[np.ndarray, EmbedStats]:
         """Embeddings [len(texts), H] float32 in the order given; a None text gives a row of NaN (a null result).
-        ``lines`` (the texts' line numbers) only names truncated texts in the stats."""
-        embeddings, stats, per_row = self.embed_rows(texts)
+        ``lines`` (the texts' line numbers) name truncated texts in the stats and rows in errors. A real text whose
+        embedding is not finite (an overflow in float16, say) raises `InputError` naming its lines."""
+        try:
+            embeddings, stats, per_row = self.embed_rows(texts)
+        except NonFiniteEmbedding as err:
+            named = [lines[i] if lines is not None else i + 1 for i in err.rows]
+            raise InputError(f"line{'s' if len(named) > 1 else ''} {', '.join(map(str, named[:10]))}: the embedding "
+                             f"is not finite (NaN or Inf; with --dtype float16 try float32)") from err
         cut = np.flatnonzero(per_row["truncated"])
         stats.truncated_lines = [(lines[i] if lines is not None else int(i) + 1) for i in cut[:10]]
         return embeddings, stats
@@ -308,6 +366,9 @@ class Embedder:
         for batch in self.batches(lengths):
             out[[present[i] for i in batch]] = self._forward([token_lists[i] for i in batch]).numpy()
             stats.batches += 1
+        bad = [present[i] for i in range(len(present)) if not np.isfinite(out[present[i]]).all()]
+        if bad:  # a NaN would read as a null row, and NaN/Inf is not JSON: never write one as an embedding
+            raise NonFiniteEmbedding(bad)
         per_row["tokens"][present] = lengths
         per_row["truncated"][present] = truncated
         stats.embedded, stats.tokens, stats.truncated = len(present), sum(lengths), sum(truncated)
@@ -563,8 +624,11 @@ class Progress:
     ETA. On a terminal it redraws one line (at most 4 times a second); otherwise it prints a line every
     ``log_every`` seconds."""
 
-    def __init__(self, total_bytes: int | None, enabled: bool, stream=None, log_every: float = 10.0):
+    def __init__(self, total_bytes: int | None, enabled: bool, stream=None, log_every: float = 10.0,
+                 initial: EmbedStats | None = None):
         self.stream = stream or sys.stderr
+        # a resumed run: rates and the ETA count this run's work only
+        self.initial = initial or EmbedStats()
         self.enabled, self.total_bytes = enabled, total_bytes
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = 0.25 if self.tty else log_every
@@ -585,8 +649,8 @@ class Progress:
             filled = int(fraction * 24)
             parts.append(f"[{'#' * filled}{'.' * (24 - filled)}] {fraction:4.0%}")
         parts.append(f"{stats.rows:,} rows")
-        parts.append(f"{stats.embedded / elapsed:,.0f} texts/s")
-        parts.append(f"{stats.tokens / elapsed:,.0f} tokens/s")
+        parts.append(f"{(stats.embedded - self.initial.embedded) / elapsed:,.0f} texts/s")
+        parts.append(f"{(stats.tokens - self.initial.tokens) / elapsed:,.0f} tokens/s")
         if self.total_bytes and 0 < bytes_read < self.total_bytes:
             remaining = elapsed * (self.total_bytes - bytes_read) / bytes_read
             parts.append(f"ETA {int(remaining // 60)}:{int(remaining % 60):02d}")

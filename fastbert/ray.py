@@ -15,7 +15,7 @@ batching on the padding-free encoder, the numbers `fastbert embed` writes)::
 
 The output batch keeps the input columns and adds ``embedding`` (float32 [n, H]; NaN rows for blank texts),
 ``tokens`` and ``truncated`` per row. Ray is an optional extra (``pip install 'fastbert[ray]'``); this module
-imports it only in `embed_with_ray`.
+imports it only when a class is built.
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ class RayEmbedder:
 
 class RayClusterEmbedder:
     """`fastbert embed --ray`: embeds each window of rows as a Ray dataset mapped by `RayEmbedder` actors, results
-    in input order. It has `fastbert.embed.Embedder`'s ``embed``/``settings``/``dimension``, so `fastbert.embed.run`
-    (streaming input, output files or resumable shards, progress) drives it unchanged; the driver holds one window.
+    in input order. Each window is its own dataset, so its actors start (and load the model) per window: keep
+    windows large (the default with --ray is 16384 rows). It has `fastbert.embed.Embedder`'s ``embed``,
+    ``settings`` and ``dimension``, so `fastbert.embed.run` (streaming input, output files or resumable shards,
+    progress) drives it unchanged; the driver holds one window.
 
     address: the cluster to join (None: the one RAY_ADDRESS names, else a new local one); actors: how many model
     replicas; cpus_per_actor / gpus_per_actor: the resources Ray reserves for each."""

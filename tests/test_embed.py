@@ -341,3 +341,44 @@ def test_embeds_a_modernbert_checkpoint_like_transformers(tmp_path, minilm_dir, 
         expected = torch.nn.functional.normalize(hidden.mean(dim=0), dim=0).numpy()
         np.testing.assert_allclose(ours[row], expected, rtol=0, atol=2e-6)
     assert max(len(t) for t in ids) > 16  # texts longer than the local window
+
+
+def test_pooling_and_normalisation_default_to_the_checkpoints_sentence_transformers_modules(tmp_path, minilm_dir,
+                                                                                            sentences):
+    """A CLS-pooled checkpoint (bge-style 1_Pooling) without a Normalize module: the defaults follow it and match
+    sentence-transformers' encode; an unsupported pooling is refused unless --pooling is given."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    directory = tmp_path / "cls-model"
+    shutil.copytree(minilm_dir, directory)
+    pooling_config = json.loads((directory / "1_Pooling" / "config.json").read_text())
+    pooling_config.update(pooling_mode_cls_token=True, pooling_mode_mean_tokens=False)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    modules = [m for m in json.loads((directory / "modules.json").read_text()) if "Normalize" not in m["type"]]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    texts = sentences[:16]
+    reference = SentenceTransformer(str(directory), device="cpu").encode(texts, convert_to_numpy=True)
+    embedder = embedding.Embedder(str(directory))
+    assert (embedder.pooling, embedder.normalize) == ("cls", False)
+    np.testing.assert_allclose(embedder.embed(texts)[0], reference, rtol=0, atol=2e-5)
+    pooling_config.update(pooling_mode_cls_token=False, pooling_mode_max_tokens=True)
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    with pytest.raises(embedding.UserError, match="pools with max_tokens"):
+        embedding.Embedder(str(directory))
+    assert embedding.Embedder(str(directory), pooling="mean").pooling == "mean"
+
+
+def test_a_non_finite_embedding_stops_with_its_line(tiny_dir):
+    embedder = embedding.Embedder(tiny_dir)
+    original = embedder._forward
+
+    def overflowing(token_lists):
+        out = original(token_lists).clone()
+        out[-1, 3] = float("inf")  # the shortest text of the batch: "b"
+        return out
+
+    embedder._forward = overflowing
+    with pytest.raises(embedding.InputError, match="line 12: the embedding is not finite"):
+        embedder.embed(["a longer text here", "b"], lines=[11, 12])
