@@ -33,6 +33,28 @@ from fastbert.bench.machine import machine_info
 from fastbert.resolve import default_model_dir
 
 
+def render_markdown(report: dict) -> str:
+    """embed.md from embed.json's content: the machine, versions and date of the run, then the table."""
+    machine = report["machine"]
+    versions = ", ".join(f"{name} {version}" for name, version in machine["versions"].items() if version)
+    lines = [f"# Corpus embedding: {report['sentences']:,} sentences of CPython's documentation "
+             f"({report['tokens']:,} tokens), {report['model']}", "",
+             f"- Date (end of the run): {machine['date']}",
+             f"- Machine: {machine['cpu']}, {machine['cpu_cores']} logical CPUs, {report['threads']} torch threads; "
+             f"load average (1/5/15 min) at the end {', '.join(f'{v:.2f}' for v in machine['load_average'])}",
+             f"- Versions: python {machine['python']}, {versions}",
+             f"- Command: `{report.get('command', '.venv/bin/python benchmarks/embed_bench.py')}`",
+             f"- {report['rounds']} interleaved rounds, median; model loading excluded; fastbert embed's token budget "
+             f"{report['max_batch_tokens']} per batch", "",
+             "| implementation | median s | texts/s | tokens/s | speed-up vs plain sentence-transformers | "
+             "max abs diff vs plain ST |", "|---|---|---|---|---|---|"]
+    for row in report["results"]:
+        lines.append(f"| {row['implementation']} | {row['median_s']:.2f} | {row['texts_per_s']:,.0f} | "
+                     f"{row['tokens_per_s']:,.0f} | {row['speedup_vs_plain_st']:.2f}x | "
+                     f"{row['max_abs_diff_vs_plain_st']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: all-MiniLM-L6-v2)")
@@ -41,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=None, help="default: fastbert embed's")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu-2core-embed"))
+    parser.add_argument("--render", metavar="DIR", default=None,
+                        help="only rewrite DIR/embed.md from DIR/embed.json (no run)")
     args = parser.parse_args(argv)
+    if args.render:
+        report = json.loads((Path(args.render) / "embed.json").read_text())
+        (Path(args.render) / "embed.md").write_text(render_markdown(report))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = args.model or default_model_dir()
@@ -97,26 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"implementation": name, "median_s": median, "times_s": times, "texts_per_s": len(texts) / median,
                      "tokens_per_s": tokens / median, "speedup_vs_plain_st": plain / median,
                      "max_abs_diff_vs_plain_st": float(np.abs(out - reference).max())})
-    report = {"benchmark": "corpus embedding", "model": os.path.basename(os.path.dirname(model_dir)),
-              "sentences": len(texts), "tokens": tokens, "rounds": args.rounds,
-              "max_batch_tokens": embedder.max_batch_tokens, "threads": torch.get_num_threads(),
-              "machine": machine_info(torch.device("cpu")), "results": rows}
+    command = ".venv/bin/python benchmarks/embed_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    report = {"benchmark": "corpus embedding", "command": command.strip(),
+              "model": os.path.basename(os.path.dirname(model_dir)), "sentences": len(texts), "tokens": tokens,
+              "rounds": args.rounds, "max_batch_tokens": embedder.max_batch_tokens,
+              "threads": torch.get_num_threads(), "machine": machine_info(torch.device("cpu")), "results": rows}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "embed.json").write_text(json.dumps(report, indent=1) + "\n")
-    lines = [f"# Corpus embedding: {len(texts):,} sentences of CPython's documentation ({tokens:,} tokens), "
-             f"{report['model']}", "",
-             f"{args.rounds} interleaved rounds, median; {torch.get_num_threads()} torch threads; model loading "
-             "excluded; command: `.venv/bin/python benchmarks/embed_bench.py " + " ".join(
-                 sys.argv[1:] if argv is None else argv) + "`", "",
-             "| implementation | median s | texts/s | tokens/s | speed-up vs plain sentence-transformers | "
-             "max abs diff vs plain ST |", "|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['implementation']} | {row['median_s']:.2f} | {row['texts_per_s']:,.0f} | "
-                     f"{row['tokens_per_s']:,.0f} | {row['speedup_vs_plain_st']:.2f}x | "
-                     f"{row['max_abs_diff_vs_plain_st']:.1e} |")
-    (out_dir / "embed.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    markdown = render_markdown(report)
+    (out_dir / "embed.md").write_text(markdown)
+    print(markdown)
     return 0
 
 
