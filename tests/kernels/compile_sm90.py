@@ -300,8 +300,11 @@ def problems(row: dict) -> list[str]:
     return found
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], host: dict) -> str:
     lines = ["# sm_90 (H100/H200) resources of the triton kernels",
+             "",
+             f"Compiled {host['date']} on {host['cpu']} ({host['cpu_cores']} CPUs, no GPU); python {host['python']}, "
+             f"torch {host['versions'].get('torch')}, triton {triton.__version__}.",
              "",
              "Compiled without a GPU with the launch's own argument specialisation (tests/kernels/compile_sm90.py, "
              f"triton {triton.__version__}); registers and spills from ptxas -v. Occupancy: resident blocks per SM "
@@ -348,10 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows)} kernels compiled in {time.perf_counter() - start:.0f} s, {failures} failing")
     if opts.out:
         os.makedirs(opts.out, exist_ok=True)
+        from fastbert.bench.machine import machine_info
+
+        host = machine_info("cpu")  # the compiling machine: date, CPU, versions
         with open(os.path.join(opts.out, "resources.json"), "w") as f:
-            json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
+            json.dump({"triton": triton.__version__, "target": "sm_90", "host": host, "rows": rows}, f, indent=1)
         with open(os.path.join(opts.out, "resources.md"), "w") as f:
-            f.write(markdown(rows))
+            f.write(markdown(rows, host))
     return 1 if failures else 0
 
 
