@@ -30,8 +30,9 @@ BACKENDS = ("eager", "triton", "cpp")
 # be picked automatically, so `auto` never takes it for CPU tensors.
 AUTO_ORDER = {"cuda": ("triton", "eager"), "cpu": ("cpp", "eager")}
 # Under autograd (grad mode on and an input that requires grad). The cpp backward is the spec's formula in PyTorch
-# ops, recomputing from saved inputs: a training step measured ~25 % slower than eager's autograd on the 2-core VM
-# (4 layers, H 256, one thread), so `auto` trains through eager on CPU until fused CPU backward kernels exist;
+# ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256, one thread, 2-core VM) measured
+# a step at 288 ms through cpp vs 220 ms through eager, so `auto` trains through eager on CPU until fused CPU backward
+# kernels exist;
 # backend="cpp" still trains through cpp.
 AUTO_ORDER_AUTOGRAD = {"cuda": ("triton", "eager"), "cpu": ("eager",)}
 _BACKEND_MODULES = {"triton": "fastbert.kernels", "cpp": "fastbert.cpp_backend"}
