@@ -416,23 +416,20 @@ def cmd_embed(args: argparse.Namespace) -> int:
         output = embedding.FileOutput(args.output, output_format, embedder.dimension, dtype, string_ids)
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     progress = embedding.Progress(size, show, initial=initial)
-    error = None
+    error, stats = None, None
     try:
         stats = embedding.run(embedder, rows, output, window_rows, progress,
                               bytes_read=(lambda: counter.bytes_read) if counter is not None else (lambda: 0),
                               blank=args.on_blank, initial=initial)
     except embedding.InputError as err:
-        error, stats = err, None
+        error = err
     finally:
         if stream is not None and stream is not sys.stdin.buffer:
             stream.close()
-        if isinstance(output, embedding.FileOutput):
-            output.close()
+        output.close(stats)  # stats None: the run stopped early (a sharded run stays resumable)
     if error is not None:
-        written = output.rows_done if isinstance(output, embedding.ShardedOutput) else output.rows
-        raise UserError(f"{error} ({written:,} rows before it were written to {output.describe()} and are valid)")
-    if isinstance(output, embedding.ShardedOutput):
-        output.finish(stats)
+        raise UserError(f"{error} ({output.rows_done:,} rows before it were written to {output.describe()} and are "
+                        "valid)")
     elapsed = time.perf_counter() - started
     if stats.truncated:
         lines = ", ".join(str(n) for n in stats.truncated_lines) + (", ..." if stats.truncated > 10 else "")

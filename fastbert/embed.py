@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fastbert.resolve import UserError
+from fastbert.text import mean_pool
 
 FORMATS = ("jsonl", "npy", "parquet")
 POOLINGS = ("mean", "cls")
@@ -318,24 +319,21 @@ class Embedder:
 
     def _forward(self, token_lists: Sequence[list[int]]) -> torch.Tensor:
         """Pooled (and normalised) embeddings [n, H] float32 on the CPU of one batch of token lists."""
-        longest = max(len(ids) for ids in token_lists)
-        ids = torch.full((len(token_lists), longest), self.config.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(token_lists), longest), dtype=torch.long)
-        for row, tokens in enumerate(token_lists):
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-            mask[row, : len(tokens)] = 1
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(tokens) for tokens in token_lists], batch_first=True,
+                                              padding_value=self.config.pad_token_id)
+        lengths = torch.tensor([len(tokens) for tokens in token_lists])
+        mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
         inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
         if self.uses_token_types:
             inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
         with torch.inference_mode():
-            hidden = self.model(**inputs).last_hidden_state.float()
+            hidden = self.model(**inputs).last_hidden_state
             if self.pooling == "cls":
-                pooled = hidden[:, 0]
-            else:  # padded positions of fastbert's output are zeros: the sum over all positions is the real sum
-                real = inputs["attention_mask"].to(torch.float32)
-                pooled = (hidden * real[..., None]).sum(dim=1) / real.sum(dim=1, keepdim=True)
-            if self.normalize:
-                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+                pooled = hidden[:, 0].float()
+                if self.normalize:
+                    pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+            else:
+                pooled = mean_pool(hidden, inputs["attention_mask"], normalize=self.normalize)
         return pooled.cpu()
 
     def embed(self, texts: Sequence[str | None], lines: Sequence[int] | None = None) -> tuple[np.ndarray, EmbedStats]:
@@ -469,12 +467,13 @@ def parquet_table(ids: Sequence[int | str], embeddings: np.ndarray, dtype: np.dt
 
 class FileOutput:
     """One output file (or stdout for JSONL), written as windows arrive. JSONL and .npy are valid after every
-    window; Parquet when closed (a row group per window)."""
+    window; Parquet when closed (a row group per window). Same interface as `ShardedOutput`: ``write``,
+    ``rows_done``, ``close``, ``describe``."""
 
     def __init__(self, path: str | None, output_format: str, dimension: int, dtype: np.dtype,
                  string_ids: bool = False):
         self.path, self.format, self.dimension, self.dtype = path, output_format, dimension, np.dtype(dtype)
-        self.string_ids, self.rows = string_ids, 0
+        self.string_ids, self.rows_done = string_ids, 0
         if path is None:
             if output_format != "jsonl":
                 raise UserError(f"{output_format} output needs --output FILE (stdout takes JSONL only)")
@@ -487,7 +486,7 @@ class FileOutput:
         self._npy = NpyWriter(self.stream, dimension, self.dtype) if output_format == "npy" else None
         self._parquet = None
 
-    def write(self, ids: Sequence[int | str], embeddings: np.ndarray) -> None:
+    def write(self, ids: Sequence[int | str], embeddings: np.ndarray, stats: EmbedStats | None = None) -> None:
         if self.format == "jsonl":
             self.stream.write(jsonl_bytes(ids, embeddings))
             self.stream.flush()
@@ -498,9 +497,10 @@ class FileOutput:
             if self._parquet is None:
                 self._parquet = _pyarrow().parquet.ParquetWriter(self.stream, table.schema)
             self._parquet.write_table(table)
-        self.rows += len(ids)
+        self.rows_done += len(ids)
 
-    def close(self) -> None:
+    def close(self, stats: EmbedStats | None = None) -> None:
+        """Finish the file (whether or not the run completed: what was written stays valid)."""
         if self.format == "parquet":
             if self._parquet is None:  # no rows: still a valid, empty file
                 table = parquet_table([], np.zeros((0, self.dimension), dtype=np.float32), self.dtype,
@@ -561,6 +561,7 @@ class ShardedOutput:
         return sum(shard["rows"] for shard in self.manifest["shards"])
 
     def write(self, ids: Sequence[int | str], embeddings: np.ndarray, stats: EmbedStats) -> None:
+        """One shard, then the manifest with the counts so far (``stats``: the whole run's, resumed part included)."""
         index = len(self.manifest["shards"])
         name = f"part-{index:06d}.{self.format}"
         if self.format == "jsonl":
@@ -578,7 +579,10 @@ class ShardedOutput:
         self.manifest["stats"] = {k: v for k, v in asdict(stats).items() if k != "truncated_lines"}
         self._save_manifest()
 
-    def finish(self, stats: EmbedStats) -> None:
+    def close(self, stats: EmbedStats | None = None) -> None:
+        """Mark the run complete with its final ``stats``; None (the run stopped early): leave it resumable."""
+        if stats is None:
+            return
         self.manifest["stats"] = {k: v for k, v in asdict(stats).items() if k != "truncated_lines"}
         self.manifest["complete"] = True
         self._save_manifest()
@@ -713,10 +717,7 @@ def run(embedder, rows: Iterator[Row], output, window_rows: int = 2048, progress
         if window:
             embeddings, stats = embedder.embed([r.text for r in window], [r.line for r in window])
             total.add(stats)
-            if isinstance(output, ShardedOutput):
-                output.write([r.id for r in window], embeddings, total)
-            else:
-                output.write([r.id for r in window], embeddings)
+            output.write([r.id for r in window], embeddings, total)
             if progress is not None:
                 progress.update(total, bytes_read())
         if error is not None:
