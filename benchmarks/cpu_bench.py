@@ -18,19 +18,16 @@ same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
 from fastbert import cpp_backend, numerics
 from fastbert.bench import peers
 from fastbert.bench.machine import machine_info
-from fastbert.bench.report import format_table
+from fastbert.bench.report import interleaved_markdown, interleaved_report, write_interleaved
 from fastbert.bench.timing import time_ms
 from fastbert.bench.workloads import Workload
 from fastbert.config import FastBertConfig
@@ -138,53 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(CPU)
     machine.update(threads=args.threads, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
-    report = {
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "date_utc": machine["date"],
-        "machine": machine,
-        "versions": {"python": machine["python"], **{k: v for k, v in machine["versions"].items() if v}},
-        "model": f"{model_name(model_dir)} ({config.family}), float32",
-        "rounds": args.rounds, "notes": notes, "cases": cases, "targets": targets,
-    }
-    for case in cases.values():
-        for entry in case["runners"].values():
-            entry["times_ms"] = [round(t, 2) for t in entry["times_ms"]]
-    print(json.dumps(targets, indent=1))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / f"{args.name}.md").write_text(markdown(report))
+    report = interleaved_report(machine, f"{model_name(model_dir)} ({config.family}), float32", args.rounds, cases,
+                                targets, notes=notes)
+    write_interleaved(report, markdown(report), args.out, args.name)
     return 0
 
 
 def markdown(report: dict) -> str:
-    m = report["machine"]
-    lines = [
-        "# CPU benchmark: all-MiniLM-L6-v2, float32",
-        "",
-        f"- Date: {report['date_utc']}",
-        f"- Machine: {m['cpu']}, {m['cpu_cores']} logical CPUs, {m['threads']} threads for every runner "
-        f"(torch.set_num_threads, ORT intra_op_num_threads), torch CPU capability {m['torch_cpu_capability']}; "
-        f"load average before/after {m['loadavg_before'][0]:.2f}/{m['loadavg_after'][0]:.2f}",
-        "- Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
-        f"- Command: `{report['command']}`",
-        f"- {report['rounds']} interleaved rounds per case (per round each runner: 1 untimed + 2 timed calls back to "
-        "back, order rotated each round); median and min wall time "
-        "per forward call; rel err = max |out - HF eager| / max |HF eager| at real (non-padded) positions.",
-        "",
-    ]
-    for case, data in report["cases"].items():
-        base = data["runners"]["HF eager"]["median_ms"]
-        rows = [[name, f"{entry['median_ms']:.1f}", f"{entry['min_ms']:.1f}", f"{base / entry['median_ms']:.2f}x",
-                 f"{entry['max_rel_err_vs_hf_eager']:.1e}"] for name, entry in data["runners"].items()]
-        lines += [f"## {case}: batch {data['batch'][0]} x {data['batch'][1]} ({data['real_tokens']} real tokens)", "",
-                  format_table(("runner", "median ms", "min ms", "speed-up vs HF eager (median)", "rel err"), rows,
-                               markdown=True), ""]
-    rows = [[t["case"], t["runner"], t["peer"], f"{t['needed']:.1f}x", f"{t['speedup']:.2f}x",
-             "yes" if t["met"] else "NO"] for t in report["targets"]]
-    lines += ["## Targets", "", format_table(("case", "runner", "peer", "needed", "measured (median)", "met"), rows,
-                                             markdown=True)]
+    lines = interleaved_markdown(
+        report, "CPU benchmark: all-MiniLM-L6-v2, float32",
+        f"(torch.set_num_threads, ORT intra_op_num_threads), torch CPU capability "
+        f"{report['machine']['torch_cpu_capability']}; load average before/after "
+        f"{report['machine']['loadavg_before'][0]:.2f}/{report['machine']['loadavg_after'][0]:.2f}",
+        "(per round each runner: 1 untimed + 2 timed calls back to back, order rotated each round); median and min "
+        "wall time per forward call; rel err = max |out - HF eager| / max |HF eager| at real (non-padded) positions.",
+        ms_digits=1)
     ort_notes = report["notes"].get("ONNX Runtime")
     if ort_notes:
         lines += ["", f"ONNX Runtime: {'; '.join(ort_notes)}."]

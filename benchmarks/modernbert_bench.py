@@ -24,10 +24,8 @@ same run, on a VM whose speed drifts by +-30 % between runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch
 from fastbert import cpp_backend, numerics
 from fastbert.bench import peers
 from fastbert.bench.machine import machine_info
-from fastbert.bench.report import format_table
+from fastbert.bench.report import format_table, interleaved_markdown, interleaved_report, write_interleaved
 from fastbert.bench.timing import time_ms
 from fastbert.bench.workloads import Workload
 from fastbert.config import FastBertConfig
@@ -191,54 +189,24 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(CPU)
     machine.update(threads=args.threads, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
-    report = {
-        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
-        "date_utc": machine["date"],
-        "machine": machine,
-        "versions": {"python": machine["python"], **{k: v for k, v in machine["versions"].items() if v}},
-        "model": f"ModernBERT-base shapes, {args.layers} layers, random weights (seed {args.seed}), float32",
-        "fastbert_backend": {"backend": "cpp", "compiled_capability": cpp_backend.compiled_capability()},
-        "rounds": args.rounds, "cases": cases, "layer_cost_s1024": layers, "targets": targets,
-    }
-    for case in cases.values():
-        for entry in case["runners"].values():
-            entry["times_ms"] = [round(t, 2) for t in entry["times_ms"]]
-    print(json.dumps(targets, indent=1))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / f"{args.name}.md").write_text(markdown(report))
+    report = interleaved_report(
+        machine, f"ModernBERT-base shapes, {args.layers} layers, random weights (seed {args.seed}), float32",
+        args.rounds, cases, targets,
+        fastbert_backend={"backend": "cpp", "compiled_capability": cpp_backend.compiled_capability()},
+        layer_cost_s1024=layers)
+    write_interleaved(report, markdown(report), args.out, args.name)
     return 0
 
 
 def markdown(report: dict) -> str:
-    m = report["machine"]
-    lines = [
-        f"# CPU benchmark: {report['model']}",
-        "",
-        f"- Date: {report['date_utc']}",
-        f"- Machine: {m['cpu']}, {m['cpu_cores']} logical CPUs, {m['threads']} threads for every runner "
-        f"(torch.set_num_threads), torch CPU capability {m['torch_cpu_capability']}; load average (1 min) "
-        f"before/after {m['loadavg_before'][0]:.2f}/{m['loadavg_after'][0]:.2f} (other jobs shared the 2 cores)",
-        "- Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
-        f"- Command: `{report['command']}`",
-        f"- {report['rounds']} interleaved rounds per case after one untimed checked call (per round each runner once, "
-        "order rotated); median and min wall time per forward call; rel err = max |out - HF eager| / max |HF eager| "
-        "at real (non-padded) positions.",
-        "",
-    ]
-    for case, data in report["cases"].items():
-        base = data["runners"]["HF eager"]["median_ms"]
-        rows = [[name, f"{entry['median_ms']:.0f}", f"{entry['min_ms']:.0f}", f"{base / entry['median_ms']:.2f}x",
-                 f"{entry['max_rel_err_vs_hf_eager']:.1e}"] for name, entry in data["runners"].items()]
-        lines += [f"## {case}: batch {data['batch'][0]} x {data['batch'][1]} ({data['real_tokens']} real tokens)", "",
-                  format_table(("runner", "median ms", "min ms", "speed-up vs HF eager (median)", "rel err"), rows,
-                               markdown=True), ""]
-    rows = [[t["case"], t["runner"], t["peer"], f"{t['needed']:.1f}x", f"{t['speedup']:.2f}x",
-             "yes" if t["met"] else "NO"] for t in report["targets"]]
-    lines += ["## Targets", "", format_table(("case", "runner", "peer", "needed", "measured (median)", "met"), rows,
-                                             markdown=True)]
+    lines = interleaved_markdown(
+        report, f"CPU benchmark: {report['model']}",
+        f"(torch.set_num_threads), torch CPU capability {report['machine']['torch_cpu_capability']}; load average "
+        f"(1 min) before/after {report['machine']['loadavg_before'][0]:.2f}/"
+        f"{report['machine']['loadavg_after'][0]:.2f} (other jobs shared the 2 cores)",
+        "after one untimed checked call (per round each runner once, order rotated); median and min wall time per "
+        "forward call; rel err = max |out - HF eager| / max |HF eager| at real (non-padded) positions.",
+        ms_digits=0)
     if report.get("layer_cost_s1024"):
         rows = [[kind, entry["layer"], entry["window"], f"{entry['median_ms']:.1f}", f"{entry['min_ms']:.1f}"]
                 for kind, entry in report["layer_cost_s1024"].items()]

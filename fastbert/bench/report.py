@@ -191,3 +191,67 @@ def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> list[P
     json_path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     md_path.write_text(markdown_report(results), encoding="utf-8")
     return [json_path, md_path] + plot_results(results, out)
+
+
+# ------------------------------------------------------------------------------ interleaved runner benchmarks
+# benchmarks/cpu_bench.py and benchmarks/modernbert_bench.py: cases x runners timed in interleaved rounds, with
+# targets (a needed speed-up of a runner over a peer); one record layout and one Markdown rendering.
+def interleaved_report(machine: dict[str, Any], model: str, rounds: int, cases: dict[str, Any],
+                       targets: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The JSON record of an interleaved benchmark: the command, date, machine and versions of the run, then the
+    cases (each runner's times rounded to 0.01 ms) and the targets; ``extra``: the script's own fields."""
+    import sys
+
+    for case in cases.values():
+        for entry in case["runners"].values():
+            entry["times_ms"] = [round(t, 2) for t in entry["times_ms"]]
+    return {
+        "command": " ".join([os.path.relpath(sys.executable), *sys.argv]),
+        "date_utc": machine["date"],
+        "machine": machine,
+        "versions": {"python": machine["python"], **{k: v for k, v in machine["versions"].items() if v}},
+        "model": model,
+        "rounds": rounds, "cases": cases, "targets": targets, **extra,
+    }
+
+
+def interleaved_markdown(report: dict[str, Any], title: str, machine_note: str, protocol: str,
+                         ms_digits: int) -> list[str]:
+    """The Markdown lines every interleaved benchmark shares: header (date, machine, versions, command, protocol),
+    one table per case (median, min, speed-up vs HF eager, rel err) and the targets. ``machine_note``: what follows
+    the machine's thread count (how threads were set); ``ms_digits``: decimals of the milliseconds."""
+    m = report["machine"]
+    lines = [
+        f"# {title}",
+        "",
+        f"- Date: {report['date_utc']}",
+        f"- Machine: {m['cpu']}, {m['cpu_cores']} logical CPUs, {m['threads']} threads for every runner "
+        f"{machine_note}",
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        f"- Command: `{report['command']}`",
+        f"- {report['rounds']} interleaved rounds per case {protocol}",
+        "",
+    ]
+    for case, data in report["cases"].items():
+        base = data["runners"]["HF eager"]["median_ms"]
+        rows = [[name, f"{entry['median_ms']:.{ms_digits}f}", f"{entry['min_ms']:.{ms_digits}f}",
+                 f"{base / entry['median_ms']:.2f}x", f"{entry['max_rel_err_vs_hf_eager']:.1e}"]
+                for name, entry in data["runners"].items()]
+        lines += [f"## {case}: batch {data['batch'][0]} x {data['batch'][1]} ({data['real_tokens']} real tokens)", "",
+                  format_table(("runner", "median ms", "min ms", "speed-up vs HF eager (median)", "rel err"), rows,
+                               markdown=True), ""]
+    rows = [[t["case"], t["runner"], t["peer"], f"{t['needed']:.1f}x", f"{t['speedup']:.2f}x",
+             "yes" if t["met"] else "NO"] for t in report["targets"]]
+    lines += ["## Targets", "", format_table(("case", "runner", "peer", "needed", "measured (median)", "met"), rows,
+                                             markdown=True)]
+    return lines
+
+
+def write_interleaved(report: dict[str, Any], markdown: str, out: str | os.PathLike | None, name: str) -> None:
+    """Print the targets; with ``out``, write <name>.json and <name>.md there."""
+    print(json.dumps(report["targets"], indent=1))
+    if out:
+        directory = Path(out)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (directory / f"{name}.md").write_text(markdown)
