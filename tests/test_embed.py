@@ -3,7 +3,6 @@ the output formats, resuming after a real SIGKILL, bounded memory, and agreement
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -290,7 +289,6 @@ def test_peak_memory_does_not_grow_with_the_corpus(tiny_dir, tmp_path, sentences
     large_peak = _peak_rss_mb(tiny_dir, large, tmp_path / "large.npy")
     assert np.load(tmp_path / "large.npy", mmap_mode="r").shape == (200_000, 32)
     assert large_peak <= small_peak + PEAK_RSS_GROWTH_MB, (small_peak, large_peak)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
 
 
 # ---------------------------------------------------------------------------------------------------------- ray
