@@ -65,10 +65,12 @@ class OpSpec:
         """Whether the torch ops `define` registers are differentiable (the spec has a backward formula)."""
         return self.backward is not None
 
-    def define(self, prefix: str = "", impl: Callable | None = None):
+    def define(self, prefix: str = "", impl: Callable | None = None, setup_context: Callable | None = None,
+               backward: Callable | None = None):
         """Register the torch op ``fastbert::<prefix><name>`` from this spec's schema and fake, with ``impl`` for
         every device (a compiled extension registers its own kernels instead: ``impl=None``), and the spec's
-        backward as its autograd formula when it has one. Returns the op."""
+        backward as its autograd formula when it has one. A backend with its own backward kernels passes
+        ``setup_context`` and ``backward`` (same contract) to use them instead of the spec's. Returns the op."""
         if self.schema is None or self.fake is None:
             raise ValueError(f"op {self.name} declares no torch op schema")
         name = prefix + self.name
@@ -78,8 +80,10 @@ class OpSpec:
         torch.library.register_fake(f"{NAMESPACE}::{name}", self.fake, lib=_LIBRARY)
         if impl is not None:
             _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
-        if self.backward is not None:
-            torch.library.register_autograd(f"{NAMESPACE}::{name}", self.backward, setup_context=self.setup_context,
+        if backward is None:
+            backward, setup_context = self.backward, self.setup_context
+        if backward is not None:
+            torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context,
                                             lib=_LIBRARY)
         _DEFINED[name] = getattr(getattr(torch.ops, NAMESPACE), name)
         return _DEFINED[name]
