@@ -5,6 +5,7 @@
     fastbert check [options]      fastbert against transformers on a checkpoint: errors, PASS/FAIL (exit 1 on FAIL)
     fastbert embed [TEXT...]      embeddings of texts or a corpus (streaming, resumable, --ray), or --similarity
     fastbert bench [options]      end-to-end benchmark against HF eager/SDPA, torch.compile, ONNX Runtime
+    fastbert finetune --task T -o DIR   fine-tune a classifier on a real labelled set built offline (held-out accuracy)
 
 Errors the user can fix (a missing path, an unsupported model family, a device that is not there, a bad dtype)
 print one line, ``fastbert: error: ...``, on stderr and exit non-zero. transformers, onnxruntime and matplotlib
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fastbert", description="Fast BERT-family encoders: demo, check, embed, bench. With no "
                      "command, runs the demo on the embedded all-MiniLM-L6-v2.")
     parser.add_argument("--version", action="version", version=f"fastbert {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{demo,check,embed,bench}")
+    commands = parser.add_subparsers(dest="command", metavar="{demo,check,embed,bench,finetune}")
 
     demo = commands.add_parser("demo", help="transformers vs fastbert on 16 real sentences (the default command)")
     _add_model_options(demo)
@@ -155,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "committed benchmarks/results/ change only when --out names them)")
     bench.add_argument("--note", default=None, help="free text stored in the JSON and shown in the Markdown")
     bench.add_argument("--no-write", action="store_true", help="print the table only")
+
+    finetune = commands.add_parser(
+        "finetune", help="fine-tune a sequence/token classifier on a small real labelled set built offline",
+        description="Fine-tunes a checkpoint (default all-MiniLM-L6-v2) on a labelled set built from CPython's own "
+        "text (fastbert.finetune), through fastbert.optimize and fastbert.train; reports held-out accuracy "
+        "against the majority-class baseline and saves the model in HF format.")
+    from fastbert import finetune as finetuning
+
+    finetuning.add_arguments(finetune)
     return parser
 
 
@@ -482,7 +492,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "check": cmd_check, "embed": cmd_embed, "bench": cmd_bench}
+def cmd_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune a classifier (fastbert.finetune): held-out accuracy vs the majority baseline, the model saved."""
+    from fastbert import finetune as finetuning
+
+    _need_transformers("finetune")
+    return finetuning.run_cli(args)
+
+
+COMMANDS = {"demo": cmd_demo, "check": cmd_check, "embed": cmd_embed, "bench": cmd_bench, "finetune": cmd_finetune}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
