@@ -162,8 +162,9 @@ def onnxruntime_runner(model_dir: str, config: FastBertConfig, dtype: torch.dtyp
 
 
 def load_hf_model(model_dir: str, attn: str = "eager", dtype: torch.dtype = torch.float32,
-                  device: torch.device | str = "cpu") -> torch.nn.Module:
-    """transformers' AutoModel of a checkpoint, in eval mode, quietly (no progress bars or load reports)."""
+                  device: torch.device | str = "cpu", model_class: type | None = None) -> torch.nn.Module:
+    """transformers' AutoModel (or ``model_class``, e.g. a head class) of a checkpoint, in eval mode, quietly (no
+    progress bars or load reports)."""
     from transformers import AutoModel
     from transformers.utils import logging as hf_logging
 
@@ -176,7 +177,8 @@ def load_hf_model(model_dir: str, attn: str = "eager", dtype: torch.dtype = torc
     try:
         with warnings.catch_warnings(), open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")  # the weight-loading bar and load reports go to the sink
-            model = AutoModel.from_pretrained(model_dir, attn_implementation=attn, **{dtype_key: dtype})
+            model = (model_class or AutoModel).from_pretrained(model_dir, attn_implementation=attn,
+                                                                 **{dtype_key: dtype})
     finally:
         hf_logging.set_verbosity(verbosity)
         if previous is None:
