@@ -358,7 +358,9 @@ void check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Te
 at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                          const std::optional<at::Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen,
                          const std::optional<at::Tensor>& key_padding_mask, std::optional<double> scale,
-                         std::optional<int64_t> window) {
+                         std::optional<int64_t> window, double dropout_p, int64_t dropout_seed) {
+  // Dropout: the schema's arguments (one schema for every backend); this kernel has none, its supports() says so.
+  TORCH_CHECK(dropout_p == 0.0, "fastbert::attention: the cpp kernel has no dropout, got dropout_p=", dropout_p);
   check_attention_args(q_in, k_in, v_in, cu_seqlens, max_seqlen, key_padding_mask);
   TORCH_CHECK(!window.has_value() || *window >= 0,
               "fastbert::attention: window must be >= 0 (the total width, ModernBERT's local_attention), got ",

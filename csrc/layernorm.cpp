@@ -63,7 +63,10 @@ at::Tensor embedding_layernorm_cpu(const at::Tensor& input_ids, const std::optio
                                    const std::optional<at::Tensor>& token_type_ids, const at::Tensor& word_embeddings,
                                    const std::optional<at::Tensor>& position_embeddings,
                                    const std::optional<at::Tensor>& token_type_embeddings, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias, double eps) {
+                                   const std::optional<at::Tensor>& bias, double eps, double dropout_p,
+                                   int64_t dropout_seed) {
+  // Dropout: the schema's arguments (one schema for every backend); this kernel has none, its supports() says so.
+  TORCH_CHECK(dropout_p == 0.0, "fastbert::embedding_layernorm: the cpp kernel has no dropout");
   constexpr const char* op = "embedding_layernorm";
   check_cpu(input_ids, op, "input_ids");
   TORCH_CHECK(input_ids.scalar_type() == at::kLong || input_ids.scalar_type() == at::kInt,
@@ -241,7 +244,8 @@ std::vector<int64_t> check_linear_residual_ln_args(const at::Tensor& x, const at
 at::Tensor linear_residual_layernorm_cpu(const at::Tensor& x, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias, const at::Tensor& residual,
                                          const at::Tensor& ln_weight, const std::optional<at::Tensor>& ln_bias,
-                                         double eps) {
+                                         double eps, double dropout_p, int64_t dropout_seed) {
+  TORCH_CHECK(dropout_p == 0.0, "fastbert::linear_residual_layernorm: the cpp kernel has no dropout");
   const auto out_sizes =
       check_linear_residual_ln_args(x, weight, bias, residual, ln_weight, ln_bias, "linear_residual_layernorm");
   at::Tensor y = at::mm(x.reshape({-1, x.size(-1)}), weight.t());
@@ -252,7 +256,9 @@ at::Tensor linear_residual_layernorm_cpu(const at::Tensor& x, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> linear_residual_prenorm_cpu(const at::Tensor& x, const at::Tensor& weight,
                                                                const std::optional<at::Tensor>& bias,
                                                                const at::Tensor& residual, const at::Tensor& ln_weight,
-                                                               const std::optional<at::Tensor>& ln_bias, double eps) {
+                                                               const std::optional<at::Tensor>& ln_bias, double eps,
+                                                               double dropout_p, int64_t dropout_seed) {
+  TORCH_CHECK(dropout_p == 0.0, "fastbert::linear_residual_prenorm: the cpp kernel has no dropout");
   const auto out_sizes =
       check_linear_residual_ln_args(x, weight, bias, residual, ln_weight, ln_bias, "linear_residual_prenorm");
   at::Tensor summed = at::mm(x.reshape({-1, x.size(-1)}), weight.t());  // contiguous: the sum is written over it

@@ -109,9 +109,13 @@ def _ids_on_cpu(*ids: torch.Tensor | None) -> str | None:
     return None
 
 
+def _no_dropout(dropout_p: float) -> str | None:
+    return "the cpp kernels have no dropout (dropout_p > 0)" if dropout_p > 0 else None
+
+
 def _embedding_supports(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
-                        token_type_embeddings, weight, bias, eps):
-    return (_ids_on_cpu(input_ids, position_ids, token_type_ids)
+                        token_type_embeddings, weight, bias, eps, dropout_p=0.0, dropout_seed=0):
+    return (_no_dropout(dropout_p) or _ids_on_cpu(input_ids, position_ids, token_type_ids)
             or _why_not(word_embeddings, position_embeddings, token_type_embeddings, weight, bias))
 
 
@@ -124,16 +128,18 @@ def _qkv_rotary_supports(x, weight, bias, num_heads, positions, cos, sin):
             or _why_not(cos, sin))  # the tables are float32 whatever x's dtype: a check of their own
 
 
-def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
-    return _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
+def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
+                        dropout_p=0.0, dropout_seed=0):
+    return _no_dropout(dropout_p) or _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
 
 
 def _linear_activation_supports(x, weight, bias, activation):
     return _why_not(x, weight, bias)
 
 
-def _linear_residual_layernorm_supports(x, weight, bias, residual, ln_weight, ln_bias, eps):
-    return _why_not(x, weight, bias, residual, ln_weight, ln_bias)
+def _linear_residual_layernorm_supports(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0,
+                                        dropout_seed=0):
+    return _no_dropout(dropout_p) or _why_not(x, weight, bias, residual, ln_weight, ln_bias)
 
 
 def _linear_glu_supports(x, weight, bias, activation):
@@ -142,7 +148,7 @@ def _linear_glu_supports(x, weight, bias, activation):
 
 # ----------------------------------------------------------------------------------------------------- impls
 def _embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
-                         token_type_embeddings, weight, bias, eps):
+                         token_type_embeddings, weight, bias, eps, dropout_p=0.0, dropout_seed=0):
     return torch.ops.fastbert.embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings,
                                                   position_embeddings, token_type_embeddings, weight, bias, eps)
 
@@ -161,7 +167,8 @@ def _qkv_rotary(x, weight, bias, num_heads, positions, cos, sin):
     return split_packed(torch.ops.fastbert.qkv_rotary(x, weight, bias, positions, cos, sin, num_heads), num_heads)
 
 
-def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
+def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
+               dropout_p=0.0, dropout_seed=0):
     return torch.ops.fastbert.attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window)
 
 
@@ -169,7 +176,7 @@ def _linear_activation(x, weight, bias, activation):
     return torch.ops.fastbert.linear_activation(x, weight, bias, activation)
 
 
-def _linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps):
+def _linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
     return torch.ops.fastbert.linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps)
 
 
@@ -177,7 +184,7 @@ def _linear_glu(x, weight, bias, activation):
     return torch.ops.fastbert.linear_glu(x, weight, bias, activation)
 
 
-def _linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps):
+def _linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
     return torch.ops.fastbert.linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps)
 
 

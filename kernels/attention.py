@@ -172,7 +172,7 @@ MAX_GRID_BATCH = 65535
 
 
 def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None,
-             window=None) -> str | None:
+             window=None, dropout_p=0.0, dropout_seed=0) -> str | None:
     head_dim = q.shape[-1]
     batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
     return first_reason(
@@ -182,12 +182,15 @@ def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, s
         f"head_dim {head_dim} not supported (multiples of 8 up to {MAX_HEAD_DIM})",
         # the batch is grid axis 1, which CUDA caps at 65535 programs
         f"batch {batch} exceeds {MAX_GRID_BATCH} sequences per call" if batch > MAX_GRID_BATCH else None,
+        "dropout_p > 0: this kernel has no dropout yet" if dropout_p > 0 else None,
     )
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
             max_seqlen: int | None, key_padding_mask: torch.Tensor | None, scale: float | None,
-            window: int | None = None) -> torch.Tensor:
+            window: int | None = None, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
+    if dropout_p > 0:
+        raise ValueError("fastbert triton attention: no dropout in this kernel yet (dropout_p > 0)")
     if window is not None and window < 0:
         raise ValueError(f"fastbert triton attention: window must be >= 0 (the total width), got {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -229,10 +232,12 @@ _op = SPEC.define("triton_", _launch)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
               max_seqlen: int | None = None, key_padding_mask: torch.Tensor | None = None,
-              scale: float | None = None, window: int | None = None) -> torch.Tensor:
+              scale: float | None = None, window: int | None = None, dropout_p: float = 0.0,
+              dropout_seed: int = 0) -> torch.Tensor:
     """The triton backend of `fastbert.ops.attention` (forms and limits in the module docstring)."""
     # Defaults are the launcher's (the schema takes None); Python numbers are normalised for the op's int/float.
     scale = None if scale is None else float(scale)
     longest = None if max_seqlen is None else int(max_seqlen)
     window = None if window is None else int(window)
-    return torch.ops.fastbert.triton_attention(q, k, v, cu_seqlens, longest, key_padding_mask, scale, window)
+    return torch.ops.fastbert.triton_attention(q, k, v, cu_seqlens, longest, key_padding_mask, scale, window,
+                                               float(dropout_p), int(dropout_seed))

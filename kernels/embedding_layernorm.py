@@ -75,20 +75,23 @@ def _embedding_layernorm_kernel(
 
 
 def supports(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
-             weight, bias, eps) -> str | None:
+             weight, bias, eps, dropout_p=0.0, dropout_seed=0) -> str | None:
     floats = [word_embeddings, position_embeddings, token_type_embeddings, weight, bias]
     width = word_embeddings.shape[1]
     return first_reason(
         device_reason([input_ids, position_ids, token_type_ids, *floats]),
         float_reason(floats),
         f"embedding width {width} exceeds {MAX_WIDTH}" if width > MAX_WIDTH else None,
+        "dropout_p > 0: this kernel has no dropout yet" if dropout_p > 0 else None,
     )
 
 
 def _launch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None,
             word_embeddings: torch.Tensor, position_embeddings: torch.Tensor | None,
             token_type_embeddings: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-            eps: float) -> torch.Tensor:
+            eps: float, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
+    if dropout_p > 0:
+        raise ValueError("fastbert triton embedding_layernorm: no dropout in this kernel yet (dropout_p > 0)")
     width = word_embeddings.shape[1]
     out = torch.empty(*input_ids.shape, width, dtype=word_embeddings.dtype, device=word_embeddings.device)
     rows = input_ids.numel()
@@ -128,9 +131,10 @@ _op = SPEC.define("triton_", _launch)
 def embedding_layernorm(input_ids: torch.Tensor, position_ids: torch.Tensor | None,
                         token_type_ids: torch.Tensor | None, word_embeddings: torch.Tensor,
                         position_embeddings: torch.Tensor | None, token_type_embeddings: torch.Tensor | None,
-                        weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+                        weight: torch.Tensor, bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
+                        dropout_seed: int = 0) -> torch.Tensor:
     """LayerNorm(word[ids] + position[pos] + token_type[types]) -> [..., E] (the triton backend's
     `fastbert.ops.embedding_layernorm`; positions, token types and the LayerNorm bias may be None)."""
     return torch.ops.fastbert.triton_embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings,
                                                          position_embeddings, token_type_embeddings, weight, bias,
-                                                         float(eps))
+                                                         float(eps), float(dropout_p), int(dropout_seed))

@@ -80,18 +80,22 @@ def layernorm_rows(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, bia
     return out
 
 
-def supports(x, weight, bias, residual, ln_weight, ln_bias, eps) -> str | None:
+def supports(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> str | None:
     tensors = [x, weight, bias, residual, ln_weight, ln_bias]
     return first_reason(
         device_reason(tensors),
         float_reason(tensors),
         "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
         f"width {weight.shape[0]} exceeds {MAX_WIDTH}" if weight.shape[0] > MAX_WIDTH else None,
+        "dropout_p > 0: this kernel has no dropout yet" if dropout_p > 0 else None,
     )
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
+            dropout_seed: int = 0) -> torch.Tensor:
+    if dropout_p > 0:
+        raise ValueError("fastbert triton linear_residual_layernorm: no dropout in this kernel yet (dropout_p > 0)")
     out = _gemm.linear(x, weight, bias, residual=residual)
     rows = out.view(-1, weight.shape[0])
     layernorm_rows(rows, rows, ln_weight, ln_bias, eps)
@@ -104,8 +108,8 @@ _op = SPEC.define("triton_", _launch)
 
 def linear_residual_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                               residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
-                              eps: float) -> torch.Tensor:
+                              eps: float, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
     """LayerNorm(x @ weight.T + bias + residual) -> [..., N] (the triton backend's
     `fastbert.ops.linear_residual_layernorm`)."""
     return torch.ops.fastbert.triton_linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias,
-                                                               float(eps))
+                                                               float(eps), float(dropout_p), int(dropout_seed))

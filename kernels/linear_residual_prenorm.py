@@ -22,18 +22,22 @@ from .linear_residual_layernorm import MAX_WIDTH, layernorm_rows
 __all__ = ["linear_residual_prenorm", "linear_residual_prenorm_reference", "supports"]
 
 
-def supports(x, weight, bias, residual, ln_weight, ln_bias, eps) -> str | None:
+def supports(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> str | None:
     tensors = [x, weight, bias, residual, ln_weight, ln_bias]
     return first_reason(
         device_reason(tensors),
         float_reason(tensors),
         "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
         f"width {weight.shape[0]} exceeds {MAX_WIDTH}" if weight.shape[0] > MAX_WIDTH else None,
+        "dropout_p > 0: this kernel has no dropout yet" if dropout_p > 0 else None,
     )
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
+            dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    if dropout_p > 0:
+        raise ValueError("fastbert triton linear_residual_prenorm: no dropout in this kernel yet (dropout_p > 0)")
     summed = _gemm.linear(x, weight, bias, residual=residual)
     normed = torch.empty_like(summed)
     width = weight.shape[0]
@@ -47,8 +51,9 @@ _op = SPEC.define("triton_", _launch)
 
 def linear_residual_prenorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            eps: float, dropout_p: float = 0.0,
+                            dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ weight.T + bias + residual, its LayerNorm), each [..., N] (the triton backend's
     `fastbert.ops.linear_residual_prenorm`)."""
     return torch.ops.fastbert.triton_linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias,
-                                                             float(eps))
+                                                             float(eps), float(dropout_p), int(dropout_seed))

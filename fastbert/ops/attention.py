@@ -19,6 +19,10 @@ is global attention. window=None: global; otherwise an int >= 0 (ValueError else
 real key gets zeros. Caution: packed positions count a sequence's kept tokens, so a batch with left padding or
 holes, once unpadded, sees other windows than the padded form (and transformers, which counts padded positions);
 right-padded batches give the same windows either way.
+
+Dropout (training): ``dropout_p`` > 0 zeroes attention probabilities with probability p and scales the rest by
+1 / (1 - p) (`fastbert.ops.dropout`); the mask is indexed [sequence, head, query, key] over the padded layout
+(the packed form's sequences padded to ``max_seqlen``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import compute_dtype
+from fastbert.ops.dropout import check_dropout, keep_mask, keep_scale
 from fastbert.ops.padding import varlen_positions
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -59,9 +64,39 @@ def _padded_sdpa(q, k, v, key_padding_mask, scale, half_width=None):
     return out.contiguous()
 
 
-def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
+def _allowed_keys(key_padding_mask, seqlen, half_width, device):
+    """Bool [B or 1, 1, S or 1, S]: which (query, key) pairs may attend (None: all)."""
+    allowed = None
+    if half_width is not None:
+        position = torch.arange(seqlen, device=device)
+        allowed = ((position[:, None] - position[None, :]).abs() <= half_width)[None, None]
+    if key_padding_mask is not None:
+        keys = key_padding_mask[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    return allowed
+
+
+def _padded_dropout(q, k, v, key_padding_mask, scale, half_width, dropout_p, dropout_seed):
+    """[B, S, h, D] attention with dropout on the probabilities (softmax in fp32), written out: SDPA's own dropout
+    draws a mask nobody can regenerate for the backward formula."""
+    batch, seqlen, heads, _ = q.shape
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    scores = (qt @ kt.transpose(-1, -2)).to(compute_dtype(q.dtype)) * scale
+    allowed = _allowed_keys(key_padding_mask, seqlen, half_width, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if allowed is not None:  # a query without a key: softmax of only -inf is NaN, its output zeros
+        probs = probs.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+    keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, dropout_seed, q.device)
+    probs = torch.where(keep, probs * keep_scale(dropout_p), probs.new_zeros(()))
+    return (probs.to(q.dtype) @ vt).transpose(1, 2).contiguous()
+
+
+def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
+           dropout_p=0.0, dropout_seed=0):
     """SDPA on K and V with zeros selected at masked keys, so NaN or Inf stored there never reaches a real row; the
-    window as a band of the boolean mask."""
+    window as a band of the boolean mask. With dropout, the attention written out (`_padded_dropout`)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if cu_seqlens is None:
         if key_padding_mask is not None:
@@ -70,6 +105,9 @@ def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, sca
             real = key_padding_mask[:, :, None, None]
             k = torch.where(real, k, k.new_zeros(()))
             v = torch.where(real, v, v.new_zeros(()))
+        if dropout_p > 0.0:
+            return _padded_dropout(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]),
+                                   dropout_p, dropout_seed)
         return _padded_sdpa(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]))
     total, heads, dim = q.shape
     batch = cu_seqlens.numel() - 1
@@ -83,14 +121,20 @@ def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, sca
 
     mask = torch.zeros(batch * max_seqlen, dtype=torch.bool, device=q.device)
     mask[flat_index] = True
-    out = _padded_sdpa(to_padded(q), to_padded(k), to_padded(v), mask.view(batch, max_seqlen), scale,
-                       window_half_width(window, max_seqlen))
+    if dropout_p > 0.0:
+        out = _padded_dropout(to_padded(q), to_padded(k), to_padded(v), mask.view(batch, max_seqlen), scale,
+                              window_half_width(window, max_seqlen), dropout_p, dropout_seed)
+    else:
+        out = _padded_sdpa(to_padded(q), to_padded(k), to_padded(v), mask.view(batch, max_seqlen), scale,
+                           window_half_width(window, max_seqlen))
     return out.view(batch * max_seqlen, heads, dim).index_select(0, flat_index)
 
 
-def attention_reference(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None):
+def attention_reference(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
+                        dropout_p=0.0, dropout_seed=0):
     """The eager computation in fp32 (SDPA on upcast inputs), for tests of every backend; returns q's dtype."""
-    out = _eager(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, key_padding_mask, scale, window)
+    out = _eager(q.float(), k.float(), v.float(), cu_seqlens, max_seqlen, key_padding_mask, scale, window,
+                 dropout_p, dropout_seed)
     return out.to(q.dtype)
 
 
@@ -101,8 +145,10 @@ def check_window(window) -> None:
                          f"local_attention), got {window!r}")
 
 
-def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale=None, window=None) -> None:
+def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale=None, window=None, dropout_p=0.0,
+           dropout_seed=0) -> None:
     check_window(window)
+    check_dropout("attention", dropout_p, dropout_seed)
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"attention: q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -125,7 +171,7 @@ def _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale=None, window
                              f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
 
 
-def _fake(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window=None):
+def _fake(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window=None, dropout_p=0.0, dropout_seed=0):
     return q.new_empty(q.shape)
 
 
@@ -157,26 +203,23 @@ BACKWARD_BLOCK_ELEMENTS = 1 << 22
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window = inputs
+    q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window, dropout_p, dropout_seed = inputs
     ctx.max_seqlen, ctx.scale, ctx.window = max_seqlen, scale, window
+    ctx.dropout_p, ctx.dropout_seed = dropout_p, dropout_seed
     ctx.save_for_backward(q, k, v, cu_seqlens, key_padding_mask)
 
 
-def _padded_grads(q, k, v, grad, key_padding_mask, scale, half_width):
+def _padded_grads(q, k, v, grad, key_padding_mask, scale, half_width, dropout_p=0.0, dropout_seed=0):
     """(dq, dk, dv) of the eager padded attention, each [B, S, h, D] in the inputs' (compute) dtype. The
     probabilities are recomputed block by block (a few sequences and query rows at a time, every key and head), so
     no [S, S] matrix exists for the whole batch; a query without an allowed key has zero probabilities (its output
-    was zeros), and k, v hold zeros at masked keys (the caller selects them)."""
+    was zeros), and k, v hold zeros at masked keys (the caller selects them). With dropout, the forward's keep mask
+    is regenerated from its seed (one bool [B, h, S, S])."""
     batch, seqlen, heads, _ = q.shape
     q, k, v, grad = (t.transpose(1, 2) for t in (q, k, v, grad))  # [B, h, S, D]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    allowed = None
-    if half_width is not None:
-        position = torch.arange(seqlen, device=q.device)
-        allowed = ((position[:, None] - position[None, :]).abs() <= half_width)[None, None]  # [1, 1, S, S]
-    if key_padding_mask is not None:
-        keys = key_padding_mask[:, None, None, :]  # [B, 1, 1, S]
-        allowed = keys if allowed is None else allowed & keys
+    allowed = _allowed_keys(key_padding_mask, seqlen, half_width, q.device)
+    keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, dropout_seed, q.device) if dropout_p > 0 else None
     query_rows = max(1, min(seqlen, BACKWARD_BLOCK_ELEMENTS // max(1, heads * seqlen)))
     sequences = max(1, min(batch, BACKWARD_BLOCK_ELEMENTS // max(1, heads * query_rows * seqlen)))
     for first in range(0, batch, sequences):
@@ -194,8 +237,13 @@ def _padded_grads(q, k, v, grad, key_padding_mask, scale, half_width):
                 probs = torch.softmax(scores, dim=-1).masked_fill(~block_allowed.any(dim=-1, keepdim=True), 0.0)
             else:
                 probs = torch.softmax(scores, dim=-1)
-            dv[rows] += probs.transpose(-1, -2) @ grad_block
             grad_probs = grad_block @ v_block.transpose(-1, -2)
+            if keep is not None:  # out = dropped(P) @ v: v sees the dropped probabilities, P the masked gradient
+                block_keep = keep[rows, :, queries] * keep_scale(dropout_p)
+                dv[rows] += (probs * block_keep).transpose(-1, -2) @ grad_block
+                grad_probs = grad_probs * block_keep
+            else:
+                dv[rows] += probs.transpose(-1, -2) @ grad_block
             grad_scores = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True)) * scale
             dq[rows, :, queries] = grad_scores @ k_block
             dk[rows] += grad_scores.transpose(-1, -2) @ q_block
@@ -217,7 +265,7 @@ def _backward(ctx, grad):
             k_c = torch.where(real, k_c, k_c.new_zeros(()))
             v_c = torch.where(real, v_c, v_c.new_zeros(()))
         dq, dk, dv = _padded_grads(q_c, k_c, v_c, grad_c, key_padding_mask, scale,
-                                   window_half_width(ctx.window, q.shape[1]))
+                                   window_half_width(ctx.window, q.shape[1]), ctx.dropout_p, ctx.dropout_seed)
         if key_padding_mask is not None:  # the forward selected zeros there: nothing flows to the stored values
             dk = torch.where(real, dk, dk.new_zeros(()))
             dv = torch.where(real, dv, dv.new_zeros(()))
@@ -235,16 +283,17 @@ def _backward(ctx, grad):
         mask = torch.zeros(batch * longest, dtype=torch.bool, device=q.device)
         mask[flat_index] = True
         padded = _padded_grads(to_padded(q_c), to_padded(k_c), to_padded(v_c), to_padded(grad_c),
-                               mask.view(batch, longest), scale, window_half_width(ctx.window, longest))
+                               mask.view(batch, longest), scale, window_half_width(ctx.window, longest),
+                               ctx.dropout_p, ctx.dropout_seed)
         dq, dk, dv = (t.reshape(batch * longest, heads, dim).index_select(0, flat_index) for t in padded)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 SPEC = declare(OpSpec(
     name="attention",
     cost=attention_cost,
     schema="(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, int? max_seqlen, Tensor? key_padding_mask, "
-           "float? scale, int? window=None) -> Tensor",
+           "float? scale, int? window=None, float dropout_p=0.0, int dropout_seed=0) -> Tensor",
     fake=_fake,
     check=_check,
     eager=_eager,
@@ -264,9 +313,13 @@ def attention(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     window: int | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
     backend: str | None = "auto",
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v per head, masked as described in the module docstring; scale defaults to D^-0.5;
-    ``window`` (total width, None = global) limits each query to keys within window // 2 positions."""
-    _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window)
-    return backends.dispatch("attention", backend, q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window)
+    ``window`` (total width, None = global) limits each query to keys within window // 2 positions; ``dropout_p``
+    drops probabilities (mask drawn from ``dropout_seed``)."""
+    _check(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window, dropout_p, dropout_seed)
+    return backends.dispatch("attention", backend, q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window,
+                             dropout_p, dropout_seed)

@@ -4,7 +4,8 @@ Shapes: ids of any shape [...]; tables [V, E], [P, E], [T, E]; LayerNorm weight 
 in the tables' dtype. LayerNorm statistics in fp32. Optional parts: token types (DistilBERT has none; ids None with
 a table: row 0), positions (``position_ids`` and ``position_embeddings`` both None: ModernBERT, whose positions are
 rotary), the LayerNorm bias (None: no shift, ModernBERT's ``norm_bias=False``). With no positions and no token types
-this is LayerNorm(word[ids]).
+this is LayerNorm(word[ids]). Dropout (``dropout_p``, mask from ``dropout_seed``: `fastbert.ops.dropout`) acts on the
+LayerNorm's output, as in BERT's embeddings.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import layer_norm_grads
+from fastbert.ops.dropout import check_dropout, dropout, keep_mask, keep_scale
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -28,11 +30,13 @@ def embedding_layernorm_reference(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     eps: float,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
 ) -> torch.Tensor:
-    """Eager reference: the gathers, their sum, then LayerNorm (what BERT's embedding module does)."""
+    """Eager reference: the gathers, their sum, then LayerNorm and dropout (what BERT's embedding module does)."""
     summed = embedding_layernorm_sum(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
                                      token_type_embeddings)
-    return layer_norm_fp32(summed, weight, bias, eps)
+    return dropout(layer_norm_fp32(summed, weight, bias, eps), dropout_p, dropout_seed)
 
 
 def embedding_layernorm_sum(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
@@ -50,7 +54,8 @@ def embedding_layernorm_sum(input_ids, position_ids, token_type_ids, word_embedd
 
 
 def _check(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
-           weight, bias, eps) -> None:
+           weight, bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
+    check_dropout("embedding_layernorm", dropout_p, dropout_seed)
     if input_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"embedding_layernorm: input_ids must be int32/int64, got {input_ids.dtype}")
     if (position_ids is None) != (position_embeddings is None):
@@ -72,7 +77,7 @@ def _check(input_ids, position_ids, token_type_ids, word_embeddings, position_em
 
 
 def _fake(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
-          weight, bias, eps):
+          weight, bias, eps, dropout_p=0.0, dropout_seed=0):
     return word_embeddings.new_empty((*input_ids.shape, word_embeddings.shape[1]))
 
 
@@ -87,8 +92,8 @@ def embedding_layernorm_cost(tokens: int, width: int, dtype_bytes: int, token_ty
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.eps = inputs[-1]
-    ctx.save_for_backward(*inputs[:-1])
+    ctx.eps, ctx.dropout_p, ctx.dropout_seed = inputs[-3:]
+    ctx.save_for_backward(*inputs[:-3])
 
 
 def _table_grad(table: torch.Tensor, ids: torch.Tensor, grad_rows: torch.Tensor) -> torch.Tensor:
@@ -99,10 +104,14 @@ def _table_grad(table: torch.Tensor, ids: torch.Tensor, grad_rows: torch.Tensor)
 
 def _backward(ctx, grad):
     """The gathered sum is recomputed, the LayerNorm's gradient (fp32 statistics and sums) taken, and summed
-    into the rows of each table that the ids gathered (fp32 accumulation)."""
+    into the rows of each table that the ids gathered (fp32 accumulation). With dropout, the incoming gradient first
+    goes through the forward's mask, regenerated from its seed."""
     (input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
      weight, bias) = ctx.saved_tensors
     needs = ctx.needs_input_grad
+    if ctx.dropout_p > 0:
+        keep = keep_mask(grad.shape, ctx.dropout_p, ctx.dropout_seed, grad.device)
+        grad = torch.where(keep, grad * keep_scale(ctx.dropout_p), grad.new_zeros(()))
     summed = embedding_layernorm_sum(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
                                      token_type_embeddings)
     grad_summed, grad_weight, grad_bias = layer_norm_grads(grad, summed, weight, bias, ctx.eps,
@@ -117,15 +126,15 @@ def _backward(ctx, grad):
         if needs[5] and token_type_embeddings is not None:
             types = token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids)
             grad_type = _table_grad(token_type_embeddings, types, grad_rows)
-    return None, None, None, grad_word, grad_position, grad_type, grad_weight, grad_bias, None
+    return None, None, None, grad_word, grad_position, grad_type, grad_weight, grad_bias, None, None, None
 
 
 SPEC = declare(OpSpec(
     name="embedding_layernorm",
     cost=embedding_layernorm_cost,
     schema="(Tensor input_ids, Tensor? position_ids, Tensor? token_type_ids, Tensor word_embeddings, "
-           "Tensor? position_embeddings, Tensor? token_type_embeddings, Tensor weight, Tensor? bias, float eps) "
-           "-> Tensor",
+           "Tensor? position_embeddings, Tensor? token_type_embeddings, Tensor weight, Tensor? bias, float eps, "
+           "float dropout_p=0.0, int dropout_seed=0) -> Tensor",
     fake=_fake,
     check=_check,
     eager=embedding_layernorm_reference,
@@ -146,12 +155,14 @@ def embedding_layernorm(
     bias: torch.Tensor | None,
     eps: float,
     *,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
     backend: str | None = "auto",
 ) -> torch.Tensor:
-    """LayerNorm(word[ids] + position[pos] + token_type[types]) -> [..., E]; positions, token types and the
+    """dropout(LayerNorm(word[ids] + position[pos] + token_type[types])) -> [..., E]; positions, token types and the
     LayerNorm bias may be None (see the module docstring). Ids are not range-checked here (the model checks them
     once per batch)."""
     args = (input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
-            weight, bias, eps)
+            weight, bias, eps, dropout_p, dropout_seed)
     _check(*args)
     return backends.dispatch("embedding_layernorm", backend, *args)

@@ -1,7 +1,8 @@
-"""Linear + bias + residual add + LayerNorm (BERT's post-LN sublayer output): LN(x @ W^T + b + residual).
+"""Linear + bias + residual add + LayerNorm (BERT's post-LN sublayer output): LN(dropout(x @ W^T + b) + residual).
 
 Shapes: x [..., K], weight [N, K], bias [N] | None, residual [..., N], LayerNorm weight [N] and bias [N] | None
-(None: no shift) -> [..., N]. LayerNorm statistics in fp32.
+(None: no shift) -> [..., N]. LayerNorm statistics in fp32. Dropout (``dropout_p``, mask from ``dropout_seed``:
+`fastbert.ops.dropout`) acts on the linear layer's output before the residual is added, as in BERT.
 """
 
 from __future__ import annotations
@@ -11,15 +12,19 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import layer_norm_grads, linear_grads
+from fastbert.ops.dropout import check_dropout, dropout, keep_mask, keep_scale
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
-def linear_residual_layernorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps):
-    return layer_norm_fp32(F.linear(x, weight, bias) + residual, ln_weight, ln_bias, eps)
+def linear_residual_layernorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0,
+                                        dropout_seed=0):
+    return layer_norm_fp32(dropout(F.linear(x, weight, bias), dropout_p, dropout_seed) + residual, ln_weight,
+                           ln_bias, eps)
 
 
-def _check(x, weight, bias, residual, ln_weight, ln_bias, eps) -> None:
+def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
+    check_dropout("linear_residual_layernorm", dropout_p, dropout_seed)
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"linear_residual_layernorm: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
     expected = (*x.shape[:-1], weight.shape[0])
@@ -27,7 +32,7 @@ def _check(x, weight, bias, residual, ln_weight, ln_bias, eps) -> None:
         raise ValueError(f"linear_residual_layernorm: residual must be {expected}, got {tuple(residual.shape)}")
 
 
-def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps):
+def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -40,30 +45,39 @@ def linear_residual_layernorm_cost(tokens: int, in_features: int, out_features: 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, residual, ln_weight, ln_bias, eps = inputs
-    ctx.eps = eps
+    x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed = inputs
+    ctx.eps, ctx.dropout_p, ctx.dropout_seed = eps, dropout_p, dropout_seed
     ctx.save_for_backward(x, weight, bias, residual, ln_weight, ln_bias)
 
 
 def _backward(ctx, grad):
-    """The LayerNorm's input x @ W^T + b + residual is recomputed (one GEMM), its gradient (fp32 statistics and
-    weight/bias sums) is the residual's and the linear layer's upstream gradient."""
+    """The LayerNorm's input dropout(x @ W^T + b) + residual is recomputed (one GEMM; the dropout mask regenerated
+    from its seed), its gradient (fp32 statistics and weight/bias sums) is the residual's upstream gradient, and
+    through the same mask the linear layer's."""
     x, weight, bias, residual, ln_weight, ln_bias = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    summed = F.linear(x, weight, bias) + residual
+    linear = F.linear(x, weight, bias)
+    keep = keep_mask(linear.shape, ctx.dropout_p, ctx.dropout_seed, linear.device) if ctx.dropout_p > 0 else None
+    if keep is not None:
+        linear = torch.where(keep, linear * keep_scale(ctx.dropout_p), linear.new_zeros(()))
+    summed = linear + residual
     grad_summed, grad_ln_weight, grad_ln_bias = layer_norm_grads(grad, summed, ln_weight, ln_bias, ctx.eps,
                                                                  (any(needs[:4]), needs[4], needs[5]))
-    grad_x, grad_weight, grad_bias = linear_grads(grad_summed, x, weight, bias, needs[:3]) if any(needs[:3]) else \
-        (None, None, None)
+    grad_x = grad_weight = grad_bias = None
+    if any(needs[:3]):
+        grad_linear = grad_summed
+        if keep is not None:
+            grad_linear = torch.where(keep, grad_summed * keep_scale(ctx.dropout_p), grad_summed.new_zeros(()))
+        grad_x, grad_weight, grad_bias = linear_grads(grad_linear, x, weight, bias, needs[:3])
     grad_residual = grad_summed.to(residual.dtype) if needs[3] else None
-    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None
+    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None, None, None
 
 
 SPEC = declare(OpSpec(
     name="linear_residual_layernorm",
     cost=linear_residual_layernorm_cost,
-    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) "
-           "-> Tensor",
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps, "
+           "float dropout_p=0.0, int dropout_seed=0) -> Tensor",
     fake=_fake,
     check=_check,
     eager=linear_residual_layernorm_reference,
@@ -82,8 +96,12 @@ def linear_residual_layernorm(
     ln_bias: torch.Tensor | None,
     eps: float,
     *,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
     backend: str | None = "auto",
 ) -> torch.Tensor:
-    """LayerNorm(x @ weight.T + bias + residual) -> [..., N]; ``ln_bias`` None: LayerNorm without shift."""
-    _check(x, weight, bias, residual, ln_weight, ln_bias, eps)
-    return backends.dispatch("linear_residual_layernorm", backend, x, weight, bias, residual, ln_weight, ln_bias, eps)
+    """LayerNorm(dropout(x @ weight.T + bias) + residual) -> [..., N]; ``ln_bias`` None: LayerNorm without
+    shift."""
+    _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed)
+    return backends.dispatch("linear_residual_layernorm", backend, x, weight, bias, residual, ln_weight, ln_bias, eps,
+                             dropout_p, dropout_seed)

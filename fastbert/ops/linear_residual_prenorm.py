@@ -1,12 +1,13 @@
 """Linear + bias + residual add, returning the sum and its LayerNorm (the end of a pre-LN sublayer, ModernBERT's):
 
-    summed = x @ W^T + b + residual        (the new residual stream)
+    summed = dropout(x @ W^T + b) + residual        (the new residual stream)
     normed = LayerNorm(summed)             (the next sublayer's input: mlp_norm, the next attn_norm, final_norm)
 
 ``normed`` is the LayerNorm of ``summed`` as returned (after its rounding to the dtype), so the two outputs agree
 exactly as an unfused model's would. LayerNorm statistics in fp32; ``ln_bias`` None: no shift (``norm_bias=False``).
 Shapes: x [..., K], weight [N, K], bias [N] | None, residual [..., N], ln_weight [N], ln_bias [N] | None
--> (summed, normed), both [..., N] in x's dtype.
+-> (summed, normed), both [..., N] in x's dtype. Dropout: ``dropout_p``, mask from ``dropout_seed``
+(`fastbert.ops.dropout`).
 """
 
 from __future__ import annotations
@@ -16,17 +17,20 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import compute_dtype, layer_norm_grads, linear_grads
+from fastbert.ops.dropout import check_dropout, dropout, keep_mask, keep_scale
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
-def linear_residual_prenorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps):
-    """Eager definition: Linear, + residual, then LayerNorm of that sum; returns (summed, normed)."""
-    summed = F.linear(x, weight, bias) + residual
+def linear_residual_prenorm_reference(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0,
+                                      dropout_seed=0):
+    """Eager definition: Linear, dropout, + residual, then LayerNorm of that sum; returns (summed, normed)."""
+    summed = dropout(F.linear(x, weight, bias), dropout_p, dropout_seed) + residual
     return summed, layer_norm_fp32(summed, ln_weight, ln_bias, eps)
 
 
-def _check(x, weight, bias, residual, ln_weight, ln_bias, eps) -> None:
+def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
+    check_dropout("linear_residual_prenorm", dropout_p, dropout_seed)
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"linear_residual_prenorm: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
     width = weight.shape[0]
@@ -38,7 +42,7 @@ def _check(x, weight, bias, residual, ln_weight, ln_bias, eps) -> None:
             raise ValueError(f"linear_residual_prenorm: {name} must be [{width}], got {tuple(vector.shape)}")
 
 
-def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps):
+def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
     shape = (*x.shape[:-1], weight.shape[0])
     return x.new_empty(shape), x.new_empty(shape)
 
@@ -53,15 +57,15 @@ def linear_residual_prenorm_cost(tokens: int, in_features: int, out_features: in
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, residual, ln_weight, ln_bias, eps = inputs
-    ctx.eps = eps
+    x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed = inputs
+    ctx.eps, ctx.dropout_p, ctx.dropout_seed = eps, dropout_p, dropout_seed
     ctx.residual_dtype = residual.dtype
     ctx.save_for_backward(x, weight, bias, ln_weight, ln_bias, output[0])  # summed: the LayerNorm's input
 
 
 def _backward(ctx, grad_summed, grad_normed):
     """summed's gradient is its own plus the LayerNorm's (from the saved summed, fp32 statistics); it is the
-    residual's and the linear layer's upstream gradient. Nothing is recomputed."""
+    residual's upstream gradient, and through the dropout mask (regenerated from its seed) the linear layer's."""
     x, weight, bias, ln_weight, ln_bias, summed = ctx.saved_tensors
     needs = ctx.needs_input_grad
     grad_through_norm, grad_ln_weight, grad_ln_bias = layer_norm_grads(grad_normed, summed, ln_weight, ln_bias,
@@ -70,16 +74,20 @@ def _backward(ctx, grad_summed, grad_normed):
     if any(needs[:4]):
         compute = compute_dtype(summed.dtype)
         grad_total = grad_summed.to(compute) + grad_through_norm.to(compute)
-        grad_x, grad_weight, grad_bias = linear_grads(grad_total, x, weight, bias, needs[:3])
+        grad_linear = grad_total
+        if ctx.dropout_p > 0:
+            keep = keep_mask(grad_total.shape, ctx.dropout_p, ctx.dropout_seed, grad_total.device)
+            grad_linear = torch.where(keep, grad_total * keep_scale(ctx.dropout_p), grad_total.new_zeros(()))
+        grad_x, grad_weight, grad_bias = linear_grads(grad_linear, x, weight, bias, needs[:3])
         grad_residual = grad_total.to(ctx.residual_dtype) if needs[3] else None
-    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None
+    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None, None, None
 
 
 SPEC = declare(OpSpec(
     name="linear_residual_prenorm",
     cost=linear_residual_prenorm_cost,
-    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) "
-           "-> (Tensor, Tensor)",
+    schema="(Tensor x, Tensor weight, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps, "
+           "float dropout_p=0.0, int dropout_seed=0) -> (Tensor, Tensor)",
     fake=_fake,
     check=_check,
     eager=linear_residual_prenorm_reference,
@@ -98,8 +106,12 @@ def linear_residual_prenorm(
     ln_bias: torch.Tensor | None,
     eps: float,
     *,
+    dropout_p: float = 0.0,
+    dropout_seed: int = 0,
     backend: str | None = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed, normed): summed = x @ weight.T + bias + residual, normed = LayerNorm(summed) -> two [..., N]."""
-    _check(x, weight, bias, residual, ln_weight, ln_bias, eps)
-    return backends.dispatch("linear_residual_prenorm", backend, x, weight, bias, residual, ln_weight, ln_bias, eps)
+    """(summed, normed): summed = dropout(x @ weight.T + bias) + residual, normed = LayerNorm(summed) -> two
+    [..., N]."""
+    _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed)
+    return backends.dispatch("linear_residual_prenorm", backend, x, weight, bias, residual, ln_weight, ln_bias, eps,
+                             dropout_p, dropout_seed)

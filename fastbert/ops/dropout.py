@@ -1,0 +1,56 @@
+"""Dropout as the fused ops take it: a probability ``dropout_p`` and an integer ``dropout_seed``.
+
+The eager implementations, the references and the backward formulas in PyTorch ops draw their keep mask with
+`keep_mask`, a deterministic function of (shape, p, seed, device): the backward regenerates exactly the forward's
+mask from the seed instead of storing it, and a run is reproducible for a given seed. A backend that fuses dropout
+into its kernel may draw its own mask (Triton: Philox from the same seed); its backward then regenerates that one.
+Masks of different backends differ for p > 0; with p = 0 every backend computes the op without dropout.
+
+The model draws one seed per forward from torch's default generator (`draw_seed`), so ``torch.manual_seed`` makes a
+training run reproducible, and derives each op call's seed from it (`op_seed`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SEED_LIMIT = 1 << 62  # seeds lie in [0, SEED_LIMIT): room to add op indices without overflowing an int64
+
+
+def check_dropout(name: str, dropout_p: float, dropout_seed: int) -> None:
+    """ValueError unless 0 <= dropout_p <= 1 and the seed is an int in [0, 2**63)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{name}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 1 << 63:
+        raise ValueError(f"{name}: dropout_seed must be an int in [0, 2**63), got {dropout_seed!r}")
+
+
+def keep_mask(shape: tuple[int, ...] | torch.Size, p: float, seed: int, device: torch.device | str) -> torch.Tensor:
+    """Bool [shape]: True where an element is kept (probability 1 - p), the same for the same arguments."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return torch.rand(shape, generator=generator, device=device) >= p
+
+
+def keep_scale(p: float) -> float:
+    """What kept elements are multiplied by: 1 / (1 - p) (0 when p = 1: nothing is kept)."""
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """x with the elements outside `keep_mask` zeroed and the rest scaled by 1 / (1 - p); x itself when p = 0.
+    Differentiable (autograd multiplies the gradient by the same mask and scale)."""
+    if p == 0.0:
+        return x
+    mask = keep_mask(x.shape, p, seed, x.device)
+    return torch.where(mask, x * keep_scale(p), x.new_zeros(()))
+
+
+def draw_seed() -> int:
+    """A fresh base seed from torch's default CPU generator (no device synchronisation)."""
+    return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
+
+
+def op_seed(base: int, index: int) -> int:
+    """The seed of the ``index``-th dropout site of a forward whose base seed is ``base``."""
+    return (base + index * 0x9E3779B97F4A7C15) % SEED_LIMIT
