@@ -6,6 +6,7 @@
     fastbert embed [TEXT...]      embeddings of texts or a corpus (streaming, resumable, --ray), or --similarity
     fastbert bench [options]      end-to-end benchmark against HF eager/SDPA, torch.compile, ONNX Runtime
     fastbert finetune --task T -o DIR   fine-tune a classifier on a real labelled set built offline (held-out accuracy)
+    fastbert pretrain -o DIR [FILE...]  pretrain a small BERT/RoBERTa/ALBERT from scratch (CPython's docs by default)
 
 Errors the user can fix (a missing path, an unsupported model family, a device that is not there, a bad dtype)
 print one line, ``fastbert: error: ...``, on stderr and exit non-zero. transformers, onnxruntime and matplotlib
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fastbert", description="Fast BERT-family encoders: demo, check, embed, bench. With no "
                      "command, runs the demo on the embedded all-MiniLM-L6-v2.")
     parser.add_argument("--version", action="version", version=f"fastbert {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="{demo,check,embed,bench,finetune}")
+    commands = parser.add_subparsers(dest="command", metavar="{demo,check,embed,bench,finetune,pretrain}")
 
     demo = commands.add_parser("demo", help="transformers vs fastbert on 16 real sentences (the default command)")
     _add_model_options(demo)
@@ -165,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     from fastbert import finetune as finetuning
 
     finetuning.add_arguments(finetune)
+
+    from fastbert import pretrain as pretraining
+
+    pretraining.add_parser(commands)
     return parser
 
 
@@ -500,7 +505,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     return finetuning.run_cli(args)
 
 
-COMMANDS = {"demo": cmd_demo, "check": cmd_check, "embed": cmd_embed, "bench": cmd_bench, "finetune": cmd_finetune}
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    """Pretrain a small model from scratch (fastbert.pretrain): checkpoints, metrics.jsonl, loss_curve.png."""
+    from fastbert import pretrain as pretraining
+
+    _need_transformers("pretrain")
+    return pretraining.run_pretraining(args)
+
+
+COMMANDS = {"demo": cmd_demo, "check": cmd_check, "embed": cmd_embed, "bench": cmd_bench, "finetune": cmd_finetune,
+            "pretrain": cmd_pretrain}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -540,6 +540,8 @@ def train(model: nn.Module, task: TrainingTask, args: TrainingArguments) -> Trai
             progress.show(f"eval at step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in found.items()))
 
     try:
+        if checkpoint is None:
+            evaluate()  # the untrained model's held-out figures: the curve's starting point
         model.train()
         batches = task.batches(epoch)
         if len(batches) == 0:
