@@ -167,31 +167,44 @@ def _pair_documents() -> list[tuple[str, str, list[list[str]]]]:
 
 def pair_task(seed: int = 0) -> TaskData:
     """Pairs of sentences: consecutive in one paragraph (``follows``) or the first one with a sentence of another
-    document on the same side of the split (``random``), chosen 50/50 with ``random.Random(seed)``. A pair whose
-    random partner happens to be the true next sentence's text is impossible (it is drawn from another document and
-    must differ from the true successor)."""
+    document on the same side of the split (``random``), chosen 50/50 with ``random.Random(seed)``.
+
+    Sentences repeat across the standard library (``io`` and ``_pyio``, pydoc text quoted in docstrings), so: a
+    held-out pair has no sentence that occurs anywhere in the training documents; each sentence is the first of at
+    most one pair per side; a ``random`` partner is never a sentence that follows the first one anywhere."""
     rng = random.Random(seed)
     documents = _pair_documents()
     sizes: Counter[str] = Counter()
+    successors: dict[str, set[str]] = {}
     for key, _, paragraphs in documents:
         sizes[key] += sum(max(len(p) - 1, 0) for p in paragraphs)
+        for paragraph in paragraphs:
+            for first, second in pairwise(paragraph):
+                successors.setdefault(first, set()).add(second)
     held = held_out_sources(sizes)
     sides: dict[bool, list[tuple[str, list[list[str]]]]] = {False: [], True: []}
     for key, name, paragraphs in documents:
         sides[key in held].append((name, paragraphs))
+    train_sentences = {s for _, paragraphs in sides[False] for p in paragraphs for s in p}
     splits: dict[bool, list[Example]] = {}
-    for held_out, documents in sides.items():
-        pool = [(index, s) for index, (_, paragraphs) in enumerate(documents) for p in paragraphs for s in p]
-        examples = []
-        for index, (name, paragraphs) in enumerate(documents):
+    for held_out, side in sides.items():
+        def usable(sentence: str, held_out: bool = held_out) -> bool:
+            return not held_out or sentence not in train_sentences
+
+        pool = [(index, s) for index, (_, paragraphs) in enumerate(side) for p in paragraphs for s in p if usable(s)]
+        examples, anchors = [], set()
+        for index, (name, paragraphs) in enumerate(side):
             for paragraph in paragraphs:
                 for first, second in pairwise(paragraph):
+                    if first in anchors or not usable(first) or not usable(second):
+                        continue
+                    anchors.add(first)
                     if rng.random() < 0.5:
                         examples.append(Example(source=name, label=0, text=first, text_pair=second))
                         continue
                     while True:
                         other, sentence = pool[rng.randrange(len(pool))]
-                        if other != index and sentence not in (first, second):
+                        if other != index and sentence != first and sentence not in successors[first]:
                             break
                     examples.append(Example(source=name, label=1, text=first, text_pair=sentence))
         splits[held_out] = examples
@@ -465,7 +478,7 @@ def load_classifier(model_dir: str, data: TaskData, device: torch.device) -> tor
     return model.to(device).train()
 
 
-def finetune(settings: FinetuneSettings, log=sys.stderr) -> dict:
+def finetune(settings: FinetuneSettings, log=None) -> dict:
     """Run one fine-tuning (module docstring): returns the results record, also written to
     ``<output_dir>/results.json``; the fine-tuned model and tokenizer are in ``<output_dir>/model``.
 
@@ -478,10 +491,16 @@ def finetune(settings: FinetuneSettings, log=sys.stderr) -> dict:
     import fastbert
     from fastbert import train as training
     from fastbert.resolve import UserError, resolve_device, resolve_model
+    from fastbert.text import TOKENIZER_FILES
 
+    log = log or sys.stderr
     settings.check()
     model_dir, _ = resolve_model(settings.model_dir)
     device = resolve_device(settings.device)
+    # transformers builds an empty tokenizer (special tokens only) for a directory without tokenizer files
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES | {"tokenizer.json"}):
+        raise UserError(f"{model_dir} has no tokenizer files (tokenizer.json, vocab.txt, ...); fine-tuning needs the "
+                        "checkpoint's tokenizer beside it")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as err:
@@ -504,6 +523,9 @@ def finetune(settings: FinetuneSettings, log=sys.stderr) -> dict:
     except (OSError, ValueError, KeyError) as err:
         raise UserError(f"{model_dir}: cannot build a {data.kind}-classification model "
                         f"({str(err).splitlines()[0]})") from err
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        raise UserError(f"{model_dir}: the tokenizer has {len(tokenizer)} tokens, the model's embedding table only "
+                        f"{model.get_input_embeddings().num_embeddings}")
     if settings.optimize:
         model = fastbert.optimize(model, backend=settings.backend)
     sample = encode_batch(tokenizer, train_examples[:2], data.kind, settings.max_length)
@@ -531,6 +553,7 @@ def finetune(settings: FinetuneSettings, log=sys.stderr) -> dict:
 
     baseline = majority_baseline(data, test_examples)
     steps = [r for r in result.records if not r.get("eval")]
+    before = [r for r in result.records if r.get("eval") and r["step"] == 0]
     results = {
         "task": data.name, "description": data.description, "kind": data.kind, "labels": list(data.labels),
         "model": model_dir, "model_out": model_out, "python": sys.version.split()[0],
@@ -539,6 +562,7 @@ def finetune(settings: FinetuneSettings, log=sys.stderr) -> dict:
         "held_out": {"examples": len(test_examples), "available": len(data.test),
                      "label_counts": _counts(data, test_examples)},
         "majority_baseline": baseline, "evaluation": task.evaluation,
+        "accuracy_before_training": before[0]["eval_accuracy"] if before else None,
         "accuracy_over_baseline": task.evaluation["accuracy"] - baseline["accuracy"],
         "training": {"steps": result.step, "epochs": result.step / steps_per_epoch,
                      "first_loss": steps[0]["loss"] if steps else None,
