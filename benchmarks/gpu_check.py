@@ -16,7 +16,8 @@ Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate 
      ModernBERT-base (22 layers, window 128, every third layer global, random weights) in fp32 and in fp16 next to
      transformers fp16, on 8 padded sequences of up to 512 tokens;
   4. pytest_kernels (only with --pytest, and only where pytest and an installed fastbert exist).
-- timing (section limits sum to 480 s, setup excluded; hard stop 570 s): BERT-base fp16, fastbert (optimize,
+- timing (section limits sum to 480 s, setup excluded; hard stop 570 s; timings took 75 s, timings_modernbert
+  15 s and timings_embed 29 s on the first H200 run): BERT-base fp16, fastbert (optimize,
   backend triton) vs transformers eager, SDPA and
   torch.compile(SDPA) for (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of varying length
   (mean 60% of 512, padded to 512); also fastbert through CUDA graphs (fastbert.cuda_graphs). Median of CUDA-event
@@ -25,12 +26,19 @@ Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate 
   seeded lengths 16..1024 padded to 1024. timings_embed (60 s): corpus embedding, all-MiniLM-L6-v2 fp16 on up to
   20,000 sentences of CPython's documentation: fastbert.embed.Embedder (the pipeline of `fastbert embed`) vs
   sentence-transformers' encode, plain and fastbert.optimize'd (batch 32), one timed pass each after a warm-up.
+  timings_train (150 s; also alone as --phase train): training steps (zero_grad, forward with the head's loss,
+  backward, AdamW step; fp16 through a GradScaler) of BERT-base with a sequence-classification head, fp32 weights
+  under fp16 and bf16 autocast, train mode with BERT's dropout 0.1: fastbert (optimize, backend triton) vs
+  transformers eager, SDPA and torch.compile(SDPA) on 32x128 and the varlen batch above (16 x mean 60% of 512);
+  every row records fastbert.explain's answer under that autocast and the fused ops that ran (none: the call fell
+  back to transformers' code). The compiled rows (a compilation per dtype and shape) come last, so a section that
+  runs out of time loses those first. The CPU version of these cases is benchmarks/train_bench.py.
 
 GEMMs use the fixed pre-tuned table (FASTBERT_TRITON_AUTOTUNE=0) unless --autotune (timing phase only).
 Accuracy is judged by `fastbert.numerics` (the rule of the tests and of `fastbert check`); this script imports
 nothing from tests/ and never imports pytest or onnx.
 
-Usage: python benchmarks/gpu_check.py --phase correctness|timing|all [--out PATH] [--autotune] [--minilm DIR]
+Usage: python benchmarks/gpu_check.py --phase correctness|timing|train|all [--out PATH] [--autotune] [--minilm DIR]
                                       [--limit SECTION=SECONDS ...] [--pytest] [--dry-run]
        --dry-run: CPU, tiny sizes, Triton interpreter (checks the script's logic)
 Default --out: $OUT/gpu_check-PHASE.json, else bench-results/gpu_check-PHASE.json (git-ignored).
@@ -67,16 +75,20 @@ if importlib.util.find_spec("fastbert") is None or "--no-install" in sys.argv:
 
 PHASES = {
     "correctness": ["kernel_checks_real_sizes", "kernel_checks_grid", "model_checks", "pytest_kernels"],
-    "timing": ["timings", "timings_modernbert", "timings_embed"],
+    "timing": ["timings", "timings_modernbert", "timings_embed", "timings_train"],
+    "train": ["timings_train"],  # the training timings alone (they are also the timing phase's last section)
 }
 PHASES["all"] = PHASES["correctness"] + PHASES["timing"]
 # Upper bounds, sized so that both phases and a machine start fit a 15-minute device budget (section limits:
 # correctness 345 s, timing 480 s; setup and imports are outside them, bounded only by gpu_check.sh's 570 s stop);
-# --limit SECTION=SECONDS changes one.
+# --limit SECTION=SECONDS changes one. timings_train's 150 s came out of timings (330 -> 225 s) and
+# timings_modernbert (90 -> 45 s), which used 75 s and 15 s on the first H200 run.
 SECTION_LIMITS_S = {"kernel_checks_real_sizes": 150, "kernel_checks_grid": 75, "model_checks": 120,
-                    "pytest_kernels": 60, "timings": 330, "timings_modernbert": 90, "timings_embed": 60}
+                    "pytest_kernels": 60, "timings": 225, "timings_modernbert": 45, "timings_embed": 60,
+                    "timings_train": 150}
 CHECK_LIMIT_S = {"kernel_checks_real_sizes": 60, "kernel_checks_grid": 30, "model_checks": 90,
-                 "pytest_kernels": 60, "timings": 120, "timings_modernbert": 60, "timings_embed": 30}
+                 "pytest_kernels": 60, "timings": 120, "timings_modernbert": 45, "timings_embed": 30,
+                 "timings_train": 100}
 
 
 def ensure_kernels_importable() -> str:
@@ -630,6 +642,102 @@ def embed_timing_section(section: Section, dry_run: bool, device, minilm: str | 
                      "ratio_st_encode_s_over_ours": round(seconds["st_encode"] / seconds["fastbert_embed"], 3)})
 
 
+def random_bert_classifier(dry_run: bool, attn: str = "eager"):
+    """BertForSequenceClassification (2 labels) at BERT-base's shapes, random weights (seed 0), train mode with
+    the config's dropout (0.1)."""
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = bert_config("base", dry_run)
+    config.num_labels = 2
+    config._attn_implementation = attn
+    return BertForSequenceClassification(config).train()
+
+
+def train_timing_section(section: Section, dry_run: bool, device) -> None:
+    """Training steps under fp16 and bf16 autocast: fastbert (optimize, triton) vs transformers eager, SDPA and
+    torch.compile(SDPA), each with its own fp32 model (same initial weights) and AdamW; see the module docstring."""
+    import fastbert
+    from fastbert.bench import recording
+    from fastbert.bench.timing import time_ms
+
+    warmup, iters = (1, 2) if dry_run else (3, 10)
+    dtypes = (torch.float16, torch.bfloat16)
+    shapes = [("2x16", 2, 16, None), ("varlen 4 x mean 60% of 32", 4, 32, "varlen")] if dry_run else [
+        ("32x128", 32, 128, None), ("varlen 16 x mean 60% of 512", 16, 512, "varlen")]
+    models = {"fastbert_triton": fastbert.optimize(random_bert_classifier(dry_run, "eager"), backend="triton"),
+              "hf_eager": random_bert_classifier(dry_run, "eager"), "hf_sdpa": random_bert_classifier(dry_run, "sdpa"),
+              "hf_sdpa_compiled": random_bert_classifier(dry_run, "sdpa")}
+    contenders = {}
+    for name, model in models.items():
+        model.to(device)
+        call = model
+        if name == "hf_sdpa_compiled":
+            call = torch.compile(model, backend="aot_eager" if dry_run else "inductor")
+        # one GradScaler per contender and dtype (its scale adapts to that model's gradients); off for bf16 and CPU
+        scalers = {dtype: torch.amp.GradScaler(device.type, enabled=device.type == "cuda" and dtype == torch.float16)
+                   for dtype in dtypes}
+        contenders[name] = (model, call, torch.optim.AdamW(model.parameters(), lr=1e-5), scalers)
+    batches = {}
+    for label, batch, seqlen, kind in shapes:
+        lengths = varlen_lengths(batch, seqlen) if kind == "varlen" else torch.full((batch,), seqlen)
+        inputs = padded_inputs(models["hf_eager"].config, batch, seqlen, device, lengths=lengths)
+        inputs["labels"] = torch.randint(0, 2, (batch,), generator=torch.Generator().manual_seed(2)).to(device)
+        batches[label] = (inputs, batch, seqlen, int(lengths.sum()))
+    # every uncompiled row first, the compiled ones (a compilation each) last
+    plan = [(dtype, label, name) for name in contenders if name != "hf_sdpa_compiled" for dtype in dtypes
+            for label in batches]
+    plan += [(dtype, label, "hf_sdpa_compiled") for dtype in dtypes for label in batches]
+    medians: dict[tuple[torch.dtype, str], dict[str, float]] = {}
+    fastbert_ran: dict[tuple[torch.dtype, str], bool] = {}
+    for dtype, label, name in plan:
+        model, call, optimizer, scalers = contenders[name]
+        inputs, batch, seqlen, tokens = batches[label]
+        dtype_name = str(dtype).removeprefix("torch.")
+
+        def step(call=call, optimizer=optimizer, scaler=scalers[dtype], inputs=inputs, dtype=dtype):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype):
+                loss = call(**inputs).loss
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+        def timed(model=model, step=step, inputs=inputs, dtype=dtype, name=name, tokens=tokens):
+            path = "transformers' code (not optimized)"
+            if name.startswith("fastbert"):
+                with torch.autocast(device.type, dtype=dtype):
+                    path = fastbert.explain(model, **inputs)
+            started = time.time()
+            with recording.record_backends() as seen:
+                step()  # the first step: compilation, Triton kernels' first launches
+            first_s = time.time() - started
+            times = time_ms(step, iters, warmup, device, cuda_events=True)
+            median = statistics.median(times)
+            ran = {op: dict(counts) for op, counts in seen.items()}
+            return {"ok": None, "ms_median": round(median, 4), "ms_min": round(min(times), 4),
+                    "ms_max": round(max(times), 4), "tokens_per_s": round(tokens / median * 1e3),
+                    "first_step_s": round(first_s, 2), "explain": path, "ops_ran_on": ran,
+                    "fastbert_path_ran": bool(ran) and "fastbert's path" in path if name.startswith("fastbert")
+                    else None}
+
+        row = section.run(f"train {label} {dtype_name} {name}", timed, shape=label, contender=name, batch=batch,
+                          seq=seqlen, real_tokens=tokens, dtype=dtype_name, autocast=True, task="train step")
+        if row and row.get("ms_median"):
+            medians.setdefault((dtype, label), {})[name] = row["ms_median"]
+            if name == "fastbert_triton":
+                fastbert_ran[(dtype, label)] = row["fastbert_path_ran"]
+    for (dtype, label), found in medians.items():
+        ours = found.get("fastbert_triton")
+        peers = [v for k, v in found.items() if k.startswith("hf_")]
+        if ours and peers:
+            section.add({"check": f"train {label} {str(dtype).removeprefix('torch.')} ratio fastbert_triton",
+                         "shape": label, "contender": "fastbert_triton", "ok": None,
+                         "fastbert_path_ran": fastbert_ran[(dtype, label)],
+                         "ratio_hf_eager_ms_over_ours": round(found["hf_eager"] / ours, 3) if "hf_eager" in found
+                         else None, "ratio_best_peer_ms_over_ours": round(min(peers) / ours, 3)})
+
+
 # --------------------------------------------------------------------------------------------------- main
 def parse_limits(items: list[str]) -> dict[str, float]:
     limits = dict(SECTION_LIMITS_S)
@@ -686,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
         "timings": lambda s: timing_section(s, args.dry_run, device),
         "timings_modernbert": lambda s: modernbert_timing_section(s, args.dry_run, device),
         "timings_embed": lambda s: embed_timing_section(s, args.dry_run, device, args.minilm),
+        "timings_train": lambda s: train_timing_section(s, args.dry_run, device),
     }
     names = [n for n in PHASES[args.phase] if n != "pytest_kernels" or args.pytest]
     for name in names:  # all listed up front: a kill leaves the ones never started as "pending"
