@@ -21,7 +21,7 @@ Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate 
   backend triton) vs transformers eager, SDPA and
   torch.compile(SDPA) for (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of varying length
   (mean 60% of 512, padded to 512); also fastbert through CUDA graphs (fastbert.cuda_graphs). Median of CUDA-event
-  timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster). timings_modernbert (90 s):
+  timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster). timings_modernbert (45 s):
   ModernBERT-base fp16, fastbert (optimize, triton) vs transformers eager and SDPA on 8x512 and 32 sequences of
   seeded lengths 16..1024 padded to 1024. timings_embed (60 s): corpus embedding, all-MiniLM-L6-v2 fp16 on up to
   20,000 sentences of CPython's documentation: fastbert.embed.Embedder (the pipeline of `fastbert embed`) vs
