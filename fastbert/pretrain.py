@@ -109,12 +109,10 @@ def file_documents(paths: Sequence[str]) -> list[list[str]]:
 
 def hold_out(documents: list[list[str]], fraction: float) -> tuple[list[list[str]], list[list[str]]]:
     """(training documents, held-out documents): the last ``fraction`` of the sentences of every document with at
-    least 10 sentences (at least one sentence each) form its held-out counterpart."""
+    least 10 sentences (at least two each, so they form a pair) form its held-out counterpart."""
     train_docs, held = [], []
     for doc in documents:
-        count = int(len(doc) * fraction) if len(doc) >= 10 and fraction > 0 else 0
-        if count == 0 and len(doc) >= 10 and fraction > 0:
-            count = 1
+        count = max(2, int(len(doc) * fraction)) if len(doc) >= 10 and fraction > 0 else 0
         train_docs.append(doc[:len(doc) - count] if count else doc)
         if count:
             held.append(doc[len(doc) - count:])
@@ -555,6 +553,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--mlm-probability", type=float, default=0.15, help="share of tokens chosen (default 0.15)")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--vocab-size", type=int, default=8000, help="WordPiece vocabulary size (default 8000)")
+    parser.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="use this transformers tokenizer (with [PAD] [CLS] [SEP] [MASK]) instead of training one")
     parser.add_argument("--config", metavar="FILE.json", default=None,
                         help="model config fields (JSON) over the small default (H=256, 4 layers, 4 heads)")
     parser.add_argument("--hidden-size", type=int, default=None)
@@ -634,27 +634,44 @@ def _corpus_fingerprint(documents: list[list[str]]) -> str:
     return digest.hexdigest()[:16]
 
 
+def _vocab_fingerprint(tokenizer) -> str:
+    items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256("\n".join(token for token, _ in items).encode()).hexdigest()[:16]
+
+
 def _load_or_train_tokenizer(args: argparse.Namespace, output_dir: Path, train_docs: list[list[str]]):
-    """On resume the vocabulary of the run (saved in output_dir/tokenizer at its start) is reused, never retrained."""
+    """The run's tokenizer: on resume the latest checkpoint's (never retrained: tokenizers' WordPiece trainer numbers
+    its alphabet in hash order, so two trainings on the same text can differ); else --tokenizer's, else one trained
+    on the training sentences. A new run keeps a copy in output_dir/tokenizer."""
     from transformers import AutoTokenizer
 
-    saved = output_dir / "tokenizer"
-    if args.resume and (saved / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(saved)
-    tokenizer = train_tokenizer(train_docs, args.vocab_size, args.max_length)
-    if not args.resume:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        tmp = output_dir / ".tmp-tokenizer"
-        if tmp.exists():
-            import shutil
+    if args.resume:
+        from fastbert.train import latest_checkpoint
 
-            shutil.rmtree(tmp)
-        tokenizer.save_pretrained(tmp)
-        if saved.exists():
-            import shutil
+        checkpoint = latest_checkpoint(output_dir)
+        if checkpoint is None:
+            raise UserError(f"--resume: {output_dir} holds no checkpoint to resume from")
+        return AutoTokenizer.from_pretrained(checkpoint)
+    if args.tokenizer is not None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as err:
+            raise UserError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer there ({err})") from err
+        missing = [name for name in ("pad_token", "cls_token", "sep_token", "mask_token")
+                   if getattr(tokenizer, name) is None]
+        if missing:
+            raise UserError(f"--tokenizer {args.tokenizer} has no {', '.join(missing)}; pretraining needs [PAD], "
+                            "[CLS], [SEP] and [MASK]")
+    else:
+        tokenizer = train_tokenizer(train_docs, args.vocab_size, args.max_length)
+    import shutil
 
-            shutil.rmtree(saved)
-        os.replace(tmp, saved)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    saved, tmp = output_dir / "tokenizer", output_dir / ".tmp-tokenizer"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(saved, ignore_errors=True)
+    os.replace(tmp, saved)
     return tokenizer
 
 
@@ -724,10 +741,12 @@ def run_pretraining(args: argparse.Namespace) -> int:
         import fastbert
 
         model = fastbert.optimize(model, backend=args.backend)
-    settings = {"data": asdict(options), "corpus": args.files or "pydoc_data.topics",
+    # the corpus by its content (a file named by another path is the same corpus), the vocabulary by its tokens
+    settings = {"data": asdict(options), "corpus": "text files" if args.files else "pydoc_data.topics",
                 "corpus_sha256": _corpus_fingerprint(documents), "held_out": args.held_out,
-                "vocab_size": len(tokenizer), "model": json.loads(config.to_json_string(use_diff=False)),
-                "optimized": not args.no_optimize, "backend": args.backend}
+                "vocab_size": len(tokenizer), "vocab_sha256": _vocab_fingerprint(tokenizer),
+                "model": json.loads(config.to_json_string(use_diff=False)), "optimized": not args.no_optimize,
+                "backend": args.backend}
     settings["model"].pop("transformers_version", None)
     task = PretrainingTask(data, tokenizer, settings, held_out)
     warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 10

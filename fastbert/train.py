@@ -441,7 +441,19 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def _describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """'training.learning_rate 0.001 (checkpoint: 0.0005); ...' for each setting that differs."""
+    saved, current = _flatten(saved), _flatten(current)
     keys = sorted(set(saved) | set(current))
     parts = [f"{k} {current.get(k, '(unset)')!r} (checkpoint: {saved.get(k, '(unset)')!r})"
              for k in keys if saved.get(k) != current.get(k)]
