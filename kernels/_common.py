@@ -139,7 +139,110 @@ def rows_per_program(width: int) -> int:
     return max(1, min(16, 4096 // row_block(width)))
 
 
+def backward_rows_per_program(width: int) -> int:
+    """Rows per tile of the LayerNorm backward kernels: half the forward's on a GPU (they hold ~6 fp32 tiles, the
+    forward ~3), the forward's under the interpreter."""
+    return rows_per_program(width) if INTERPRETER else max(1, rows_per_program(width) // 2)
+
+
 def row_warps(width: int, rows: int = 1) -> int:
     """Warps for a program holding ``rows`` x row_block(width) fp32 values: ~32 values per thread and tensor."""
     elements = rows * row_block(width)
     return max(1, min(8, elements // 1024))
+
+
+# ------------------------------------------------------------------------------------- dropout and backward pieces
+DROPOUT_MAX_ELEMENTS = 1 << 31
+"""Dropout masks are Philox draws at each element's flat index as an int32 counter (the fast 32-bit Philox on a
+GPU), so a tensor with dropout holds fewer than 2**31 elements; `dropout_reason` says so past that."""
+
+
+def dropout_reason(dropout_p: float, elements: int) -> str | None:
+    """Why a kernel cannot apply dropout over ``elements`` elements, or None."""
+    if dropout_p > 0 and elements >= DROPOUT_MAX_ELEMENTS:
+        return f"dropout over {elements} elements (the kernels' Philox offsets are int32: fewer than 2**31)"
+    return None
+
+
+def keep_scale(dropout_p: float) -> float:
+    """What kept elements are multiplied by (`fastbert.ops.dropout.keep_scale`: 0 when p = 1)."""
+    return 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
+
+
+@triton.jit
+def dropout_keep(seed, offsets, dropout_p):
+    """True where the element of flat index ``offsets`` (row * width + column of the tensor dropout acts on) is
+    kept: Philox's uniform draw for (seed, offset) is >= dropout_p. A function of (seed, offset) only, so a
+    forward and its backward draw the same mask whatever their tiling."""
+    return tl.rand(seed, offsets.to(tl.int32)) >= dropout_p
+
+
+@triton.jit
+def layernorm_backward_tile(x, grad, mask, weight, width, eps):
+    """LayerNorm's backward on fp32 tiles [ROWS, BLOCK]: x the LayerNorm's input, grad dL/d(output), ``mask`` the
+    real elements, weight [BLOCK] its scale (0 past the width). The statistics are recomputed from x (two row
+    reductions over a tile already in registers: cheaper than storing and reloading them). Returns (dL/dx, x_hat):
+    x_hat = (x - mean) * rstd, for the weight's gradient sum(grad * x_hat); both 0 outside ``mask``."""
+    mean = tl.sum(tl.where(mask, x, 0.0), axis=1) / width
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / width + eps)
+    x_hat = centred * rstd[:, None]
+    scaled = tl.where(mask, grad * weight[None, :], 0.0)
+    mean_scaled = tl.sum(scaled, axis=1) / width
+    mean_scaled_x_hat = tl.sum(scaled * x_hat, axis=1) / width
+    grad_x = (scaled - mean_scaled[:, None] - x_hat * mean_scaled_x_hat[:, None]) * rstd[:, None]
+    return tl.where(mask, grad_x, 0.0), x_hat
+
+
+@triton.jit
+def _column_sum_kernel(
+    partial_ptr,  # [parts, N] fp32 partial column sums, contiguous
+    out_ptr,  # [N] the column sums, in the output's dtype
+    parts, N,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = tl.arange(0, BLOCK_P)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, parts, BLOCK_P):
+        p_mask = offs_p < parts - start
+        acc += tl.sum(tl.load(partial_ptr + (start + offs_p)[:, None] * N + offs_n[None, :],
+                              mask=p_mask[:, None] & n_mask[None, :], other=0.0), axis=0)
+    tl.store(out_ptr + offs_n, cast_rtne(acc, out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def column_sum(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The second stage of a two-stage fp32 reduction: partial [parts, N] fp32 (one row per program of the first
+    stage) summed over its rows in fp32 -> [N] in ``dtype`` (one rounding)."""
+    parts, width = partial.shape
+    out = torch.empty(width, dtype=dtype, device=partial.device)
+    if width == 0:
+        return out
+    block_n = 256 if INTERPRETER else 64
+    _column_sum_kernel[(triton.cdiv(width, block_n),)](partial, out, parts, width, BLOCK_P=32, BLOCK_N=block_n,
+                                                        num_warps=4)
+    return out
+
+
+def reduction_programs(tiles: int, device: torch.device) -> int:
+    """Programs of a backward row kernel whose weight gradients are reduced in two stages: each program loops over
+    row tiles (pid, pid + programs, ...) accumulating per-column fp32 partial sums, so the partial buffer is
+    [programs, N]. A few waves of the GPU's SMs (enough to fill it, few enough that the second stage is small);
+    4 under the interpreter (whose cost is per program step, not per program)."""
+    if INTERPRETER or device.type != "cuda":
+        return max(1, min(tiles, 4))
+    return max(1, min(tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def define_kernel_op(name: str, schema: str, impl, fake):
+    """Register the torch op ``fastbert::<name>`` (``schema``: its arguments and results) running ``impl``, with
+    ``fake`` for meta/fake tensors, and return it. The backward formulas call their Triton launchers through such
+    ops so that AOTAutograd and torch.compile trace a backward instead of running kernels on fake tensors. A second
+    import of a kernels module (as top-level `kernels` when the repository root is on sys.path) keeps the first."""
+    if not hasattr(torch.ops.fastbert, name):
+        op = torch.library.custom_op(f"fastbert::{name}", impl, mutates_args=(), schema=schema)
+        op.register_fake(fake)
+    return getattr(torch.ops.fastbert, name)

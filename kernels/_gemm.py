@@ -1,9 +1,16 @@
 """The GEMM every linear op of the triton backend runs: out = epilogue(x @ W^T), W in PyTorch's [N, K] layout.
 
-Epilogue (all in fp32, one rounding at the store): + bias, + residual, then one activation ("gelu" = exact erf,
-"gelu_tanh", "relu", "silu"; `activate`, which linear_glu's kernel shares). Used by qkv_projection (bias),
-linear_activation (bias + activation), linear_residual_layernorm and linear_residual_prenorm (bias + residual; their
-LayerNorm runs in a row kernel after this one).
+Epilogue (all in fp32, one rounding at the store): + bias, dropout, + residual, then one activation ("gelu" = exact
+erf, "gelu_tanh", "relu", "silu"; `activate`, which linear_glu's kernel shares). Used by qkv_projection (bias),
+linear_activation (bias + activation), linear_residual_layernorm and linear_residual_prenorm (bias + dropout +
+residual; their LayerNorm runs in a row kernel after this one).
+Dropout (before the residual, as BERT's sublayer outputs): the element at (row, column) is kept when Philox's draw
+for (seed, row * N + column) is >= p (`_common.dropout_keep`), so a backward regenerates the mask anywhere.
+Backward epilogue (GRAD_ACTIVATION, linear_activation's backward): the GEMM recomputes the pre-activation
+x @ W^T + b and, instead of activating it, multiplies the incoming gradient by the activation's derivative there
+(`activation_grad`), storing dL/d(pre-activation) and per-tile fp32 column sums of it (the bias gradient's first
+stage). Recomputing costs one GEMM; storing the pre-activation would cost a [M, N] buffer alive from forward to
+backward (N = 4H in a BERT FFN: its largest activation).
 x, W, residual and out may have any strides (W is read transposed through its strides, never copied).
 
 Meta-parameters: on a GPU, `triton.autotune` over a small config list keyed by (power-of-two bucket of M, N, K,
@@ -20,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETER, cast_rtne, dot_in_fp32, dot_precision
+from ._common import INTERPRETER, cast_rtne, column_sum, dot_in_fp32, dot_precision, dropout_keep, keep_scale
 
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
 
@@ -46,21 +53,48 @@ def activate(acc, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def activation_grad(pre, grad, ACTIVATION: tl.constexpr):
+    """grad * act'(pre) on fp32 tiles for the activation of code ACTIVATION (`ACTIVATION_CODES`; 0: grad)."""
+    if ACTIVATION == 1:  # Phi(x) + x phi(x)
+        cdf = 0.5 * (1.0 + tl.math.erf(pre * 0.7071067811865476))
+        grad = grad * (cdf + pre * 0.3989422804014327 * tl.exp(-0.5 * pre * pre))
+    elif ACTIVATION == 2:  # 0.5 (1 + t) + 0.5 x (1 - t^2) u'(x), t = tanh(u(x)), u = k (x + 0.044715 x^3)
+        t = _tanh(0.7978845608028654 * (pre + 0.044715 * pre * pre * pre))
+        slope = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * pre * pre)
+        grad = grad * (0.5 * (1.0 + t) + 0.5 * pre * (1.0 - t * t) * slope)
+    elif ACTIVATION == 3:  # 0 at x = 0, as torch's threshold_backward
+        grad = tl.where(pre > 0.0, grad, 0.0)
+    elif ACTIVATION == 4:  # s (1 + x (1 - s)), s = sigmoid(x)
+        sig = 1.0 / (1.0 + tl.exp(-pre))
+        grad = grad * (sig * (1.0 + pre * (1.0 - sig)))
+    return grad
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,  # [M, K] input rows, strides (stride_xm, stride_xk)
     w_ptr,  # [N, K] weight in nn.Linear layout, strides (stride_wn, stride_wk)
     bias_ptr,  # [N] (ignored unless HAS_BIAS)
     residual_ptr,  # [M, N] added after the bias (ignored unless HAS_RESIDUAL), strides (stride_rm, stride_rn)
     out_ptr,  # [M, N] output, strides (stride_om, stride_on)
+    grad_ptr,  # [M, N] dL/d(activation output) (ignored unless GRAD_ACTIVATION), strides (stride_gm, stride_gn)
+    partial_ptr,  # [>= cdiv(M, BLOCK_M), N] fp32, contiguous: row pid_m gets this tile's column sums of the
+    #               stored gradient (ignored unless GRAD_ACTIVATION)
     M, N, K,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
     stride_rm, stride_rn,
     stride_om, stride_on,
+    stride_gm, stride_gn,
+    seed,  # dropout: the Philox seed (ignored unless DROPOUT)
+    dropout_p,  # dropout: the probability of dropping (ignored unless DROPOUT)
+    keep_scale,  # dropout: 1 / (1 - dropout_p), what kept elements are multiplied by (ignored unless DROPOUT)
     m_bucket,  # power-of-two bucket of M: only an autotune key, so token counts that vary per batch share tunings
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 gelu_tanh, 3 relu, 4 silu
+    DROPOUT: tl.constexpr,  # dropout on x @ W^T + b, before the residual
+    GRAD_ACTIVATION: tl.constexpr,  # backward epilogue: store grad * act'(x @ W^T + b) instead of the activation
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
     BLOCK_M: tl.constexpr,
@@ -101,11 +135,20 @@ def _linear_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
+    if DROPOUT:
+        keep = dropout_keep(seed, offs_m[:, None] * N + offs_n[None, :], dropout_p)
+        acc = tl.where(keep, acc * keep_scale, 0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=out_mask,
                            other=0.0)
         acc += residual.to(tl.float32)
-    acc = activate(acc, ACTIVATION)
+    if GRAD_ACTIVATION:
+        grad = tl.load(grad_ptr + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=out_mask,
+                       other=0.0).to(tl.float32)
+        acc = tl.where(out_mask, activation_grad(acc, grad, ACTIVATION), 0.0)
+        tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(acc, axis=0), mask=n_mask)
+    else:
+        acc = activate(acc, ACTIVATION)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, cast_rtne(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -157,7 +200,8 @@ def _prune_by_dtype(configs, named_args, **kwargs):
 
 _ALL_CONFIGS = list({_config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS}.values())
 _autotuned = None if INTERPRETER else triton.autotune(
-    configs=_ALL_CONFIGS, key=["m_bucket", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION"],
+    configs=_ALL_CONFIGS,
+    key=["m_bucket", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION", "DROPOUT", "GRAD_ACTIVATION"],
     prune_configs_by={"early_config_prune": _prune_by_dtype})(_linear_kernel)
 
 
@@ -193,26 +237,37 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
-           activation: str | None = None) -> torch.Tensor:
-    """epilogue(x @ weight.T) -> [..., N] in x's dtype (see the module docstring). Inputs are checked by callers."""
+MIN_BLOCK_M = 16  # the smallest BLOCK_M of every config above and of `interpreter_config`: sizes partial buffers
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+            activation: str | None, dropout_p: float, dropout_seed: int, grad: torch.Tensor | None,
+            partial: torch.Tensor | None) -> torch.Tensor:
+    """Run the kernel: epilogue(x @ weight.T) -> [rows, N] in x's dtype; with ``grad`` ([rows, N]) the backward
+    epilogue, whose column sums go to ``partial`` ([cdiv(rows, MIN_BLOCK_M), N] fp32, zeroed)."""
     rows = as_rows(x)
     n, k = weight.shape
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out.view(*x.shape[:-1], n)
+        return out
     if k == 0:  # the ops' supports() refuse K = 0 (the result would be the bias alone); guard direct callers
         raise ValueError("linear: K = 0 is not supported by the triton backend")
     res = as_rows(residual) if residual is not None else None
     bias = bias.contiguous() if bias is not None else None  # the epilogue reads it with unit stride
-    args = (rows, weight, bias if bias is not None else out, res if res is not None else out, out, m, n, k,
+    dropout = dropout_p > 0
+    args = (rows, weight, bias if bias is not None else out, res if res is not None else out, out,
+            grad if grad is not None else out, partial if partial is not None else out, m, n, k,
             rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1),
             res.stride(0) if res is not None else 0, res.stride(1) if res is not None else 0,
-            out.stride(0), out.stride(1), triton.next_power_of_2(m))
+            out.stride(0), out.stride(1), grad.stride(0) if grad is not None else 0,
+            grad.stride(1) if grad is not None else 0,
+            int(dropout_seed) if dropout else 0, float(dropout_p), keep_scale(dropout_p) if dropout else 1.0,
+            triton.next_power_of_2(m))
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
-             "ACTIVATION": ACTIVATION_CODES[activation], "INPUT_PRECISION": dot_precision(x.dtype),
-             "DOT_IN_FP32": dot_in_fp32(x.dtype)}
+             "ACTIVATION": ACTIVATION_CODES[activation], "DROPOUT": dropout, "GRAD_ACTIVATION": grad is not None,
+             "INPUT_PRECISION": dot_precision(x.dtype), "DOT_IN_FP32": dot_in_fp32(x.dtype)}
+
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
@@ -221,4 +276,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, res
         _linear_kernel[grid(meta)](*args, **flags, **meta)
     else:
         _autotuned[grid](*args, **flags)
-    return out.view(*x.shape[:-1], n)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
+           activation: str | None = None, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
+    """epilogue(x @ weight.T) -> [..., N] in x's dtype (see the module docstring); dropout (``dropout_p`` > 0) on
+    x @ weight.T + bias before the residual. Inputs are checked by callers (dropout: `dropout_reason`)."""
+    out = _launch(x, weight, bias, residual, activation, dropout_p, dropout_seed, None, None)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_activation_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grad: torch.Tensor,
+                           activation: str, bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward of act(x @ weight.T + bias) up to the pre-activation: (dL/d(pre-activation) [rows, N] in x's dtype,
+    the bias gradient [N] in the bias's dtype summed in fp32 from the unrounded values, or None unless
+    ``bias_grad``), given ``grad`` = dL/d(output) [..., N] of any strides. Recomputes the GEMM (module
+    docstring)."""
+    n = weight.shape[0]
+    m = as_rows(x).shape[0]
+    # always allocated: the backward epilogue stores its column sums whether or not they are wanted
+    partial = torch.zeros((triton.cdiv(m, MIN_BLOCK_M), n), dtype=torch.float32, device=x.device)
+    grad_pre = _launch(x, weight, bias, None, activation, 0.0, 0, as_rows(grad), partial)
+    return grad_pre, column_sum(partial, bias.dtype) if bias_grad else None

@@ -1,12 +1,20 @@
-"""Linear + bias + residual add, and the LayerNorm of that sum: (summed, LN(summed)), a pre-LN sublayer's end.
+"""Linear + bias + dropout + residual add, and the LayerNorm of that sum: (summed, LN(summed)), a pre-LN sublayer's
+end.
 
-Two kernels, as linear_residual_layernorm: the shared GEMM (`_gemm.py`) adds bias and residual in its epilogue and
-stores the sum (fp32, one rounding to the output dtype: the new residual stream), then the shared row kernel
+Two kernels, as linear_residual_layernorm: the shared GEMM (`_gemm.py`) adds bias, drops out (Philox at each
+element's flat index, before the residual) and adds the residual in its epilogue, storing the sum (fp32, one rounding
+to the output dtype: the new residual stream), then the shared row kernel
 (`linear_residual_layernorm.layernorm_rows`) reads that stored sum and writes its LayerNorm (fp32 statistics) to a
 second buffer, so normed is exactly LN(summed) as returned.
 Shapes: x [..., K], weight [N, K], bias [N] | None, residual [..., N], ln_weight [N], ln_bias [N] | None (no
 shift) -> (summed, normed), both [..., N] contiguous. Any strides for 2-D x and residual. fp16, bf16, fp32.
-N up to 65536 (a row must fit one block).
+N up to 65536 (a row must fit one block); with dropout, fewer than 2**31 elements per output.
+
+Backward: summed is an output, saved as it is (no GEMM to recompute). One row kernel
+(`linear_residual_layernorm.layernorm_rows_backward`) adds summed's own gradient to the LayerNorm's (statistics
+recomputed in fp32 from summed): the residual's gradient; through the regenerated dropout mask, the linear
+output's; and the fp32 column sums (two-stage) of the LayerNorm's dW/dB and the linear bias's gradient. dL/dx and
+dL/dW are plain matmuls (cuBLAS via torch).
 """
 
 from __future__ import annotations
@@ -16,8 +24,8 @@ import torch
 from fastbert.ops.linear_residual_prenorm import SPEC, linear_residual_prenorm_reference
 
 from . import _gemm
-from ._common import device_reason, first_reason, float_reason
-from .linear_residual_layernorm import MAX_WIDTH, layernorm_rows
+from ._common import device_reason, dropout_reason, first_reason, float_reason
+from .linear_residual_layernorm import MAX_WIDTH, layernorm_rows, layernorm_rows_backward_op, linear_input_grads
 
 __all__ = ["linear_residual_prenorm", "linear_residual_prenorm_reference", "supports"]
 
@@ -29,31 +37,58 @@ def supports(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, 
         float_reason(tensors),
         "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
         f"width {weight.shape[0]} exceeds {MAX_WIDTH}" if weight.shape[0] > MAX_WIDTH else None,
-        "dropout_p > 0: this kernel has no dropout yet" if dropout_p > 0 else None,
+        dropout_reason(dropout_p, residual.numel()),
     )
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
             ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
             dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    if dropout_p > 0:
-        raise ValueError("fastbert triton linear_residual_prenorm: no dropout in this kernel yet (dropout_p > 0)")
-    summed = _gemm.linear(x, weight, bias, residual=residual)
+    reason = dropout_reason(dropout_p, residual.numel())
+    if reason:
+        raise ValueError(f"fastbert triton linear_residual_prenorm: {reason}")
+    summed = _gemm.linear(x, weight, bias, residual=residual, dropout_p=dropout_p, dropout_seed=dropout_seed)
     normed = torch.empty_like(summed)
     width = weight.shape[0]
     layernorm_rows(summed.view(-1, width), normed.view(-1, width), ln_weight, ln_bias, eps)
     return summed, normed
 
 
-# torch.ops.fastbert.triton_linear_residual_prenorm: schema and fake from the op's spec.
-_op = SPEC.define("triton_", _launch)
+# ------------------------------------------------------------------------------------------------------ autograd
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed = inputs
+    ctx.eps, ctx.dropout_p, ctx.dropout_seed = eps, dropout_p, dropout_seed
+    ctx.has_ln_bias = ln_bias is not None
+    ctx.residual_shape = residual.shape
+    ctx.save_for_backward(x, weight, bias, ln_weight, output[0])  # summed: the LayerNorm's input
+
+
+def _backward(ctx, grad_summed, grad_normed):
+    """`layernorm_rows_backward` on the saved sum with summed's own gradient added, then the matmuls."""
+    x, weight, bias, ln_weight, summed = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    width = weight.shape[0]
+    grad_total, grad_dropped, sums = layernorm_rows_backward_op(
+        summed.view(-1, width), _gemm.as_rows(grad_normed), ln_weight, ctx.eps, _gemm.as_rows(grad_summed),
+        ctx.dropout_p, ctx.dropout_seed, summed.dtype)
+    grad_linear = grad_dropped if ctx.dropout_p > 0 else grad_total
+    grad_x, grad_weight = linear_input_grads(grad_linear, x, weight, needs[:2])
+    grad_bias = sums[2].to(bias.dtype) if needs[2] and bias is not None else None
+    grad_residual = grad_total.view(ctx.residual_shape) if needs[3] else None
+    grad_ln_weight = sums[0].to(ln_weight.dtype) if needs[4] else None
+    grad_ln_bias = sums[1].to(ln_weight.dtype) if needs[5] and ctx.has_ln_bias else None
+    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None, None, None
+
+
+# torch.ops.fastbert.triton_linear_residual_prenorm: schema and fake from the op's spec, the backward above.
+_op = SPEC.define("triton_", _launch, setup_context=_setup_context, backward=_backward)
 
 
 def linear_residual_prenorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
                             eps: float, dropout_p: float = 0.0,
                             dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x @ weight.T + bias + residual, its LayerNorm), each [..., N] (the triton backend's
+    """(dropout(x @ weight.T + bias) + residual, its LayerNorm), each [..., N] (the triton backend's
     `fastbert.ops.linear_residual_prenorm`)."""
     return torch.ops.fastbert.triton_linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias,
                                                              float(eps), float(dropout_p), int(dropout_seed))
