@@ -14,7 +14,10 @@ Runners, each with its own copy of the model and its own AdamW (lr 1e-5):
 - ``fastbert (optimize)``: fastbert.optimize of the eager model; ``fastbert.explain(model, **batch)`` and the fused
   ops that ran (`fastbert.bench.recording`) are recorded per case, so a call that fell back to transformers' code is
   marked as such and never meets a target;
-- ``fastbert (from_pretrained)``: fastbert's own task model (`fastbert.from_pretrained(dir, task=...)`).
+- ``fastbert (from_pretrained)``: fastbert's own task model (`fastbert.from_pretrained(dir, task=...)`);
+- ``fastbert (from_pretrained, backend cpp)`` (``--runners ... own-cpp``, not by default): the same through the cpp
+  backend forced, which `auto` does not take under autograd on CPU (`fastbert.backends.AUTO_ORDER_AUTOGRAD`);
+  with dropout on it cannot run (cpp declines dropout) and is recorded as failed.
 
 Batches: ``fixed`` (``--batch`` x ``--seqlen``, every token real) and ``varlen`` (``--batch`` sequences of seeded
 lengths uniform in [0.2, 1.0] x seqlen, the first full: mean ~60 %, padded to seqlen; every runner gets the same
@@ -69,7 +72,9 @@ HF_CLASSES = {"sequence-classification": "BertForSequenceClassification", "maske
 RUNNERS = {  # --runners key -> runner name
     "hf-eager": "HF eager", "hf-sdpa": "HF SDPA", "compile": "torch.compile (HF SDPA)",
     "optimize": "fastbert (optimize)", "own": "fastbert (from_pretrained)",
+    "own-cpp": "fastbert (from_pretrained, backend cpp)",  # not by default: auto's choice under autograd re-checked
 }
+DEFAULT_RUNNERS = ("hf-eager", "hf-sdpa", "compile", "optimize", "own")
 DEFAULT_CASES = ("minilm:fixed", "minilm:varlen", "minilm:fixed:nodropout", "minilm:varlen:nodropout",
                  "base:fixed", "base:varlen")
 TARGETS = [("varlen", "fastbert (optimize)", "HF eager", 1.3)]  # (batch kind, runner, peer, needed speed-up)
@@ -195,11 +200,12 @@ def build_runners(directory: str, task: str, keys: list[str], failed: dict[str, 
                     notes["optimize"] = "fastbert.optimize(model) (backend auto) on the eager model"
                 runners[name] = Runner(name, model, call, optimizer(model), hf_names=True, notes=notes)
             else:
+                backend = "cpp" if key == "own-cpp" else "auto"
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    model = fastbert.from_pretrained(directory, task=task).train()
-                runners[name] = Runner(name, model, model, optimizer(model), hf_names=False,
-                                       notes={"model": f"fastbert.from_pretrained(dir, task={task!r})"})
+                    model = fastbert.from_pretrained(directory, task=task, backend=backend).train()
+                runners[name] = Runner(name, model, model, optimizer(model), hf_names=False, notes={
+                    "model": f"fastbert.from_pretrained(dir, task={task!r}, backend={backend!r})"})
         except Exception as err:  # noqa: BLE001 - a runner that cannot be built is a result, not a crash
             failed[name] = f"build: {type(err).__name__}: {err}"[:600]
     return runners
@@ -319,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
                         help="SIZE:fixed|varlen[:nodropout] (sizes: " + ", ".join(SIZES) + ")")
     parser.add_argument("--task", choices=sorted(HF_CLASSES), default="sequence-classification")
-    parser.add_argument("--runners", nargs="+", choices=list(RUNNERS), default=list(RUNNERS))
+    parser.add_argument("--runners", nargs="+", choices=list(RUNNERS), default=list(DEFAULT_RUNNERS))
     parser.add_argument("--base-runners", nargs="+", choices=list(RUNNERS),
                         default=["hf-eager", "compile", "optimize", "own"],
                         help="runners of the base cases (a step there takes ~10 s on 2 cores)")
