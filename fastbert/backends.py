@@ -50,6 +50,9 @@ class OpImpl:
 
 
 _REGISTRY: dict[str, dict[str, OpImpl]] = {}
+# op -> position of its ``dropout_p`` argument (filled by `fastbert.ops.spec.declare` from the schemas): a training
+# `OpTable` resolves these ops once with and once without dropout, since some kernels decline p > 0.
+DROPOUT_ARGUMENT: dict[str, int] = {}
 _LOAD_ERRORS: dict[str, str] = {}
 _LOADED: set[str] = {"eager"}
 _OBSERVERS: list[Callable[[str, str], None]] = []
@@ -191,15 +194,19 @@ class OpTable:
     (device, dtype, grad mode, backend request). An op is resolved on its first call, by `choose` on that call's
     arguments (``supports`` sees real tensors); later calls skip the choice and the argument checks, which the
     model's fixed shapes make redundant. Attribute per op: ``table.attention(q, k, v, cu_seqlens, max_seqlen,
-    key_padding_mask, scale)`` takes the arguments `dispatch` passes to the implementations."""
+    key_padding_mask, scale)`` takes the arguments `dispatch` passes to the implementations. A ``training`` table
+    resolves an op with a dropout argument twice, for calls with and without dropout (its sites differ in p)."""
 
-    def __init__(self, backend: str | None):
+    def __init__(self, backend: str | None, training: bool = False):
         self.backend = backend
+        self.training = training
         self.chosen: dict[str, str] = {}
 
     def __getattr__(self, op: str):
         if op.startswith("_") or op not in _REGISTRY:
             raise AttributeError(op)
+        if self.training and op in DROPOUT_ARGUMENT:
+            return self._by_dropout(op)
 
         def first_call(*args, **kwargs):
             chosen, _ = choose(op, self.backend, *args, **kwargs)
@@ -211,6 +218,24 @@ class OpTable:
             return fn(*args, **kwargs)
 
         return first_call
+
+    def _by_dropout(self, op: str):
+        index = DROPOUT_ARGUMENT[op]
+        resolved: dict[bool, Callable] = {}
+
+        def call(*args, **kwargs):
+            dropout = (kwargs["dropout_p"] if "dropout_p" in kwargs else args[index] if len(args) > index else 0) > 0
+            fn = resolved.get(dropout)
+            if fn is None:
+                chosen, _ = choose(op, self.backend, *args, **kwargs)
+                fn = resolved[dropout] = _REGISTRY[op][chosen].fn
+                if _OBSERVERS:
+                    fn = resolved[dropout] = _observed(op, chosen, fn)
+                self.chosen[op + (" (dropout)" if dropout else "")] = chosen
+            return fn(*args, **kwargs)
+
+        setattr(self, op, call)
+        return call
 
 
 def _observed(op: str, chosen: str, fn: Callable) -> Callable:
@@ -303,9 +328,9 @@ def _explain_model(model: torch.nn.Module) -> str:
         if not current:
             lines.append(f"{name} (backend {encoder.backend!r}): has not run yet; each op is resolved on its first "
                          f"call (loaded: {describe_available()})")
-        for (device, dtype, grad, requested, _), table in current:
+        for (device, dtype, grad, training, requested, _), table in current:
             ops = ", ".join(f"{op} {chosen}" for op, chosen in table.chosen.items())
-            mode = "grad" if grad else "no grad"
+            mode = ("grad" if grad else "no grad") + (", training" if training else "")
             lines.append(f"{name} (backend {requested!r}) on {device} {str(dtype).removeprefix('torch.')} {mode}: "
                          f"{ops}")
     return "\n".join(lines)

@@ -48,6 +48,12 @@ class FastBertConfig:
     - ``glu``: the FFN input projection gives [input | gate] and computes act(input) * gate (GeGLU) [True];
     - ``attention_bias`` / ``mlp_bias`` / ``norm_bias``: whether the attention Linears, the FFN Linears and the
       LayerNorms have a bias [ModernBERT's config says; all False in ModernBERT-base].
+
+    Dropout probabilities in training mode, by site (each family maps its config's names onto them, where its
+    transformers modules apply dropout): ``embedding_dropout`` on the embedding LayerNorm's output;
+    ``attention_dropout`` on the attention probabilities; ``attention_output_dropout`` and ``ffn_dropout`` on the
+    attention output projection's and the FFN output projection's results, before the residual add;
+    ``glu_dropout`` on the GLU's output, before the FFN output projection (ModernBERT's mlp_dropout).
     """
 
     model_type: str = "bert"
@@ -79,6 +85,11 @@ class FastBertConfig:
     attention_bias: bool = True
     mlp_bias: bool = True
     norm_bias: bool = True
+    embedding_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    attention_output_dropout: float = 0.0
+    ffn_dropout: float = 0.0
+    glu_dropout: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -150,7 +150,8 @@ def _linear_glu_supports(x, weight, bias, activation):
 def _embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
                          token_type_embeddings, weight, bias, eps, dropout_p=0.0, dropout_seed=0):
     return torch.ops.fastbert.embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings,
-                                                  position_embeddings, token_type_embeddings, weight, bias, eps)
+                                                  position_embeddings, token_type_embeddings, weight, bias, eps,
+                                                  dropout_p, dropout_seed)
 
 
 def _qkv_projection(x, weight, bias, num_heads):
@@ -169,7 +170,9 @@ def _qkv_rotary(x, weight, bias, num_heads, positions, cos, sin):
 
 def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
                dropout_p=0.0, dropout_seed=0):
-    return torch.ops.fastbert.attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window)
+    # (dropout passed on, not dropped: the kernel refuses p > 0 rather than silently skipping it)
+    return torch.ops.fastbert.attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window, dropout_p,
+                                        dropout_seed)
 
 
 def _linear_activation(x, weight, bias, activation):
@@ -177,7 +180,8 @@ def _linear_activation(x, weight, bias, activation):
 
 
 def _linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
-    return torch.ops.fastbert.linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps)
+    return torch.ops.fastbert.linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p,
+                                                        dropout_seed)
 
 
 def _linear_glu(x, weight, bias, activation):
@@ -185,7 +189,8 @@ def _linear_glu(x, weight, bias, activation):
 
 
 def _linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
-    return torch.ops.fastbert.linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps)
+    return torch.ops.fastbert.linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p,
+                                                      dropout_seed)
 
 
 def unpad(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -4,10 +4,15 @@ The encoder removes padding once at the entry (from ``attention_mask``), runs ev
 [total_tokens, H] with packed variable-length attention, and restores padding once at the exit; padded positions
 of ``last_hidden_state`` are zeros. ``padding_free=False`` runs the same ops on the padded batch instead, with a
 key padding mask in attention (same numbers at real positions).
+
+Training: in ``train()`` mode dropout acts where the config's ``*_dropout`` fields say (fused into the ops that
+take ``dropout_p``); each forward draws one seed from torch's default generator and gives each dropout site its
+own (`fastbert.ops.dropout`), so ``torch.manual_seed`` makes training reproducible. In eval mode nothing is drawn.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -16,6 +21,7 @@ from torch import nn
 
 from fastbert import backends
 from fastbert.config import FastBertConfig
+from fastbert.ops.dropout import draw_seed, dropout, op_seed
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
 
 
@@ -29,6 +35,30 @@ class EncoderOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
+class DropoutSeeds:
+    """One forward's dropout: ``seeds(p)`` -> (p, a fresh seed) for the next dropout site in training mode, and
+    (0.0, 0) in eval mode or for p = 0. The base seed is drawn (from torch's default generator) only when a site
+    needs it, so an eval forward or a model without dropout leaves the global RNG untouched."""
+
+    __slots__ = ("training", "base", "sites")
+
+    def __init__(self, training: bool):
+        self.training = training
+        self.base: int | None = None
+        self.sites = 0
+
+    def __call__(self, p: float) -> tuple[float, int]:
+        if not self.training or p == 0.0:
+            return 0.0, 0
+        if self.base is None:
+            self.base = draw_seed()
+        self.sites += 1
+        return p, op_seed(self.base, self.sites)
+
+
+EVAL = DropoutSeeds(False)
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape))
 
@@ -38,6 +68,20 @@ def _weight_and_bias(module: nn.Module, role: str, shape: tuple[int, ...], has_b
     checkpoint has none (so that ``module._parameters[...]`` always finds it)."""
     module.register_parameter(f"{role}_weight", _param(*shape))
     module.register_parameter(f"{role}_bias", _param(shape[0]) if has_bias else None)
+
+
+def _zero_row(row: int, grad: torch.Tensor) -> torch.Tensor:
+    return grad.index_fill(0, torch.tensor([row], device=grad.device), 0)
+
+
+def _no_grad_row(table: torch.Tensor | None, row: int | None) -> torch.Tensor | None:
+    """``table`` as the lookup's input, with the gradient that reaches ``row`` through it zeroed (a view with a
+    hook, under autograd only)."""
+    if table is None or row is None or not (table.requires_grad and torch.is_grad_enabled()):
+        return table
+    view = table.view_as(table)
+    view.register_hook(functools.partial(_zero_row, row))
+    return view
 
 
 class Embeddings(nn.Module):
@@ -53,22 +97,32 @@ class Embeddings(nn.Module):
         self.token_type_embeddings = _param(config.type_vocab_size, width) if config.type_vocab_size else None
         _weight_and_bias(self, "norm", (width,), config.norm_bias)
         self.eps = config.layer_norm_eps
+        self.dropout = config.embedding_dropout
+        # Table rows that get no gradient from the lookup, as transformers' nn.Embedding(padding_idx=...) (a pad
+        # token at an attended position; `fastbert.optimize` reads them from the model's modules).
+        self.padding_idx: int | None = config.pad_token_id
+        self.position_padding_idx: int | None = config.pad_token_id if config.position_offset is not None else None
 
-    def forward(self, input_ids, position_ids, token_type_ids, table: backends.OpTable) -> torch.Tensor:
+    def forward(self, input_ids, position_ids, token_type_ids, table: backends.OpTable,
+                seeds: DropoutSeeds = EVAL) -> torch.Tensor:
         if self.position_embeddings is None:  # rotary positions: they act in attention, not here
             position_ids = None
-        return table.embedding_layernorm(input_ids, position_ids, token_type_ids, self.word_embeddings,
-                                         self.position_embeddings, self.token_type_embeddings, self.norm_weight,
-                                         self.norm_bias, self.eps)
+        return table.embedding_layernorm(input_ids, position_ids, token_type_ids,
+                                         _no_grad_row(self.word_embeddings, self.padding_idx),
+                                         _no_grad_row(self.position_embeddings, self.position_padding_idx),
+                                         self.token_type_embeddings, self.norm_weight, self.norm_bias, self.eps,
+                                         *seeds(self.dropout))
 
-    def from_inputs_embeds(self, inputs_embeds, position_ids, token_type_ids) -> torch.Tensor:
-        """The same sum and LayerNorm for user-given word vectors (eager: there is nothing to gather)."""
+    def from_inputs_embeds(self, inputs_embeds, position_ids, token_type_ids,
+                           seeds: DropoutSeeds = EVAL) -> torch.Tensor:
+        """The same sum, LayerNorm and dropout for user-given word vectors (eager: there is nothing to gather)."""
         summed = inputs_embeds
         if self.position_embeddings is not None:
             summed = summed + nn.functional.embedding(position_ids, self.position_embeddings)
         if self.token_type_embeddings is not None:
             summed = summed + nn.functional.embedding(token_type_ids, self.token_type_embeddings)
-        return nn.functional.layer_norm(summed, summed.shape[-1:], self.norm_weight, self.norm_bias, self.eps)
+        normed = nn.functional.layer_norm(summed, summed.shape[-1:], self.norm_weight, self.norm_bias, self.eps)
+        return dropout(normed, *seeds(self.dropout))
 
 
 class EncoderLayer(nn.Module):
@@ -87,25 +141,42 @@ class EncoderLayer(nn.Module):
         self.ffn_in_weight, self.ffn_in_bias = _param(inner, hidden), _param(inner)
         self.ffn_out_weight, self.ffn_out_bias = _param(hidden, inner), _param(hidden)
         self.ffn_norm_weight, self.ffn_norm_bias = _param(hidden), _param(hidden)
+        self.dropout = (config.attention_dropout, config.attention_output_dropout, config.ffn_dropout)
+        # Set by `fastbert.optimize`: the model's own query/key/value (weights, biases) that ``qkv_weight`` and
+        # ``qkv_bias`` pack. Under autograd the packed tensors are concatenated from them on every call, so the
+        # gradients reach the parameters the model's optimizer holds.
+        self.qkv_sources: tuple[tuple[nn.Parameter, ...], tuple[nn.Parameter, ...]] | None = None
+
+    def packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv_weight [3H, H], qkv_bias [3H]) as the forward uses them."""
+        p = self._parameters
+        if self.qkv_sources is not None and torch.is_grad_enabled():
+            weights, biases = self.qkv_sources
+            return torch.cat(weights), torch.cat(biases) if biases else p["qkv_bias"]
+        return p["qkv_weight"], p["qkv_bias"]
 
     def forward(self, x: torch.Tensor, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,
-                table: backends.OpTable) -> torch.Tensor:
+                table: backends.OpTable, seeds: DropoutSeeds = EVAL) -> torch.Tensor:
         """x: [T, H] packed tokens (padding_free) or [B*S, H] with key_padding_mask [B, S]. ``table`` holds the
-        ops (argument order of `fastbert.backends.dispatch`)."""
+        ops (argument order of `fastbert.backends.dispatch`); ``seeds`` the forward's dropout."""
         tokens, hidden = x.shape
         p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
-        q, k, v = table.qkv_projection(x, p["qkv_weight"], p["qkv_bias"], self.num_heads)
+        attention_p, attention_output_p, ffn_p = self.dropout
+        qkv_weight, qkv_bias = self.packed_qkv()
+        q, k, v = table.qkv_projection(x, qkv_weight, qkv_bias, self.num_heads)
         if key_padding_mask is None:
-            context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale)
+            context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale, None,
+                                      *seeds(attention_p))
         else:
             shape = (varlen.batch, varlen.seqlen, self.num_heads, hidden // self.num_heads)
             context = table.attention(q.view(shape), k.view(shape), v.view(shape), None, None, key_padding_mask,
-                                      self.scale)
+                                      self.scale, None, *seeds(attention_p))
         x = table.linear_residual_layernorm(context.view(tokens, hidden), p["attn_out_weight"], p["attn_out_bias"],
-                                            x, p["attn_norm_weight"], p["attn_norm_bias"], self.eps)
+                                            x, p["attn_norm_weight"], p["attn_norm_bias"], self.eps,
+                                            *seeds(attention_output_p))
         inner = table.linear_activation(x, p["ffn_in_weight"], p["ffn_in_bias"], self.activation)
         return table.linear_residual_layernorm(inner, p["ffn_out_weight"], p["ffn_out_bias"], x,
-                                               p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps)
+                                               p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps, *seeds(ffn_p))
 
 
 class PreNormLayer(nn.Module):
@@ -127,6 +198,8 @@ class PreNormLayer(nn.Module):
         self.eps = config.layer_norm_eps
         self.window = config.layer_window(index)
         self.theta = config.layer_theta(index)
+        self.dropout = (config.attention_dropout, config.attention_output_dropout, config.glu_dropout,
+                        config.ffn_dropout)
 
         shapes = {"qkv": ((3 * hidden, hidden), config.attention_bias),
                   "attn_out": ((hidden, hidden), config.attention_bias),
@@ -141,27 +214,30 @@ class PreNormLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, varlen: VarlenBatch,
                 key_padding_mask: torch.Tensor | None, table: backends.OpTable, positions: torch.Tensor,
-                rotary: dict, next_norm_weight: torch.Tensor, next_norm_bias: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                rotary: dict, next_norm_weight: torch.Tensor, next_norm_bias: torch.Tensor | None,
+                seeds: DropoutSeeds = EVAL) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream [T, H] (packed, or [B*S, H] with key_padding_mask [B, S]); normed: x through
         this layer's attention norm; positions [T]: each token's position in its sequence; rotary: theta ->
         (cos, sin) tables. Returns (x after the layer, that x through the next norm)."""
         tokens, hidden = x.shape
         p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
+        attention_p, attention_output_p, glu_p, ffn_p = self.dropout
         cos, sin = rotary[self.theta]
         q, k, v = table.qkv_rotary(normed, p["qkv_weight"], p["qkv_bias"], self.num_heads, positions, cos, sin)
         if key_padding_mask is None:
-            context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale, self.window)
+            context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale, self.window,
+                                      *seeds(attention_p))
         else:
             shape = (varlen.batch, varlen.seqlen, self.num_heads, hidden // self.num_heads)
             context = table.attention(q.view(shape), k.view(shape), v.view(shape), None, None, key_padding_mask,
-                                      self.scale, self.window)
+                                      self.scale, self.window, *seeds(attention_p))
         x, normed = table.linear_residual_prenorm(context.view(tokens, hidden), p["attn_out_weight"],
                                                   p["attn_out_bias"], x, p["ffn_norm_weight"], p["ffn_norm_bias"],
-                                                  self.eps)
-        inner = table.linear_glu(normed, p["ffn_in_weight"], p["ffn_in_bias"], self.activation)
+                                                  self.eps, *seeds(attention_output_p))
+        inner = dropout(table.linear_glu(normed, p["ffn_in_weight"], p["ffn_in_bias"], self.activation),
+                        *seeds(glu_p))  # (unfused: ModernBERT's mlp_dropout, 0 in its released configs)
         return table.linear_residual_prenorm(inner, p["ffn_out_weight"], p["ffn_out_bias"], x, next_norm_weight,
-                                             next_norm_bias, self.eps)
+                                             next_norm_bias, self.eps, *seeds(ffn_p))
 
 
 def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int,
@@ -313,24 +389,26 @@ class FastBertModel(nn.Module):
         the packed batch, or the whole padded batch when ``key_padding_mask`` [B, S] is given. Returns the
         hidden states [T, H]: the last only, or the embedding output and every layer's when ``all_states``."""
         table = self.op_table(self.embeddings.word_embeddings)
+        seeds = DropoutSeeds(True) if self.training else EVAL
         if embedded:
-            x = self.embeddings.from_inputs_embeds(tokens, positions, types)
+            x = self.embeddings.from_inputs_embeds(tokens, positions, types, seeds)
         else:
-            x = self.embeddings(tokens, positions, types, table)
+            x = self.embeddings(tokens, positions, types, table, seeds)
         if self.embed_proj is not None:
             x = self.embed_proj(x)
         if self.pre_norm:
-            return self._pre_norm_stack(x, positions, varlen, key_padding_mask, table, all_states)
+            return self._pre_norm_stack(x, positions, varlen, key_padding_mask, table, all_states, seeds)
         states = [x]
         layers = self.layers._modules  # by string key: ModuleList indexing costs microseconds per layer
         for index in self.schedule:
-            x = layers[str(index)](x, varlen, key_padding_mask, table)
+            x = layers[str(index)](x, varlen, key_padding_mask, table, seeds)
             if all_states:
                 states.append(x)
         return states if all_states else [x]
 
     def _pre_norm_stack(self, x: torch.Tensor, positions: torch.Tensor, varlen: VarlenBatch,
-                        key_padding_mask: torch.Tensor | None, table, all_states: bool) -> list[torch.Tensor]:
+                        key_padding_mask: torch.Tensor | None, table, all_states: bool,
+                        seeds: DropoutSeeds = EVAL) -> list[torch.Tensor]:
         """The pre-LN stack: each layer ends with the norm the next one starts with (the final norm after the
         last). States as transformers reports them: the embeddings, each layer's residual stream, and the last
         one after the final norm (transformers ties hidden_states[-1] to last_hidden_state)."""
@@ -345,7 +423,7 @@ class FastBertModel(nn.Module):
             else:
                 weight, bias = own["final_norm_weight"], own["final_norm_bias"]
             x, normed = layers[str(index)](x, normed, varlen, key_padding_mask, table, positions, rotary, weight,
-                                           bias)
+                                           bias, seeds)
             if all_states:
                 states.append(x)
         if all_states:
@@ -369,17 +447,18 @@ class FastBertModel(nn.Module):
 
     def op_table(self, like: torch.Tensor) -> backends.OpTable | backends.PerCallDispatch:
         """The ops for tensors like ``like`` under the current grad mode: resolved once per (device, dtype, grad
-        mode, backend, `backends.generation()`), then called directly (while torch.compile traces, every call
-        dispatches instead)."""
+        mode, training mode, backend, `backends.generation()`), then called directly (while torch.compile traces,
+        every call dispatches instead)."""
         if torch.compiler.is_compiling():
             return backends.PerCallDispatch(self.backend)
-        key = (like.device, like.dtype, torch.is_grad_enabled(), self.backend, backends.generation())
+        # Training mode is part of the key: its dropout (p > 0) is an argument some kernels decline.
+        key = (like.device, like.dtype, torch.is_grad_enabled(), self.training, self.backend, backends.generation())
         tables = self.__dict__.setdefault("_op_tables", {})
         table = tables.get(key)
         if table is None:
             if len(tables) > 16:  # stale generations
                 tables.clear()
-            table = tables[key] = backends.OpTable(self.backend)
+            table = tables[key] = backends.OpTable(self.backend, training=self.training)
         return table
 
     def __getstate__(self) -> dict:

@@ -17,6 +17,11 @@ A call takes fastbert's path when every argument is one fastbert handles (ids, m
 (``None``, ``output_attentions=False``, ``use_cache=False``, loss-only keywords such as ``num_items_in_batch``).
 ``fastbert.explain(model, **call_kwargs)`` says which path a call takes and why.
 
+Training: fastbert's path also runs in training mode and under autograd (fine-tuning with the HF Trainer or a plain
+PyTorch loop), with dropout where the model's config puts it (`fastbert.model`), and gradients reaching the
+model's own parameters (the packed Q/K/V is concatenated from them under autograd). What it cannot train falls
+back with the reason in a warning: gradient checkpointing, autocast.
+
 Under ``torch.compile`` the model is checked when a graph is traced (call the model once outside the compiled
 wrapper, or compile again, after replacing parameters); under ``torch.jit.trace`` the padded form runs, so the
 graph is right for any padding of the traced shape.
@@ -237,6 +242,7 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
         output_class = _output_class(base)
     except Exception as err:  # noqa: BLE001 - a model transformers cannot run once is not one to take over
         return refuse(f"transformers' forward failed on one token: {type(err).__name__}: {err}")
+    packed_sources: dict[str, dict[str, tuple[nn.Parameter, ...]]] = {}
     for ours, theirs in pairs:
         owner_name, _, attr = ours.rpartition(".")
         owner = owners[owner_name]
@@ -244,6 +250,7 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
             setattr(owner, attr, found[theirs[0]])
             continue
         params = [found[k] for k in theirs]
+        packed_sources.setdefault(owner_name, {})[attr] = tuple(params)
         packed = torch.cat([p.detach() for p in params], dim=0)
         offset = 0
         for param in params:  # the originals become views of the packed tensor: one copy in memory
@@ -251,6 +258,15 @@ def _build_over(base: nn.Module, backend: str) -> _Build:
             param.data = packed[offset: offset + rows_here]
             offset += rows_here
         setattr(owner, attr, nn.Parameter(packed, requires_grad=False))
+    word_table = _module(base, family.embedding_params["word"])
+    fast.embeddings.padding_idx = word_table.padding_idx
+    watched.append((word_table, "padding_idx", word_table.padding_idx))
+    position_table = _module(base, family.embedding_params.get("position", ""))
+    if position_table is not None and fast.embeddings.position_embeddings is not None:
+        fast.embeddings.position_padding_idx = position_table.padding_idx
+        watched.append((position_table, "padding_idx", position_table.padding_idx))
+    for owner_name, sources in packed_sources.items():  # under autograd the layer concatenates the originals
+        owners[owner_name].qkv_sources = (sources["qkv_weight"], sources.get("qkv_bias", ()))
     for index, (heads, scale) in enumerate(attention):
         fast.layers[index].num_heads, fast.layers[index].scale = heads, scale
     fast.eval()
@@ -339,7 +355,8 @@ def _hook_reason(base: nn.Module, build: _Build) -> str | None:
 def _foreign_hooks(module: nn.Module) -> bool:
     """Hooks other than transformers' own inert ones: its output-capturing hooks (installed for good on the first
     call that asks for attentions or hidden states) and gradient checkpointing's `make_inputs_require_grads`
-    (which only matters under autograd, where transformers' code runs anyway)."""
+    (it makes the embeddings' output require grad for checkpointed layers; fastbert's path checkpoints nothing, and
+    gradient checkpointing itself makes the call fall back)."""
     hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
     return any(getattr(hook, "__module__", None) != _TRANSFORMERS_CAPTURE
                and getattr(hook, "__qualname__", "").rpartition(".")[2] != "make_inputs_require_grads"
@@ -391,8 +408,6 @@ class OptimizedState:
         """Why this call, whatever the model's tensors, runs transformers' code; None when it need not."""
         if arguments is None:
             return "arguments that do not match the forward signature"
-        if base.training:
-            return "training mode (dropout); call model.eval() for fastbert's path"
         config = base.config
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             return "config.is_decoder / config.add_cross_attention is set"
@@ -410,12 +425,15 @@ class OptimizedState:
         if _autocast_enabled():
             return ("autocast is enabled (fastbert's kernels take one dtype): convert the model instead, e.g. "
                     "model.to(torch.bfloat16)")
-        if torch.is_grad_enabled():
-            params = self.build.tensors if self.build is not None else base.parameters()
-            if any(p.requires_grad for p in params):
-                return ("autograd is enabled (grad mode on, parameters that require grad): call the model under "
-                        "torch.inference_mode() or torch.no_grad() for fastbert's path")
+        if base.training and torch.is_grad_enabled() and self._checkpointing(base):
+            return ("gradient checkpointing is enabled (fastbert's encoder does not checkpoint): call "
+                    "model.gradient_checkpointing_disable() for fastbert's path")
         return None
+
+    def _checkpointing(self, base: nn.Module) -> bool:
+        """Whether transformers' gradient checkpointing is on (its modules' ``gradient_checkpointing`` flag)."""
+        dicts = self.build.module_dicts if self.build is not None else [m.__dict__ for m in base.modules()]
+        return any(d.get("gradient_checkpointing") is True for d in dicts)
 
     @staticmethod
     def model_reason(base: nn.Module, build: _Build, arguments: dict, read_values: bool = True) -> str | None:
@@ -446,6 +464,8 @@ class OptimizedState:
         return_dict = arguments.get("return_dict")
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
+        if build.fast.training != base.training:  # dropout follows the model's mode
+            build.fast.train(base.training)
         out = build.fast(**{k: arguments.get(k) for k in build.inputs},
                          output_hidden_states=bool(output_hidden_states))
         fields = {"last_hidden_state": out.last_hidden_state}
@@ -609,7 +629,8 @@ def explain(model: nn.Module, **call_kwargs) -> str:
         if reason is None:
             reason = state.model_reason(base, state.current(base), kwargs)
         if reason is None:
-            requested = state.backend if state.backend != "auto" else "auto: triton on CUDA, cpp on CPU, else eager"
+            requested = state.backend if state.backend != "auto" else ("auto: triton on CUDA, cpp on CPU (eager ops "
+                                                                        "under autograd), else eager")
             lines.append(f"{name}: fastbert's path (backend {requested})")
         else:
             lines.append(f"{name}: transformers' code runs: {reason}")

@@ -21,6 +21,10 @@ def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
         inner_group_num=raw.get("inner_group_num", 1),
         shared_layers=True,
         hidden_act=raw.get("hidden_act", "gelu_new"),
+        embedding_dropout=raw.get("hidden_dropout_prob", 0.0),
+        attention_dropout=raw.get("attention_probs_dropout_prob", 0.0),
+        attention_output_dropout=raw.get("hidden_dropout_prob", 0.0),
+        ffn_dropout=0.0,  # AlbertLayer applies no dropout to its FFN output (its dropout module goes unused)
     )
     return fields
 

@@ -13,8 +13,14 @@ if TYPE_CHECKING:
 
 
 def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """BertConfig's names, which are fastbert's."""
+    """BertConfig's names, which are fastbert's. Dropout: hidden_dropout_prob on the embeddings and after each
+    sublayer's output projection, attention_probs_dropout_prob on the attention probabilities."""
+    hidden_dropout = raw.get("hidden_dropout_prob", 0.1)
     return dict(
+        embedding_dropout=hidden_dropout,
+        attention_dropout=raw.get("attention_probs_dropout_prob", 0.1),
+        attention_output_dropout=hidden_dropout,
+        ffn_dropout=hidden_dropout,
         hidden_size=raw.get("hidden_size", 768),
         num_hidden_layers=raw.get("num_hidden_layers", 12),
         num_attention_heads=raw.get("num_attention_heads", 12),

@@ -22,6 +22,10 @@ def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
         type_vocab_size=0,
         layer_norm_eps=1e-12,  # DistilBERT hard-codes it
         has_pooler=False,
+        embedding_dropout=raw.get("dropout", 0.1),
+        attention_dropout=raw.get("attention_dropout", 0.1),
+        attention_output_dropout=0.0,  # out_lin's result goes to the residual without dropout
+        ffn_dropout=raw.get("dropout", 0.1),
     )
 
 

@@ -73,6 +73,10 @@ def config_fields(raw: dict[str, Any]) -> dict[str, Any]:
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         norm_bias=bool(raw.get("norm_bias", False)),
+        embedding_dropout=raw.get("embedding_dropout", 0.0),
+        attention_dropout=raw.get("attention_dropout", 0.0),
+        attention_output_dropout=raw.get("attention_dropout", 0.0),  # Wo's out_drop uses the same probability
+        glu_dropout=raw.get("mlp_dropout", 0.0),
     )
 
 

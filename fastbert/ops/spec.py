@@ -95,4 +95,9 @@ def declare(spec: OpSpec) -> OpSpec:
         raise ValueError(f"op {spec.name} is declared twice")
     SPECS[spec.name] = spec
     backends.register(spec.name, "eager", spec.eager, has_backward=True)
+    if spec.schema is not None:
+        schema = torch._C.parse_schema(f"{NAMESPACE}::{spec.name}{spec.schema}")
+        names = [argument.name for argument in schema.arguments]
+        if "dropout_p" in names:
+            backends.DROPOUT_ARGUMENT[spec.name] = names.index("dropout_p")
     return spec
