@@ -1,7 +1,8 @@
 """`fastbert pretrain`: pretrain a small BERT (or RoBERTa / ALBERT) from scratch on real text, offline.
 
 - Corpus: CPython's reference documentation as it ships with every Python (``pydoc_data.topics``: one document per
-  topic), or text files named on the command line (a blank line ends a document). Documents are split into
+  topic; ``--corpus cpython`` adds the standard library's docstrings, one document per module), or text files named
+  on the command line (a blank line ends a document). Documents are split into
   sentences (paragraphs, then ``. ! ?`` followed by a capital letter). The last 5 % of the sentences of every
   document with at least 10 of them are held out for evaluation.
 - Vocabulary: WordPiece trained with the ``tokenizers`` library on the training sentences (lower-cased, BERT's
@@ -83,6 +84,54 @@ def pydoc_documents() -> list[list[str]]:
     topics = pydoc_data.topics.topics
     documents = [split_sentences(topics[key]) for key in sorted(topics)]
     return [doc for doc in documents if doc]
+
+
+_SKIPPED_DIRS = {"site-packages", "__pycache__", "test", "tests", "idle_test", "lib2to3", "ensurepip", "turtledemo"}
+
+
+def _module_docstrings(path: str) -> list[str]:
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc:
+                found.append(doc)
+    return found
+
+
+def stdlib_documents() -> list[list[str]]:
+    """The docstrings of CPython's standard library (test suites left out): one document per module file, its
+    docstrings in source order (module, classes, functions), in sorted path order."""
+    import sysconfig
+
+    documents = []
+    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
+        for name in sorted(names):
+            if name.endswith(".py"):
+                doc = [s for text in _module_docstrings(os.path.join(root, name)) for s in split_sentences(text)]
+                if doc:
+                    documents.append(doc)
+    return documents
+
+
+CORPORA = {"pydoc": "CPython's reference topics (pydoc_data.topics)",
+           "cpython": "pydoc_data.topics plus the standard library's docstrings, one document per module"}
+
+
+def cpython_documents(corpus: str) -> list[list[str]]:
+    """The documents of a built-in corpus (`CORPORA`)."""
+    if corpus not in CORPORA:
+        raise UserError(f"unknown corpus {corpus!r}; expected one of {', '.join(CORPORA)}")
+    documents = pydoc_documents()
+    return documents + stdlib_documents() if corpus == "cpython" else documents
 
 
 def file_documents(paths: Sequence[str]) -> list[list[str]]:
@@ -523,11 +572,12 @@ def plot_curve(records: list[dict[str, Any]], path: Path, objective: str) -> Non
         accuracy_axis.set_ylabel(pair.replace("_", " "))
         more_handles, more_labels = accuracy_axis.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
-    loss_axis.legend(handles, labels, loc="center right", fontsize=8)
+    loss_axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8,
+                     frameon=False)
     loss_axis.set_title(f"fastbert pretrain ({objective})")
     figure.tight_layout()
     tmp = path.with_name(f".tmp-{path.name}")
-    figure.savefig(tmp, format="png", dpi=110)
+    figure.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
     plt.close(figure)
     os.replace(tmp, path)
 
@@ -543,6 +593,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("files", nargs="*", metavar="FILE",
                         help="text files (a blank line ends a document); default: CPython's documentation "
                         "(pydoc_data.topics, one document per topic)")
+    parser.add_argument("--corpus", choices=tuple(CORPORA), default=None,
+                        help="without FILEs: pydoc (default: the reference topics, one document each) or cpython "
+                        "(also the standard library's docstrings, one document per module)")
     parser.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="checkpoints, metrics, curve")
     parser.add_argument("--objective", choices=OBJECTIVES, default="bert",
                         help="bert: MLM + NSP (BertForPreTraining); roberta: MLM only, dynamic masking "
@@ -702,7 +755,9 @@ def run_pretraining(args: argparse.Namespace) -> int:
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    documents = file_documents(args.files) if args.files else pydoc_documents()
+    if args.files and args.corpus is not None:
+        raise UserError("give text FILEs or --corpus, not both")
+    documents = file_documents(args.files) if args.files else cpython_documents(args.corpus or "pydoc")
     if not documents:
         raise UserError("the corpus holds no sentences")
     train_docs, held_docs = hold_out(documents, args.held_out)
@@ -742,7 +797,7 @@ def run_pretraining(args: argparse.Namespace) -> int:
 
         model = fastbert.optimize(model, backend=args.backend)
     # the corpus by its content (a file named by another path is the same corpus), the vocabulary by its tokens
-    settings = {"data": asdict(options), "corpus": "text files" if args.files else "pydoc_data.topics",
+    settings = {"data": asdict(options), "corpus": "text files" if args.files else args.corpus or "pydoc",
                 "corpus_sha256": _corpus_fingerprint(documents), "held_out": args.held_out,
                 "vocab_size": len(tokenizer), "vocab_sha256": _vocab_fingerprint(tokenizer),
                 "model": json.loads(config.to_json_string(use_diff=False)), "optimized": not args.no_optimize,

@@ -307,6 +307,7 @@ def test_resume_with_changed_settings_is_refused(tmp_path, corpus, capsys, one_t
     (["-o", "{tmp}/nothing", "--resume"], "--resume: {tmp}/nothing does not exist"),
     (["-o", "{tmp}/a", "--objective", "gpt"], "invalid choice: 'gpt'"),
     (["{tmp}/empty.txt", "-o", "{tmp}/a"], "the corpus holds no sentences"),
+    (["{tmp}/empty.txt", "--corpus", "pydoc", "-o", "{tmp}/a"], "give text FILEs or --corpus, not both"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, args, message):
     (tmp_path / "empty.txt").write_text("\n\n")
