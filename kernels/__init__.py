@@ -6,8 +6,11 @@ linear_residual_prenorm, qkv_rotary. Each launches
 through a torch op ``torch.ops.fastbert.triton_<op>`` declared from the op's spec (`fastbert.ops.spec`: one schema
 and one fake per op), so `torch.compile(fullgraph=True)` traces through them. They run on CUDA tensors, or on CPU
 tensors when TRITON_INTERPRET=1 was set before this package was imported (the Triton interpreter: for tests, far
-too slow for use). Autograd: each torch op carries its spec's backward (PyTorch ops, no Triton backward kernels
-yet), so every op here is differentiable.
+too slow for use). Autograd: every op here is differentiable. embedding_layernorm, linear_activation,
+linear_residual_layernorm and linear_residual_prenorm attach their own backward (Triton kernels, called through
+torch ops of their own so that torch.compile traces them; plain matmuls by cuBLAS) and fuse dropout into their
+forwards (Philox, the backward regenerating the forward's mask); attention: see its module; ops without a backward
+of their own carry their spec's (PyTorch ops).
 """
 
 from fastbert import backends
