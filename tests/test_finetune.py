@@ -268,7 +268,7 @@ def test_cli_refuses_an_output_dir_that_holds_a_run(capsys, tmp_path, tiny_check
 def test_minilm_learns_the_topic_task(tmp_path, minilm_dir):
     results = finetune.finetune(finetune.FinetuneSettings(
         task="topic", output_dir=str(tmp_path / "run"), model_dir=minilm_dir, max_steps=40, batch_size=16,
-        train_limit=640, eval_limit=200, learning_rate=2e-4))
+        train_limit=640, eval_limit=150, learning_rate=2e-4))
     assert results["evaluation"]["accuracy"] > results["majority_baseline"]["accuracy"] + 0.15
     assert Counter(results["held_out"]["label_counts"]) == Counter(
-        finetune._counts(finetune.build_task("topic"), finetune.subsample(finetune.build_task("topic").test, 200, 0)))
+        finetune._counts(finetune.build_task("topic"), finetune.subsample(finetune.build_task("topic").test, 150, 0)))
