@@ -40,6 +40,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,7 +48,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -630,6 +631,23 @@ def _load_weights(model: nn.Module, checkpoint: Path) -> None:
             own[key].copy_(tensor)
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No 'Writing model shards' bar from save_pretrained in the middle of the progress line."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _save_checkpoint(model: nn.Module, task: TrainingTask, optimizer: torch.optim.Optimizer,
                      scheduler: torch.optim.lr_scheduler.LRScheduler, output_dir: Path, step: int, epoch: int,
                      position: int, settings: dict[str, Any], keep: int, dist: _Dist) -> Path:
@@ -640,7 +658,8 @@ def _save_checkpoint(model: nn.Module, task: TrainingTask, optimizer: torch.opti
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        model.save_pretrained(tmp, state_dict=_state_dict_to_save(model))
+        with _quiet_transformers():
+            model.save_pretrained(tmp, state_dict=_state_dict_to_save(model))
         task.save(tmp)
         torch.save({"step": step, "epoch": epoch, "position": position, "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "rng": rng, "settings": settings,
