@@ -86,3 +86,32 @@ def test_evaluate(classifier_pair, tokenizer, tmp_path, labels):
         assert {"eval_loss", "eval_accuracy", "eval_logit_sum"} <= want.keys()
     for name in want:
         assert_close(got[name], want[name], name)
+
+
+def test_train_fine_tunes_through_fastbert(minilm_dir, tokenizer, tmp_path):
+    """`Trainer.train` on an optimized model: every training forward on fastbert's path, the logged losses and the
+    fine-tuned weights those of the untouched model trained alike (dropout off: both sides deterministic)."""
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
+    reference = minilm_head_model(minilm_dir, transformers.BertForSequenceClassification, seed=21,
+                                  id2label=NLI_LABELS, label2id={v: k for k, v in NLI_LABELS.items()}, **no_dropout)
+    optimized = optimized_copy(reference)
+    dataset = _dataset(tokenizer, labels=True)
+    steps = 3
+
+    def train(model):
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / str(id(model))), max_steps=steps,
+                                              per_device_train_batch_size=BATCH, learning_rate=1e-3, logging_steps=1,
+                                              report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
+                                              seed=5)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    expected, actual = run_both(train, reference, optimized, forwards=steps)
+    assert len(actual) == len(expected) == steps
+    assert_close(actual, expected, "training losses")
+    assert expected[-1] != expected[0], "the model did not train"
+    for (name, got), (_, want) in zip(optimized.named_parameters(), reference.named_parameters(), strict=True):
+        if name.endswith("key.bias"):  # its gradient is zero up to rounding (softmax ignores a shift shared by all
+            continue  # keys): AdamW turns that noise into full-size steps, different on every machine
+        assert_close(got.detach(), want.detach(), name, tol=1e-4)
