@@ -90,7 +90,7 @@ def test_evaluate(classifier_pair, tokenizer, tmp_path, labels):
 
 def test_train_fine_tunes_through_fastbert(minilm_dir, tokenizer, tmp_path):
     """`Trainer.train` on an optimized model: every training forward on fastbert's path, the logged losses and the
-    fine-tuned weights those of the untouched model trained alike (dropout off: both sides deterministic)."""
+    fine-tuned weights those of the untouched model trained alike (dropout off: both sides deterministic; SGD)."""
     no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
     reference = minilm_head_model(minilm_dir, transformers.BertForSequenceClassification, seed=21,
                                   id2label=NLI_LABELS, label2id={v: k for k, v in NLI_LABELS.items()}, **no_dropout)
@@ -100,9 +100,10 @@ def test_train_fine_tunes_through_fastbert(minilm_dir, tokenizer, tmp_path):
 
     def train(model):
         args = transformers.TrainingArguments(output_dir=str(tmp_path / str(id(model))), max_steps=steps,
-                                              per_device_train_batch_size=BATCH, learning_rate=1e-3, logging_steps=1,
+                                              per_device_train_batch_size=BATCH, learning_rate=0.05, logging_steps=1,
                                               report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no",
-                                              seed=5)
+                                              seed=5, optim="sgd")
+        # (SGD: Adam turns the rounding noise of near-zero gradients, e.g. the key bias's, into full-size steps)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
         trainer.train()
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -112,6 +113,4 @@ def test_train_fine_tunes_through_fastbert(minilm_dir, tokenizer, tmp_path):
     assert_close(actual, expected, "training losses")
     assert expected[-1] != expected[0], "the model did not train"
     for (name, got), (_, want) in zip(optimized.named_parameters(), reference.named_parameters(), strict=True):
-        if name.endswith("key.bias"):  # its gradient is zero up to rounding (softmax ignores a shift shared by all
-            continue  # keys): AdamW turns that noise into full-size steps, different on every machine
         assert_close(got.detach(), want.detach(), name, tol=1e-4)
