@@ -147,12 +147,12 @@ class EncoderLayer(nn.Module):
         # gradients reach the parameters the model's optimizer holds.
         self.qkv_sources: tuple[tuple[nn.Parameter, ...], tuple[nn.Parameter, ...]] | None = None
 
-    def packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qkv_weight [3H, H], qkv_bias [3H]) as the forward uses them."""
+    def packed_qkv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv_weight [3H, H], qkv_bias [3H]) as the forward uses them, in ``dtype`` (the activations')."""
         p = self._parameters
         if self.qkv_sources is not None and torch.is_grad_enabled():
             weights, biases = self.qkv_sources
-            return torch.cat(weights), torch.cat(biases) if biases else p["qkv_bias"]
+            return torch.cat(weights).to(dtype), (torch.cat(biases).to(dtype) if biases else p["qkv_bias"])
         return p["qkv_weight"], p["qkv_bias"]
 
     def forward(self, x: torch.Tensor, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,
@@ -162,7 +162,7 @@ class EncoderLayer(nn.Module):
         tokens, hidden = x.shape
         p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
         attention_p, attention_output_p, ffn_p = self.dropout
-        qkv_weight, qkv_bias = self.packed_qkv()
+        qkv_weight, qkv_bias = self.packed_qkv(x.dtype)
         q, k, v = table.qkv_projection(x, qkv_weight, qkv_bias, self.num_heads)
         if key_padding_mask is None:
             context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale, None,

@@ -20,7 +20,11 @@ A call takes fastbert's path when every argument is one fastbert handles (ids, m
 Training: fastbert's path also runs in training mode and under autograd (fine-tuning with the HF Trainer or a plain
 PyTorch loop), with dropout where the model's config puts it (`fastbert.model`), and gradients reaching the
 model's own parameters (the packed Q/K/V is concatenated from them under autograd). What it cannot train falls
-back with the reason in a warning: gradient checkpointing, autocast.
+back with the reason in a warning: gradient checkpointing.
+
+Under ``torch.autocast`` (mixed-precision training: the Trainer's fp16/bf16) the encoder runs in the autocast
+dtype: the parameters are cast for the call (differentiably, so the fp32 master weights get the gradients) and the
+outputs come back in the parameters' dtype, as transformers' LayerNorm outputs do under autocast.
 
 Under ``torch.compile`` the model is checked when a graph is traced (call the model once outside the compiled
 wrapper, or compile again, after replacing parameters); under ``torch.jit.trace`` the padded form runs, so the
@@ -422,9 +426,6 @@ class OptimizedState:
             return f"a {mask.dim()}-D attention_mask (fastbert takes [batch, seq] masks)"
         if arguments.get("output_attentions") is None and getattr(config, "output_attentions", False):
             return "config.output_attentions is True"
-        if _autocast_enabled():
-            return ("autocast is enabled (fastbert's kernels take one dtype): convert the model instead, e.g. "
-                    "model.to(torch.bfloat16)")
         if base.training and torch.is_grad_enabled() and self._checkpointing(base):
             return ("gradient checkpointing is enabled (fastbert's encoder does not checkpoint): call "
                     "model.gradient_checkpointing_disable() for fastbert's path")
@@ -466,8 +467,8 @@ class OptimizedState:
             return_dict = getattr(config, "return_dict", True)
         if build.fast.training != base.training:  # dropout follows the model's mode
             build.fast.train(base.training)
-        out = build.fast(**{k: arguments.get(k) for k in build.inputs},
-                         output_hidden_states=bool(output_hidden_states))
+        inputs = {k: arguments.get(k) for k in build.inputs}
+        out = _run_encoder(build.fast, inputs, bool(output_hidden_states))
         fields = {"last_hidden_state": out.last_hidden_state}
         if "pooler_output" in build.output_class.__dataclass_fields__:
             fields["pooler_output"] = out.pooler_output
@@ -489,8 +490,27 @@ def _is_exporting() -> bool:
     return bool(is_exporting and is_exporting())
 
 
-def _autocast_enabled() -> bool:
-    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+def _run_encoder(fast: FastBertModel, inputs: dict, output_hidden_states: bool):
+    """fastbert's encoder on ``inputs``; under autocast on the parameters' device, in the autocast dtype with
+    autocast off inside (the fused ops take one dtype), outputs cast back to the parameters' dtype."""
+    weight = fast.embeddings.word_embeddings
+    device_type = weight.device.type
+    if not (device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)):
+        return fast(**inputs, output_hidden_states=output_hidden_states)
+    dtype = torch.get_autocast_dtype(device_type)
+    if weight.dtype == dtype or not weight.is_floating_point():
+        with torch.autocast(device_type, enabled=False):
+            return fast(**inputs, output_hidden_states=output_hidden_states)
+    params = {name: p.to(dtype) for name, p in fast.named_parameters()}
+    if inputs.get("inputs_embeds") is not None:
+        inputs = {**inputs, "inputs_embeds": inputs["inputs_embeds"].to(dtype)}
+    with torch.autocast(device_type, enabled=False):
+        out = torch.func.functional_call(fast, params, (), {**inputs, "output_hidden_states": output_hidden_states})
+    back = weight.dtype
+    out.last_hidden_state = out.last_hidden_state.to(back)
+    out.pooler_output = None if out.pooler_output is None else out.pooler_output.to(back)
+    out.hidden_states = None if out.hidden_states is None else tuple(h.to(back) for h in out.hidden_states)
+    return out
 
 
 def _signature(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]]:

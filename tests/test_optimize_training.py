@@ -1,8 +1,9 @@
 """fastbert.optimize in training: every family and head trains through fastbert's ops (no fallback), with the
 loss and every parameter's gradient equal to the untouched model's (dropout off, fp32); dropout sits where
 transformers puts it (each site checked alone at p = 1, where both sides are deterministic); dropout follows
-train()/eval(), is reproducible under torch.manual_seed; optimizer steps reach both paths; what cannot train
-through fastbert (gradient checkpointing, autocast) falls back with its reason."""
+train()/eval(), is reproducible under torch.manual_seed; optimizer steps reach both paths; mixed precision
+(autocast) trains through fastbert as accurately as transformers' own autocast; what cannot train through fastbert
+(gradient checkpointing) falls back with its reason."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 import fastbert
 from fastbert import benchmarking as bm
+from fastbert.numerics import assert_accurate
 from tests.hf_tiny import HEADS, fused_ops, padded_batch, rel_err, tiny_config, tiny_model
 from tests.test_optimize import _inputs
 
@@ -167,5 +169,29 @@ def test_what_cannot_train_through_fastbert_falls_back_with_its_reason():
     with bm.record_backends() as seen:
         model(**inputs).loss.backward()
     assert seen
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.warns(UserWarning, match="autocast"):
-        model(**inputs)
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_autocast_training_step_is_as_accurate_as_transformers(family):
+    """A bf16 autocast training step (the Trainer's --bf16) on fastbert's path: loss and gradients (fp32, on the
+    fp32 master weights) within the 2x rule of plain PyTorch in bf16 (transformers' model converted to bf16), both
+    against the fp32 step. (fastbert's encoder computes in bf16 throughout, LayerNorm statistics and softmax in
+    fp32; transformers' autocast keeps its residual stream in fp32, so it is not the comparison for a bf16 path.)"""
+    head = "ForSequenceClassification"
+    reference = tiny_model(family, head, **no_dropout(family)).train()
+    optimized = fastbert.optimize(copy.deepcopy(reference)).train()
+    inputs = _inputs(family, head, reference)
+    exact_loss, exact = _step(reference, inputs)
+    plain_loss, plain = _step(copy.deepcopy(reference).to(torch.bfloat16), inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16), bm.record_backends() as seen:
+        fast_loss, fast = _step(optimized, inputs)
+    assert set(seen) == set(fused_ops(reference)), "fastbert's encoder did not run (a fallback)"
+    assert fast_loss.dtype == torch.float32 and all(g.dtype == torch.float32 for g in fast.values())
+    half = torch.bfloat16  # judged by the bf16 rule (the gradients are fp32 tensors of a bf16 computation)
+    assert_accurate(fast_loss.to(half), plain_loss.to(half), exact_loss.double(), "loss")
+    assert fast.keys() == exact.keys()
+    # All gradients as one vector: some are zero up to rounding (the key bias's), with no error scale of their own.
+    names = sorted(exact)
+    flat = {key: torch.cat([grads[n].double().flatten() for n in names]) for key, grads in
+            (("fast", fast), ("plain", plain), ("exact", exact))}
+    assert_accurate(flat["fast"].to(half), flat["plain"].to(half), flat["exact"], "gradients")
