@@ -13,7 +13,9 @@ Cases: every GEMM config the autotuner or the M table can pick for the dtype (qk
 epilogue too, at ModernBERT-base sizes, the same tiles as pairs of columns; --quick: without bias only)
 (`_gemm.gpu_configs(dtype)` and `_gemm.table_config`) with the epilogues the ops use, the same for linear_glu's
 two-accumulator GEMM (`linear_glu.gpu_configs`/`table_config`, ModernBERT-base sizes), the attention meta for head dims
-32/64/80/96/128 (packed and padded forms, plus the BLOCK_M = 64 small-batch variant), and the row kernels at BERT
+32/64/80/96/128 (packed and padded forms, plus the BLOCK_M = 64 small-batch variant and the packed dropout variant),
+the attention backward's two kernels (dq with its LSE pass, dk/dv; `attention._backward_meta`) for head dims 32 to
+256, plain and with a window and dropout (--quick: D = 128 only), and the row kernels at BERT
 widths (with and without positions / LayerNorm bias); in fp16, bf16 and fp32. Shorter sequences only shrink the
 attention blocks, so they are not compiled.
 Fails (exit 1) on a compile error, a register spill in any kernel (fp32 included: its configs were sized not to
@@ -73,6 +75,8 @@ KERNELS = {
     "qkv_rotary": rotary._qkv_rotary_kernel,
     "linear_glu": glu._linear_glu_kernel,
     "attention": attention._attention_kernel,
+    "attention_backward_dq": attention._attention_backward_dq_kernel,
+    "attention_backward_dkdv": attention._attention_backward_dkdv_kernel,
     "embedding_layernorm": embedding._embedding_layernorm_kernel,
     "layernorm_rows": residual_ln._layernorm_rows_kernel,
 }
@@ -173,24 +177,57 @@ def attention_cases(dtype: str, quick: bool = False) -> list:
             metas = [base]
             if base["BLOCK_M"] == 128 and not quick:  # the small-batch variant `_launch` switches to (fewer registers)
                 metas.append({**base, "BLOCK_M": 64})
-            for meta in metas:
-                for packed in (True, False):
-                    if packed:  # q, k, v: [1, T, heads, D] views of the [T, 3, heads, D] projection; out contiguous
-                        qkv = (TOKENS * 3 * hd, 3 * hd, head_dim, 1)
-                        out = (TOKENS * hd, hd, head_dim, 1)
-                        rest = (_ptr("int32"), p, 0, 0, TOKENS)  # cu_seqlens, mask placeholder (q), strides, seqlen
-                    else:  # [B, S, heads, D] views of [B, S, 3, heads, D]; uint8 mask [B, S]
-                        qkv = (SEQ * 3 * hd, 3 * hd, head_dim, 1)
-                        out = (SEQ * hd, hd, head_dim, 1)
-                        rest = (p, _ptr("uint8"), SEQ, 1, SEQ)
-                    args = (p, *qkv, p, *qkv, p, *qkv, p, *out, *rest, head_dim, 0.125 * 1.4426950408889634,
-                            64 if window else 0)
-                    kw = dict(PACKED=packed, HAS_MASK=not packed, WINDOW=window,
+            # (packed, dropout, meta): training's dropout variant (its own meta) compiled for the packed form
+            variants = [(packed, False, meta) for meta in metas for packed in (True, False)]
+            if not quick:
+                variants.append((True, True, attention._meta(head_dim, 512, DTYPES[dtype], window, dropout=True)))
+            for packed, dropout, meta in variants:
+                if packed:  # q, k, v: [1, T, heads, D] views of the [T, 3, heads, D] projection; out contiguous
+                    qkv = (TOKENS * 3 * hd, 3 * hd, head_dim, 1)
+                    out = (TOKENS * hd, hd, head_dim, 1)
+                    rest = (_ptr("int32"), p, 0, 0, TOKENS)  # cu_seqlens, mask placeholder (q), strides, seqlen
+                else:  # [B, S, heads, D] views of [B, S, 3, heads, D]; uint8 mask [B, S]
+                    qkv = (SEQ * 3 * hd, 3 * hd, head_dim, 1)
+                    out = (SEQ * hd, hd, head_dim, 1)
+                    rest = (p, _ptr("uint8"), SEQ, 1, SEQ)
+                args = (p, *qkv, p, *qkv, p, *qkv, p, *out, *rest, head_dim, 0.125 * 1.4426950408889634,
+                        64 if window else 0, 0.1, 1 / 0.9, 12345)
+                kw = dict(PACKED=packed, HAS_MASK=not packed, WINDOW=window, DROPOUT=dropout,
+                          INPUT_PRECISION=_common.dot_precision(DTYPES[dtype]), DOT_IN_FP32=False, **meta)
+                label = (f"d{head_dim} {meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_D']} "
+                         f"w{meta['num_warps']} s{meta['num_stages']} {'packed' if packed else 'padded'}"
+                         f"{' window' if window else ''}{' dropout' if dropout else ''}")
+                cases.append(("attention", dtype, label, args, kw))
+    return cases
+
+
+def attention_backward_cases(dtype: str, quick: bool = False) -> list:
+    """The two backward kernels (dq with the LSE pass; dk/dv) per head dim, packed and padded; with a window and
+    dropout (the heaviest variant: band mask and Philox tiles) and without. --quick: D = 128 (the largest BERT
+    head), padded with window and dropout, packed without."""
+    p, f32 = _ptr(dtype), _ptr("fp32")
+    cases = []
+    for head_dim in (128,) if quick else (32, 64, 80, 96, 128, 256):
+        hd = HEADS * head_dim
+        for packed in (True, False):
+            if packed:  # q, k, v: views of the [T, 3, heads, D] projection; O, dO and the gradients contiguous
+                qkv, dense = (TOKENS * 3 * hd, 3 * hd, head_dim, 1), (TOKENS * hd, hd, head_dim, 1)
+                rest = (_ptr("int32"), p, 0, 0, TOKENS, 512)  # cu_seqlens, mask placeholder, strides, seqlen, rows
+            else:
+                qkv, dense = (SEQ * 3 * hd, 3 * hd, head_dim, 1), (SEQ * hd, hd, head_dim, 1)
+                rest = (p, _ptr("uint8"), SEQ, 1, SEQ, SEQ)
+            tail = (head_dim, 0.125 * 1.4426950408889634, 0.125, 64, 0.1, 1 / 0.9, 12345)
+            for window, dropout in ((not packed, not packed),) if quick else ((False, False), (True, True)):
+                metas = attention._backward_meta(head_dim, 512, DTYPES[dtype], heavy=window or dropout)
+                for kernel, meta in zip(("attention_backward_dq", "attention_backward_dkdv"), metas, strict=True):
+                    kw = dict(PACKED=packed, HAS_MASK=not packed, WINDOW=window, DROPOUT=dropout,
                               INPUT_PRECISION=_common.dot_precision(DTYPES[dtype]), DOT_IN_FP32=False, **meta)
                     label = (f"d{head_dim} {meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_D']} "
                              f"w{meta['num_warps']} s{meta['num_stages']} {'packed' if packed else 'padded'}"
-                             f"{' window' if window else ''}")
-                    cases.append(("attention", dtype, label, args, kw))
+                             f"{' window dropout' if window else ''}")
+                    # q, k, v, then O, dO, dq (dq kernel) or dO, dk, dv (dk/dv kernel): the same argument layout
+                    args = (p, *qkv, p, *qkv, p, *qkv, p, *dense, p, *dense, p, *dense, f32, f32, *rest, *tail)
+                    cases.append((kernel, dtype, label, args, kw))
     return cases
 
 
@@ -222,7 +259,8 @@ def all_cases(quick: bool = False) -> list:
     return [case for dtype in DTYPES
             for case in (*gemm_cases(dtype, epilogues), *glu_cases(dtype, *glu),
                          *qkv_rotary_cases(dtype, (False,) if quick else (False, True)),
-                         *attention_cases(dtype, quick), *row_cases(dtype))]
+                         *attention_cases(dtype, quick), *attention_backward_cases(dtype, quick),
+                         *row_cases(dtype))]
 
 
 _BACKEND = None
