@@ -304,3 +304,50 @@ def test_first_position_heads_refuse_left_padding_instead_of_disagreeing(family,
         ours(input_ids=ids, attention_mask=mask)
     mask[1, :3], mask[1, 5:] = 1, 0  # the same row padded on the right runs
     ours(input_ids=ids, attention_mask=mask)
+
+
+def _no_dropout(family: str) -> dict:
+    return {name: 0.0 for name, value in tiny_config(family).to_dict().items()
+            if "dropout" in name and isinstance(value, float)}
+
+
+@pytest.mark.parametrize("family,task", CASES, ids=[f"{f}-{t}" for f, t in CASES])
+def test_task_gradients_match_transformers(family, task, tmp_path):
+    """Training mode, dropout off: the loss's gradient for every parameter of fastbert's task model equals
+    transformers' for the parameters it was loaded from (the packed Q/K/V's against the concatenation of q, k, v)
+    to 1e-5 of the model's largest gradient."""
+    from fastbert.config import FastBertConfig
+    from fastbert.heads import head_key_map
+    from fastbert.loading import detect_prefix, encoder_key_map, read_state_dict
+
+    num_labels = {"sequence-classification": 3, "token-classification": 5}.get(task, 2)
+    hf_model = save_hf_model(family, task, tmp_path, num_labels=num_labels, **_no_dropout(family)).train()
+    model = load(tmp_path, task).train()
+    lengths = MC_LENGTHS if task == "multiple-choice" else LENGTHS
+    if task == "question-answering":  # its softmax runs over padded positions too: unpadded (test above)
+        lengths = (SEQ,) * len(LENGTHS)
+    batch = padded_batch(family, lengths)
+    labels = task_labels(family, task, batch, num_labels)
+    hf_model(**batch, **labels).loss.backward()
+    model(**batch, **labels).loss.backward()
+
+    config = FastBertConfig.from_json_file(tmp_path / "config.json")
+    prefix = detect_prefix(config, read_state_dict(tmp_path))
+    pairs = [("encoder." + ours, theirs) for ours, theirs in encoder_key_map(model.encoder.config, prefix)]
+    pairs += head_key_map(config, task)
+    ours = dict(model.named_parameters())
+    theirs = dict(hf_model.named_parameters())
+    compared = {}
+    for name, sources in pairs:
+        if name not in ours or not all(s in theirs for s in sources):
+            continue  # tied copies (a decoder sharing the word embeddings): compared as the table itself
+        expected = [theirs[s].grad for s in sources]
+        if ours[name].grad is None and all(g is None for g in expected):
+            continue
+        compared[name] = (ours[name].grad, torch.cat(expected))
+    assert len(compared) >= len(ours) - 2, sorted(set(ours) - set(compared))
+    scale = max(float(want.abs().max()) for _, want in compared.values())
+    for name, (got, want) in compared.items():
+        assert got is not None, f"{name}: no gradient"
+        err = float((got.double() - want.double()).abs().max())
+        assert err <= 1e-5 * scale, f"{family} {task} {name}: gradient error {err:.3g}, largest gradient {scale:.3g}"
