@@ -2,9 +2,9 @@
 
 - Corpus: CPython's reference documentation as it ships with every Python (``pydoc_data.topics``: one document per
   topic; ``--corpus cpython`` adds the standard library's docstrings, one document per module), or text files named
-  on the command line (a blank line ends a document). Documents are split into
-  sentences (paragraphs, then ``. ! ?`` followed by a capital letter). The last 5 % of the sentences of every
-  document with at least 10 of them are held out for evaluation.
+  on the command line (a blank line ends a document). Documents are split into sentences (paragraphs, then
+  ``. ! ?`` followed by a capital letter). 5 % of the documents, chosen at random, are held out whole for
+  evaluation (with fewer than 20 documents: the last 5 % of the sentences of each document of 10 or more).
 - Vocabulary: WordPiece trained with the ``tokenizers`` library on the training sentences (lower-cased, BERT's
   normaliser and pre-tokeniser), saved as a transformers fast tokenizer (``AutoTokenizer.from_pretrained`` loads it).
 - Objectives (``--objective``):
@@ -53,7 +53,15 @@ from fastbert.pretraining import (
     sentence_order_pairs,
 )
 from fastbert.resolve import UserError
-from fastbert.train import StepOutput, TrainingArguments, TrainingError, TrainingTask, train, write_atomic
+from fastbert.train import (
+    StepOutput,
+    TrainingArguments,
+    TrainingError,
+    TrainingTask,
+    latest_checkpoint,
+    train,
+    write_atomic,
+)
 
 OBJECTIVES = ("bert", "roberta", "albert")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -156,12 +164,24 @@ def file_documents(paths: Sequence[str]) -> list[list[str]]:
     return documents
 
 
-def hold_out(documents: list[list[str]], fraction: float) -> tuple[list[list[str]], list[list[str]]]:
-    """(training documents, held-out documents): the last ``fraction`` of the sentences of every document with at
-    least 10 sentences (at least two each, so they form a pair) form its held-out counterpart."""
+WHOLE_DOCUMENTS_FROM = 20  # with at least this many documents, whole documents are held out
+
+
+def hold_out(documents: list[list[str]], fraction: float, seed: int = 0) -> tuple[list[list[str]], list[list[str]]]:
+    """(training documents, held-out documents), in their original order. With at least `WHOLE_DOCUMENTS_FROM`
+    documents, ``fraction`` of the documents (at least two, chosen at random from ``seed``) are held out whole:
+    the model never sees their text. With fewer, the last ``fraction`` of the sentences of every document with at
+    least 10 sentences (at least two each, so they form a pair) are held out instead."""
+    if fraction <= 0:
+        return list(documents), []
+    if len(documents) >= WHOLE_DOCUMENTS_FROM:
+        count = max(2, round(len(documents) * fraction))
+        chosen = set(random.Random(f"held-out/{seed}").sample(range(len(documents)), count))
+        return ([doc for i, doc in enumerate(documents) if i not in chosen],
+                [doc for i, doc in enumerate(documents) if i in chosen])
     train_docs, held = [], []
     for doc in documents:
-        count = max(2, int(len(doc) * fraction)) if len(doc) >= 10 and fraction > 0 else 0
+        count = max(2, int(len(doc) * fraction)) if len(doc) >= 10 else 0
         train_docs.append(doc[:len(doc) - count] if count else doc)
         if count:
             held.append(doc[len(doc) - count:])
@@ -621,7 +641,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping (default 1.0)")
     parser.add_argument("--held-out", type=float, default=0.05,
-                        help="share of each document's last sentences held out for evaluation (default 0.05)")
+                        help="share of the documents held out for evaluation (default 0.05; with fewer than 20 "
+                        "documents, the share of each document's last sentences)")
     parser.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200; "
                         "0: only at the end)")
     parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
@@ -699,8 +720,6 @@ def _load_or_train_tokenizer(args: argparse.Namespace, output_dir: Path, train_d
     from transformers import AutoTokenizer
 
     if args.resume:
-        from fastbert.train import latest_checkpoint
-
         checkpoint = latest_checkpoint(output_dir)
         if checkpoint is None:
             raise UserError(f"--resume: {output_dir} holds no checkpoint to resume from")
@@ -739,7 +758,7 @@ def run_pretraining(args: argparse.Namespace) -> int:
     output_dir = Path(args.output_dir)
     if args.resume and not output_dir.is_dir():
         raise UserError(f"--resume: {output_dir} does not exist")
-    if not args.resume and (output_dir / "latest").exists():
+    if not args.resume and latest_checkpoint(output_dir) is not None:  # checked before any file is written there
         raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another "
                         "--output-dir")
     overrides = _read_config_file(args.config)
@@ -760,7 +779,7 @@ def run_pretraining(args: argparse.Namespace) -> int:
     documents = file_documents(args.files) if args.files else cpython_documents(args.corpus or "pydoc")
     if not documents:
         raise UserError("the corpus holds no sentences")
-    train_docs, held_docs = hold_out(documents, args.held_out)
+    train_docs, held_docs = hold_out(documents, args.held_out, args.seed)
     tokenizer = _load_or_train_tokenizer(args, output_dir, train_docs)
 
     def tokenize(docs: list[list[str]]) -> list[list[list[int]]]:

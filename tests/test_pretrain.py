@@ -87,6 +87,13 @@ def test_hold_out_takes_the_end_of_long_documents():
     assert held == [[f"s{i}" for i in range(36, 40)], ["u10", "u11"]]
 
 
+def test_hold_out_whole_documents_when_there_are_many():
+    docs = [[f"d{d} s{i}" for i in range(3)] for d in range(40)]
+    train_docs, held = hold_out(docs, 0.1, seed=2)
+    assert len(held) == 4 and len(train_docs) == 36 and sorted(train_docs + held) == sorted(docs)
+    assert hold_out(docs, 0.1, seed=2) == (train_docs, held) and hold_out(docs, 0.1, seed=3)[1] != held
+
+
 def test_nsp_pairs_are_half_next_half_random_with_segment_ids():
     data = _data(_synthetic_documents(), max_length=16)
     examples = data.examples(epoch=0)
