@@ -145,6 +145,13 @@ def backward_rows_per_program(width: int) -> int:
     return rows_per_program(width) if INTERPRETER else max(1, rows_per_program(width) // 2)
 
 
+def backward_row_warps(width: int, rows: int) -> int:
+    """Warps for a LayerNorm backward program of ``rows`` x row_block(width): ~16 values per thread and tile (it
+    keeps about twice the forward's tiles live; at the forward's ~32 the sm_90 build spills)."""
+    elements = rows * row_block(width)
+    return max(1, min(8, elements // 512))
+
+
 def row_warps(width: int, rows: int = 1) -> int:
     """Warps for a program holding ``rows`` x row_block(width) fp32 values: ~32 values per thread and tensor."""
     elements = rows * row_block(width)
@@ -162,11 +169,6 @@ def dropout_reason(dropout_p: float, elements: int) -> str | None:
     if dropout_p > 0 and elements >= DROPOUT_MAX_ELEMENTS:
         return f"dropout over {elements} elements (the kernels' Philox offsets are int32: fewer than 2**31)"
     return None
-
-
-def keep_scale(dropout_p: float) -> float:
-    """What kept elements are multiplied by (`fastbert.ops.dropout.keep_scale`: 0 when p = 1)."""
-    return 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - dropout_p)
 
 
 @triton.jit

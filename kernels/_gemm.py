@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETER, cast_rtne, column_sum, dot_in_fp32, dot_precision, dropout_keep, keep_scale
+from fastbert.ops.dropout import keep_scale
+
+from ._common import INTERPRETER, cast_rtne, column_sum, dot_in_fp32, dot_precision, dropout_keep
 
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
 
@@ -78,8 +80,9 @@ def _linear_kernel(
     residual_ptr,  # [M, N] added after the bias (ignored unless HAS_RESIDUAL), strides (stride_rm, stride_rn)
     out_ptr,  # [M, N] output, strides (stride_om, stride_on)
     grad_ptr,  # [M, N] dL/d(activation output) (ignored unless GRAD_ACTIVATION), strides (stride_gm, stride_gn)
-    partial_ptr,  # [>= cdiv(M, BLOCK_M), N] fp32, contiguous: row pid_m gets this tile's column sums of the
-    #               stored gradient (ignored unless GRAD_ACTIVATION)
+    partial_ptr,  # [cdiv(M, PARTIAL_BLOCK_M), N] fp32, contiguous: the tile of rows pid_m * BLOCK_M... owns rows
+    #               pid_m * BLOCK_M / PARTIAL_BLOCK_M... of it and stores its column sums of the stored gradient in
+    #               the first, zeros in the others, so every config fills it whole (ignored unless GRAD_ACTIVATION)
     M, N, K,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
@@ -95,6 +98,7 @@ def _linear_kernel(
     ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 gelu_tanh, 3 relu, 4 silu
     DROPOUT: tl.constexpr,  # dropout on x @ W^T + b, before the residual
     GRAD_ACTIVATION: tl.constexpr,  # backward epilogue: store grad * act'(x @ W^T + b) instead of the activation
+    PARTIAL_BLOCK_M: tl.constexpr,  # rows of the GEMM per row of partial_ptr: the smallest BLOCK_M of any config
     INPUT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
     BLOCK_M: tl.constexpr,
@@ -146,7 +150,11 @@ def _linear_kernel(
         grad = tl.load(grad_ptr + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=out_mask,
                        other=0.0).to(tl.float32)
         acc = tl.where(out_mask, activation_grad(acc, grad, ACTIVATION), 0.0)
-        tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(acc, axis=0), mask=n_mask)
+        slots = tl.arange(0, BLOCK_M // PARTIAL_BLOCK_M)
+        partial_rows = pid_m * (BLOCK_M // PARTIAL_BLOCK_M) + slots
+        sums = tl.where(slots[:, None] == 0, tl.sum(acc, axis=0)[None, :], 0.0)
+        tl.store(partial_ptr + partial_rows[:, None] * N + offs_n[None, :], sums,
+                 mask=(partial_rows < tl.cdiv(M, PARTIAL_BLOCK_M))[:, None] & n_mask[None, :])
     else:
         acc = activate(acc, ACTIVATION)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -237,14 +245,15 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-MIN_BLOCK_M = 16  # the smallest BLOCK_M of every config above and of `interpreter_config`: sizes partial buffers
+MIN_BLOCK_M = 16  # the smallest BLOCK_M of every config above and of `interpreter_config`: the backward epilogue's
+# partial sums have one row per MIN_BLOCK_M rows, so they do not depend on the config the autotuner picks
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
             activation: str | None, dropout_p: float, dropout_seed: int, grad: torch.Tensor | None,
             partial: torch.Tensor | None) -> torch.Tensor:
     """Run the kernel: epilogue(x @ weight.T) -> [rows, N] in x's dtype; with ``grad`` ([rows, N]) the backward
-    epilogue, whose column sums go to ``partial`` ([cdiv(rows, MIN_BLOCK_M), N] fp32, zeroed)."""
+    epilogue, whose column sums go to ``partial`` ([cdiv(rows, MIN_BLOCK_M), N] fp32, filled by the kernel)."""
     rows = as_rows(x)
     n, k = weight.shape
     m = rows.shape[0]
@@ -266,6 +275,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
             triton.next_power_of_2(m))
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
              "ACTIVATION": ACTIVATION_CODES[activation], "DROPOUT": dropout, "GRAD_ACTIVATION": grad is not None,
+             "PARTIAL_BLOCK_M": MIN_BLOCK_M,
              "INPUT_PRECISION": dot_precision(x.dtype), "DOT_IN_FP32": dot_in_fp32(x.dtype)}
 
     def grid(meta):
@@ -296,6 +306,6 @@ def linear_activation_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     n = weight.shape[0]
     m = as_rows(x).shape[0]
     # always allocated: the backward epilogue stores its column sums whether or not they are wanted
-    partial = torch.zeros((triton.cdiv(m, MIN_BLOCK_M), n), dtype=torch.float32, device=x.device)
+    partial = torch.empty((triton.cdiv(m, MIN_BLOCK_M), n), dtype=torch.float32, device=x.device)
     grad_pre = _launch(x, weight, bias, None, activation, 0.0, 0, as_rows(grad), partial)
     return grad_pre, column_sum(partial, bias.dtype) if bias_grad else None

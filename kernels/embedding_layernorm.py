@@ -23,9 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.ops.dropout import keep_scale
 from fastbert.ops.embedding_layernorm import SPEC, embedding_layernorm_reference
 
 from ._common import (
+    backward_row_warps,
     backward_rows_per_program,
     cast_rtne,
     column_sum,
@@ -35,7 +37,6 @@ from ._common import (
     dropout_reason,
     first_reason,
     float_reason,
-    keep_scale,
     layernorm_backward_tile,
     layernorm_tile,
     reduction_programs,
@@ -246,7 +247,7 @@ def _backward_impl(input_ids, position_ids, token_type_ids, word_embeddings, pos
         *gather, weight.contiguous(), grad_rows, grad_rows.stride(0), grad_rows.stride(1), grad_sum, partial,
         rows, width, eps, *_dropout_args(dropout_p, dropout_seed),
         **flags, DROPOUT=dropout_p > 0, ROWS=per_program, BLOCK_E=row_block(width),
-        num_warps=row_warps(width, per_program))
+        num_warps=backward_row_warps(width, per_program))
     return grad_sum, column_sum(partial, torch.float32).view(2, width)
 
 

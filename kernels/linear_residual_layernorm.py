@@ -26,10 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.ops.dropout import keep_scale
 from fastbert.ops.linear_residual_layernorm import SPEC, linear_residual_layernorm_reference
 
 from . import _gemm
 from ._common import (
+    backward_row_warps,
     backward_rows_per_program,
     cast_rtne,
     column_sum,
@@ -39,7 +41,6 @@ from ._common import (
     dropout_reason,
     first_reason,
     float_reason,
-    keep_scale,
     layernorm_backward_tile,
     layernorm_tile,
     reduction_programs,
@@ -183,7 +184,7 @@ def layernorm_rows_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.T
         x.stride(0), grad.stride(0), grad.stride(1), extra.stride(0), extra.stride(1), eps,
         int(dropout_seed) if dropout else 0, float(dropout_p), keep_scale(dropout_p) if dropout else 1.0,
         HAS_EXTRA_GRAD=extra_grad is not None, DROPOUT=dropout, ROWS=per_program, BLOCK_N=row_block(width),
-        num_warps=row_warps(width, per_program))
+        num_warps=backward_row_warps(width, per_program))
     return grad_x, grad_dropped, column_sum(partial, torch.float32).view(3, width)
 
 

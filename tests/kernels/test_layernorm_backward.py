@@ -287,3 +287,15 @@ def test_backward_kernel_ops_opcheck():
     for activation, output in (("gelu", None), ("relu", torch.relu(x))):
         torch.library.opcheck(torch.ops.fastbert.triton_linear_activation_grad.default,
                               (inputs, linear, weight, grad, output, activation, True))
+
+
+def test_gemm_partial_sums_fit_every_config():
+    """The backward epilogue's bias partial sums have one row per MIN_BLOCK_M GEMM rows: every BLOCK_M any config
+    (autotuner list, M table, interpreter) can pick is a multiple of it, so the buffer is filled whole whichever
+    config ran (stale rows from the autotuner's trial runs would be summed otherwise)."""
+    from fastbert.kernels import _gemm
+
+    blocks = {c.kwargs["BLOCK_M"] for dtype in (torch.float16, torch.float32)
+              for c in (*_gemm.gpu_configs(dtype), *(_gemm.table_config(m, dtype) for m in (1, 100, 5000)))}
+    blocks |= {_gemm.interpreter_config(m)["BLOCK_M"] for m in (1, 20, 1000)}
+    assert all(b % _gemm.MIN_BLOCK_M == 0 for b in blocks), blocks
