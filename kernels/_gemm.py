@@ -192,8 +192,27 @@ FP32_CONFIGS = [
 ]
 
 
-def gpu_configs(dtype: torch.dtype) -> list[triton.Config]:
-    """The configs the autotuner times for inputs of this dtype."""
+# The dropout epilogue (Philox) and the backward epilogue (the derivative, a second [M, N] tile) keep more registers
+# live: the subsets of the lists above that do not spill with them on sm_90 (128x64 and 64x128 tiles at 4 warps
+# spill in fp16/bf16, the 128-wide fp32 tiles and fp32 64x64x64 too; tests/kernels/compile_sm90.py).
+GPU_HEAVY_CONFIGS = [
+    _config(128, 128, 64, 4, 8),
+    _config(128, 128, 32, 4, 8),
+    _config(64, 64, 64, 4, 4),
+    _config(32, 64, 128, 4, 4),
+    _config(16, 64, 128, 4, 4),
+]
+FP32_HEAVY_CONFIGS = [
+    _config(64, 64, 32, 4, 4),
+    _config(32, 64, 128, 4, 4),
+    _config(16, 64, 128, 4, 4),
+]
+
+
+def gpu_configs(dtype: torch.dtype, heavy: bool = False) -> list[triton.Config]:
+    """The configs the autotuner times for inputs of this dtype; ``heavy``: for the dropout or backward epilogue."""
+    if heavy:
+        return FP32_HEAVY_CONFIGS if dtype == torch.float32 else GPU_HEAVY_CONFIGS
     return FP32_CONFIGS if dtype == torch.float32 else GPU_CONFIGS
 
 
@@ -202,31 +221,38 @@ def _config_key(config: triton.Config) -> tuple:
 
 
 def _prune_by_dtype(configs, named_args, **kwargs):
-    wanted = {_config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype)}
+    heavy = bool(kwargs.get("DROPOUT") or kwargs.get("GRAD_ACTIVATION"))
+    wanted = {_config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype, heavy)}
     return [c for c in configs if _config_key(c) in wanted]
 
 
-_ALL_CONFIGS = list({_config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS}.values())
+_ALL_CONFIGS = list({_config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS + GPU_HEAVY_CONFIGS
+                     + FP32_HEAVY_CONFIGS}.values())
 _autotuned = None if INTERPRETER else triton.autotune(
     configs=_ALL_CONFIGS,
     key=["m_bucket", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION", "DROPOUT", "GRAD_ACTIVATION"],
     prune_configs_by={"early_config_prune": _prune_by_dtype})(_linear_kernel)
 
 
-def table_config(m: int, dtype: torch.dtype = torch.float16) -> triton.Config:
+def table_config(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False) -> triton.Config:
     """One config per M range, for GPUs when autotuning is switched off (FASTBERT_TRITON_AUTOTUNE=0: tests and
-    correctness checks, where tuning every shape would cost minutes of compiles)."""
+    correctness checks, where tuning every shape would cost minutes of compiles); ``heavy``: for the dropout or
+    backward epilogue (`gpu_configs`)."""
     fp32 = dtype == torch.float32
     if m <= 32:
         return _config(32, 64, 128, 4, 4)
+    if heavy and fp32:
+        return _config(64, 64, 32, 4, 4)
+    if heavy:
+        return _config(64, 64, 64, 4, 4) if m <= 256 else _config(128, 128, 64, 4, 8)
     if m <= 256:
         return _config(64, 64, 64, 4, 4) if fp32 else _config(64, 128, 64, 4, 4)
     return _config(128, 128, 32, 4, 8) if fp32 else _config(128, 128, 64, 4, 8)
 
 
-def table_meta(m: int, dtype: torch.dtype = torch.float16) -> dict:
-    """`table_config(m, dtype)` as launch keywords: meta-parameters plus num_warps and num_stages."""
-    config = table_config(m, dtype)
+def table_meta(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False) -> dict:
+    """`table_config(m, dtype, heavy)` as launch keywords: meta-parameters plus num_warps and num_stages."""
+    config = table_config(m, dtype, heavy)
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
@@ -282,7 +308,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     if INTERPRETER or not autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
-        meta = interpreter_config(m) if INTERPRETER else table_meta(m, x.dtype)
+        meta = interpreter_config(m) if INTERPRETER else table_meta(m, x.dtype, dropout or grad is not None)
         _linear_kernel[grid(meta)](*args, **flags, **meta)
     else:
         _autotuned[grid](*args, **flags)

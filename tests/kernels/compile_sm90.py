@@ -16,7 +16,9 @@ two-accumulator GEMM (`linear_glu.gpu_configs`/`table_config`, ModernBERT-base s
 32/64/80/96/128 (packed and padded forms, plus the BLOCK_M = 64 small-batch variant and the packed dropout variant),
 the attention backward's two kernels (dq with its LSE pass, dk/dv; `attention._backward_meta`) for head dims 32 to
 256, plain and with a window and dropout (--quick: D = 128 only), and the row kernels at BERT
-widths (with and without positions / LayerNorm bias); in fp16, bf16 and fp32. Shorter sequences only shrink the
+widths (with and without positions / LayerNorm bias, with dropout; the LayerNorm backward kernels, the relu
+gradient and the column sums of the backward's reductions); in fp16, bf16 and fp32. The GEMM's dropout and backward
+epilogues take their own config lists (`gpu_configs(dtype, heavy=True)`). Shorter sequences only shrink the
 attention blocks, so they are not compiled.
 Fails (exit 1) on a compile error, a register spill in any kernel (fp32 included: its configs were sized not to
 spill), or shared memory over the 227 KB an sm_90 block may use.
@@ -24,9 +26,9 @@ spill), or shared memory over the 227 KB an sm_90 block may use.
     python tests/kernels/compile_sm90.py [--out DIR] [--quick] [--jobs N]
 
 --out (or FASTBERT_SM90_OUT) writes resources.md and resources.json there (benchmarks/results/sm90-resources holds
-the committed table). --quick (the test's run) compiles the GEMM with the two heaviest epilogues only (gelu,
-residual; not qkv, gelu_tanh), linear_glu with gelu and no bias only, and leaves out the attention small-batch
-variant: the same configs, fewer variants.
+the committed table). --quick (the test's run) compiles the GEMM with the heaviest epilogues only (gelu, residual,
+and training's residual dropout and gelu backward; not qkv, gelu_tanh), linear_glu with gelu and no bias only, and
+leaves out the attention small-batch variant: the same configs, fewer variants.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launch default in 
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from fastbert.kernels import _common, _gemm, attention  # noqa: E402
+from fastbert.kernels import _common, _gemm, attention, linear_activation  # noqa: E402
 from fastbert.kernels import embedding_layernorm as embedding  # noqa: E402
 from fastbert.kernels import linear_glu as glu  # noqa: E402
 from fastbert.kernels import linear_residual_layernorm as residual_ln  # noqa: E402
@@ -78,12 +80,19 @@ KERNELS = {
     "attention_backward_dq": attention._attention_backward_dq_kernel,
     "attention_backward_dkdv": attention._attention_backward_dkdv_kernel,
     "embedding_layernorm": embedding._embedding_layernorm_kernel,
+    "embedding_layernorm_backward": embedding._embedding_layernorm_backward_kernel,
     "layernorm_rows": residual_ln._layernorm_rows_kernel,
+    "layernorm_rows_backward": residual_ln._layernorm_rows_backward_kernel,
+    "relu_grad": linear_activation._relu_grad_kernel,
+    "column_sum": _common._column_sum_kernel,
 }
-# (label, HAS_BIAS, HAS_RESIDUAL, ACTIVATION) as the ops launch the GEMM
-EPILOGUES = {"qkv": (True, False, 0), "gelu": (True, False, 1), "gelu_tanh": (True, False, 2),
-             "residual": (True, True, 0)}
-QUICK_EPILOGUES = ("gelu", "residual")
+# label: (HAS_BIAS, HAS_RESIDUAL, ACTIVATION, DROPOUT, GRAD_ACTIVATION) as the ops launch the GEMM; the last two
+# (Philox dropout before the residual, linear_activation's backward epilogue) take the `heavy` config lists
+EPILOGUES = {"qkv": (True, False, 0, False, False), "gelu": (True, False, 1, False, False),
+             "gelu_tanh": (True, False, 2, False, False), "residual": (True, True, 0, False, False),
+             "residual dropout": (True, True, 0, True, False), "gelu grad": (True, False, 1, False, True)}
+QUICK_EPILOGUES = ("gelu", "residual", "residual dropout", "gelu grad")
+DROPOUT_ARGS = (0x1234_5678_9ABC, 0.1, 1 / 0.9)  # an int64 seed (as `fastbert.ops.dropout.op_seed` draws), p, 1/(1-p)
 
 # BERT-like sizes: tokens, hidden, heads (all multiples of 16, as the usual shapes are); ModernBERT-base's GLU width
 TOKENS, HIDDEN, INTERMEDIATE, HEADS, BATCH, SEQ = 4096, 768, 3072, 12, 32, 128
@@ -101,14 +110,18 @@ def gemm_cases(dtype: str, epilogues) -> list:
     p = _ptr(dtype)
     cases = []
     torch_dtype = DTYPES[dtype]
-    reachable = [*_gemm.gpu_configs(torch_dtype), *(_gemm.table_config(m, torch_dtype) for m in (16, 128, 4096))]
-    configs = {_gemm._config_key(c): c for c in reachable}.values()  # autotuner list + M table, no repeats
-    for config in configs:
-        for name in epilogues:
-            has_bias, has_residual, activation = EPILOGUES[name]
+    for name in epilogues:
+        has_bias, has_residual, activation, dropout, grad = EPILOGUES[name]
+        heavy = dropout or grad
+        reachable = [*_gemm.gpu_configs(torch_dtype, heavy),
+                     *(_gemm.table_config(m, torch_dtype, heavy) for m in (16, 128, 4096))]
+        for config in {_gemm._config_key(c): c for c in reachable}.values():  # autotuner list + M table
             r_strides = (n, 1) if has_residual else (0, 0)
-            args = (p, p, p, p, p, m, n, k, k, 1, k, 1, *r_strides, n, 1, triton.next_power_of_2(m))
-            kw = dict(HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ACTIVATION=activation,
+            g_strides = (n, 1) if grad else (0, 0)
+            args = (p, p, p, p, p, p, _ptr("fp32"), m, n, k, k, 1, k, 1, *r_strides, n, 1, *g_strides,
+                    *(DROPOUT_ARGS if dropout else (0, 0.0, 1.0)), triton.next_power_of_2(m))
+            kw = dict(HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ACTIVATION=activation, DROPOUT=dropout,
+                      GRAD_ACTIVATION=grad, PARTIAL_BLOCK_M=_gemm.MIN_BLOCK_M,
                       INPUT_PRECISION=_common.dot_precision(DTYPES[dtype]), DOT_IN_FP32=False, **config.kwargs,
                       num_warps=config.num_warps, num_stages=config.num_stages)
             c = config.kwargs
@@ -191,7 +204,7 @@ def attention_cases(dtype: str, quick: bool = False) -> list:
                     out = (SEQ * hd, hd, head_dim, 1)
                     rest = (p, _ptr("uint8"), SEQ, 1, SEQ)
                 args = (p, *qkv, p, *qkv, p, *qkv, p, *out, *rest, head_dim, 0.125 * 1.4426950408889634,
-                        64 if window else 0, 0.1, 1 / 0.9, 12345)
+                        64 if window else 0, 6554, 1 / 0.9, 12345)  # dropout: p = 0.1 as 16-bit threshold
                 kw = dict(PACKED=packed, HAS_MASK=not packed, WINDOW=window, DROPOUT=dropout,
                           INPUT_PRECISION=_common.dot_precision(DTYPES[dtype]), DOT_IN_FP32=False, **meta)
                 label = (f"d{head_dim} {meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_D']} "
@@ -216,7 +229,7 @@ def attention_backward_cases(dtype: str, quick: bool = False) -> list:
             else:
                 qkv, dense = (SEQ * 3 * hd, 3 * hd, head_dim, 1), (SEQ * hd, hd, head_dim, 1)
                 rest = (p, _ptr("uint8"), SEQ, 1, SEQ, SEQ)
-            tail = (head_dim, 0.125 * 1.4426950408889634, 0.125, 64, 0.1, 1 / 0.9, 12345)
+            tail = (head_dim, 0.125 * 1.4426950408889634, 0.125, 64, 6554, 1 / 0.9, 12345)
             for window, dropout in ((not packed, not packed),) if quick else ((False, False), (True, True)):
                 metas = attention._backward_meta(head_dim, 512, DTYPES[dtype], heavy=window or dropout)
                 for kernel, meta in zip(("attention_backward_dq", "attention_backward_dkdv"), metas, strict=True):
@@ -239,17 +252,40 @@ def row_cases(dtype: str) -> list:
         warps = _common.row_warps(width, rows)
         block = _common.row_block(width)
         i64 = _ptr("int64")
-        args = (i64, i64, i64, p, width, 1, p, width, 1, p, width, 1, p, p, p, TOKENS, width, 1e-12)
-        # BERT's (every table, LayerNorm bias) and ModernBERT's (word table only, no LayerNorm bias)
-        for label, full in (("", True), (" no-position no-bias", False)):
-            kw = dict(HAS_POSITION=full, HAS_BIAS=full, HAS_TYPE_TABLE=full, HAS_TYPE_IDS=full, ROWS=rows,
-                      BLOCK_E=block, num_warps=warps)
+        gather = (i64, i64, i64, p, width, 1, p, width, 1, p, width, 1)
+        args = (*gather, p, p, p, TOKENS, width, 1e-12, *DROPOUT_ARGS)
+        # BERT's (every table, LayerNorm bias; with dropout as in training) and ModernBERT's (word table only, no
+        # LayerNorm bias)
+        for label, full, dropout in (("", True, False), (" dropout", True, True),
+                                     (" no-position no-bias", False, False)):
+            kw = dict(HAS_POSITION=full, HAS_BIAS=full, HAS_TYPE_TABLE=full, HAS_TYPE_IDS=full, DROPOUT=dropout,
+                      ROWS=rows, BLOCK_E=block, num_warps=warps)
             cases.append(("embedding_layernorm", dtype, f"E{width} rows{rows} w{warps}{label}", args, kw))
         # in place with bias (linear_residual_layernorm), into a second buffer without (linear_residual_prenorm)
         args = (p, p, p, p, TOKENS, width, width, width, 1e-12)
         for label, has_bias in (("", True), (" no-bias", False)):
             kw = dict(HAS_BIAS=has_bias, ROWS=rows, BLOCK_N=block, num_warps=warps)
             cases.append(("layernorm_rows", dtype, f"N{width} rows{rows} w{warps}{label}", args, kw))
+        # the backward kernels, with dropout (the heaviest variant) and prenorm's extra gradient
+        back_rows = _common.backward_rows_per_program(width)
+        back_warps = _common.backward_row_warps(width, back_rows)
+        f32 = _ptr("fp32")
+        args = (*gather, p, p, width, 1, f32, f32, TOKENS, width, 1e-12, *DROPOUT_ARGS)
+        kw = dict(HAS_POSITION=True, HAS_TYPE_TABLE=True, HAS_TYPE_IDS=True, DROPOUT=True, ROWS=back_rows,
+                  BLOCK_E=block, num_warps=back_warps)
+        cases.append(("embedding_layernorm_backward", dtype, f"E{width} rows{back_rows} w{back_warps} dropout", args,
+                      kw))
+        args = (p, p, p, p, p, p, f32, TOKENS, width, width, width, 1, width, 1, 1e-12, *DROPOUT_ARGS)
+        for label, extra, dropout in ((" post-LN dropout", False, True), (" prenorm dropout", True, True),
+                                      (" prenorm", True, False)):
+            kw = dict(HAS_EXTRA_GRAD=extra, DROPOUT=dropout, ROWS=back_rows, BLOCK_N=block, num_warps=back_warps)
+            cases.append(("layernorm_rows_backward", dtype, f"N{width} rows{back_rows} w{back_warps}{label}", args,
+                          kw))
+    args = (p, p, p, _ptr("fp32"), TOKENS, INTERMEDIATE, INTERMEDIATE, 1, INTERMEDIATE, 1)
+    cases.append(("relu_grad", dtype, "32x128 w4", args, dict(BLOCK_M=32, BLOCK_N=128, num_warps=4)))
+    if dtype == "fp32":  # the second stage of the backward reductions: fp32 partial sums only
+        args = (_ptr("fp32"), _ptr("fp32"), 528, 3 * HIDDEN)
+        cases.append(("column_sum", dtype, "32x64 w4", args, dict(BLOCK_P=32, BLOCK_N=64, num_warps=4)))
     return cases
 
 

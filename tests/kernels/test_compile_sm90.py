@@ -24,7 +24,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     rows = json.loads((out / "resources.json").read_text())["rows"]
     assert {r["kernel"] for r in rows} == {"gemm", "qkv_rotary", "linear_glu", "attention", "attention_backward_dq",
-                                           "attention_backward_dkdv", "embedding_layernorm", "layernorm_rows"}
+                                           "attention_backward_dkdv", "embedding_layernorm", "layernorm_rows",
+                                           "embedding_layernorm_backward", "layernorm_rows_backward", "relu_grad",
+                                           "column_sum"}
     assert all("error" not in r for r in rows)
     # compiled with the launch's specialisation: the fp16 128x128x64 GEMM takes the 4-stage pipelined path
     # (2 B x (128 + 128) x 64 x 4 stages = 128 KB of shared memory; with unspecialised i64 args it is not pipelined)

@@ -295,7 +295,8 @@ def test_gemm_partial_sums_fit_every_config():
     config ran (stale rows from the autotuner's trial runs would be summed otherwise)."""
     from fastbert.kernels import _gemm
 
-    blocks = {c.kwargs["BLOCK_M"] for dtype in (torch.float16, torch.float32)
-              for c in (*_gemm.gpu_configs(dtype), *(_gemm.table_config(m, dtype) for m in (1, 100, 5000)))}
+    blocks = {c.kwargs["BLOCK_M"] for dtype in (torch.float16, torch.float32) for heavy in (False, True)
+              for c in (*_gemm.gpu_configs(dtype, heavy), *(_gemm.table_config(m, dtype, heavy)
+                                                             for m in (1, 100, 5000)))}
     blocks |= {_gemm.interpreter_config(m)["BLOCK_M"] for m in (1, 20, 1000)}
     assert all(b % _gemm.MIN_BLOCK_M == 0 for b in blocks), blocks
