@@ -11,6 +11,10 @@
 // K and V rows are read, so NaN or Inf stored at masked keys never reaches a real query's output.
 // Softmax statistics and accumulation in fp32 (bf16 in, bf16 out). Limits: CPU, float32 or bfloat16.
 //
+// Dropout (dropout_p > 0): each probability is kept with probability 1 - p and scaled by 1 / (1 - p) after the
+// softmax, the keep decision a counter-based hash of (seed, [sequence, head, query, key] of the padded layout)
+// (csrc/dropout_rng.h), which the backward (csrc/attention_backward.cpp) regenerates.
+//
 // Sliding window (`window`, ModernBERT's local_attention): a query at position i attends the keys j with
 // |i - j| <= window / 2 (positions within the sequence; the padded form's index along S). Each work item walks only
 // the key blocks its rows' windows reach, and each 4-row tile only the columns of that block its rows' windows
@@ -26,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dropout_rng.h"
 #include "fastbert.h"
 
 namespace fastbert {
@@ -204,9 +209,18 @@ inline void window_columns(int64_t q_position, int64_t half_width, const int64_t
   }
 }
 
+// Dropout on the probabilities (csrc/dropout_rng.h): keep (sequence, head, query, key) iff its uniform >= p.
+struct Dropout {
+  bool active;
+  uint64_t stream;
+  float p, keep_scale;
+  int64_t seqlen;  // S of the padded layout the mask is indexed over (the packed form's max_seqlen)
+};
+
 template <typename scalar_t>
 void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const scalar_t* k, const scalar_t* v,
-                 const int64_t* key_positions, int64_t half_width, float scale, scalar_t* out, Scratch& w) {
+                 const int64_t* key_positions, int64_t half_width, float scale, const Dropout& drop, scalar_t* out,
+                 Scratch& w) {
   const int64_t dim = L.dim, dp = round_up(dim, kCols);
   const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kRows);
   const scalar_t* qb = q + L.q_offset(item.batch) + item.head * L.q_head;
@@ -299,6 +313,15 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
           const Vec alpha_v(alpha);
           for (int64_t c = 0; c < dp; c += kLanes) (Vec::loadu(ar + c) * alpha_v).store(ar + c);
         }
+        if (drop.active && r0 + r < rows) {  // the sum above is of the kept and dropped: softmax, then dropout
+          const uint64_t base = attention_dropout_index(item.batch, item.head, L.heads, drop.seqlen,
+                                                        item.q_begin + r0 + r, 0);
+          for (int64_t j = lo[r]; j < hi[r]; ++j) {
+            const int64_t key = k0 + first + j;
+            const int64_t position = key_positions ? key_positions[key] : key;
+            sr[j] = dropout_uniform(drop.stream, base + position) >= drop.p ? sr[j] * drop.keep_scale : 0.f;
+          }
+        }
       }
       pv_tile(s, kKeyBlock, w.v.data() + first * dp, dp, std::min(last, nk) - first, w.acc.data() + r0 * dp, dp, dp);
     }
@@ -359,8 +382,8 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
                          const std::optional<at::Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen,
                          const std::optional<at::Tensor>& key_padding_mask, std::optional<double> scale,
                          std::optional<int64_t> window, double dropout_p, int64_t dropout_seed) {
-  // Dropout: the schema's arguments (one schema for every backend); this kernel has none, its supports() says so.
-  TORCH_CHECK(dropout_p == 0.0, "fastbert::attention: the cpp kernel has no dropout, got dropout_p=", dropout_p);
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, "fastbert::attention: dropout_p must be in [0, 1], got ",
+              dropout_p);
   check_attention_args(q_in, k_in, v_in, cu_seqlens, max_seqlen, key_padding_mask);
   TORCH_CHECK(!window.has_value() || *window >= 0,
               "fastbert::attention: window must be >= 0 (the total width, ModernBERT's local_attention), got ",
@@ -445,6 +468,9 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
   // Longest first, then threads take the next item as they finish: balanced even for very uneven lengths.
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
+  const Dropout drop{dropout_p > 0.0, dropout_stream(dropout_seed), static_cast<float>(dropout_p),
+                     dropout_p >= 1.0 ? 0.f : static_cast<float>(1.0 / (1.0 - dropout_p)),
+                     packed ? *max_seqlen : L.seqlen};
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous
   const int64_t dp = round_up(dim, kCols);
   FASTBERT_DISPATCH_FLOAT(q.scalar_type(), "fastbert_attention", [&] {
@@ -467,7 +493,7 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
           }
           const WorkItem& item = items[i];
           const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + item.batch * S;
-          attend_item<scalar_t>(item, L, qp, kp, vp, positions, half_width, softmax_scale, op, scratch);
+          attend_item<scalar_t>(item, L, qp, kp, vp, positions, half_width, softmax_scale, drop, op, scratch);
           i = following;
         }
       }

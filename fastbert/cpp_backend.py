@@ -15,8 +15,11 @@ dispatched op with `fastbert.backends`:
 - linear_residual_layernorm: a GEMM, then bias + residual + LayerNorm fused in place;
 - linear_residual_prenorm: a GEMM, then bias + residual written in place and its LayerNorm beside it.
 
-GEMMs stay with PyTorch (MKL/oneDNN). Limits: CPU tensors, float32 or bfloat16. Autograd: every op has a backward,
-its spec's (PyTorch ops recomputing what they need; no fused backward kernels yet). When the extension
+GEMMs stay with PyTorch (MKL/oneDNN). Limits: CPU tensors, float32 or bfloat16. Autograd: every op has a backward.
+Attention's is a C++ kernel (``fastbert::attention_backward``, csrc/attention_backward.cpp: probabilities recomputed
+per block from q and k, real lengths only, fp32), and the attention kernels take dropout (a counter-based mask the
+backward regenerates, csrc/dropout_rng.h); the other ops' backward is their spec's (PyTorch ops recomputing what
+they need) and they decline dropout. When the extension
 is missing (``FASTBERT_SKIP_EXT=1``, or its build failed) this module still imports: it warns once and every op's
 ``supports`` gives that reason, so ``auto`` runs eager.
 """
@@ -34,8 +37,27 @@ from fastbert.ops.spec import SPECS
 # The torch ops whose CPU kernels the extension holds: schema and fake come from each op's spec.
 TORCH_OPS = ("embedding_layernorm", "linear_activation", "linear_residual_layernorm", "attention", "linear_glu",
              "linear_residual_prenorm", "qkv_rotary")
+
+
+def _attention_backward(ctx, grad):
+    """The attention op's autograd formula: the C++ backward kernel (the spec's formula when the extension predates
+    it; its forward then has no dropout either). ``ctx`` as the spec's ``setup_context`` fills it."""
+    if ATTENTION_BACKWARD_ERROR is not None:
+        return SPECS["attention"].backward(ctx, grad)
+    q, k, v, cu_seqlens, key_padding_mask = ctx.saved_tensors
+    grads = torch.ops.fastbert.attention_backward(grad, q, k, v, cu_seqlens, ctx.max_seqlen, key_padding_mask,
+                                                  ctx.scale, ctx.window, ctx.dropout_p, ctx.dropout_seed)
+    return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3], strict=True)),
+            None, None, None, None, None, None, None)
+
+
+# Ops whose autograd formula is this backend's own kernel rather than the spec's (same setup_context).
+_OWN_BACKWARD = {"attention": _attention_backward}
 for _name in TORCH_OPS:
-    SPECS[_name].define()
+    if _name in _OWN_BACKWARD:
+        SPECS[_name].define(setup_context=SPECS[_name].setup_context, backward=_OWN_BACKWARD[_name])
+    else:
+        SPECS[_name].define()
 
 try:
     from fastbert import _C  # noqa: F401 - importing registers the kernels (and the helper ops) in torch.ops.fastbert
@@ -51,6 +73,12 @@ else:
 QKV_ROTARY_ERROR: str | None = EXTENSION_ERROR or (
     None if torch._C._dispatch_has_kernel_for_dispatch_key("fastbert::qkv_rotary", "CPU")
     else "fastbert._C was built without csrc/rotary.cpp (qkv_rotary); rebuild it "
+         "(`python setup.py build_ext --inplace` or reinstall)")
+
+# An extension built before csrc/attention_backward.cpp: attention trains through the spec's formula, without dropout.
+ATTENTION_BACKWARD_ERROR: str | None = EXTENSION_ERROR or (
+    None if torch._C._dispatch_has_kernel_for_dispatch_key("fastbert::attention_backward", "CPU")
+    else "fastbert._C was built without csrc/attention_backward.cpp (attention's backward and dropout); rebuild it "
          "(`python setup.py build_ext --inplace` or reinstall)")
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -80,6 +108,13 @@ if _C is not None:
     @torch.library.register_fake("fastbert::pad")
     def _(x, indices, batch, seqlen):
         return x.new_empty((batch, seqlen, *x.shape[1:]))
+
+if ATTENTION_BACKWARD_ERROR is None:
+
+    @torch.library.register_fake("fastbert::attention_backward")
+    def _(grad, q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window=None, dropout_p=0.0,
+          dropout_seed=0):
+        return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
 
 # ----------------------------------------------------------------------------------------------------- supports
@@ -130,7 +165,8 @@ def _qkv_rotary_supports(x, weight, bias, num_heads, positions, cos, sin):
 
 def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
                         dropout_p=0.0, dropout_seed=0):
-    return _no_dropout(dropout_p) or _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
+    no_dropout = dropout_p > 0 and ATTENTION_BACKWARD_ERROR
+    return no_dropout or _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
 
 
 def _linear_activation_supports(x, weight, bias, activation):
@@ -170,7 +206,6 @@ def _qkv_rotary(x, weight, bias, num_heads, positions, cos, sin):
 
 def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
                dropout_p=0.0, dropout_seed=0):
-    # (dropout passed on, not dropped: the kernel refuses p > 0 rather than silently skipping it)
     return torch.ops.fastbert.attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window, dropout_p,
                                         dropout_seed)
 
