@@ -149,7 +149,7 @@ def test_batched_leading_shape_and_only_some_inputs_requiring_grad():
 
 # ------------------------------------------------------------------------------------------------ attention
 def attention_args(form: str, lengths: list[int], dtype=torch.float32, seed: int = 0, scale=None, window=None,
-                   head_dim: int = HEAD_DIM):
+                   head_dim: int = HEAD_DIM, requires_grad: bool = True):
     """(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window): packed over ``lengths`` or padded to the
     longest with a key mask (None when nothing is padded)."""
     gen = torch.Generator().manual_seed(seed)
@@ -157,11 +157,11 @@ def attention_args(form: str, lengths: list[int], dtype=torch.float32, seed: int
     if form == "packed":
         shape = (sum(lengths), HEADS, head_dim)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        q, k, v = (_float(shape, dtype, gen) for _ in range(3))
+        q, k, v = (_float(shape, dtype, gen, grad=requires_grad) for _ in range(3))
         return q, k, v, cu, longest, None, scale, window
     shape = (len(lengths), longest, HEADS, head_dim)
     mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-    q, k, v = (_float(shape, dtype, gen) for _ in range(3))
+    q, k, v = (_float(shape, dtype, gen, grad=requires_grad) for _ in range(3))
     return q, k, v, None, None, None if bool(mask.all()) else mask, scale, window
 
 
@@ -248,15 +248,127 @@ def test_packed_and_padded_grads_agree(window):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("form", ["packed", "padded"])
 def test_attention_backward_in_blocks_equals_one_block(monkeypatch, form, window):
-    """The blocked recomputation (sequences and query rows in chunks) gives the gradients of one block."""
+    """The spec's blocked recomputation (sequences and query rows in chunks) gives the gradients of one block."""
     attention_module = importlib.import_module("fastbert.ops.attention")  # (fastbert.ops.attention: the function)
 
     args = attention_args(form, [13, 9, 4], window=window)
-    whole = run_grads(_attention_call("cpp"), args)
+    via_spec = spec_function("attention")
+
+    def call(*a):
+        return via_spec.apply(*torch_op_args("attention", a))
+
+    whole = run_grads(call, args)
     monkeypatch.setattr(attention_module, "BACKWARD_BLOCK_ELEMENTS", HEADS * 13 * 3)  # 3 query rows, 1 sequence
-    blocked = run_grads(_attention_call("cpp"), args)
+    blocked = run_grads(call, args)
     for a, b in zip(whole, blocked, strict=True):
         assert_accurate(b, b, a, what="blocked vs whole")
+
+
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("form", ["packed", "padded"])
+def test_cpp_attention_backward_long_sequence_in_query_chunks(form, window):
+    """A sequence longer than the C++ backward's query chunk (256 rows): the chunks' dk/dv sum up, each chunk's
+    keys are the union of its rows' windows."""
+    check_grads("attention", attention_args(form, [300, 5], window=window), "cpp", call=_attention_call)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpp_attention_grads_key_mask_with_holes(window):
+    """A padded key mask with holes (real keys not a prefix): the window counts positions, masked keys get zero
+    gradients, against eager's autograd."""
+    q, k, v, _, _, _, _, _ = attention_args("padded", [19, 19, 19])
+    mask = torch.rand(3, 19, generator=torch.Generator().manual_seed(2)) < 0.6
+    mask[2] = False  # a sequence without keys
+    check_grads("attention", (q, k, v, None, None, mask, None, window), "cpp", call=_attention_call)
+
+
+# ------------------------------------------------------------------------------- cpp attention with dropout
+def _cpp_keep_mask(lengths: list[int], heads: int, p: float, seed: int) -> torch.Tensor:
+    """The cpp attention's keep mask, read off its forward: bool [B, heads, S, S] over the padded layout. With
+    q = k = 0 every probability of a row is 1 / length and v = one-hot rows makes the output row the dropped
+    probability row (no reference to the kernel's RNG: what it computes is what is checked)."""
+    longest = max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.zeros(sum(lengths), heads, longest)
+    v = torch.cat([torch.eye(longest)[:n] for n in lengths])[:, None, :].expand(-1, heads, -1).contiguous()
+    out = ops.attention(q, q, v, cu_seqlens=cu, max_seqlen=longest, dropout_p=p, dropout_seed=seed, backend="cpp")
+    keep = torch.zeros(len(lengths), heads, longest, longest, dtype=torch.bool)
+    for b, (start, n) in enumerate(zip(cu[:-1].tolist(), lengths, strict=True)):
+        if n == 0:
+            continue
+        rows = out[start:start + n].transpose(0, 1)  # [heads, n, S]
+        kept = rows != 0
+        torch.testing.assert_close(rows[kept], torch.full_like(rows[kept], 1 / n / (1 - p)))  # 1/n, scaled
+        keep[b, :, :n] = kept
+    return keep
+
+
+def _attention_with_mask(q, k, v, lengths, keep, p, window):
+    """Packed attention written out in the inputs' dtype with a given keep mask (the reference for the cpp
+    kernel's dropout)."""
+    out, start = [], 0
+    for b, n in enumerate(lengths):
+        qb, kb, vb = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [h, n, D]
+        scores = qb @ kb.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if window is not None:
+            position = torch.arange(n)
+            scores = scores.masked_fill((position[:, None] - position[None, :]).abs() > window // 2, float("-inf"))
+        probs = torch.softmax(scores, dim=-1) * keep[b, :, :n, :n] / (1 - p)
+        out.append((probs @ vb).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_cpp_attention_dropout_keep_rate_and_scale(p):
+    """Over ~0.5M probabilities the kept fraction is 1 - p within 5 standard deviations, kept ones scaled by
+    1 / (1 - p) (checked in _cpp_keep_mask); different sequences and heads are not one repeated mask."""
+    keep = _cpp_keep_mask([128] * 8, 4, p, seed=11)
+    rate = keep.float().mean().item()
+    assert abs(rate - (1 - p)) < 5 * (p * (1 - p) / keep.numel()) ** 0.5, rate
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+
+
+def test_cpp_attention_dropout_same_seed_same_output():
+    q, k, v, cu, longest, _, _, _ = attention_args("packed", [9, 4], requires_grad=False)
+
+    def call(seed, p=0.3):
+        return ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=longest, dropout_p=p, dropout_seed=seed,
+                             backend="cpp")
+
+    assert torch.equal(call(5), call(5))
+    assert not torch.equal(call(5), call(6))
+    assert not torch.equal(call(5), call(5 + 2**40))
+    torch.testing.assert_close(call(5, 0.0), ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=longest,
+                                                            backend="eager"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_cpp_attention_dropout_backward_uses_the_forward_mask(window):
+    """Output and gradients of the cpp kernel with dropout equal attention written out with the mask read off its
+    forward (fp32 rule against fp64); the same reference with another seed's mask is far off, so the check
+    fails for a backward that regenerates any other mask. An empty sequence gets zero gradients."""
+    lengths, p, seed = [37, 0, 5, 20], 0.3, 123
+    keep = _cpp_keep_mask(lengths, HEADS, p, seed)
+    q, k, v, cu, longest, _, _, _ = attention_args("packed", lengths)
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+    def grads(fn, tensors):
+        out = fn(*tensors)
+        return (out.detach(), *torch.autograd.grad((out.double() * upstream).sum(), tensors))
+
+    fast = grads(lambda *t: ops.attention(*t, cu_seqlens=cu, max_seqlen=longest, window=window, dropout_p=p,
+                                          dropout_seed=seed, backend="cpp"), (q, k, v))
+    as_double = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference = grads(lambda *t: _attention_with_mask(*t, lengths, keep, p, window), as_double)
+    for name, f, r in zip(("out", "dq", "dk", "dv"), fast, reference, strict=True):
+        assert_accurate(f, f, r, what=f"cpp attention with dropout: {name}")
+    other = grads(lambda *t: _attention_with_mask(*t, lengths, _cpp_keep_mask(lengths, HEADS, p, seed + 1), p,
+                                                  window), as_double)
+    for f, o in zip(fast[1:], other[1:], strict=True):
+        assert (f.double() - o).abs().max() > 0.1 * o.abs().max()
+    assert torch.all(fast[1] == fast[1]) and fast[1].isfinite().all()
 
 
 # ------------------------------------------------------------------------------------- gradcheck (float64)
@@ -357,7 +469,8 @@ def _opcheck_cases():
     cases = []
     for op in cpp.TORCH_OPS:
         if op == "attention":
-            for args in (attention_args("packed", [5, 2], window=2), attention_args("padded", [5, 2])):
+            for args in (attention_args("packed", [5, 2], window=2), attention_args("padded", [5, 2]),
+                         (*attention_args("packed", [5, 2]), 0.3, 7)):  # (with dropout: cpp's own mask)
                 cases.append((op, args))
             continue
         for variant in ("full", "none"):
