@@ -784,7 +784,7 @@ def run_pretraining(args: argparse.Namespace) -> int:
 
     def tokenize(docs: list[list[str]]) -> list[list[list[int]]]:
         flat = [s for doc in docs for s in doc]
-        ids = tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+        ids = tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []  # cut later
         out, start = [], 0
         for doc in docs:
             out.append(ids[start:start + len(doc)])
