@@ -29,7 +29,7 @@ import sysconfig
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from itertools import pairwise
 
@@ -495,7 +495,12 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
 
     log = log or sys.stderr
     settings.check()
-    model_dir, _ = resolve_model(settings.model_dir)
+    model_dir, config = resolve_model(settings.model_dir)
+    positions = config.max_position_embeddings - (config.position_offset or 0)
+    if settings.max_length > positions:  # a small pretrained model may have fewer positions than the default
+        log.write(f"fastbert finetune: --max-length {settings.max_length} capped to the model's {positions} "
+                  "positions\n")
+        settings = replace(settings, max_length=positions)
     device = resolve_device(settings.device)
     # transformers builds an empty tokenizer (special tokens only) for a directory without tokenizer files
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES | {"tokenizer.json"}):

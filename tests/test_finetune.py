@@ -263,6 +263,21 @@ def test_cli_refuses_an_output_dir_that_holds_a_run(capsys, tmp_path, tiny_check
     assert code == 1 and "already holds a run" in _one_error_line(err)
 
 
+def test_max_length_is_capped_to_the_models_positions(tmp_path, minilm_dir, capsys):
+    directory = tmp_path / "short"
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=24)
+    transformers.BertModel(config).save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(minilm_dir) / name, directory / name)
+    results = finetune.finetune(finetune.FinetuneSettings(
+        task="code", output_dir=str(tmp_path / "run"), model_dir=str(directory), max_steps=1, batch_size=4,
+        train_limit=4, eval_limit=8))  # default max_length 128 would index past 24 positions
+    assert results["settings"]["max_length"] == 24
+    assert "capped to the model's 24 positions" in capsys.readouterr().err
+    assert results["evaluation"]["truncated_words"] > 0  # counted as wrong, and reported
+
+
 # --------------------------------------------------------------------------------------------- a real run
 @pytest.mark.slow
 def test_minilm_learns_the_topic_task(tmp_path, minilm_dir):
