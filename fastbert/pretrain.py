@@ -747,6 +747,24 @@ def _load_or_train_tokenizer(args: argparse.Namespace, output_dir: Path, train_d
     return tokenizer
 
 
+def _distributed_tokenizer(args: argparse.Namespace, output_dir: Path, train_docs: list[list[str]]):
+    """The run's tokenizer; under torchrun (WORLD_SIZE > 1) rank 0 makes it and the other ranks load its copy, since
+    two trainings of the vocabulary can differ."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _load_or_train_tokenizer(args, output_dir, train_docs)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
+    tokenizer = _load_or_train_tokenizer(args, output_dir, train_docs) if dist.get_rank() == 0 else None
+    dist.barrier()
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(output_dir / "tokenizer")
+    return tokenizer
+
+
 def run_pretraining(args: argparse.Namespace) -> int:
     """The ``fastbert pretrain`` command (see the module docstring); returns the exit status."""
     _check_args(args)
@@ -780,7 +798,7 @@ def run_pretraining(args: argparse.Namespace) -> int:
     if not documents:
         raise UserError("the corpus holds no sentences")
     train_docs, held_docs = hold_out(documents, args.held_out, args.seed)
-    tokenizer = _load_or_train_tokenizer(args, output_dir, train_docs)
+    tokenizer = _distributed_tokenizer(args, output_dir, train_docs)
 
     def tokenize(docs: list[list[str]]) -> list[list[list[int]]]:
         flat = [s for doc in docs for s in doc]
@@ -831,15 +849,24 @@ def run_pretraining(args: argparse.Namespace) -> int:
                                  keep_checkpoints=args.keep_checkpoints, resume=args.resume, progress=args.progress)
     parameters = sum(p.numel() for p in model.parameters())
     pair_note = {"bert": "NSP", "albert": "SOP"}.get(args.objective, "no pair task")
-    sys.stderr.write(f"fastbert pretrain: {type(model).__name__} ({parameters / 1e6:.2f} M parameters, "
-                     f"H={config.hidden_size}, {config.num_hidden_layers} layers), vocabulary {len(tokenizer)}, "
-                     f"{sum(len(d) for d in train_docs):,} training sentences in {len(train_docs)} documents "
-                     f"({len(data.epoch_batches(0))} batches of {args.batch_size} per epoch), MLM + {pair_note}, "
-                     f"{len(task.eval_batches)} held-out batches, {torch.get_num_threads()} threads, {device}\n")
+    if int(os.environ.get("RANK", "0")) == 0:
+        sys.stderr.write(f"fastbert pretrain: {type(model).__name__} ({parameters / 1e6:.2f} M parameters, "
+                         f"H={config.hidden_size}, {config.num_hidden_layers} layers), vocabulary {len(tokenizer)}, "
+                         f"{sum(len(d) for d in train_docs):,} training sentences in {len(train_docs)} documents "
+                         f"({len(data.epoch_batches(0))} batches of {args.batch_size} per epoch), MLM + {pair_note}, "
+                         f"{len(task.eval_batches)} held-out batches, {torch.get_num_threads()} threads, {device}\n")
     try:
         result = train(model, task, training)
     except TrainingError as err:
         raise UserError(str(err)) from err
+    finally:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports for the whole run
+        return 0
     summary = summarize(result.records)
     figures = {k: v for k, v in summary.items() if isinstance(v, float)}
     sys.stderr.write(f"fastbert pretrain: done at step {result.step} -> {result.checkpoint}\n")
