@@ -224,6 +224,17 @@ def test_bert_checkpoint_loads_in_transformers_and_fastbert(tmp_path, corpus, ca
         assert torch.allclose(ours_pretraining(**batch).seq_relationship_logits, expected_nsp, rtol=1e-4, atol=1e-5)
 
 
+def test_a_short_run_learns(tmp_path, corpus, capsys, one_thread):
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "60", "--learning-rate", "5e-3", "--save-every",
+                      "0", *TINY], capsys)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    first, last = summary["eval_first"], summary["eval_last"]
+    assert first["step"] == 0 and last["step"] == 60
+    assert last["eval_mlm_loss"] < first["eval_mlm_loss"] - 0.3  # held-out text, fixed masks
+
+
 @pytest.mark.parametrize("objective, model_class", [("roberta", "RobertaForMaskedLM"),
                                                     ("albert", "AlbertForPreTraining")])
 def test_other_objectives(tmp_path, corpus, capsys, one_thread, objective, model_class):
