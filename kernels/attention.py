@@ -21,11 +21,14 @@ longest sequence; rows outside that are left unwritten. Grid: (query or key bloc
 
 Dropout (`dropout_p` > 0): each probability is kept with probability 1 - p and kept ones are scaled by 1 / (1 - p)
 (the softmax's normaliser sums the undropped probabilities, as `torch.nn.functional.dropout` after softmax does).
-The keep decision of the pair (query i, key j) of sequence b and head h is Philox4x32-10 (`tl.philox`) keyed by
-`dropout_seed` on the counter (j, i, b * heads + h, 0), first word, as a uniform float >= p: a unique counter per
-(sequence, head, query, key) of the padded layout, so the mask is a pure function of those and of the seed, and
-the backward kernels, which walk the pairs in other tiles and orders, regenerate exactly the forward's mask. (Four
-32-bit words instead of one 64-bit offset: no 64-bit [BLOCK, BLOCK] index tiles, no limit on S * S.) The mask is
+The keep decision of the pair (query i, key j) of sequence b and head h is a 16-bit draw >= p * 2^16 (`_kept`): one
+Philox4x32-10 call (`tl.philox`, keyed by `dropout_seed`) on the counter (j // 8, i, b * heads + h, 0) gives the
+draws of 8 neighbouring keys (FlashAttention's CUDA kernels split their words into 8-bit draws; 16 bits keep p's
+rounding below 2^-17, while an RNG call per element would cost several times the tile's matrix products in integer
+instructions). A unique counter per (sequence, head, query, key group) of the padded layout: the mask is a pure
+function of those and of the seed, so the backward kernels, which walk the pairs in other tiles and orders,
+regenerate exactly the forward's mask, and the packed and padded forms of the same batch draw the same one. (32-bit
+counter words rather than one 64-bit offset: no 64-bit [BLOCK, BLOCK] index tiles, no limit on S * S.) The mask is
 not eager's `keep_mask` (another RNG): equal in law, not in value.
 
 Backward (the torch op's autograd formula, `_backward`, itself the torch op `triton_attention_backward` so
@@ -49,12 +52,12 @@ Block sizes (GPU; the interpreter runs the same kernels with 64-blocks capped at
 (forward) and `_backward_meta`. sm_90 gives a block up to 227 KB of shared memory and 255 registers per thread. A
 backward program keeps `resident` rows (inputs plus fp32 [rows, D] accumulators: one for dq, two for dk/dv) and
 streams tiles of the other side, double-buffered; at D = 128 fp16 that is ~66 KB of shared memory, far under the
-limit, so registers decide: 64 resident x 32 streamed rows in fp16/bf16 (64 x 64 spilled at D >= 80), 8 warps above
-D = 64 or with a window or dropout (the band mask and four Philox words per score element), dk/dv streaming 16
-queries when both meet D = 128; fp32 32 x 16 (IEEE dots keep operands in registers); D = 256 halves the resident
-rows. Dropout also moves the fp16/bf16 forward to 64 queries on 8 warps. tests/kernels/compile_sm90.py compiles
-every one of these configs for sm_90 (no GPU needed) and fails on a spill or on shared memory over the limit; none
-has run on a GPU yet.
+limit, so registers decide: 64 resident x 32 streamed rows in fp16/bf16 (64 x 64 spilled at D >= 80), 8 warps
+above D = 64 or with a window or dropout (the band mask and the Philox words of the score tile), and with those
+dk/dv streams 16 queries at D = 128 and keeps 16 keys at D = 256; fp32 32 x 16 (IEEE dots keep operands in
+registers); D = 256 halves the resident rows. Dropout also moves the fp16/bf16 forward to 64 queries on 8 warps.
+tests/kernels/compile_sm90.py compiles every one of these configs for sm_90 (no GPU needed) and fails on a spill or
+on shared memory over the limit; none has run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ __all__ = ["attention", "attention_reference", "supports"]
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
+DRAW_RANGE = 1 << 16  # dropout draws are 16-bit: p acts rounded to a multiple of 2^-16
 
 
 # ------------------------------------------------------------------------------------------- shared pieces
@@ -108,14 +112,21 @@ def _band(row_start, col_start, window_half, ROWS: tl.constexpr, COLS: tl.conste
 
 
 @triton.jit
-def _kept(seed, slab, queries, keys, dropout_p):
-    """Bool tile: the dropout keep decision of each (query, key) pair of sequence-and-head ``slab`` (b * heads + h);
-    ``queries`` and ``keys`` are positions that broadcast to the tile ([M, 1] and [1, N], or transposed). Philox
-    on the counter (key, query, slab, 0): the same pair gives the same decision in every kernel and tile."""
-    zero = (queries * 0 + keys * 0).to(tl.uint32)
-    word, _, _, _ = tl.philox(seed, keys.to(tl.uint32) + zero, queries.to(tl.uint32) + zero,
-                              zero + slab.to(tl.uint32), zero)
-    return tl.uint_to_uniform_float(word) >= dropout_p
+def _kept(seed, slab, m_start, n_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Bool [BLOCK_M, BLOCK_N]: the dropout keep decisions of queries m_start + i and keys n_start + j (n_start a
+    multiple of 8) of sequence-and-head ``slab`` (b * heads + h): a 16-bit draw >= ``threshold`` (p * 2^16). One
+    Philox4x32-10 call on the counter (key // 8, query, slab, 0) gives the eight 16-bit draws of keys 8g .. 8g + 7
+    (draw v: half v % 2 of word v // 2): the same pair gets the same draw in every kernel and tile."""
+    queries = (m_start + tl.arange(0, BLOCK_M)).to(tl.uint32)
+    groups = (n_start // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)
+    zero = tl.zeros((BLOCK_M, BLOCK_N // 8), dtype=tl.uint32)
+    w0, w1, w2, w3 = tl.philox(seed, zero + groups[None, :], zero + queries[:, None], zero + slab.to(tl.uint32), zero)
+    # Joined innermost-first by the draw's bit of weight 4, then 2, then 1: the row-major reshape then puts draw v of
+    # group g at key 8 g + v.
+    by_4 = tl.join(tl.join(w0 & 0xFFFF, w2 & 0xFFFF), tl.join(w1 & 0xFFFF, w3 & 0xFFFF))  # draws 0 4 2 6 -> [., 2, 2]
+    odd = tl.join(tl.join(w0 >> 16, w2 >> 16), tl.join(w1 >> 16, w3 >> 16))  # draws 1 5 3 7
+    draws = tl.reshape(tl.join(by_4, odd), (BLOCK_M, BLOCK_N))
+    return draws.to(tl.int32) >= threshold
 
 
 # ------------------------------------------------------------------------------------------------- forward
@@ -131,7 +142,7 @@ def _attention_kernel(
     head_dim,
     qk_scale,  # softmax scale * log2(e): scores go straight to exp2
     window_half,  # WINDOW only: a query attends keys at most this many positions away
-    dropout_p, dropout_scale, dropout_seed,  # DROPOUT only: drop probability, 1 / (1 - p), Philox key
+    dropout_threshold, dropout_scale, dropout_seed,  # DROPOUT only: p * 2^16 (`_kept`), 1 / (1 - p), Philox key
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -195,7 +206,8 @@ def _attention_kernel(
         correction = tl.math.exp2(row_max - safe_max)
         row_sum = row_sum * correction + tl.sum(probs, axis=1)  # the normaliser counts dropped probabilities too
         if DROPOUT:
-            probs = tl.where(_kept(dropout_seed, slab, offs_m[:, None], keys[None, :], dropout_p), probs, 0.0)
+            probs = tl.where(_kept(dropout_seed, slab, m_start, key_start, dropout_threshold, BLOCK_M, BLOCK_N),
+                             probs, 0.0)
         # P is rounded to the input dtype before P @ V (tensor-core operands), then widened again if DOT_IN_FP32.
         probs_in = cast_rtne(probs, v_ptr.dtype.element_ty).to(v.dtype)
         acc = acc * correction[:, None] + tl.dot(probs_in, v, input_precision=INPUT_PRECISION)
@@ -225,7 +237,7 @@ def _attention_backward_dq_kernel(
     qk_scale,  # softmax scale * log2(e)
     scale,  # softmax scale (dS -> dq)
     window_half,  # WINDOW only
-    dropout_p, dropout_scale, dropout_seed,  # DROPOUT only: as the forward's
+    dropout_threshold, dropout_scale, dropout_seed,  # DROPOUT only: as the forward's
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -310,7 +322,7 @@ def _attention_backward_dq_kernel(
         probs = tl.where(allowed, tl.math.exp2(scores - lse[:, None]), 0.0)
         grad_probs = tl.dot(d_out, tl.trans(v), input_precision=INPUT_PRECISION)
         if DROPOUT:
-            kept = _kept(dropout_seed, slab, offs_m[:, None], keys[None, :], dropout_p)
+            kept = _kept(dropout_seed, slab, m_start, key_start, dropout_threshold, BLOCK_M, BLOCK_N)
             grad_probs = tl.where(kept, grad_probs * dropout_scale, 0.0)
         # A probability of exactly 1 (a row's only key, or one that takes all the mass in fp32) has a zero softmax
         # gradient (p (1 - p) = 0, the others' share is below fp32's resolution); computing it as such makes a
@@ -339,7 +351,7 @@ def _attention_backward_dkdv_kernel(
     cu_seqlens_ptr,  # int32 [B + 1] (PACKED only)
     mask_ptr, stride_mb, stride_ms,  # uint8 [B, S] key padding mask (HAS_MASK only)
     seqlen, rows, head_dim, qk_scale, scale, window_half,  # as the dq kernel's
-    dropout_p, dropout_scale, dropout_seed,
+    dropout_threshold, dropout_scale, dropout_seed,
     PACKED: tl.constexpr,
     HAS_MASK: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -403,7 +415,7 @@ def _attention_backward_dkdv_kernel(
         probs_t = tl.where(allowed, tl.math.exp2(scores_t - lse[None, :]), 0.0)
         grad_probs_t = tl.dot(v, tl.trans(d_out), input_precision=INPUT_PRECISION)
         if DROPOUT:
-            kept_t = _kept(dropout_seed, slab, queries[None, :], offs_n[:, None], dropout_p)
+            kept_t = tl.trans(_kept(dropout_seed, slab, query_start, n_start, dropout_threshold, BLOCK_M, BLOCK_N))
             dropped_t = tl.where(kept_t, probs_t * dropout_scale, 0.0)
             grad_probs_t = tl.where(kept_t, grad_probs_t * dropout_scale, 0.0)
         else:
@@ -467,8 +479,8 @@ def _backward_meta(head_dim: int, max_seqlen: int, dtype: torch.dtype, heavy: bo
     dk/dv) and streams `streamed` rows of the other side (2 stages: one tile pair loads while the other is used).
     Registers decide (shared memory stays under ~110 KB of the 227 KB): fp16/bf16 64 resident x 32 streamed,
     4 warps up to D = 64 and 8 above or with a window or dropout (``heavy``: the band mask and the Philox words of
-    each score-tile element), which spilled at 64 x 64; fp32 32 x 16 (IEEE dots with operands in registers), and
-    D = 256 halves the resident rows."""
+    the score tile), which spilled at 64 x 64 (with those, dk/dv streams 16 queries at D = 128 and keeps 16 keys
+    at D = 256); fp32 32 x 16 (IEEE dots with operands in registers), and D = 256 halves the resident rows."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     fit = max(16, triton.next_power_of_2(max_seqlen))
     if INTERPRETER:
@@ -479,10 +491,12 @@ def _backward_meta(head_dim: int, max_seqlen: int, dtype: torch.dtype, heavy: bo
     else:
         resident, streamed = min(32 if block_d > 128 else 64, fit), min(32, fit)
         extra = {"num_warps": 8 if heavy or block_d > 64 else 4, "num_stages": 2}
-    # dk/dv holds twice dq's accumulators: with the band and Philox tiles at D = 128 it streams 16 queries
-    streamed_dkdv = min(16, streamed) if heavy and block_d == 128 and dtype != torch.float32 else streamed
+    dkdv_resident, dkdv_streamed = resident, streamed
+    if heavy and block_d >= 128 and dtype != torch.float32 and not INTERPRETER:
+        # dk/dv holds twice dq's accumulators; with the band and Philox tiles these spilled on sm_90 otherwise
+        dkdv_resident, dkdv_streamed = (min(16, fit), streamed) if block_d > 128 else (resident, min(16, fit))
     return ({"BLOCK_M": resident, "BLOCK_N": streamed, "BLOCK_D": block_d, **extra},
-            {"BLOCK_M": streamed_dkdv, "BLOCK_N": resident, "BLOCK_D": block_d, **extra})
+            {"BLOCK_M": dkdv_streamed, "BLOCK_N": dkdv_resident, "BLOCK_D": block_d, **extra})
 
 
 @functools.cache
@@ -535,6 +549,11 @@ def _check_dropout(dropout_p: float) -> None:
         raise ValueError(f"fastbert triton attention: dropout_p must be in [0, 1], got {dropout_p}")
 
 
+def _threshold(dropout_p: float) -> int:
+    """The 16-bit draw below which `_kept` drops: p * 2^16 rounded (2^16 for p = 1: nothing kept)."""
+    return round(dropout_p * DRAW_RANGE)
+
+
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None,
             max_seqlen: int | None, key_padding_mask: torch.Tensor | None, scale: float | None,
             window: int | None = None, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
@@ -556,7 +575,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(),
         cu_seqlens.contiguous() if packed else q4, q4 if mask is None else mask, *mask_strides,  # q4: unread
         q4.shape[1], head_dim, scale * LOG2E, 0 if window_half is None else window_half,
-        dropout_p, keep_scale(dropout_p), dropout_seed,
+        _threshold(dropout_p), keep_scale(dropout_p), dropout_seed,
         PACKED=packed, HAS_MASK=mask is not None, WINDOW=window_half is not None, DROPOUT=dropout_p > 0,
         INPUT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype), **meta)
     return out
@@ -583,7 +602,7 @@ def _launch_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         cu_seqlens_ptr=cu_seqlens.contiguous() if packed else q4, mask_ptr=q4 if mask is None else mask,
         stride_mb=mask_strides[0], stride_ms=mask_strides[1], seqlen=q4.shape[1], rows=longest, head_dim=head_dim,
         qk_scale=scale * LOG2E, scale=scale, window_half=0 if window_half is None else window_half,
-        dropout_p=dropout_p, dropout_scale=keep_scale(dropout_p), dropout_seed=dropout_seed,
+        dropout_threshold=_threshold(dropout_p), dropout_scale=keep_scale(dropout_p), dropout_seed=dropout_seed,
         PACKED=packed, HAS_MASK=mask is not None, WINDOW=window_half is not None, DROPOUT=dropout_p > 0,
         INPUT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype))
     _attention_backward_dq_kernel[(triton.cdiv(longest, dq_meta["BLOCK_M"]), batch, heads)](

@@ -256,6 +256,26 @@ def test_dropout_grads_half_with_the_kernel_mask(monkeypatch, dtype):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=lambda p: f"p{p}")
+def test_backward_in_gpu_like_uneven_tiles(monkeypatch, dropout_p):
+    """The backward kernels with the uneven blocks a GPU takes (dq: 32 queries x 16 keys, dk/dv: 16 queries x 32 keys)
+    while the forward walks 64 x 64 tiles: the same gradients as the eager op (with the kernel's mask under dropout),
+    a window cutting through tiles, lengths that end mid-tile."""
+    kernels = importlib.import_module("fastbert.kernels.attention")
+
+    def uneven(head_dim, max_seqlen, dtype, heavy=False):
+        block_d = max(16, 1 << (head_dim - 1).bit_length())
+        return ({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_D": block_d}, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": block_d})
+
+    monkeypatch.setattr(kernels, "_backward_meta", uneven)
+    args = attention_args("packed", [70, 9, 33], window=21)
+    if dropout_p == 0:
+        check_grads("attention", on_device(args), "triton", call=call)
+    else:
+        check_grads_with_kernel_mask(monkeypatch, args, p=dropout_p, seed=123)
+
+
+@pytest.mark.interpreter
 def test_dropout_one_keeps_nothing_and_sends_no_gradient():
     args = on_device(attention_args("padded", [7, 3]))
     out = call("triton")(*args, 1.0, 4)
