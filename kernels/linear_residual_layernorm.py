@@ -18,6 +18,11 @@ forward's, the mask regenerated from the seed; the op returns only LN(s), so s i
 recomputed fp32 statistics, dL/ds through the dropout mask (the linear layer's output gradient), and per-program
 fp32 column sums for the LayerNorm's dW/dB and the linear bias's gradient (two-stage: `_common.column_sum` adds
 the partial rows). dL/dx and dL/dW are plain matmuls (cuBLAS via torch).
+That backward is the torch op's (``torch.ops.fastbert.triton_linear_residual_layernorm``). The backend's function
+(`linear_residual_layernorm`), under autograd, runs linear_residual_prenorm's torch op instead and returns its
+LayerNorm: the same kernels and the same output bit for bit (the LayerNorm written beside the sum instead of over
+it), and a backward that reads the saved sum instead of recomputing the GEMM (a third GEMM beside the backward's
+two; the price is the [M, N] sum kept until the backward, as eager PyTorch keeps its LayerNorm's input).
 """
 
 from __future__ import annotations
@@ -292,6 +297,9 @@ def linear_residual_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch
                               residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
                               eps: float, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
     """LayerNorm(dropout(x @ weight.T + bias) + residual) -> [..., N] (the triton backend's
-    `fastbert.ops.linear_residual_layernorm`)."""
-    return torch.ops.fastbert.triton_linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias,
-                                                               float(eps), float(dropout_p), int(dropout_seed))
+    `fastbert.ops.linear_residual_layernorm`). Under autograd it runs as linear_residual_prenorm (module
+    docstring: the same output, and a backward without the GEMM's recomputation)."""
+    args = (x, weight, bias, residual, ln_weight, ln_bias, float(eps), float(dropout_p), int(dropout_seed))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:6]):
+        return torch.ops.fastbert.triton_linear_residual_prenorm(*args)[1]
+    return torch.ops.fastbert.triton_linear_residual_layernorm(*args)

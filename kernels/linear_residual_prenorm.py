@@ -61,6 +61,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.has_ln_bias = ln_bias is not None
     ctx.residual_shape = residual.shape
     ctx.save_for_backward(x, weight, bias, ln_weight, output[0])  # summed: the LayerNorm's input
+    ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not a zero tensor to read
 
 
 def _backward(ctx, grad_summed, grad_normed):
@@ -68,9 +69,11 @@ def _backward(ctx, grad_summed, grad_normed):
     x, weight, bias, ln_weight, summed = ctx.saved_tensors
     needs = ctx.needs_input_grad
     width = weight.shape[0]
+    if grad_normed is None:  # only summed was used (rare: normed feeds the next sublayer)
+        grad_normed = torch.zeros_like(summed)
     grad_total, grad_dropped, sums = layernorm_rows_backward_op(
-        summed.view(-1, width), _gemm.as_rows(grad_normed), ln_weight, ctx.eps, _gemm.as_rows(grad_summed),
-        ctx.dropout_p, ctx.dropout_seed, summed.dtype)
+        summed.view(-1, width), _gemm.as_rows(grad_normed), ln_weight, ctx.eps,
+        None if grad_summed is None else _gemm.as_rows(grad_summed), ctx.dropout_p, ctx.dropout_seed, summed.dtype)
     grad_linear = grad_dropped if ctx.dropout_p > 0 else grad_total
     grad_x, grad_weight = linear_input_grads(grad_linear, x, weight, needs[:2])
     grad_bias = sums[2].to(bias.dtype) if needs[2] and bias is not None else None

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastbert import ops
+from fastbert import kernels, ops  # noqa: F401 (kernels: registers the triton torch ops called directly)
 from fastbert.numerics import assert_accurate
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import SPECS
@@ -104,6 +104,30 @@ def test_prenorm_backward_uses_the_forward_mask_identity_linear():
     (grad,) = torch.autograd.grad(summed.sum(), x)
     assert torch.equal(grad != 0, kept)
     assert torch.equal(grad[kept], torch.full_like(grad[kept], 2.0))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_post_ln_torch_op_backward_recomputes_the_sum(p):
+    """linear_residual_layernorm's torch op has its own backward (the sum recomputed by the forward's GEMM); the
+    backend's function under autograd runs prenorm's op instead (no recomputation). Both give the eager op's
+    gradients (p = 0) or the fp64 reference's with the forward's mask (p > 0)."""
+    op = "linear_residual_layernorm"
+    args = op_args(op, 7, 48, torch.float32)
+    torch_op = torch.ops.fastbert.triton_linear_residual_layernorm
+    if p == 0:
+        check_grads(op, args, "triton", call=lambda name: SPECS[op].eager if name == "eager" else torch_op)
+    else:
+        keep = _forward_mask(op, args, p, 99)
+        fast = run_grads(lambda *a: torch_op(*a, p, 99), args)
+        reference = run_grads(_masked_reference(op, args, keep, p), _upcast(args))
+        for index, (f, r) in enumerate(zip(fast, reference, strict=True)):
+            assert_accurate(f, f, r, what=f"{op} torch op dropout grad {index}")
+    for function, recomputes in ((lambda *a: torch_op(*a, p, 99), True), (lambda *a: call(op, a, p, 99), False)):
+        out = function(*args)
+        with _OpsSeen() as seen:
+            out.sum().backward()
+        assert ("fastbert::triton_linear_dropout_residual" in seen.names) == recomputes, sorted(seen.names)
+        assert "fastbert::triton_layernorm_rows_backward" in seen.names
 
 
 def test_same_seed_same_output_other_seed_other_output():
