@@ -1,12 +1,22 @@
-"""One training step (forward + backward, no optimizer) of fastbert's own model through the eager and the cpp
-backends, interleaved: the measurement behind `fastbert.backends.AUTO_ORDER_AUTOGRAD` (auto trains through eager on
-CPU while cpp's backward recomputes with PyTorch ops).
+"""One training step (forward + backward, no optimizer) of fastbert's own model through the eager, the cpp and the
+auto backends, interleaved: the measurement behind `fastbert.backends.AUTO_ORDER_AUTOGRAD` (which backend `auto`
+trains through on CPU, per op).
 
     .venv/bin/python benchmarks/train_step_cpu.py      # random BERT, 4 layers, H 256, batch 8 x 128 (half padded)
+    .venv/bin/python benchmarks/train_step_cpu.py --layers 2 --hidden 768 --heads 12 --batch 16 --seqlen 512 \\
+        --lengths varlen --threads 2                   # 16 sequences of seeded lengths, mean ~60 % of 512
+
+Runners: ``eager`` and ``cpp`` force one backend for every op; ``auto`` is what `fastbert.backends.choose` picks
+under autograd. ``--lengths``: ``half`` (half the rows half padded), ``varlen`` (lengths uniform in [0.2, 1.0] x
+seqlen, the first full) or ``full``; fastbert removes the padding itself (packed attention). ``--dropout``: train()
+mode with the config's dropout (0.1), else eval() (no dropout); the cpp runner cannot run it (its LayerNorm-family
+kernels decline dropout). Prints the median and minimum per runner. Not a test: this VM drifts by +-30 % between runs,
+so compare runners within one run.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -15,34 +25,73 @@ import torch
 import transformers
 
 import fastbert
+from fastbert.bench.recording import record_backends
+
+
+def batch(size: int, seqlen: int, lengths: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [size, seqlen]; ``lengths``: "half" (the second half of the rows half padded),
+    "varlen" (seeded lengths uniform in [0.2, 1.0] x seqlen, the first full) or "full" (no padding)."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1000, 2000, (size, seqlen), generator=generator)
+    if lengths == "varlen":
+        real = (seqlen * (0.2 + 0.8 * torch.rand(size, generator=generator))).long().clamp(min=1)
+        real[0] = seqlen
+    else:
+        real = torch.full((size,), seqlen)
+        if lengths == "half":
+            real[size // 2:] = seqlen // 2
+    lengths = real
+    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
+    return ids, mask
 
 
 def main() -> None:
-    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seqlen", type=int, default=128)
+    parser.add_argument("--lengths", choices=["half", "varlen", "full"], default="half")
+    parser.add_argument("--dropout", action="store_true", help="train() mode with dropout 0.1 (default: eval())")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--runners", nargs="+", default=["eager", "cpp", "auto"], choices=["eager", "cpp", "auto"])
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     directory = tempfile.mkdtemp()
-    config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                     intermediate_size=1024)
+    config = transformers.BertConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                     num_attention_heads=args.heads, intermediate_size=4 * args.hidden,
+                                     max_position_embeddings=max(512, args.seqlen))
     transformers.BertModel(config).save_pretrained(directory)
-    models = {backend: fastbert.from_pretrained(directory, backend=backend).eval() for backend in ("eager", "cpp")}
-    ids = torch.randint(1000, 2000, (8, 128))
-    mask = torch.ones_like(ids)
-    mask[4:, 64:] = 0
+    models = {}
+    for backend in args.runners:
+        model = fastbert.from_pretrained(directory, backend=backend)
+        models[backend] = model.train() if args.dropout else model.eval()
+    ids, mask = batch(args.batch, args.seqlen, args.lengths)
+    real = int(mask.sum())
+    print(f"batch {args.batch} x {args.seqlen}, {real} real tokens ({real / mask.numel():.0%}), {args.layers} layers, "
+          f"H {args.hidden}, {args.heads} heads, dropout {'0.1' if args.dropout else 'off'}, {args.threads} threads")
 
     def step(model):
         model.zero_grad()
         model(input_ids=ids, attention_mask=mask).last_hidden_state.square().mean().backward()
 
     times = {backend: [] for backend in models}
-    for model in models.values():
-        step(model)
-    for _ in range(10):
+    for backend, model in models.items():
+        with record_backends() as seen:  # (a warm-up step; tables resolved inside report which backend ran each op)
+            step(model)
+        print(f"{backend} ran: " + ", ".join(f"{op} {'/'.join(sorted(counts))}" for op, counts in sorted(seen.items())))
+    for _ in range(args.steps):
         for backend, model in models.items():
             start = time.perf_counter()
             step(model)
             times[backend].append((time.perf_counter() - start) * 1e3)
     for backend, values in times.items():
-        print(f"{backend}: median {statistics.median(values):.1f} ms, min {min(values):.1f} ms (1 thread, 10 steps)")
+        print(f"{backend}: median {statistics.median(values):.1f} ms, min {min(values):.1f} ms "
+              f"({args.threads} thread(s), {args.steps} steps)")
 
 
 if __name__ == "__main__":

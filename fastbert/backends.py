@@ -29,12 +29,15 @@ BACKENDS = ("eager", "triton", "cpp")
 # Preference of `auto` by device type. Triton on CPU only runs under TRITON_INTERPRET=1, which is far too slow to
 # be picked automatically, so `auto` never takes it for CPU tensors.
 AUTO_ORDER = {"cuda": ("triton", "eager"), "cpu": ("cpp", "eager")}
-# Under autograd (grad mode on and an input that requires grad). The cpp backward is the spec's formula in PyTorch
-# ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256, one thread, 2-core VM) measured
-# a step at 288 ms through cpp vs 220 ms through eager, so `auto` trains through eager on CPU until fused CPU backward
-# kernels exist;
+# Under autograd (grad mode on and an input that requires grad). The cpp backward of most ops is the spec's formula
+# in PyTorch ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256, one thread, 2-core
+# VM) measured a step at 288 ms through cpp vs 220 ms through eager, so `auto` trains those through eager on CPU;
 # backend="cpp" still trains through cpp.
 AUTO_ORDER_AUTOGRAD = {"cuda": ("triton", "eager"), "cpu": ("eager",)}
+# Per-op exceptions to AUTO_ORDER_AUTOGRAD: op -> {device type: order}. Attention on CPU trains through cpp, whose
+# forward and backward are C++ kernels that follow each sequence's real length (eager pads the packed batch to the
+# longest sequence for SDPA and its autograd); measured with `benchmarks/train_step_cpu.py` (README, Backends).
+AUTO_ORDER_AUTOGRAD_BY_OP = {"attention": {"cpu": ("cpp", "eager")}}
 _BACKEND_MODULES = {"triton": "fastbert.kernels", "cpp": "fastbert.cpp_backend"}
 
 
@@ -142,6 +145,11 @@ def why_not(op: str, backend: str, *args, **kwargs) -> str | None:
     return impl.supports(*args, **kwargs)
 
 
+def autograd_order(op: str, device_type: str) -> tuple[str, ...]:
+    """The backends `auto` tries, in order, for ``op`` under autograd on ``device_type`` (eager comes last anyway)."""
+    return AUTO_ORDER_AUTOGRAD_BY_OP.get(op, {}).get(device_type, AUTO_ORDER_AUTOGRAD.get(device_type, ()))
+
+
 def choose(op: str, backend: str | None, *args, **kwargs) -> tuple[str, dict[str, str]]:
     """Pick the backend for ``op``: returns (backend, {skipped backend: reason})."""
     backend = requested_backend(backend)
@@ -153,14 +161,14 @@ def choose(op: str, backend: str | None, *args, **kwargs) -> tuple[str, dict[str
     tensors = _tensors(args, kwargs)
     device_type = tensors[0].device.type if tensors else "cpu"
     skipped: dict[str, str] = {}
-    order = AUTO_ORDER
+    order = AUTO_ORDER.get(device_type, ())
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        order = AUTO_ORDER_AUTOGRAD
+        order = autograd_order(op, device_type)
         for preferred in AUTO_ORDER.get(device_type, ()):
-            if preferred not in order.get(device_type, ()):
+            if preferred not in order:
                 skipped[preferred] = ("auto trains through eager here: this backend's backward recomputes with "
                                       "PyTorch ops and is slower than eager's autograd (force it with backend=)")
-    for candidate in order.get(device_type, ()) + ("eager",):
+    for candidate in order + ("eager",):
         reason = why_not(op, candidate, *args, **kwargs)
         if reason is None:
             return candidate, skipped

@@ -507,10 +507,37 @@ def test_under_grad_auto_trains_through_eager_on_cpu_and_cpp_when_forced(op):
         assert backends.explain(op, *op_args(op, 7, torch.float32)) == f"{op}: cpp"  # inference still takes cpp
 
 
-def test_forced_cpp_attention_under_grad():
+def test_under_grad_auto_trains_attention_through_cpp_on_cpu():
+    """Attention is the exception (fastbert.backends.AUTO_ORDER_AUTOGRAD_BY_OP): its cpp forward and backward are
+    C++ kernels that follow the real lengths, measured faster than eager's autograd; with dropout too."""
     args = attention_args("packed", [5, 3], window=2)
     assert backends.explain("attention", *args, backend="cpp") == "attention: cpp"
-    assert backends.explain("attention", *args).startswith("attention: eager")
+    assert backends.explain("attention", *args) == "attention: cpp"
+    assert backends.explain("attention", *args, 0.1, 3) == "attention: cpp"
+    assert backends.autograd_order("attention", "cpu") == ("cpp", "eager")
+    assert backends.autograd_order("attention", "cuda") == backends.AUTO_ORDER_AUTOGRAD["cuda"]
+    assert backends.autograd_order("linear_activation", "cpu") == backends.AUTO_ORDER_AUTOGRAD["cpu"]
+
+
+def test_auto_training_step_runs_attention_on_cpp_and_the_rest_on_eager(tmp_path):
+    """A train() step through auto on CPU, dropout on: attention (with and without dropout) on cpp, the other
+    ops on eager; the gradients are finite and reach every parameter that an eager step reaches."""
+    from fastbert.bench.recording import record_backends
+    from tests.hf_tiny import padded_batch, tiny_model
+
+    tiny_model("bert").save_pretrained(tmp_path)
+    ids, mask = padded_batch(4, 11)
+    grads = {}
+    for backend in ("auto", "eager"):
+        model = fastbert.from_pretrained(tmp_path, backend=backend).train()
+        with record_backends() as seen:
+            model(ids, mask).last_hidden_state.square().mean().backward()
+        grads[backend] = {name for name, p in model.named_parameters() if p.grad is not None}
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        if backend == "auto":
+            assert set(seen.pop("attention")) == {"cpp"}, seen
+            assert {b for counts in seen.values() for b in counts} == {"eager"}, seen
+    assert grads["auto"] == grads["eager"]
 
 
 # ------------------------------------------------------------------------------------------------- model
