@@ -1,4 +1,6 @@
-"""Shared pieces of the triton backend: where it can run, dtype checks, and the meta-parameter policy.
+"""Shared pieces of the triton backend: where it can run, dtype checks, the meta-parameter policy, and the pieces of
+the backward and dropout kernels (the Philox keep mask, LayerNorm's backward on a tile, the second stage of the
+two-stage fp32 reductions, the backward launchers' torch ops).
 
 Triton kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter. Whether the interpreter is on
 is decided by triton when a kernel is decorated (``TRITON_INTERPRET=1`` must be in the environment before
@@ -211,7 +213,7 @@ def _column_sum_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(0, parts, BLOCK_P):
         p_mask = offs_p < parts - start
-        acc += tl.sum(tl.load(partial_ptr + (start + offs_p)[:, None] * N + offs_n[None, :],
+        acc += tl.sum(tl.load(partial_ptr + (start + offs_p).to(tl.int64)[:, None] * N + offs_n[None, :],
                               mask=p_mask[:, None] & n_mask[None, :], other=0.0), axis=0)
     tl.store(out_ptr + offs_n, cast_rtne(acc, out_ptr.dtype.element_ty), mask=n_mask)
 
