@@ -156,13 +156,23 @@ def _attention_kernel(
     block_m = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2).to(tl.int64)
-    first, batch_index, length = _sequence(cu_seqlens_ptr, batch, seqlen, PACKED)
+    # (Written out rather than with `_sequence`: the padded form's int32 length keeps the key loop in 32 bits, which
+    # the fp16 D = 64 and fp32 configs need to stay clear of spills on sm_90.)
+    if PACKED:
+        start = tl.load(cu_seqlens_ptr + batch).to(tl.int64)
+        length = tl.load(cu_seqlens_ptr + batch + 1).to(tl.int64) - start
+        q_base = q_ptr + start * stride_qs + head * stride_qh
+        k_base = k_ptr + start * stride_ks + head * stride_kh
+        v_base = v_ptr + start * stride_vs + head * stride_vh
+        out_base = out_ptr + start * stride_os + head * stride_oh
+    else:
+        length = seqlen
+        q_base = q_ptr + batch * stride_qb + head * stride_qh
+        k_base = k_ptr + batch * stride_kb + head * stride_kh
+        v_base = v_ptr + batch * stride_vb + head * stride_vh
+        out_base = out_ptr + batch * stride_ob + head * stride_oh
     if block_m * BLOCK_M >= length:  # this sequence is shorter than the longest one
         return
-    q_base = q_ptr + batch_index * stride_qb + first * stride_qs + head * stride_qh
-    k_base = k_ptr + batch_index * stride_kb + first * stride_ks + head * stride_kh
-    v_base = v_ptr + batch_index * stride_vb + first * stride_vs + head * stride_vh
-    out_base = out_ptr + batch_index * stride_ob + first * stride_os + head * stride_oh
     slab = batch * tl.num_programs(2) + head  # dropout counter: (sequence, head)
 
     m_start = block_m * BLOCK_M

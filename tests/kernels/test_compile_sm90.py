@@ -1,6 +1,6 @@
 """Every triton kernel config compiles to an sm_90 cubin as a real launch compiles it (no GPU needed: Triton ships
 ptxas), without register spills (in any dtype) and within the H200's 227 KB of shared memory per block.
-Slow: ~90 compiles, ~50 s on 2 cores with a cold triton cache (--quick; the full sweep, ~150, is the script's
+Slow: ~100 compiles, ~60 s on 2 cores with a cold triton cache (--quick; the full sweep, ~400, is the script's
 default run). FASTBERT_SM90_OUT=DIR keeps the resource table (resources.md, resources.json)."""
 
 from __future__ import annotations
