@@ -6,7 +6,7 @@
 // query rows their Q and dO rows, are packed into fp32 tiles; per chunk, the keys that chunk's windows reach:
 //   S  = Q K^T                                   (scores before the scale)
 //   P  = softmax(S * scale) per row over its allowed keys (a row without one: zeros, as the forward's output)
-//   dP = dO V^T, times the keep mask and 1 / (1 - p) with dropout (regenerated: fastbert/csrc/dropout_rng.h)
+//   dP = dO V^T, times the keep mask and 1 / (1 - p) with dropout (regenerated: csrc/dropout_rng.h)
 //   delta = rowsum(P * dP)                       (= rowsum(dO * out): no need to keep the output)
 //   dS = P * (dP - delta) * scale
 //   dQ = dS K,  dK += dS^T Q,  dV += dropped(P)^T dO
@@ -44,8 +44,8 @@ inline void gemm_rm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
   if (m == 0 || n == 0) return;
   const auto options = at::TensorOptions().dtype(at::kFloat);
   auto view = [&](const float* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
-    at::Tensor t = at::from_blob(const_cast<float*>(p), trans ? at::IntArrayRef{cols, rows} : at::IntArrayRef{rows, cols},
-                                 {ld, 1}, options);
+    const int64_t sizes[2] = {trans ? cols : rows, trans ? rows : cols};  // as stored
+    at::Tensor t = at::from_blob(const_cast<float*>(p), at::IntArrayRef(sizes, 2), {ld, 1}, options);
     return trans ? t.t() : t;
   };
   at::Tensor out = at::from_blob(c, {m, n}, {ldc, 1}, options);
@@ -82,7 +82,9 @@ struct Problem {
   int64_t offset(const Strides& s, int64_t b, int64_t pos, int64_t h) const {
     return packed ? (cu_seqlens[b] + pos) * s.pos + h * s.head : b * s.batch + pos * s.pos + h * s.head;
   }
-  const int64_t* positions(int64_t b) const { return key_positions.empty() ? nullptr : key_positions.data() + b * seqlen; }
+  const int64_t* positions(int64_t b) const {
+    return key_positions.empty() ? nullptr : key_positions.data() + b * seqlen;
+  }
 };
 
 struct Scratch {
