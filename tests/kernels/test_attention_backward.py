@@ -7,7 +7,8 @@ packed and padded agreeing. Dropout: the kernel's mask (another RNG than eager's
 output (q = k = 0 gives every key the weight 1 / S, V = one-hot of the key's position puts keep / (S (1 - p)) at
 output[i, j]), then checked for its keep rate and independence on a large sample and for the 1/(1-p) scale; the
 eager op run with that very mask must give the kernel's output and gradients (fails if the backward regenerated
-another mask); the same seed repeats, another seed differs, packed and padded draw the same mask.
+another mask); the same seed repeats, another seed differs, packed and padded draw the same mask; the backward in
+uneven GPU-like tiles; a BERT encoder training on triton with attention dropout.
 On CPU the kernels run in the Triton interpreter: small shapes with the real block logic, a cheap subset unmarked,
 the rest `interpreter`."""
 
@@ -300,3 +301,37 @@ def test_opcheck_backward_op():
     grad = torch.randn_like(out)
     args = (grad, *(t.detach() for t in (q, k, v)), out, cu, longest, None, None, 2, 0.3, 8)
     torch.library.opcheck(torch.ops.fastbert.triton_attention_backward.default, args)
+
+
+@pytest.mark.interpreter
+def test_encoder_trains_on_triton_with_attention_dropout(monkeypatch, tmp_path):
+    """A BERT encoder in training mode (the config's dropout 0.1) on the triton backend: every op on triton, the
+    attention kernel launched with dropout, finite gradients, the same torch seed repeating output and gradients,
+    another seed changing them."""
+    import fastbert
+    from fastbert.bench.recording import record_backends
+    from tests.hf_tiny import padded_batch, tiny_model
+
+    kernels = importlib.import_module("fastbert.kernels.attention")
+    thresholds = []
+    original = kernels._threshold
+    monkeypatch.setattr(kernels, "_threshold", lambda p: thresholds.append(p) or original(p))
+    tiny_model("bert").save_pretrained(tmp_path)
+    ids, mask = (t.to(DEVICE) for t in padded_batch(3, 9))
+    model = fastbert.from_pretrained(tmp_path, backend="triton", device=DEVICE).train()
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        with record_backends() as seen:
+            hidden = model(ids, mask).last_hidden_state
+        (hidden * mask[:, :, None]).sum().backward()
+        runs.append((hidden.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        model.zero_grad()
+        assert {b for counts in seen.values() for b in counts} == {"triton"}, seen
+    assert model.config.attention_dropout > 0 and thresholds
+    assert all(p == pytest.approx(model.config.attention_dropout) for p in thresholds)
+    (first, first_grads), (again, again_grads), (other, _) = runs
+    assert torch.equal(first, again) and (first - other).abs().max() > 0.1
+    assert len(first_grads) > 10
+    for a, b in zip(first_grads, again_grads, strict=True):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
