@@ -371,6 +371,39 @@ def test_cpp_attention_dropout_backward_uses_the_forward_mask(window):
     assert torch.all(fast[1] == fast[1]) and fast[1].isfinite().all()
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpp_attention_dropout_padded_key_mask_with_holes(window):
+    """The padded form with a key mask with holes: the mask is indexed by key position (the packed probe's, S equal),
+    output and gradients equal the written-out attention with it, masked keys get zero gradients."""
+    batch, seqlen, p, seed = 3, 16, 0.4, 77
+    keep = _cpp_keep_mask([seqlen] * batch, HEADS, p, seed)
+    q, k, v, _, _, _, _, _ = attention_args("padded", [seqlen] * batch)
+    key_mask = torch.rand(batch, seqlen, generator=torch.Generator().manual_seed(4)) < 0.7
+    key_mask[2] = False  # no keys: zeros and zero gradients
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+    def reference(q_, k_, v_):
+        scores = q_.transpose(1, 2) @ k_.transpose(1, 2).transpose(-1, -2) / q_.shape[-1] ** 0.5  # [B, h, S, S]
+        allowed = key_mask[:, None, None, :].expand(batch, 1, seqlen, seqlen)
+        if window is not None:
+            position = torch.arange(seqlen)
+            allowed = allowed & ((position[:, None] - position[None, :]).abs() <= window // 2)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        probs = torch.nan_to_num(probs, nan=0.0) * keep / (1 - p)
+        return (probs @ v_.transpose(1, 2)).transpose(1, 2)
+
+    def grads(fn, tensors):
+        out = fn(*tensors)
+        return (out.detach(), *torch.autograd.grad((out.double() * upstream).sum(), tensors))
+
+    fast = grads(lambda *t: ops.attention(*t, key_padding_mask=key_mask, window=window, dropout_p=p,
+                                          dropout_seed=seed, backend="cpp"), (q, k, v))
+    slow = grads(reference, [t.detach().double().requires_grad_() for t in (q, k, v)])
+    for name, f, r in zip(("out", "dq", "dk", "dv"), fast, slow, strict=True):
+        assert_accurate(f, f, r, what=f"cpp attention, padded with dropout: {name}")
+    assert torch.all(fast[2][~key_mask] == 0) and torch.all(fast[3][~key_mask] == 0)
+
+
 # ------------------------------------------------------------------------------------- gradcheck (float64)
 def torch_op_forward(op: str):
     """The eager computation of the torch op ``fastbert::<op>`` (its schema's arguments and result)."""
