@@ -320,6 +320,22 @@ def runs_fastbert(name: str, entry: dict[str, Any]) -> bool:
     return bool(entry.get("ops_ran_on"))
 
 
+def source_state() -> dict[str, Any]:
+    """The checkout's commit and its uncommitted files under the code the run imports (fastbert/, kernels/, csrc/),
+    read when the run starts; {} outside a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True, timeout=30).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--", "fastbert", "kernels", "csrc"], cwd=root,
+                                capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "uncommitted": [line[3:] for line in status.splitlines()]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
@@ -343,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cases = [Case.parse(text) for text in args.cases]
     load_before = list(os.getloadavg())
+    source = source_state()
     setups: dict[tuple[str, bool], list[Case]] = {}
     for case in cases:
         setups.setdefault(case.setup, []).append(case)
@@ -400,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
     report = interleaved_report(machine, f"BERT with a {args.task} head ({HF_CLASSES[args.task]}), random weights "
                                 f"(seed {args.seed}), float32", args.rounds, report_cases, targets,
-                                base_rounds=args.base_rounds, warmup=args.warmup, task=args.task)
+                                base_rounds=args.base_rounds, warmup=args.warmup, task=args.task, source=source)
     write_interleaved(report, markdown(report), args.out, args.name)
     return 0
 
@@ -429,6 +446,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"before/after {m['loadavg_before'][0]:.2f}/{m['loadavg_after'][0]:.2f}",
         "- Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
         f"- Command: `{report['command']}`",
+        "- Code: " + (f"commit {report['source']['commit']}" + (
+            f", with uncommitted changes in {', '.join(report['source']['uncommitted'])}"
+            if report["source"]["uncommitted"] else "") if report.get("source") else "not a git checkout"),
         f"- Model: {report['model']}",
         f"- Step: zero_grad, forward with the head's loss, backward, AdamW (lr 1e-5) step; each runner its own copy "
         f"of the same checkpoint. Per case: an untimed check at the initial weights, {report['warmup']} untimed "
