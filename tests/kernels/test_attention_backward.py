@@ -15,6 +15,7 @@ the rest `interpreter`."""
 from __future__ import annotations
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -123,8 +124,12 @@ def test_triton_op_carries_the_triton_backward(monkeypatch):
             launched.append(self.name)
             return self.kernel[grid]
 
-    for name in ("_attention_backward_dq_kernel", "_attention_backward_dkdv_kernel"):
-        monkeypatch.setattr(kernels, name, Spy(name, getattr(kernels, name)))
+    # transformers probes for the hub's `kernels` package by importing `kernels`: run from the repository root, that
+    # imports this repository's kernels/ a second time, and the torch op stays bound to whichever copy came first.
+    copies = [sys.modules[n] for n in ("fastbert.kernels.attention", "kernels.attention") if n in sys.modules]
+    for module in copies:
+        for name in ("_attention_backward_dq_kernel", "_attention_backward_dkdv_kernel"):
+            monkeypatch.setattr(module, name, Spy(name, getattr(module, name)))
     q, k, v, cu, longest, _, _, _ = on_device(attention_args("packed", [3, 2]))
     call("triton")(q, k, v, cu, longest, None, None, None).sum().backward()
     assert launched == ["_attention_backward_dq_kernel", "_attention_backward_dkdv_kernel"]
