@@ -16,8 +16,9 @@ Runners, each with its own copy of the model and its own AdamW (lr 1e-5):
   marked as such and never meets a target;
 - ``fastbert (from_pretrained)``: fastbert's own task model (`fastbert.from_pretrained(dir, task=...)`);
 - ``fastbert (from_pretrained, backend cpp)`` (``--runners ... own-cpp``, not by default): the same through the cpp
-  backend forced, which `auto` does not take under autograd on CPU (`fastbert.backends.AUTO_ORDER_AUTOGRAD`);
-  with dropout on it cannot run (cpp declines dropout) and is recorded as failed.
+  backend forced for every op, where `auto` trains only attention through cpp on CPU and the other ops through
+  eager (`fastbert.backends.autograd_order`); with dropout on it cannot run (the cpp LayerNorm-family kernels
+  decline dropout) and is recorded as failed.
 
 Batches: ``fixed`` (``--batch`` x ``--seqlen``, every token real) and ``varlen`` (``--batch`` sequences of seeded
 lengths uniform in [0.2, 1.0] x seqlen, the first full: mean ~60 %, padded to seqlen; every runner gets the same
