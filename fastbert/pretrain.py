@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from fastbert.bench.corpus import _docstrings
 from fastbert.pretraining import (
     IGNORE_INDEX,
     SentencePair,
@@ -97,23 +98,6 @@ def pydoc_documents() -> list[list[str]]:
 _SKIPPED_DIRS = {"site-packages", "__pycache__", "test", "tests", "idle_test", "lib2to3", "ensurepip", "turtledemo"}
 
 
-def _module_docstrings(path: str) -> list[str]:
-    import ast
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return []
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node)
-            if doc:
-                found.append(doc)
-    return found
-
-
 def stdlib_documents() -> list[list[str]]:
     """The docstrings of CPython's standard library (test suites left out): one document per module file, its
     docstrings in source order (module, classes, functions), in sorted path order."""
@@ -124,7 +108,7 @@ def stdlib_documents() -> list[list[str]]:
         dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
         for name in sorted(names):
             if name.endswith(".py"):
-                doc = [s for text in _module_docstrings(os.path.join(root, name)) for s in split_sentences(text)]
+                doc = [s for text in _docstrings(os.path.join(root, name)) for s in split_sentences(text)]
                 if doc:
                     documents.append(doc)
     return documents
