@@ -100,3 +100,42 @@ def test_encode_from_threads(minilm_dir, st_pair):
         assert got.shape == sequential.shape == (len(texts), 384)
         assert_close(got, sequential, f"threaded vs sequential encode of {len(texts)} texts")
         assert_close(got, reference.encode(texts, batch_size=2, show_progress_bar=False), "threaded vs untouched")
+
+
+def test_training_with_a_sentence_transformers_loss(minilm_dir):
+    """A sentence-transformers training loop (MultipleNegativesRankingLoss, SGD) on an optimized model: fastbert's
+    path on every training forward, losses and the fine-tuned embeddings those of the untouched model (dropout
+    off on both)."""
+    import copy
+
+    from sentence_transformers import losses
+
+    anchors = ["How do I open a file?", "What is a list comprehension?", "How to sort a dict by value", "Read JSON"]
+    positives = ["Use open() with a mode.", "A concise way to build lists.", "sorted(d.items(), key=...)", "json.load"]
+    reference = SentenceTransformer(minilm_dir, device="cpu")
+    for module in reference.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = reference[0].auto_model.config
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
+    optimized = fastbert.optimize(copy.deepcopy(reference))
+
+    def train(model) -> list[float]:
+        model.train()
+        loss_fn = losses.MultipleNegativesRankingLoss(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        history = []
+        for _ in range(3):
+            features = [model.preprocess(anchors), model.preprocess(positives)]
+            loss = loss_fn(features, None)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            history.append(loss.item())
+        model.eval()
+        return history
+
+    expected, actual = run_both(train, reference, optimized, forwards=6)
+    assert_close(actual, expected, "training losses")
+    with torch.inference_mode():
+        assert_close(optimized.encode(anchors), reference.encode(anchors), "embeddings after training")
