@@ -46,6 +46,7 @@ def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     return torch.where(mask, x * keep_scale(p), x.new_zeros(()))
 
 
+@torch.compiler.disable  # a Python int read off a tensor: run outside a compiled graph, without dynamo's warning
 def draw_seed() -> int:
     """A fresh base seed from torch's default CPU generator (no device synchronisation)."""
     return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
