@@ -4,11 +4,13 @@ then `fastbert finetune` (fastbert.train's loop) under torchrun against the same
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,7 +67,8 @@ def _train(model: torch.nn.Module, step_model, shard) -> list[float]:
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=datetime.timedelta(seconds=120))  # a lost peer fails a collective, never hangs it
     try:
         model = _model()
         path = fastbert.explain(model, **_global_batch(0))
@@ -73,6 +76,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         losses = _train(model, wrapped, lambda b: {k: v.tensor_split(WORLD_SIZE)[rank] for k, v in b.items()})
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         torch.save({"losses": losses, "state": state, "path": path}, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # tear down together: a rank leaving first can leave the other waiting in its teardown
     finally:
         dist.destroy_process_group()
 
@@ -83,7 +87,13 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.slow  # two processes importing transformers: ~30 s here
 def test_ddp_two_cpu_ranks_match_one_process_on_the_global_batch(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    context = mp.spawn(_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD_SIZE, join=False)
+    deadline = time.monotonic() + 240
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:  # a hung rank must fail the test, not the whole CI run
+            for process in context.processes:
+                process.kill()
+            pytest.fail("a DDP rank did not finish within 240 s")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
     assert ranks[0]["state"].keys() == ranks[1]["state"].keys()
     for key, tensor in ranks[0]["state"].items():  # DDP: every rank applied the same averaged gradients
