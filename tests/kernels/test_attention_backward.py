@@ -110,6 +110,14 @@ def check_masked_keys_and_empty_rows(window: int | None) -> None:
 
 
 # ---------------------------------------------------------------------------------- cheap subset (CI, unmarked)
+def loaded_copies() -> list:
+    """Every loaded copy of the kernel module. transformers probes for the hub's `kernels` package by importing
+    `kernels`: run from the repository root, that imports this repository's kernels/ a second time, and the torch op
+    stays bound to whichever copy came first, so a spy must sit in each."""
+    importlib.import_module("fastbert.kernels.attention")
+    return [sys.modules[n] for n in ("fastbert.kernels.attention", "kernels.attention") if n in sys.modules]
+
+
 def test_triton_op_carries_the_triton_backward(monkeypatch):
     """The triton op's gradient runs the two Triton backward kernels (not the spec's PyTorch formula), and `supports`
     takes dropout."""
@@ -124,10 +132,7 @@ def test_triton_op_carries_the_triton_backward(monkeypatch):
             launched.append(self.name)
             return self.kernel[grid]
 
-    # transformers probes for the hub's `kernels` package by importing `kernels`: run from the repository root, that
-    # imports this repository's kernels/ a second time, and the torch op stays bound to whichever copy came first.
-    copies = [sys.modules[n] for n in ("fastbert.kernels.attention", "kernels.attention") if n in sys.modules]
-    for module in copies:
+    for module in loaded_copies():
         for name in ("_attention_backward_dq_kernel", "_attention_backward_dkdv_kernel"):
             monkeypatch.setattr(module, name, Spy(name, getattr(module, name)))
     q, k, v, cu, longest, _, _, _ = on_device(attention_args("packed", [3, 2]))
@@ -267,13 +272,12 @@ def test_backward_in_gpu_like_uneven_tiles(monkeypatch, dropout_p):
     """The backward kernels with the uneven blocks a GPU takes (dq: 32 queries x 16 keys, dk/dv: 16 queries x 32 keys)
     while the forward walks 64 x 64 tiles: the same gradients as the eager op (with the kernel's mask under dropout),
     a window cutting through tiles, lengths that end mid-tile."""
-    kernels = importlib.import_module("fastbert.kernels.attention")
-
     def uneven(head_dim, max_seqlen, dtype, heavy=False):
         block_d = max(16, 1 << (head_dim - 1).bit_length())
         return ({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_D": block_d}, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": block_d})
 
-    monkeypatch.setattr(kernels, "_backward_meta", uneven)
+    for module in loaded_copies():
+        monkeypatch.setattr(module, "_backward_meta", uneven)
     args = attention_args("packed", [70, 9, 33], window=21)
     if dropout_p == 0:
         check_grads("attention", on_device(args), "triton", call=call)
@@ -317,10 +321,10 @@ def test_encoder_trains_on_triton_with_attention_dropout(monkeypatch, tmp_path):
     from fastbert.bench.recording import record_backends
     from tests.hf_tiny import padded_batch, tiny_model
 
-    kernels = importlib.import_module("fastbert.kernels.attention")
     thresholds = []
-    original = kernels._threshold
-    monkeypatch.setattr(kernels, "_threshold", lambda p: thresholds.append(p) or original(p))
+    for module in loaded_copies():
+        monkeypatch.setattr(module, "_threshold", lambda p, original=module._threshold: thresholds.append(p) or
+                            original(p))
     tiny_model("bert").save_pretrained(tmp_path)
     ids, mask = (t.to(DEVICE) for t in padded_batch(3, 9))
     model = fastbert.from_pretrained(tmp_path, backend="triton", device=DEVICE).train()
