@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from fastbert.bench.corpus import _docstrings
+from fastbert.bench.corpus import _SENTENCE_END, _docstrings
 from fastbert.pretraining import (
     IGNORE_INDEX,
     SentencePair,
@@ -66,8 +66,6 @@ from fastbert.train import (
 
 OBJECTIVES = ("bert", "roberta", "albert")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-# A sentence ends at . ! or ? followed by whitespace and a capital letter (good enough for reference prose).
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 # The small default model: a few minutes on two CPU cores teach it something.
 DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
 
