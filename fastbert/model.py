@@ -71,7 +71,9 @@ def _weight_and_bias(module: nn.Module, role: str, shape: tuple[int, ...], has_b
 
 
 def _zero_row(row: int, grad: torch.Tensor) -> torch.Tensor:
-    return grad.index_fill(0, torch.tensor([row], device=grad.device), 0)
+    grad = grad.clone()  # (a hook must not change its argument)
+    grad[row] = 0  # a Python index: no index tensor copied to the device on every backward
+    return grad
 
 
 def _no_grad_row(table: torch.Tensor | None, row: int | None) -> torch.Tensor | None:
