@@ -219,9 +219,9 @@ def test_bert_checkpoint_loads_in_transformers_and_fastbert(tmp_path, corpus, ca
     with torch.no_grad():
         expected = encoder(**batch).last_hidden_state
         got = ours(**batch).last_hidden_state
-        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
         expected_nsp = pretraining(**batch).seq_relationship_logits
-        assert torch.allclose(ours_pretraining(**batch).seq_relationship_logits, expected_nsp, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(ours_pretraining(**batch).seq_relationship_logits, expected_nsp, rtol=1e-5, atol=1e-5)
 
 
 def test_a_short_run_learns(tmp_path, corpus, capsys, one_thread):
@@ -258,7 +258,7 @@ def test_other_objectives(tmp_path, corpus, capsys, one_thread, objective, model
     with torch.no_grad():
         expected = transformers.AutoModel.from_pretrained(checkpoint).eval()(**batch).last_hidden_state
         got = fastbert.from_pretrained(checkpoint).eval()(**batch).last_hidden_state
-    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # two fresh processes (~7 s each just to import torch and transformers here)
