@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import compute_dtype
-from fastbert.ops.dropout import check_dropout, keep_mask, keep_scale
+from fastbert.ops.dropout import apply_keep, check_dropout, keep_mask, keep_scale
 from fastbert.ops.padding import varlen_positions
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -89,7 +89,7 @@ def _padded_dropout(q, k, v, key_padding_mask, scale, half_width, dropout_p, dro
     if allowed is not None:  # a query without a key: softmax of only -inf is NaN, its output zeros
         probs = probs.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
     keep = keep_mask((batch, heads, seqlen, seqlen), dropout_p, dropout_seed, q.device)
-    probs = torch.where(keep, probs * keep_scale(dropout_p), probs.new_zeros(()))
+    probs = apply_keep(probs, keep, dropout_p)
     return (probs.to(q.dtype) @ vt).transpose(1, 2).contiguous()
 
 

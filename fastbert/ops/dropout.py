@@ -37,13 +37,18 @@ def keep_scale(p: float) -> float:
     return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
 
 
+def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """x scaled by 1 / (1 - p) where ``keep`` (broadcastable) is True, zero elsewhere (a select: no 0 * inf NaN)."""
+    return torch.where(keep, x * keep_scale(p), x.new_zeros(()))
+
+
 def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """x with the elements outside `keep_mask` zeroed and the rest scaled by 1 / (1 - p); x itself when p = 0.
-    Differentiable (autograd multiplies the gradient by the same mask and scale)."""
+    Differentiable (autograd multiplies the gradient by the same mask and scale). Applied to a gradient of x's shape
+    with the same (p, seed), it is the backward of the forward's dropout."""
     if p == 0.0:
         return x
-    mask = keep_mask(x.shape, p, seed, x.device)
-    return torch.where(mask, x * keep_scale(p), x.new_zeros(()))
+    return apply_keep(x, keep_mask(x.shape, p, seed, x.device), p)
 
 
 @torch.compiler.disable  # a Python int read off a tensor: run outside a compiled graph, without dynamo's warning

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import layer_norm_grads
-from fastbert.ops.dropout import check_dropout, dropout, keep_mask, keep_scale
+from fastbert.ops.dropout import check_dropout, dropout
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -109,9 +109,7 @@ def _backward(ctx, grad):
     (input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
      weight, bias) = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    if ctx.dropout_p > 0:
-        keep = keep_mask(grad.shape, ctx.dropout_p, ctx.dropout_seed, grad.device)
-        grad = torch.where(keep, grad * keep_scale(ctx.dropout_p), grad.new_zeros(()))
+    grad = dropout(grad, ctx.dropout_p, ctx.dropout_seed)  # the forward's mask, regenerated
     summed = embedding_layernorm_sum(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
                                      token_type_embeddings)
     grad_summed, grad_weight, grad_bias = layer_norm_grads(grad, summed, weight, bias, ctx.eps,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import compute_dtype, layer_norm_grads, linear_grads
-from fastbert.ops.dropout import check_dropout, dropout, keep_mask, keep_scale
+from fastbert.ops.dropout import check_dropout, dropout
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -74,10 +74,7 @@ def _backward(ctx, grad_summed, grad_normed):
     if any(needs[:4]):
         compute = compute_dtype(summed.dtype)
         grad_total = grad_summed.to(compute) + grad_through_norm.to(compute)
-        grad_linear = grad_total
-        if ctx.dropout_p > 0:
-            keep = keep_mask(grad_total.shape, ctx.dropout_p, ctx.dropout_seed, grad_total.device)
-            grad_linear = torch.where(keep, grad_total * keep_scale(ctx.dropout_p), grad_total.new_zeros(()))
+        grad_linear = dropout(grad_total, ctx.dropout_p, ctx.dropout_seed)  # the forward's mask, regenerated
         grad_x, grad_weight, grad_bias = linear_grads(grad_linear, x, weight, bias, needs[:3])
         grad_residual = grad_total.to(ctx.residual_dtype) if needs[3] else None
     return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None, None, None
