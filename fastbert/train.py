@@ -383,7 +383,6 @@ class _Progress:
         self.window_started = time.perf_counter()
         self.run_started = time.perf_counter()
         self.steps_this_run = 0
-        self.last_lr = 0.0
 
     def add(self, record: dict[str, Any]) -> None:
         self.window.append(record)
@@ -397,8 +396,9 @@ class _Progress:
         rate = tokens / max(now - self.window_started, 1e-9)
         per_step = (now - self.run_started) / max(self.steps_this_run, 1)
         shown = " ".join(f"{k} {v:.4g}" for k, v in means.items())
+        lr = self.window[-1]["lr"]
         self.window, self.window_started = [], now
-        return (f"step {step}/{self.max_steps} {shown} lr {self.last_lr:.3g} {rate:,.0f} tokens/s "
+        return (f"step {step}/{self.max_steps} {shown} lr {lr:.3g} {rate:,.0f} tokens/s "
                 f"ETA {_format_eta(per_step * (self.max_steps - step))}")
 
     def show(self, text: str) -> None:
@@ -589,7 +589,6 @@ def train(model: nn.Module, task: TrainingTask, args: TrainingArguments) -> Trai
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 progress.add(record)
-                progress.last_lr = lr
                 if step % args.log_every == 0 or step == args.max_steps:
                     progress.show(progress.line(step))
             if args.eval_every and step % args.eval_every == 0 and step != args.max_steps:
