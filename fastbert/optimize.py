@@ -501,7 +501,11 @@ def _run_encoder(fast: FastBertModel, inputs: dict, output_hidden_states: bool):
     if weight.dtype == dtype or not weight.is_floating_point():
         with torch.autocast(device_type, enabled=False):
             return fast(**inputs, output_hidden_states=output_hidden_states)
-    params = {name: p.to(dtype) for name, p in fast.named_parameters()}
+    # Under autograd a layer concatenates Q/K/V from the model's own parameters (`EncoderLayer.packed_qkv`): its
+    # packed copy goes unread, so it is not cast (a 3H x H copy per layer and step).
+    unread = {f"{name}.qkv_weight" for name, module in fast.named_modules()
+              if torch.is_grad_enabled() and getattr(module, "qkv_sources", None) is not None}
+    params = {name: p.to(dtype) for name, p in fast.named_parameters() if name not in unread}
     if inputs.get("inputs_embeds") is not None:
         inputs = {**inputs, "inputs_embeds": inputs["inputs_embeds"].to(dtype)}
     with torch.autocast(device_type, enabled=False):
