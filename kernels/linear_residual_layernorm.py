@@ -262,6 +262,21 @@ def linear_input_grads(grad_linear: torch.Tensor, x: torch.Tensor, weight: torch
     return grad_x, grad_weight
 
 
+def linear_layernorm_input_grads(ctx, grad_linear: torch.Tensor, grad_total: torch.Tensor, sums: torch.Tensor,
+                                 x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 residual_shape: torch.Size, ln_dtype: torch.dtype) -> tuple:
+    """The nine input gradients of linear_residual_layernorm / _prenorm (eps and dropout get None) from
+    `layernorm_rows_backward`'s outputs: grad_linear [rows, N] the linear layer's output gradient, grad_total
+    [rows, N] the sum's (the residual's), sums [3, N] its column sums."""
+    needs = ctx.needs_input_grad
+    grad_x, grad_weight = linear_input_grads(grad_linear, x, weight, needs[:2])
+    grad_bias = sums[2].to(bias.dtype) if needs[2] and bias is not None else None
+    grad_residual = grad_total.view(residual_shape) if needs[3] else None
+    grad_ln_weight = sums[0].to(ln_dtype) if needs[4] else None
+    grad_ln_bias = sums[1].to(ln_dtype) if needs[5] and ctx.has_ln_bias else None
+    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None, None, None
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed = inputs
     ctx.eps, ctx.dropout_p, ctx.dropout_seed = eps, dropout_p, dropout_seed
@@ -273,7 +288,6 @@ def _backward(ctx, grad):
     """s = dropout(x @ W^T + b) + residual recomputed by the forward's GEMM, then `layernorm_rows_backward` and the
     matmuls (module docstring)."""
     x, weight, bias, residual, ln_weight = ctx.saved_tensors
-    needs = ctx.needs_input_grad
     width = weight.shape[0]
     dropout = ctx.dropout_p > 0
     summed = linear_dropout_residual_op(x, weight, bias, residual, ctx.dropout_p, ctx.dropout_seed)
@@ -281,12 +295,8 @@ def _backward(ctx, grad):
         summed.view(-1, width), _gemm.as_rows(grad), ln_weight, ctx.eps, None, ctx.dropout_p, ctx.dropout_seed,
         residual.dtype)
     grad_linear = grad_dropped if dropout else grad_summed.to(x.dtype)
-    grad_x, grad_weight = linear_input_grads(grad_linear, x, weight, needs[:2])
-    grad_bias = sums[2].to(bias.dtype) if needs[2] and bias is not None else None
-    grad_residual = grad_summed.view(residual.shape) if needs[3] else None
-    grad_ln_weight = sums[0].to(ln_weight.dtype) if needs[4] else None
-    grad_ln_bias = sums[1].to(ln_weight.dtype) if needs[5] and ctx.has_ln_bias else None
-    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None, None, None
+    return linear_layernorm_input_grads(ctx, grad_linear, grad_summed, sums, x, weight, bias, residual.shape,
+                                        ln_weight.dtype)
 
 
 # torch.ops.fastbert.triton_linear_residual_layernorm: schema and fake from the op's spec, the backward above.

@@ -25,7 +25,12 @@ from fastbert.ops.linear_residual_prenorm import SPEC, linear_residual_prenorm_r
 
 from . import _gemm
 from ._common import device_reason, dropout_reason, first_reason, float_reason
-from .linear_residual_layernorm import MAX_WIDTH, layernorm_rows, layernorm_rows_backward_op, linear_input_grads
+from .linear_residual_layernorm import (
+    MAX_WIDTH,
+    layernorm_rows,
+    layernorm_rows_backward_op,
+    linear_layernorm_input_grads,
+)
 
 __all__ = ["linear_residual_prenorm", "linear_residual_prenorm_reference", "supports"]
 
@@ -67,7 +72,6 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_summed, grad_normed):
     """`layernorm_rows_backward` on the saved sum with summed's own gradient added, then the matmuls."""
     x, weight, bias, ln_weight, summed = ctx.saved_tensors
-    needs = ctx.needs_input_grad
     width = weight.shape[0]
     if grad_normed is None:  # only summed was used (rare: normed feeds the next sublayer)
         grad_normed = torch.zeros_like(summed)
@@ -75,12 +79,8 @@ def _backward(ctx, grad_summed, grad_normed):
         summed.view(-1, width), _gemm.as_rows(grad_normed), ln_weight, ctx.eps,
         None if grad_summed is None else _gemm.as_rows(grad_summed), ctx.dropout_p, ctx.dropout_seed, summed.dtype)
     grad_linear = grad_dropped if ctx.dropout_p > 0 else grad_total
-    grad_x, grad_weight = linear_input_grads(grad_linear, x, weight, needs[:2])
-    grad_bias = sums[2].to(bias.dtype) if needs[2] and bias is not None else None
-    grad_residual = grad_total.view(ctx.residual_shape) if needs[3] else None
-    grad_ln_weight = sums[0].to(ln_weight.dtype) if needs[4] else None
-    grad_ln_bias = sums[1].to(ln_weight.dtype) if needs[5] and ctx.has_ln_bias else None
-    return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None, None, None
+    return linear_layernorm_input_grads(ctx, grad_linear, grad_total, sums, x, weight, bias, ctx.residual_shape,
+                                        ln_weight.dtype)
 
 
 # torch.ops.fastbert.triton_linear_residual_prenorm: schema and fake from the op's spec, the backward above.
