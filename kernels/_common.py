@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastbert.ops.dropout import keep_scale
+
 
 @triton.jit
 def _probe_kernel(ptr):
@@ -171,6 +173,13 @@ def dropout_reason(dropout_p: float, elements: int) -> str | None:
     if dropout_p > 0 and elements >= DROPOUT_MAX_ELEMENTS:
         return f"dropout over {elements} elements (the kernels' Philox offsets are int32: fewer than 2**31)"
     return None
+
+
+def dropout_args(dropout_p: float, dropout_seed: int) -> tuple[int, float, float]:
+    """The (seed, dropout_p, keep_scale) kernel arguments the dropout kernels take; seed 0 and scale 1 without
+    dropout (the kernels ignore them then)."""
+    dropout = dropout_p > 0
+    return int(dropout_seed) if dropout else 0, float(dropout_p), keep_scale(dropout_p) if dropout else 1.0
 
 
 @triton.jit

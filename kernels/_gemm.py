@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops.dropout import keep_scale
-
-from ._common import INTERPRETER, cast_rtne, column_sum, dot_in_fp32, dot_precision, dropout_keep
+from ._common import INTERPRETER, cast_rtne, column_sum, dot_in_fp32, dot_precision, dropout_args, dropout_keep
 
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
 
@@ -297,7 +295,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
             res.stride(0) if res is not None else 0, res.stride(1) if res is not None else 0,
             out.stride(0), out.stride(1), grad.stride(0) if grad is not None else 0,
             grad.stride(1) if grad is not None else 0,
-            int(dropout_seed) if dropout else 0, float(dropout_p), keep_scale(dropout_p) if dropout else 1.0,
+            *dropout_args(dropout_p, dropout_seed),
             triton.next_power_of_2(m))
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
              "ACTIVATION": ACTIVATION_CODES[activation], "DROPOUT": dropout, "GRAD_ACTIVATION": grad is not None,

@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops.dropout import keep_scale
 from fastbert.ops.embedding_layernorm import SPEC, embedding_layernorm_reference
 
 from ._common import (
@@ -33,6 +32,7 @@ from ._common import (
     column_sum,
     define_kernel_op,
     device_reason,
+    dropout_args,
     dropout_keep,
     dropout_reason,
     first_reason,
@@ -193,11 +193,6 @@ def _kernel_inputs(input_ids, position_ids, token_type_ids, word_embeddings, pos
     return args, {"HAS_POSITION": has_position, "HAS_TYPE_TABLE": has_table, "HAS_TYPE_IDS": has_ids}
 
 
-def _dropout_args(dropout_p: float, dropout_seed: int) -> tuple:
-    dropout = dropout_p > 0
-    return int(dropout_seed) if dropout else 0, float(dropout_p), keep_scale(dropout_p) if dropout else 1.0
-
-
 def _launch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None,
             word_embeddings: torch.Tensor, position_embeddings: torch.Tensor | None,
             token_type_embeddings: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -217,7 +212,7 @@ def _launch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, token_ty
     bias = bias.contiguous() if has_bias else weight
     per_program = rows_per_program(width)
     _embedding_layernorm_kernel[(triton.cdiv(rows, per_program),)](
-        *gather, weight, bias, out, rows, width, eps, *_dropout_args(dropout_p, dropout_seed),
+        *gather, weight, bias, out, rows, width, eps, *dropout_args(dropout_p, dropout_seed),
         **flags, HAS_BIAS=has_bias, DROPOUT=dropout_p > 0, ROWS=per_program, BLOCK_E=row_block(width),
         num_warps=row_warps(width, per_program))
     return out
@@ -245,7 +240,7 @@ def _backward_impl(input_ids, position_ids, token_type_ids, word_embeddings, pos
                                    token_type_embeddings)
     _embedding_layernorm_backward_kernel[(programs,)](
         *gather, weight.contiguous(), grad_rows, grad_rows.stride(0), grad_rows.stride(1), grad_sum, partial,
-        rows, width, eps, *_dropout_args(dropout_p, dropout_seed),
+        rows, width, eps, *dropout_args(dropout_p, dropout_seed),
         **flags, DROPOUT=dropout_p > 0, ROWS=per_program, BLOCK_E=row_block(width),
         num_warps=backward_row_warps(width, per_program))
     return grad_sum, column_sum(partial, torch.float32).view(2, width)

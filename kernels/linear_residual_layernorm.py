@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops.dropout import keep_scale
 from fastbert.ops.linear_residual_layernorm import SPEC, linear_residual_layernorm_reference
 
 from . import _gemm
@@ -42,6 +41,7 @@ from ._common import (
     column_sum,
     define_kernel_op,
     device_reason,
+    dropout_args,
     dropout_keep,
     dropout_reason,
     first_reason,
@@ -187,7 +187,7 @@ def layernorm_rows_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.T
     _layernorm_rows_backward_kernel[(programs,)](
         x, grad, extra, weight.contiguous(), grad_x, grad_dropped if dropout else grad_x, partial, rows, width,
         x.stride(0), grad.stride(0), grad.stride(1), extra.stride(0), extra.stride(1), eps,
-        int(dropout_seed) if dropout else 0, float(dropout_p), keep_scale(dropout_p) if dropout else 1.0,
+        *dropout_args(dropout_p, dropout_seed),
         HAS_EXTRA_GRAD=extra_grad is not None, DROPOUT=dropout, ROWS=per_program, BLOCK_N=row_block(width),
         num_warps=backward_row_warps(width, per_program))
     return grad_x, grad_dropped, column_sum(partial, torch.float32).view(3, width)
