@@ -72,7 +72,16 @@ import triton.language as tl
 from fastbert.ops.attention import SPEC, attention_reference
 from fastbert.ops.dropout import keep_scale
 
-from ._common import INTERPRETER, cast_rtne, device_reason, dot_in_fp32, dot_precision, first_reason, float_reason
+from ._common import (
+    INTERPRETER,
+    cast_rtne,
+    define_kernel_op,
+    device_reason,
+    dot_in_fp32,
+    dot_precision,
+    first_reason,
+    float_reason,
+)
 
 __all__ = ["attention", "attention_reference", "supports"]
 
@@ -627,17 +636,17 @@ def _launch_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 # ---------------------------------------------------------------------------------------------- registration
 # torch.ops.fastbert.triton_attention_backward: the backward kernels as one torch op (with a fake), so that
 # torch.compile and AOTAutograd trace the backward instead of running kernels on fake tensors.
-_BACKWARD_OP = "fastbert::triton_attention_backward"
-_BACKWARD_SCHEMA = ("(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor? cu_seqlens, int? max_seqlen, "
-                    "Tensor? key_padding_mask, float? scale, int? window, float dropout_p, int dropout_seed) "
-                    "-> (Tensor, Tensor, Tensor)")
-if not hasattr(torch.ops.fastbert, "triton_attention_backward"):  # (a second import of this module keeps the first)
-    _backward_op = torch.library.custom_op(_BACKWARD_OP, _launch_backward, mutates_args=(), schema=_BACKWARD_SCHEMA)
+def _backward_fake(grad, q, k, v, out, cu_seqlens, max_seqlen, key_padding_mask, scale, window, dropout_p,
+                   dropout_seed):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
 
-    @_backward_op.register_fake
-    def _backward_fake(grad, q, k, v, out, cu_seqlens, max_seqlen, key_padding_mask, scale, window, dropout_p,
-                       dropout_seed):
-        return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+_backward_op = define_kernel_op(
+    "triton_attention_backward",
+    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor? cu_seqlens, int? max_seqlen, "
+    "Tensor? key_padding_mask, float? scale, int? window, float dropout_p, int dropout_seed) "
+    "-> (Tensor, Tensor, Tensor)",
+    _launch_backward, _backward_fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -650,9 +659,8 @@ def _backward(ctx, grad):
     """Gradients of q, k, v from the Triton backward kernels (module docstring); None for the other arguments."""
     q, k, v, out, cu_seqlens, key_padding_mask = ctx.saved_tensors
     max_seqlen, scale, window, dropout_p, dropout_seed = ctx.args
-    dq, dk, dv = torch.ops.fastbert.triton_attention_backward(grad, q, k, v, out, cu_seqlens, max_seqlen,
-                                                              key_padding_mask, scale, window, dropout_p,
-                                                              dropout_seed)
+    dq, dk, dv = _backward_op(grad, q, k, v, out, cu_seqlens, max_seqlen, key_padding_mask, scale, window,
+                              dropout_p, dropout_seed)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
