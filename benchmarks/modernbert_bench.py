@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from fastbert import cpp_backend, numerics
+from fastbert import numerics
+from fastbert.backends import cpp as cpp_backend
 from fastbert.bench import peers
 from fastbert.bench.machine import machine_info
 from fastbert.bench.report import format_table, interleaved_markdown, interleaved_report, write_interleaved

@@ -14,7 +14,7 @@
 #        REHEARSAL_NUMPY='numpy<2.4' bash benchmarks/rehearse_gpu_stack.sh   (a different numpy pin)
 #        REHEARSAL_SKIP_BUILD=1 ...   (reuse an existing venv)
 #        REHEARSAL_SM90=1 ...         (then also compile every kernel for sm_90 under the pinned triton, ~30 s)
-#        REHEARSAL_TESTS=1 ...        (then also pytest tests/kernels -m "not gpu and not slow" under the pins: pytest is
+#        REHEARSAL_TESTS=1 ...        (then also pytest tests/ops tests/backends/test_triton.py -m "not gpu and not slow" under the pins: pytest is
 #                                      installed into the venv for that and uninstalled after, ~5 min on 2 cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,15 +62,15 @@ echo "== phase correctness without an install: exit $rc"
 FASTBERT_SKIP_EXT=1 "$VENV/bin/python" -m pip install -q --no-index --no-build-isolation --no-deps -e . || status=1
 
 if [ "${REHEARSAL_SM90:-0}" = 1 ]; then
-  echo "== tests/kernels/compile_sm90.py under the pinned triton (no GPU needed: triton ships ptxas)"
-  env -u TRITON_INTERPRET "$VENV/bin/python" tests/kernels/compile_sm90.py > "$LOG/compile-sm90.log" 2>&1 || status=1
+  echo "== tools/compile_sm90.py under the pinned triton (no GPU needed: triton ships ptxas)"
+  env -u TRITON_INTERPRET "$VENV/bin/python" tools/compile_sm90.py > "$LOG/compile-sm90.log" 2>&1 || status=1
   tail -1 "$LOG/compile-sm90.log"
 fi
 
 if [ "${REHEARSAL_TESTS:-0}" = 1 ]; then
-  echo "== pytest tests/kernels -m 'not gpu and not slow' under the pins (pytest only for this step)"
+  echo "== pytest tests/ops tests/backends/test_triton.py -m 'not gpu and not slow' under the pins (pytest only for this step)"
   "$VENV/bin/python" -m pip install -q pytest || exit 1
-  TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kernels -m "not gpu and not slow" \
+  TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/ops tests/backends/test_triton.py -m "not gpu and not slow" \
     2>&1 | tail -15 | tee "$LOG/pytest-kernels.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   "$VENV/bin/python" -m pip uninstall -q -y pytest

@@ -26,8 +26,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import backends, ops, resolve
+from fastbert import backends, ops
 from fastbert.bench import costs, machine, recording, report, timing
+from fastbert.common import resolve
 from fastbert.ops.qkv_rotary import qkv_rotary_cost
 
 if os.environ.get("FASTBERT_BENCH_THREADS"):

@@ -4,7 +4,7 @@ what is left is Python and dispatcher time, which on a GPU would be the whole ba
     .venv/bin/python -m pytest benchmarks/test_overhead_bench.py
 
 Per op call, linear_activation on x [8, 32], W [32, 32] (CPU, cpp backend when built, else eager):
-- ``raw``: the registered op, ``torch.ops.fastbert.linear_activation`` (the floor);
+- ``raw``: the registered op, ``torch.ops.fastbert.cpp_linear_activation`` (the floor);
 - ``table``: what `FastBertModel` calls, an entry of its resolved `fastbert.backends.OpTable`;
 - ``entry``: the functional entry ``fastbert.ops.linear_activation`` (argument checks and a backend choice on
   every call, for direct users of the ops).
@@ -27,7 +27,7 @@ from fastbert import backends, ops
 torch.set_num_threads(1)
 torch.manual_seed(0)
 X, W, B = torch.randn(8, 32), torch.randn(32, 32), torch.randn(32)
-CPP = backends.available()["cpp"] is None and fastbert.cpp_backend.EXTENSION_ERROR is None
+CPP = backends.available()["cpp"] is None and fastbert.backends.cpp.EXTENSION_ERROR is None
 
 
 def _table() -> backends.OpTable:
@@ -42,7 +42,7 @@ def test_op_call_overhead(benchmark, path):
     if path == "raw":
         if not CPP:
             pytest.skip("the C++ extension is not built: no registered cpp op to compare with")
-        call = torch.ops.fastbert.linear_activation
+        call = torch.ops.fastbert.cpp_linear_activation
     elif path == "table":
         call = _table().linear_activation
     else:

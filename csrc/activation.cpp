@@ -216,7 +216,7 @@ at::Tensor linear_glu_cpu(const at::Tensor& x, const at::Tensor& weight, const s
 }  // namespace fastbert
 
 TORCH_LIBRARY_IMPL(fastbert, CPU, m) {
-  m.impl("bias_activation", &fastbert::bias_activation_cpu);
-  m.impl("linear_activation", &fastbert::linear_activation_cpu);
-  m.impl("linear_glu", &fastbert::linear_glu_cpu);
+  m.impl("cpp_bias_activation", &fastbert::bias_activation_cpu);
+  m.impl("cpp_linear_activation", &fastbert::linear_activation_cpu);
+  m.impl("cpp_linear_glu", &fastbert::linear_glu_cpu);
 }

@@ -505,4 +505,4 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
 }  // namespace
 }  // namespace fastbert
 
-TORCH_LIBRARY_IMPL(fastbert, CPU, m) { m.impl("attention", &fastbert::attention_cpu); }
+TORCH_LIBRARY_IMPL(fastbert, CPU, m) { m.impl("cpp_attention", &fastbert::attention_cpu); }

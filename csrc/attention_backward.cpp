@@ -354,9 +354,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
 
 TORCH_LIBRARY_FRAGMENT(fastbert, m) {
   // Gradients (dq, dk, dv) of fastbert::attention given the output's gradient, the forward's arguments after it.
-  m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, int? max_seqlen, "
+  m.def("cpp_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens, int? max_seqlen, "
         "Tensor? key_padding_mask, float? scale, int? window=None, float dropout_p=0.0, int dropout_seed=0) -> "
         "(Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(fastbert, CPU, m) { m.impl("attention_backward", &fastbert::attention_backward_cpu); }
+TORCH_LIBRARY_IMPL(fastbert, CPU, m) { m.impl("cpp_attention_backward", &fastbert::attention_backward_cpu); }

@@ -271,8 +271,8 @@ std::tuple<at::Tensor, at::Tensor> linear_residual_prenorm_cpu(const at::Tensor&
 }  // namespace fastbert
 
 TORCH_LIBRARY_IMPL(fastbert, CPU, m) {
-  m.impl("embedding_layernorm", &fastbert::embedding_layernorm_cpu);
-  m.impl("bias_residual_layernorm", &fastbert::bias_residual_layernorm_cpu);
-  m.impl("linear_residual_layernorm", &fastbert::linear_residual_layernorm_cpu);
-  m.impl("linear_residual_prenorm", &fastbert::linear_residual_prenorm_cpu);
+  m.impl("cpp_embedding_layernorm", &fastbert::embedding_layernorm_cpu);
+  m.impl("cpp_bias_residual_layernorm", &fastbert::bias_residual_layernorm_cpu);
+  m.impl("cpp_linear_residual_layernorm", &fastbert::linear_residual_layernorm_cpu);
+  m.impl("cpp_linear_residual_prenorm", &fastbert::linear_residual_prenorm_cpu);
 }

@@ -70,6 +70,6 @@ at::Tensor pad_cpu(const at::Tensor& x, const at::Tensor& indices, int64_t batch
 }  // namespace fastbert
 
 TORCH_LIBRARY_IMPL(fastbert, CPU, m) {
-  m.impl("unpad", &fastbert::unpad_cpu);
-  m.impl("pad", &fastbert::pad_cpu);
+  m.impl("cpp_unpad", &fastbert::unpad_cpu);
+  m.impl("cpp_pad", &fastbert::pad_cpu);
 }

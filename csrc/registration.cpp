@@ -10,13 +10,13 @@
 
 TORCH_LIBRARY_FRAGMENT(fastbert, m) {
   // act(x + bias), activation in {"gelu", "gelu_tanh", "relu"}; x [..., N].
-  m.def("bias_activation(Tensor x, Tensor? bias, str activation) -> Tensor");
+  m.def("cpp_bias_activation(Tensor x, Tensor? bias, str activation) -> Tensor");
   // LayerNorm(x + bias + residual); x, residual [..., N].
-  m.def("bias_residual_layernorm(Tensor x, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor ln_bias, "
+  m.def("cpp_bias_residual_layernorm(Tensor x, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor ln_bias, "
         "float eps) -> Tensor");
   // Rows of x [B, S, ...] at flat indices (b * S + s) -> [T, ...], and back (zeros at the other positions).
-  m.def("unpad(Tensor x, Tensor indices) -> Tensor");
-  m.def("pad(Tensor x, Tensor indices, int batch, int seqlen) -> Tensor");
+  m.def("cpp_unpad(Tensor x, Tensor indices) -> Tensor");
+  m.def("cpp_pad(Tensor x, Tensor indices, int batch, int seqlen) -> Tensor");
 }
 
 namespace {

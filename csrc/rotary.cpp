@@ -125,4 +125,4 @@ at::Tensor qkv_rotary_cpu(const at::Tensor& x, const at::Tensor& weight, const s
 }  // namespace
 }  // namespace fastbert
 
-TORCH_LIBRARY_IMPL(fastbert, CPU, m) { m.impl("qkv_rotary", &fastbert::qkv_rotary_cpu); }
+TORCH_LIBRARY_IMPL(fastbert, CPU, m) { m.impl("cpp_qkv_rotary", &fastbert::qkv_rotary_cpu); }

@@ -1,7 +1,7 @@
 """CUDA-graph replay of a FastBertModel for repeated input shapes (small-batch latency on a GPU).
 
 UNTESTED ON A GPU: written in a session without one. The padded static forward it captures is checked on CPU
-against the model (tests/kernels/test_cuda_graphs.py); capture and replay are only exercised by the `gpu`-marked
+against the model (tests/test_cuda_graphs.py); capture and replay are only exercised by the `gpu`-marked
 test and by benchmarks/gpu_check.py.
 
 How: a batch [B, S] is padded up to a bucket (B to a power of two, S to the smallest of ``seq_buckets`` >= S),

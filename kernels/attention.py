@@ -72,7 +72,7 @@ import triton.language as tl
 from fastbert.ops.attention import SPEC, attention_reference
 from fastbert.ops.dropout import keep_scale
 
-from ._common import (
+from .common import (
     INTERPRETER,
     cast_rtne,
     define_kernel_op,
@@ -157,7 +157,7 @@ def _attention_kernel(
     WINDOW: tl.constexpr,
     DROPOUT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `common.INTERPRETER`
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,

@@ -12,7 +12,7 @@ not range-checked (the model checks them).
 Backward: one kernel of the same shape gathers and sums the rows again (cheaper than keeping the [rows, E] sum from
 the forward: the op returns only its LayerNorm), recomputes the fp32 statistics, passes the incoming gradient
 through the regenerated dropout mask, and writes the LayerNorm input's gradient in fp32 plus per-program fp32
-column sums for the LayerNorm's dW/dB (two-stage: `_common.column_sum`). Each table's gradient is then that fp32
+column sums for the LayerNorm's dW/dB (two-stage: `common.column_sum`). Each table's gradient is then that fp32
 gradient summed into the rows its ids gathered (torch's index_add_ into an fp32 zero table, one rounding to the
 table's dtype).
 """
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from fastbert.ops.embedding_layernorm import SPEC, embedding_layernorm_reference
 
-from ._common import (
+from .common import (
     backward_row_warps,
     backward_rows_per_program,
     cast_rtne,

@@ -2,10 +2,10 @@
 
 Activations: "gelu" (exact erf), "gelu_tanh", "relu", "silu". Shapes: x [..., K] (any strides for 2-D x), weight [N, K]
 (any strides), bias [N] | None -> [..., N] contiguous. fp16, bf16, fp32 (fp32 without TF32). The kernel is the
-shared GEMM in `_gemm.py`; this file holds the op's checks, registration and backward.
+shared GEMM in `gemm.py`; this file holds the op's checks, registration and backward.
 
 Backward (Triton + cuBLAS): dL/d(pre-activation) comes from the shared GEMM run again with its backward epilogue
-(`_gemm.linear_activation_grad`: the pre-activation x @ W^T + b recomputed, the incoming gradient multiplied by the
+(`gemm.linear_activation_grad`: the pre-activation x @ W^T + b recomputed, the incoming gradient multiplied by the
 activation's derivative in fp32, one rounding, and the bias gradient's fp32 column sums in the same pass; no
 [M, N] pre-activation kept from the forward). relu needs no GEMM: its derivative is read from the saved output
 (relu(y) > 0 iff y > 0) by a row kernel here, which also sums the bias gradient. Then dL/dx = g @ W and
@@ -20,8 +20,8 @@ import triton.language as tl
 
 from fastbert.ops.linear_activation import ACTIVATIONS, SPEC, linear_activation_reference
 
-from . import _gemm
-from ._common import INTERPRETER, cast_rtne, column_sum, define_kernel_op, device_reason, first_reason, float_reason
+from . import gemm
+from .common import INTERPRETER, cast_rtne, column_sum, define_kernel_op, device_reason, first_reason, float_reason
 
 __all__ = ["linear_activation", "linear_activation_reference", "supports"]
 
@@ -56,7 +56,7 @@ def _relu_grad(grad: torch.Tensor, out: torch.Tensor, bias_dtype: torch.dtype | 
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dL/dy [rows, N] in out's dtype, the bias gradient in ``bias_dtype`` or None when it is None) for out =
     relu(y)."""
-    grad, out = _gemm.as_rows(grad), _gemm.as_rows(out)
+    grad, out = gemm.as_rows(grad), gemm.as_rows(out)
     rows, width = out.shape
     grad_pre = torch.empty((rows, width), dtype=out.dtype, device=out.device)
     block_m, block_n = (64, 256) if INTERPRETER else (32, 128)
@@ -83,7 +83,7 @@ def supports(x, weight, bias, activation) -> str | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    return _gemm.linear(x, weight, bias, activation=activation)
+    return gemm.linear(x, weight, bias, activation=activation)
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
@@ -91,7 +91,7 @@ def _pre_activation_grad_impl(x, weight, bias, grad, output, activation, bias_gr
     if output is not None:  # relu: from the saved output
         grad_pre, grad_bias = _relu_grad(grad, output, bias.dtype if bias_grad else None)
     else:
-        grad_pre, grad_bias = _gemm.linear_activation_grad(x, weight, bias, grad, activation, bias_grad)
+        grad_pre, grad_bias = gemm.linear_activation_grad(x, weight, bias, grad, activation, bias_grad)
     return grad_pre, grad_bias if grad_bias is not None else x.new_empty((0,))
 
 
@@ -124,7 +124,7 @@ def _backward(ctx, grad):
     want_bias = bias is not None and needs[2]
     grad_pre, grad_bias = pre_activation_grad_op(x, weight, bias, grad, output, ctx.activation, want_bias)
     grad_x = (grad_pre @ weight).view(x.shape) if needs[0] else None
-    grad_weight = grad_pre.t() @ _gemm.as_rows(x) if needs[1] else None
+    grad_weight = grad_pre.t() @ gemm.as_rows(x) if needs[1] else None
     return grad_x, grad_weight, grad_bias if want_bias else None, None
 
 

@@ -9,7 +9,7 @@ Activations: `fastbert.ops.linear_activation.ACTIVATIONS` (the shared GEMM's `ac
 strides for 2-D x), weight [2I, K] (any strides), bias [2I] | None -> [..., I] contiguous. fp16, bf16, fp32 (fp32
 without TF32). In the kernel I is called N (the output's columns).
 
-Meta-parameters as the shared GEMM (`_gemm.py`): autotuned on a GPU over `gpu_configs(dtype)`, a fixed table by M
+Meta-parameters as the shared GEMM (`gemm.py`): autotuned on a GPU over `gpu_configs(dtype)`, a fixed table by M
 when FASTBERT_TRITON_AUTOTUNE=0, the interpreter's fixed config on CPU. Two fp32 accumulators per program, so the
 tiles are half the shared GEMM's largest (128x64 at 8 warps; sized by tests/kernels/compile_sm90.py: no spills).
 """
@@ -23,9 +23,9 @@ import triton.language as tl
 from fastbert.ops.linear_activation import ACTIVATIONS
 from fastbert.ops.linear_glu import SPEC, linear_glu_reference
 
-from . import _gemm
-from ._common import INTERPRETER, cast_rtne, device_reason, dot_in_fp32, dot_precision, first_reason, float_reason
-from ._gemm import activate
+from . import gemm
+from .common import INTERPRETER, cast_rtne, device_reason, dot_in_fp32, dot_precision, first_reason, float_reason
+from .gemm import activate
 
 __all__ = ["linear_glu", "linear_glu_reference", "supports"]
 
@@ -42,9 +42,9 @@ def _linear_glu_kernel(
     stride_om, stride_on,
     m_bucket,  # power-of-two bucket of M: only an autotune key (token counts that vary per batch share tunings)
     HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,  # `_gemm.ACTIVATION_CODES`: 1 gelu (erf), 2 gelu_tanh, 3 relu, 4 silu
+    ACTIVATION: tl.constexpr,  # `gemm.ACTIVATION_CODES`: 1 gelu (erf), 2 gelu_tanh, 3 relu, 4 silu
     INPUT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `common.INTERPRETER`
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -96,7 +96,7 @@ def _linear_glu_kernel(
     tl.store(out_ptrs, cast_rtne(result, out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-_config = _gemm._config
+_config = gemm._config
 # Two accumulators per program: the shared GEMM's 128x128 tile would hold 2 x 64 fp32 registers per thread in
 # accumulators alone at 8 warps, so the largest tiles here are 128x64 / 64x128. Checked for sm_90 by
 # tests/kernels/compile_sm90.py (no spills, shared memory within 227 KB).
@@ -134,11 +134,11 @@ def table_config(m: int, dtype: torch.dtype = torch.float16) -> triton.Config:
 
 
 def _prune_by_dtype(configs, named_args, **kwargs):
-    wanted = {_gemm._config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype)}
-    return [c for c in configs if _gemm._config_key(c) in wanted]
+    wanted = {gemm._config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype)}
+    return [c for c in configs if gemm._config_key(c) in wanted]
 
 
-_ALL_CONFIGS = list({_gemm._config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS}.values())
+_ALL_CONFIGS = list({gemm._config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS}.values())
 _autotuned = None if INTERPRETER else triton.autotune(
     configs=_ALL_CONFIGS, key=["m_bucket", "N", "K", "HAS_BIAS", "ACTIVATION"],
     prune_configs_by={"early_config_prune": _prune_by_dtype})(_linear_glu_kernel)
@@ -155,7 +155,7 @@ def supports(x, weight, bias, activation) -> str | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    rows = _gemm.as_rows(x)
+    rows = gemm.as_rows(x)
     m, k = rows.shape
     inner = weight.shape[0] // 2
     out = torch.empty((m, inner), dtype=x.dtype, device=x.device)
@@ -167,15 +167,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
     args = (rows, weight, bias if bias is not None else out, out, m, inner, k,
             rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             triton.next_power_of_2(m))
-    flags = {"HAS_BIAS": bias is not None, "ACTIVATION": _gemm.ACTIVATION_CODES[activation],
+    flags = {"HAS_BIAS": bias is not None, "ACTIVATION": gemm.ACTIVATION_CODES[activation],
              "INPUT_PRECISION": dot_precision(x.dtype), "DOT_IN_FP32": dot_in_fp32(x.dtype)}
 
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(inner, meta["BLOCK_N"]),)
 
-    if INTERPRETER or not _gemm.autotune_enabled():
+    if INTERPRETER or not gemm.autotune_enabled():
         if INTERPRETER:
-            meta = _gemm.interpreter_config(m)
+            meta = gemm.interpreter_config(m)
         else:
             config = table_config(m, x.dtype)
             meta = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}

@@ -1,7 +1,7 @@
 """Linear + bias + dropout + residual add + LayerNorm: LN(dropout(x @ W^T + b) + residual), BERT's post-LN sublayer
 output.
 
-Two kernels: the shared GEMM (`_gemm.py`) adds bias, drops out (Philox at each element's flat index, before the
+Two kernels: the shared GEMM (`gemm.py`) adds bias, drops out (Philox at each element's flat index, before the
 residual) and adds the residual in its epilogue (fp32, one rounding to the output dtype, as PyTorch rounds the sum),
 then a row kernel normalises that buffer in place with fp32 statistics (`layernorm_rows`, which
 linear_residual_prenorm shares: it writes the LayerNorm beside the sum instead).
@@ -16,7 +16,7 @@ Backward: the LayerNorm's input s = dropout(x @ W^T + b) + residual is recompute
 forward's, the mask regenerated from the seed; the op returns only LN(s), so s is not kept), then one row kernel
 (`layernorm_rows_backward`, shared with linear_residual_prenorm) computes dL/ds (the residual's gradient) from the
 recomputed fp32 statistics, dL/ds through the dropout mask (the linear layer's output gradient), and per-program
-fp32 column sums for the LayerNorm's dW/dB and the linear bias's gradient (two-stage: `_common.column_sum` adds
+fp32 column sums for the LayerNorm's dW/dB and the linear bias's gradient (two-stage: `common.column_sum` adds
 the partial rows). dL/dx and dL/dW are plain matmuls (cuBLAS via torch).
 That backward is the torch op's (``torch.ops.fastbert.triton_linear_residual_layernorm``). The backend's function
 (`linear_residual_layernorm`), under autograd, runs linear_residual_prenorm's torch op instead and returns its
@@ -33,8 +33,8 @@ import triton.language as tl
 
 from fastbert.ops.linear_residual_layernorm import SPEC, linear_residual_layernorm_reference
 
-from . import _gemm
-from ._common import (
+from . import gemm
+from .common import (
     backward_row_warps,
     backward_rows_per_program,
     cast_rtne,
@@ -210,7 +210,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     reason = dropout_reason(dropout_p, residual.numel())
     if reason:
         raise ValueError(f"fastbert triton linear_residual_layernorm: {reason}")
-    out = _gemm.linear(x, weight, bias, residual=residual, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    out = gemm.linear(x, weight, bias, residual=residual, dropout_p=dropout_p, dropout_seed=dropout_seed)
     rows = out.view(-1, weight.shape[0])
     layernorm_rows(rows, rows, ln_weight, ln_bias, eps)
     return out
@@ -239,7 +239,7 @@ layernorm_rows_backward_op = define_kernel_op(
 
 
 def _linear_dropout_residual_impl(x, weight, bias, residual, dropout_p, dropout_seed):
-    return _gemm.linear(x, weight, bias, residual=residual, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    return gemm.linear(x, weight, bias, residual=residual, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
 def _linear_dropout_residual_fake(x, weight, bias, residual, dropout_p, dropout_seed):
@@ -258,7 +258,7 @@ def linear_input_grads(grad_linear: torch.Tensor, x: torch.Tensor, weight: torch
                        needs: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dL/dx, dL/dW) of x @ W^T given its output's gradient [rows, N] in x's dtype: plain matmuls (cuBLAS)."""
     grad_x = (grad_linear @ weight).view(x.shape) if needs[0] else None
-    grad_weight = grad_linear.t() @ _gemm.as_rows(x) if needs[1] else None
+    grad_weight = grad_linear.t() @ gemm.as_rows(x) if needs[1] else None
     return grad_x, grad_weight
 
 
@@ -292,7 +292,7 @@ def _backward(ctx, grad):
     dropout = ctx.dropout_p > 0
     summed = linear_dropout_residual_op(x, weight, bias, residual, ctx.dropout_p, ctx.dropout_seed)
     grad_summed, grad_dropped, sums = layernorm_rows_backward_op(
-        summed.view(-1, width), _gemm.as_rows(grad), ln_weight, ctx.eps, None, ctx.dropout_p, ctx.dropout_seed,
+        summed.view(-1, width), gemm.as_rows(grad), ln_weight, ctx.eps, None, ctx.dropout_p, ctx.dropout_seed,
         residual.dtype)
     grad_linear = grad_dropped if dropout else grad_summed.to(x.dtype)
     return linear_layernorm_input_grads(ctx, grad_linear, grad_summed, sums, x, weight, bias, residual.shape,

@@ -1,7 +1,7 @@
 """Linear + bias + dropout + residual add, and the LayerNorm of that sum: (summed, LN(summed)), a pre-LN sublayer's
 end.
 
-Two kernels, as linear_residual_layernorm: the shared GEMM (`_gemm.py`) adds bias, drops out (Philox at each
+Two kernels, as linear_residual_layernorm: the shared GEMM (`gemm.py`) adds bias, drops out (Philox at each
 element's flat index, before the residual) and adds the residual in its epilogue, storing the sum (fp32, one rounding
 to the output dtype: the new residual stream), then the shared row kernel
 (`linear_residual_layernorm.layernorm_rows`) reads that stored sum and writes its LayerNorm (fp32 statistics) to a
@@ -23,8 +23,8 @@ import torch
 
 from fastbert.ops.linear_residual_prenorm import SPEC, linear_residual_prenorm_reference
 
-from . import _gemm
-from ._common import device_reason, dropout_reason, first_reason, float_reason
+from . import gemm
+from .common import device_reason, dropout_reason, first_reason, float_reason
 from .linear_residual_layernorm import (
     MAX_WIDTH,
     layernorm_rows,
@@ -52,7 +52,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     reason = dropout_reason(dropout_p, residual.numel())
     if reason:
         raise ValueError(f"fastbert triton linear_residual_prenorm: {reason}")
-    summed = _gemm.linear(x, weight, bias, residual=residual, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    summed = gemm.linear(x, weight, bias, residual=residual, dropout_p=dropout_p, dropout_seed=dropout_seed)
     normed = torch.empty_like(summed)
     width = weight.shape[0]
     layernorm_rows(summed.view(-1, width), normed.view(-1, width), ln_weight, ln_bias, eps)
@@ -76,8 +76,8 @@ def _backward(ctx, grad_summed, grad_normed):
     if grad_normed is None:  # only summed was used (rare: normed feeds the next sublayer)
         grad_normed = torch.zeros_like(summed)
     grad_total, grad_dropped, sums = layernorm_rows_backward_op(
-        summed.view(-1, width), _gemm.as_rows(grad_normed), ln_weight, ctx.eps,
-        None if grad_summed is None else _gemm.as_rows(grad_summed), ctx.dropout_p, ctx.dropout_seed, summed.dtype)
+        summed.view(-1, width), gemm.as_rows(grad_normed), ln_weight, ctx.eps,
+        None if grad_summed is None else gemm.as_rows(grad_summed), ctx.dropout_p, ctx.dropout_seed, summed.dtype)
     grad_linear = grad_dropped if ctx.dropout_p > 0 else grad_total
     return linear_layernorm_input_grads(ctx, grad_linear, grad_total, sums, x, weight, bias, ctx.residual_shape,
                                         ln_weight.dtype)

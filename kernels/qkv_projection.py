@@ -13,8 +13,8 @@ import torch
 
 from fastbert.ops.qkv_projection import SPEC, qkv_projection_reference
 
-from . import _gemm
-from ._common import device_reason, first_reason, float_reason
+from . import gemm
+from .common import device_reason, first_reason, float_reason
 
 __all__ = ["qkv_projection", "qkv_projection_reference", "supports"]
 
@@ -26,7 +26,7 @@ def supports(x, weight, bias, num_heads) -> str | None:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _gemm.linear(x, weight, bias)
+    return gemm.linear(x, weight, bias)
 
 
 # torch.ops.fastbert.triton_qkv_projection (into the packed [..., 3H] buffer): schema and fake from the op's spec.

@@ -6,7 +6,7 @@ as it is. A rotation pairs column j of a head with column j + D/2, so each progr
 accumulators: BLOCK_C "pairs" (a pair p is column (p // (D/2)) * D + p % (D/2) and the column D/2 after it), the
 first halves in one accumulator and the second halves in the other, from two loads of weight rows per K step. The
 epilogue then has both partners of every pair in registers: bias, the rotation in fp32 with the fp32 cos/sin of each
-row's position, one rounding at the store. The tile is as large as the shared GEMM's (`_gemm.py`: BLOCK_C = BLOCK_N
+row's position, one rounding at the store. The tile is as large as the shared GEMM's (`gemm.py`: BLOCK_C = BLOCK_N
 / 2, the same autotuning and tables), and any head_dim that is even works (no power-of-two constraint on D).
 
 The output is one [..., 3 * heads * D] buffer; q, k, v are returned as its [..., heads, D] views, the layout the
@@ -26,8 +26,8 @@ import triton.language as tl
 
 from fastbert.ops.qkv_rotary import SPEC, qkv_rotary_reference, split_packed
 
-from . import _gemm
-from ._common import INTERPRETER, cast_rtne, device_reason, dot_in_fp32, dot_precision, first_reason, float_reason
+from . import gemm
+from .common import INTERPRETER, cast_rtne, device_reason, dot_in_fp32, dot_precision, first_reason, float_reason
 
 __all__ = ["qkv_rotary", "qkv_rotary_reference", "supports"]
 
@@ -52,7 +52,7 @@ def _qkv_rotary_kernel(
     HALF: tl.constexpr,  # head_dim / 2: the distance between the two columns of a pair
     HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `_common.INTERPRETER`
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `common.INTERPRETER`
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,  # pairs of columns per tile: the tile covers 2 * BLOCK_C output columns
     BLOCK_K: tl.constexpr,
@@ -62,7 +62,7 @@ def _qkv_rotary_kernel(
     num_m = tl.cdiv(M, BLOCK_M)
     pairs = N // 2
     num_c = tl.cdiv(pairs, BLOCK_C)
-    # Grouped ordering, as in `_gemm._linear_kernel`: GROUP_M row blocks walk the column blocks together (L2 reuse).
+    # Grouped ordering, as in `gemm._linear_kernel`: GROUP_M row blocks walk the column blocks together (L2 reuse).
     group_size = GROUP_M * num_c
     first_m = (pid // group_size) * GROUP_M
     group_rows = tl.minimum(num_m - first_m, GROUP_M)
@@ -118,7 +118,7 @@ def _qkv_rotary_kernel(
 
 
 def pair_config(config: triton.Config) -> triton.Config:
-    """A shared-GEMM config (`_gemm.py`) for this kernel: the same BLOCK_M x BLOCK_N output tile, as BLOCK_N / 2
+    """A shared-GEMM config (`gemm.py`) for this kernel: the same BLOCK_M x BLOCK_N output tile, as BLOCK_N / 2
     pairs of columns."""
     meta = dict(config.kwargs)
     meta["BLOCK_C"] = meta.pop("BLOCK_N") // 2
@@ -131,7 +131,7 @@ def _config_key(config: triton.Config) -> tuple:
 
 def gpu_configs(dtype: torch.dtype) -> list[triton.Config]:
     """The configs the autotuner times for inputs of this dtype (the shared GEMM's, as pairs)."""
-    return [pair_config(c) for c in _gemm.gpu_configs(dtype)]
+    return [pair_config(c) for c in gemm.gpu_configs(dtype)]
 
 
 def _prune_by_dtype(configs, named_args, **kwargs):
@@ -147,13 +147,13 @@ _autotuned = None if INTERPRETER else triton.autotune(
 
 
 def table_meta(m: int, dtype: torch.dtype) -> dict:
-    """`_gemm.table_config(m, dtype)` as pairs, as launch keywords (FASTBERT_TRITON_AUTOTUNE=0)."""
-    config = pair_config(_gemm.table_config(m, dtype))
+    """`gemm.table_config(m, dtype)` as pairs, as launch keywords (FASTBERT_TRITON_AUTOTUNE=0)."""
+    config = pair_config(gemm.table_config(m, dtype))
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def interpreter_meta(m: int) -> dict:
-    meta = dict(_gemm.interpreter_config(m))
+    meta = dict(gemm.interpreter_config(m))
     meta["BLOCK_C"] = meta.pop("BLOCK_N") // 2
     return meta
 
@@ -172,7 +172,7 @@ def supports(x, weight, bias, num_heads, positions, cos, sin) -> str | None:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
             cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> torch.Tensor:
-    rows = _gemm.as_rows(x)
+    rows = gemm.as_rows(x)
     n, k = weight.shape
     m = rows.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -193,7 +193,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, po
     def grid(meta):
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n // 2, meta["BLOCK_C"]),)
 
-    if INTERPRETER or not _gemm.autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
+    if INTERPRETER or not gemm.autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
         meta = interpreter_meta(m) if INTERPRETER else table_meta(m, x.dtype)
         _qkv_rotary_kernel[grid(meta)](*args, **flags, **meta)
     else:

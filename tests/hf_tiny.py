@@ -19,7 +19,7 @@ FAMILIES = {
                                 "num_hidden_layers": 4, "hidden_act": "gelu_new"}, "Albert"),
     "electra": ("ElectraConfig", {"embedding_size": 24}, "Electra"),
     # 3 layers: global, sliding, sliding (window 4: +-2 positions, shorter than the test batches); every bias
-    # present (tests/test_modernbert.py covers ModernBERT-base's bias-free default)
+    # present (tests/families/test_modernbert.py covers ModernBERT-base's bias-free default)
     "modernbert": ("ModernBertConfig", {"num_hidden_layers": 3, "local_attention": 4, "norm_bias": True,
                                         "attention_bias": True, "mlp_bias": True, "classifier_bias": True,
                                         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1,

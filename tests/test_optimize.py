@@ -11,7 +11,7 @@ import transformers
 
 import fastbert
 from fastbert import backends
-from fastbert import benchmarking as bm
+from fastbert.bench.recording import backends_used, record_backends
 from tests.hf_tiny import HEADS, VOCAB, fused_ops, padded_batch, rel_err, tiny_model
 
 # CI builds the C++ extension: every op must run on it (a `supports` regression that falls back to eager fails).
@@ -81,10 +81,10 @@ def test_optimize_matches_transformers(family, head):
     optimized = fastbert.optimize(copy.deepcopy(reference))
     assert type(optimized) is type(reference)
     inputs = _inputs(family, head, reference)
-    with torch.inference_mode(), bm.record_backends() as seen:
+    with torch.inference_mode(), record_backends() as seen:
         expected = reference(**inputs)
         actual = optimized(**inputs)
-    assert bm.backends_used(seen) == expected_backends(reference), "not every op ran on its backend"
+    assert backends_used(seen) == expected_backends(reference), "not every op ran on its backend"
     assert type(actual) is type(expected)
     errors = _compare(expected, actual, inputs["attention_mask"])
     assert errors, "nothing compared"
@@ -151,18 +151,18 @@ def test_optimize_hidden_states_and_tuple_outputs(bert_pair):
 
 def test_optimize_runs_original_code_where_fastbert_cannot(bert_pair):
     reference, model, ids, mask = bert_pair
-    with torch.inference_mode(), bm.record_backends() as seen:
+    with torch.inference_mode(), record_backends() as seen:
         out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
         expected = reference(input_ids=ids, attention_mask=mask, output_attentions=True)
     assert not seen  # transformers' own code ran: no fastbert op
     assert len(out.attentions) == 2
     for got, want in zip(out.attentions, expected.attentions, strict=True):
         assert torch.equal(got, want)
-    with bm.record_backends() as seen:  # grad enabled: fastbert's path, differentiable (tests/test_optimize_training)
+    with record_backends() as seen:  # grad enabled: fastbert's path, differentiable (tests/test_optimize_training)
         out = model(input_ids=ids, attention_mask=mask)
     assert seen and out.last_hidden_state.requires_grad
     model.train()  # dropout, on fastbert's path too: two calls differ
-    with torch.no_grad(), bm.record_backends() as seen:
+    with torch.no_grad(), record_backends() as seen:
         first, second = (model(input_ids=ids, attention_mask=mask).last_hidden_state for _ in range(2))
     assert seen and not torch.equal(first, second)
     model.eval()

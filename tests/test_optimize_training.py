@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import benchmarking as bm
+from fastbert.bench.recording import record_backends
 from fastbert.numerics import assert_accurate
 from tests.hf_tiny import HEADS, fused_ops, padded_batch, rel_err, tiny_config, tiny_model
 from tests.test_optimize import _inputs
@@ -71,7 +71,7 @@ def test_training_step_matches_transformers(family, head):
     optimized = fastbert.optimize(copy.deepcopy(reference)).train()
     inputs = _inputs(family, head, reference)
     expected_loss, expected = _step(reference, inputs)
-    with warnings.catch_warnings(record=True) as record, bm.record_backends() as seen:
+    with warnings.catch_warnings(record=True) as record, record_backends() as seen:
         warnings.simplefilter("always")
         actual_loss, actual = _step(optimized, inputs)
     assert not _fastbert_warnings(record), _fastbert_warnings(record)
@@ -98,7 +98,7 @@ def test_each_dropout_site_is_where_transformers_has_it(family, site):
     reference = tiny_model(family, "Model", **overrides).train()
     optimized = fastbert.optimize(copy.deepcopy(reference)).train()
     ids, mask = padded_batch(pad_id=reference.config.pad_token_id or 0)
-    with torch.no_grad(), bm.record_backends() as seen:
+    with torch.no_grad(), record_backends() as seen:
         expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
         actual = optimized(input_ids=ids, attention_mask=mask).last_hidden_state
     assert seen, "fastbert's encoder did not run"
@@ -150,7 +150,7 @@ def test_optimizer_steps_reach_the_optimized_model():
             optimizer.step()
     for (name, a), (_, b) in zip(optimized.named_parameters(), reference.named_parameters(), strict=True):
         assert rel_err(a, b) <= 1e-5, name
-    with torch.inference_mode(), bm.record_backends() as seen:
+    with torch.inference_mode(), record_backends() as seen:
         expected = reference.eval()(**inputs).logits
         actual = optimized.eval()(**inputs).logits
     assert seen
@@ -161,12 +161,12 @@ def test_what_cannot_train_through_fastbert_falls_back_with_its_reason():
     model = fastbert.optimize(tiny_model("bert", "ForSequenceClassification")).train()
     inputs = _inputs("bert", "ForSequenceClassification", model)
     model.gradient_checkpointing_enable()
-    with pytest.warns(UserWarning, match="gradient checkpointing"), bm.record_backends() as seen:
+    with pytest.warns(UserWarning, match="gradient checkpointing"), record_backends() as seen:
         model(**inputs).loss.backward()
     assert not seen
     assert "gradient checkpointing" in fastbert.explain(model, **inputs)
     model.gradient_checkpointing_disable()
-    with bm.record_backends() as seen:
+    with record_backends() as seen:
         model(**inputs).loss.backward()
     assert seen
 
@@ -183,7 +183,7 @@ def test_autocast_training_step_is_as_accurate_as_transformers(family):
     inputs = _inputs(family, head, reference)
     exact_loss, exact = _step(reference, inputs)
     plain_loss, plain = _step(copy.deepcopy(reference).to(torch.bfloat16), inputs)
-    with torch.autocast("cpu", dtype=torch.bfloat16), bm.record_backends() as seen:
+    with torch.autocast("cpu", dtype=torch.bfloat16), record_backends() as seen:
         fast_loss, fast = _step(optimized, inputs)
     assert set(seen) == set(fused_ops(reference)), "fastbert's encoder did not run (a fallback)"
     assert fast_loss.dtype == torch.float32 and all(g.dtype == torch.float32 for g in fast.values())

@@ -9,7 +9,7 @@ per responsibility:
 - `peers`: transformers eager/SDPA, torch.compile, ONNX Runtime and fastbert, loaded as callables;
 - `e2e`: the end-to-end benchmark (`BenchSettings`, `run_e2e`);
 - `report`: tables, Markdown, JSON and plots of the results;
-- `op_checks`: accuracy checks of the triton backend's ops at any shape (tests/kernels, benchmarks/gpu_check.py).
+- `op_checks`: accuracy checks of the triton backend's ops at any shape (tests/ops, benchmarks/gpu_check.py).
 
 The modules import nothing heavy at import time (transformers, onnxruntime, matplotlib, tqdm inside functions).
 """

@@ -25,8 +25,8 @@ from fastbert.bench.peers import PEERS, PeerUnavailable, build_peer, load_hf_mod
 from fastbert.bench.recording import backend_availability, backends_used, record_backends
 from fastbert.bench.timing import measure_peak_flops, percentile, synchronize, time_ms
 from fastbert.bench.workloads import Workload, make_workloads
+from fastbert.common.resolve import UserError, dtype_name, model_name, resolve_model
 from fastbert.config import FastBertConfig
-from fastbert.resolve import UserError, dtype_name, model_name, resolve_model
 
 RESULT_SCHEMA = "fastbert-e2e/1"
 TIMING_NOTE = ("interleaved: after each implementation's warm-up, every timed round calls each implementation once "

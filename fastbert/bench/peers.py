@@ -16,8 +16,8 @@ import torch
 
 from fastbert.bench.machine import package_version, version_tuple
 from fastbert.bench.workloads import Workload
+from fastbert.common.resolve import dtype_name
 from fastbert.config import FastBertConfig
-from fastbert.resolve import dtype_name
 
 PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime", "fastbert-optimize")
 DEFAULT_PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime")

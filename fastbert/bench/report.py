@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fastbert.bench.machine import machine_tag
+from fastbert.files import write_atomic
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = False) -> str:
@@ -188,8 +189,8 @@ def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> list[P
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "e2e.json", out / "e2e.md"
-    json_path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    md_path.write_text(markdown_report(results), encoding="utf-8")
+    write_atomic(json_path, json.dumps(results, indent=2) + "\n")
+    write_atomic(md_path, markdown_report(results))
     return [json_path, md_path] + plot_results(results, out)
 
 

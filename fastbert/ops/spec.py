@@ -65,7 +65,7 @@ class OpSpec:
         """Whether the torch ops `define` registers are differentiable (the spec has a backward formula)."""
         return self.backward is not None
 
-    def define(self, prefix: str = "", impl: Callable | None = None, setup_context: Callable | None = None,
+    def define(self, prefix: str, impl: Callable | None = None, setup_context: Callable | None = None,
                backward: Callable | None = None):
         """Register the torch op ``fastbert::<prefix><name>`` from this spec's schema and fake, with ``impl`` for
         every device (a compiled extension registers its own kernels instead: ``impl=None``), and the spec's

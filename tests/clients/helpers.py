@@ -19,7 +19,7 @@ import transformers
 from transformers import PreTrainedModel
 
 import fastbert
-from fastbert import benchmarking as bm
+from fastbert.bench.recording import backends_used, record_backends
 from tests.hf_tiny import ARCHITECTURE_OPS, fused_ops, tiny_model
 
 TOL = 1e-5  # max |actual - expected| / max |expected| over one output (hidden states, scores, logits)
@@ -143,8 +143,8 @@ def assert_fast_path(seen: dict, forwards: int, ops: Sequence[str] = ARCHITECTUR
     assert forwards > 0, "the client made no encoder forward at all"
     ran = sum(seen.get("embedding_layernorm", {}).values())
     assert ran == forwards, (f"fastbert's encoder ran on {ran} of the {forwards} encoder forwards; the others ran "
-                             f"transformers' own code (ops seen: {bm.backends_used(seen)})")
-    assert set(seen) == set(ops), f"ops that ran: {bm.backends_used(seen)}"
+                             f"transformers' own code (ops seen: {backends_used(seen)})")
+    assert set(seen) == set(ops), f"ops that ran: {backends_used(seen)}"
 
 
 def run_both(call: Callable[[torch.nn.Module], object], reference: torch.nn.Module, optimized: torch.nn.Module,
@@ -156,7 +156,7 @@ def run_both(call: Callable[[torch.nn.Module], object], reference: torch.nn.Modu
         expected = call(reference)
     if forwards is not None:
         assert len(calls) == forwards, f"the client made {len(calls)} encoder forwards, not {forwards}"
-    with bm.record_backends() as seen:
+    with record_backends() as seen:
         actual = call(optimized)
     assert_fast_path(seen, len(calls), fused_ops(base_model(reference)))
     return expected, actual

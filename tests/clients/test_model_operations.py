@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fastbert
-from fastbert import benchmarking as bm
+from fastbert.bench.recording import record_backends
 from tests.hf_tiny import ARCHITECTURE_OPS, HEADS, VOCAB, fused_ops, padded_batch, rel_err, tiny_model
 
 FAST = set(ARCHITECTURE_OPS["post"])  # the ops of BERT's layers: the tests below run BERT unless they say otherwise
@@ -29,7 +29,7 @@ def pair(family: str = "bert", head: str = "Model", **overrides):
 
 def run(model, *args, **inputs):
     """The model's output under inference mode and the fused ops that ran ({} = transformers' code)."""
-    with torch.inference_mode(), bm.record_backends() as seen:
+    with torch.inference_mode(), record_backends() as seen:
         out = model(*args, **inputs)
     return out, dict(seen)
 
@@ -107,9 +107,8 @@ def test_multiprocessing_hand_off(batch):
 def _worker_forward(model, batch):
     """Runs in a spawned process: the model arrived pickled."""
     import fastbert as fb
-    from fastbert import benchmarking as bench
 
-    with torch.inference_mode(), bench.record_backends() as seen:
+    with torch.inference_mode(), record_backends() as seen:
         out = model(**batch).last_hidden_state
     return fb.is_optimized(model), {op: dict(counts) for op, counts in seen.items()}, out.clone()
 
@@ -300,7 +299,7 @@ def test_torch_compile(family, head):
     pad = model.config.pad_token_id or 0
     batch = dict(zip(("input_ids", "attention_mask"), padded_batch(pad_id=pad), strict=True))
     compiled = torch.compile(model)
-    with torch.inference_mode(), bm.record_backends() as seen:
+    with torch.inference_mode(), record_backends() as seen:
         out = compiled(**batch)
     assert set(seen) == set(fused_ops(reference))  # traced through fastbert's ops, not transformers' code
     with torch.inference_mode():
@@ -333,7 +332,7 @@ def test_torch_export(batch):
     with torch.no_grad():
         program = torch.export.export(model, (), dict(batch))
         assert {str(node.target).split(".")[1] for node in program.graph.nodes
-                if str(node.target).startswith("fastbert.")} >= {"attention", "linear_residual_layernorm"}
+                if str(node.target).startswith("fastbert.")} >= {"cpp_attention", "cpp_linear_residual_layernorm"}
         out = program.module()(**batch)
         expected = reference(**batch)
     assert_agree(out, expected, batch["attention_mask"])

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import fastbert
-from fastbert import benchmarking as bm
+from fastbert.bench.recording import record_backends
 from fastbert.numerics import assert_accurate
 from tests.hf_tiny import ARCHITECTURE_OPS, padded_batch, rel_err, tiny_config, tiny_model
 
@@ -36,7 +36,7 @@ def batch_for(model) -> dict:
 
 def run(model, **inputs):
     """The output under inference mode and the fused ops that ran ({} = transformers' code ran)."""
-    with torch.inference_mode(), bm.record_backends() as seen, warnings.catch_warnings():
+    with torch.inference_mode(), record_backends() as seen, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model(**inputs)
     return out, dict(seen)

@@ -11,13 +11,14 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 import fastbert
-from fastbert import benchmarking as bm
+from fastbert.bench.recording import backends_used, record_backends
+from fastbert.common.text import SENTENCES
 from tests.clients.helpers import assert_close, run_both
 from tests.hf_tiny import ARCHITECTURE_OPS
 
 # Mixed lengths: a 1-word text, sentences, and one longer than the model's max_seq_length (truncated).
-LONG_TEXT = " ".join(bm.SENTENCES * 2)
-ST_TEXTS = ["Hello", *bm.SENTENCES[:6], LONG_TEXT, "Is it safe?"]
+LONG_TEXT = " ".join(SENTENCES * 2)
+ST_TEXTS = ["Hello", *SENTENCES[:6], LONG_TEXT, "Is it safe?"]
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +91,10 @@ def test_encode_from_threads(minilm_dir, st_pair):
     def encode(texts):
         return model.encode(texts, batch_size=2, show_progress_bar=False)
 
-    with bm.record_backends() as seen, ThreadPoolExecutor(max_workers=8) as pool:
+    with record_backends() as seen, ThreadPoolExecutor(max_workers=8) as pool:
         concurrent = list(pool.map(encode, subsets))
     assert set(seen) == set(ARCHITECTURE_OPS["post"]), (
-        f"fastbert's path did not run in the threads: {bm.backends_used(seen)}")
+        f"fastbert's path did not run in the threads: {backends_used(seen)}")
     reference = st_pair[0]
     for texts, got in zip(subsets, concurrent, strict=True):
         sequential = encode(texts)

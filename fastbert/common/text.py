@@ -1,0 +1,97 @@
+"""Real text for `fastbert demo`, `check` and `embed`: sample English sentences, a tokenizer wrapper that pads a
+batch for a checkpoint, and sentence-transformers' mean pooling. `tokenizers` and transformers are imported when a
+tokenizer is built, so importing this module stays cheap."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from fastbert.common.resolve import UserError
+from fastbert.config import FastBertConfig
+
+# Varied English sentences for the demo and `fastbert check`: short and long, questions, numbers, punctuation.
+SENTENCES = [
+    "The cat sat quietly on the warm windowsill.",
+    "A kitten was resting in the sun by the window.",
+    "How do I reset my password if I no longer have access to my email?",
+    "The central bank raised interest rates by a quarter of a percentage point on Wednesday.",
+    "Photosynthesis converts light energy into chemical energy stored in glucose.",
+    "She played a Chopin nocturne at the recital, and the audience stood up to applaud.",
+    "Heavy rain is expected across the north of the country this weekend.",
+    "Is it safe to eat raw cookie dough?",
+    "The new library opened in 1998 and holds more than two million books.",
+    "Transformers process every token of a sentence in parallel with self-attention.",
+    "He forgot his umbrella, so he arrived at the office soaking wet.",
+    "Our team shipped the release two days ahead of schedule.",
+    "Mount Everest is 8,849 metres high.",
+    "Please remember to water the tomatoes while I am away.",
+    "The recipe calls for two cups of flour, one egg, and a pinch of salt.",
+    "Why do leaves change colour in autumn?",
+]
+
+# Files of a saved slow tokenizer (transformers builds an empty one from a directory holding none of them).
+TOKENIZER_FILES = {"tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model"}
+
+
+class TextEncoder:
+    """Tokenizes sentences for a checkpoint: its tokenizer.json through `tokenizers` (padding to the longest),
+    else transformers' AutoTokenizer."""
+
+    def __init__(self, model_dir: str, config: FastBertConfig):
+        self.config = config
+        self.max_length = config.max_position_embeddings - (config.position_offset or 0)
+        path = os.path.join(model_dir, "tokenizer.json")
+        if os.path.isfile(path):
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(path)
+            self.tokenizer.enable_padding(pad_id=config.pad_token_id, pad_token=self._pad_token())
+            truncation = self.tokenizer.truncation
+            limit = min(truncation["max_length"], self.max_length) if truncation else self.max_length
+            self.tokenizer.enable_truncation(max_length=limit)
+            self.hf_tokenizer = None
+        else:
+            files = set(os.listdir(model_dir))
+            if not files & TOKENIZER_FILES:
+                raise UserError(f"{model_dir} has no tokenizer (none of {', '.join(sorted(TOKENIZER_FILES))})")
+            try:
+                from transformers import AutoTokenizer
+
+                self.hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer in that directory
+                raise UserError(f"{model_dir} has no tokenizer.json and transformers cannot load a tokenizer "
+                                f"from it ({type(err).__name__})") from err
+            self.tokenizer = None
+
+    def _pad_token(self) -> str:
+        token = self.tokenizer.id_to_token(self.config.pad_token_id)
+        return token if token is not None else "[PAD]"
+
+    def __call__(self, texts: Sequence[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """input_ids, attention_mask [B, S] (and token_type_ids when the model has token types), padded to the
+        longest sentence."""
+        if self.tokenizer is not None:
+            encodings = self.tokenizer.encode_batch(list(texts))
+            batch = {"input_ids": torch.tensor([e.ids for e in encodings]),
+                     "attention_mask": torch.tensor([e.attention_mask for e in encodings]),
+                     "token_type_ids": torch.tensor([e.type_ids for e in encodings])}
+        else:
+            out = self.hf_tokenizer(list(texts), padding=True, truncation=True, max_length=self.max_length,
+                                    return_tensors="pt")
+            batch = {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"],
+                     "token_type_ids": out.get("token_type_ids", torch.zeros_like(out["input_ids"]))}
+        if not self.config.type_vocab_size:
+            batch.pop("token_type_ids")
+        return {k: v.to(device) for k, v in batch.items()}
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+    """Sentence embeddings as sentence-transformers' mean pooling: the mean of the token vectors at non-padded
+    positions (in fp32), L2-normalised when asked. hidden [B, S, H], attention_mask [B, S] -> [B, H] fp32."""
+    mask = attention_mask.to(torch.float32).unsqueeze(-1)
+    summed = (hidden.float() * mask).sum(dim=1)
+    pooled = summed / mask.sum(dim=1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, p=2, dim=1) if normalize else pooled

@@ -1,0 +1,649 @@
+"""`fastbert finetune`: fine-tune a checkpoint on small real labelled sets built offline from CPython's own text.
+
+Three tasks, each deterministic for a given Python version, with a held-out split by *source* (a whole file, topic
+or docstring goes to one side), so no sentence, nor a near-copy from the same place, is on both sides:
+
+- ``topic`` (single-sentence classification): sentences of standard-library docstrings, labelled by the package
+  they come from (asyncio, email, importlib, multiprocessing, unittest, xml). Held out by file.
+- ``pair`` (sentence-pair classification, BERT's next-sentence task on real prose): two consecutive sentences of
+  one paragraph of ``pydoc_data.topics`` or a docstring (label ``follows``) or the first of them with a sentence
+  of another document of the same split (label ``random``), 50/50. Held out by topic / file.
+- ``code`` (token classification): sentences of ``pydoc_data.topics`` whose inline literals Sphinx rendered as
+  ``"..."``; the quote marks are removed from the input and each word is labelled ``code`` (it was inside the
+  literal markup) or ``prose``. Held out by topic.
+
+The model is transformers' ``AutoModelForSequenceClassification`` / ``AutoModelForTokenClassification`` loaded from
+the checkpoint (a new head on top of it), passed through ``fastbert.optimize``, trained by ``fastbert.training.loop``,
+evaluated on the held-out split against the majority-class baseline and saved in HF format with its tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import sysconfig
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from itertools import pairwise
+
+import torch
+
+from fastbert.training.corpus import _SKIPPED_DIRS, _docstrings, _sentences
+from fastbert.training.loop import StepOutput, TrainingTask
+
+TASK_NAMES = ("topic", "pair", "code")
+TOPIC_PACKAGES = ("asyncio", "email", "importlib", "multiprocessing", "unittest", "xml")
+PAIR_LABELS = ("follows", "random")
+CODE_LABELS = ("prose", "code")
+HELD_OUT_FRACTION = 0.2
+IGNORE_INDEX = -100
+# Test suites are left out: their docstrings describe tests, not the package.
+_TEST_DIRS = {"test", "tests", "idle_test"}
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+@dataclass(frozen=True)
+class Example:
+    """One labelled example. Sequence tasks: ``text`` (and ``text_pair``) with one label; the token task:
+    ``words`` with one label per word. ``source`` names where it came from (the unit of the held-out split)."""
+
+    source: str
+    label: int | tuple[int, ...]
+    text: str = ""
+    text_pair: str | None = None
+    words: tuple[str, ...] = ()
+
+
+@dataclass
+class TaskData:
+    """A task's label names and its train / held-out examples."""
+
+    name: str
+    kind: str  # "sequence" or "token"
+    labels: tuple[str, ...]
+    train: list[Example]
+    test: list[Example]
+    description: str
+
+    def label_counts(self, split: str) -> dict[str, int]:
+        """How many examples (sequence tasks) or words (token task) of ``split`` carry each label."""
+        counts: Counter[int] = Counter()
+        for example in getattr(self, split):
+            counts.update(example.label if isinstance(example.label, tuple) else (example.label,))
+        return {name: counts.get(index, 0) for index, name in enumerate(self.labels)}
+
+
+def _stable_hash(source: str) -> int:
+    """A hash that is the same in every process and on every machine (Python's ``hash`` of a str is salted)."""
+    return int.from_bytes(hashlib.sha256(source.encode("utf-8")).digest()[:8], "big")
+
+
+def held_out_sources(sizes: dict[str, int], fraction: float = HELD_OUT_FRACTION) -> set[str]:
+    """The sources (files, topics) of the held-out split: taken in the order of a stable hash of their names, each
+    one that still fits under ``fraction`` of all examples, so the split is close to ``fraction`` however unequal
+    the sources are, and a source is never divided."""
+    target = fraction * sum(sizes.values())
+    held, count = set(), 0
+    for source in sorted(sizes, key=lambda s: (_stable_hash(s), s)):
+        if count + sizes[source] <= target:
+            held.add(source)
+            count += sizes[source]
+    return held
+
+
+@lru_cache(maxsize=1)
+def stdlib_docstrings() -> tuple[tuple[str, int, str], ...]:
+    """(path relative to the standard library, index in the file, docstring) for every module, class and function
+    docstring of the standard library outside its test suites, in sorted path order."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    found = []
+    for root, dirs, names in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and d not in _TEST_DIRS)
+        for name in sorted(names):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                relative = os.path.relpath(path, stdlib).replace(os.sep, "/")
+                found.extend((relative, index, doc) for index, doc in enumerate(_docstrings(path)))
+    return tuple(found)
+
+
+def _paragraphs(text: str) -> Iterator[str]:
+    """The prose paragraphs of a text (indented blocks are code, grammar or tables in both pydoc topics and
+    docstrings)."""
+    for paragraph in re.split(r"\n\s*\n", text):
+        if paragraph.strip() and not paragraph.startswith((" ", "\t")):
+            yield paragraph
+
+
+def _pydoc_topics() -> dict[str, str]:
+    import pydoc_data.topics
+
+    return dict(sorted(pydoc_data.topics.topics.items()))
+
+
+def topic_task() -> TaskData:
+    """Sentences of the docstrings of TOPIC_PACKAGES, labelled by package; split by file. A sentence found in more
+    than one package is dropped; one found twice in a package is kept once (first file in sorted order)."""
+    where: dict[str, tuple[str, str]] = {}
+    ambiguous: set[str] = set()
+    for path, _, doc in stdlib_docstrings():
+        package = path.split("/")[0]
+        if package not in TOPIC_PACKAGES:
+            continue
+        for sentence in _sentences(doc):
+            if sentence in where and where[sentence][0] != package:
+                ambiguous.add(sentence)
+            where.setdefault(sentence, (package, path))
+    kept = [(sentence, package, path) for sentence, (package, path) in where.items() if sentence not in ambiguous]
+    held: set[str] = set()
+    for package in TOPIC_PACKAGES:  # per package, so every label has its share of held-out sentences
+        held |= held_out_sources(Counter(path for _, p, path in kept if p == package))
+    train, test = [], []
+    for sentence, package, path in kept:
+        example = Example(source=path, label=TOPIC_PACKAGES.index(package), text=sentence)
+        (test if path in held else train).append(example)
+    return TaskData("topic", "sequence", TOPIC_PACKAGES, train, test,
+                    "standard-library docstring sentences labelled by package; held out by file")
+
+
+def _pair_documents() -> list[tuple[str, str, list[list[str]]]]:
+    """(split key, document name, paragraphs as lists of sentences) for pydoc topics and standard-library
+    docstrings. The split key of a docstring is its file, so one file's docstrings stay on one side."""
+    documents = []
+    for topic, text in _pydoc_topics().items():
+        documents.append((f"pydoc:{topic}", f"pydoc:{topic}", [_sentences(p) for p in _paragraphs(text)]))
+    for path, index, doc in stdlib_docstrings():
+        documents.append((path, f"{path}#{index}", [_sentences(p) for p in _paragraphs(doc)]))
+    return documents
+
+
+def pair_task(seed: int = 0) -> TaskData:
+    """Pairs of sentences: consecutive in one paragraph (``follows``) or the first one with a sentence of another
+    document on the same side of the split (``random``), chosen 50/50 with ``random.Random(seed)``.
+
+    Sentences repeat across the standard library (``io`` and ``_pyio``, pydoc text quoted in docstrings), so: a
+    held-out pair has no sentence that occurs anywhere in the training documents; each sentence is the first of at
+    most one pair per side; a ``random`` partner is never a sentence that follows the first one anywhere."""
+    rng = random.Random(seed)
+    documents = _pair_documents()
+    sizes: Counter[str] = Counter()
+    successors: dict[str, set[str]] = {}
+    for key, _, paragraphs in documents:
+        sizes[key] += sum(max(len(p) - 1, 0) for p in paragraphs)
+        for paragraph in paragraphs:
+            for first, second in pairwise(paragraph):
+                successors.setdefault(first, set()).add(second)
+    held = held_out_sources(sizes)
+    sides: dict[bool, list[tuple[str, list[list[str]]]]] = {False: [], True: []}
+    for key, name, paragraphs in documents:
+        sides[key in held].append((name, paragraphs))
+    train_sentences = {s for _, paragraphs in sides[False] for p in paragraphs for s in p}
+    splits: dict[bool, list[Example]] = {}
+    for held_out, side in sides.items():
+        def usable(sentence: str, held_out: bool = held_out) -> bool:
+            return not held_out or sentence not in train_sentences
+
+        pool = [(index, s) for index, (_, paragraphs) in enumerate(side) for p in paragraphs for s in p if usable(s)]
+        examples, anchors = [], set()
+        for index, (name, paragraphs) in enumerate(side):
+            for paragraph in paragraphs:
+                for first, second in pairwise(paragraph):
+                    if first in anchors or not usable(first) or not usable(second):
+                        continue
+                    anchors.add(first)
+                    if rng.random() < 0.5:
+                        examples.append(Example(source=name, label=0, text=first, text_pair=second))
+                        continue
+                    while True:
+                        other, sentence = pool[rng.randrange(len(pool))]
+                        if other != index and sentence != first and sentence not in successors[first]:
+                            break
+                    examples.append(Example(source=name, label=1, text=first, text_pair=sentence))
+        splits[held_out] = examples
+    return TaskData("pair", "sequence", PAIR_LABELS, splits[False], splits[True],
+                    "consecutive sentences of one paragraph (pydoc topics, stdlib docstrings) vs a sentence of "
+                    "another document, 50/50; held out by topic / file")
+
+
+def code_words(sentence: str) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+    """The words of a pydoc sentence with its ``"..."`` literal markup removed, and per word 1 if it was inside
+    the markup, else 0; None if the quotes do not pair up or nothing is marked."""
+    if sentence.count('"') % 2 or '"' not in sentence:
+        return None
+    words: list[str] = []
+    labels: list[int] = []
+    position = 0
+    for match in _QUOTED.finditer(sentence):
+        prose = sentence[position:match.start()].split()
+        words += prose
+        labels += [0] * len(prose)
+        code = match.group(1).split()
+        words += code
+        labels += [1] * len(code)
+        position = match.end()
+    prose = sentence[position:].split()
+    words += prose
+    labels += [0] * len(prose)
+    if 1 not in labels:
+        return None
+    return tuple(words), tuple(labels)
+
+
+def code_task() -> TaskData:
+    """pydoc topic sentences with inline literals: words labelled code / prose, quote marks removed; split by
+    topic. Each distinct sentence is kept once."""
+    examples = []
+    seen: set[str] = set()
+    for topic, text in _pydoc_topics().items():
+        for paragraph in _paragraphs(text):
+            for sentence in _sentences(paragraph):
+                labelled = code_words(sentence)
+                if labelled is not None and sentence not in seen:
+                    seen.add(sentence)
+                    examples.append(Example(source=f"pydoc:{topic}", label=labelled[1], words=labelled[0]))
+    held = held_out_sources(Counter(e.source for e in examples))
+    train = [e for e in examples if e.source not in held]
+    test = [e for e in examples if e.source in held]
+    return TaskData("code", "token", CODE_LABELS, train, test,
+                    "pydoc topic sentences, quote marks of inline literals removed, each word labelled code or "
+                    "prose; held out by topic")
+
+
+def build_task(name: str, seed: int = 0) -> TaskData:
+    """The named task's data (TASK_NAMES); ``seed`` draws the random partners of the pair task."""
+    if name == "topic":
+        return topic_task()
+    if name == "pair":
+        return pair_task(seed)
+    if name == "code":
+        return code_task()
+    raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")
+
+
+def subsample(examples: Sequence[Example], limit: int | None, seed: int) -> list[Example]:
+    """At most ``limit`` examples, a seeded random sample in their original order (all of them if None)."""
+    if limit is None or limit >= len(examples):
+        return list(examples)
+    keep = sorted(random.Random(seed).sample(range(len(examples)), limit))
+    return [examples[i] for i in keep]
+
+
+# ------------------------------------------------------------------------------------------------ batches
+def encode_batch(tokenizer, examples: Sequence[Example], kind: str, max_length: int) -> dict[str, torch.Tensor]:
+    """Tokenise and pad a batch (longest in the batch). Sequence tasks: ``labels`` [B]; the token task: ``labels``
+    [B, S] with the word label on each word's first sub-token and IGNORE_INDEX elsewhere (special tokens, later
+    sub-tokens, padding)."""
+    if kind == "sequence":
+        texts = [e.text for e in examples]
+        pairs = [e.text_pair for e in examples]
+        has_pairs = any(p is not None for p in pairs)
+        if has_pairs and any(p is None for p in pairs):
+            raise ValueError("a batch mixes single sentences and pairs")
+        batch = tokenizer(texts, pairs if has_pairs else None, truncation=True, max_length=max_length,
+                          padding=True, return_tensors="pt")
+        batch["labels"] = torch.tensor([e.label for e in examples])
+        return dict(batch)
+    batch = tokenizer([list(e.words) for e in examples], is_split_into_words=True, truncation=True,
+                      max_length=max_length, padding=True, return_tensors="pt")
+    labels = torch.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=torch.long)
+    for row, example in enumerate(examples):
+        previous = None
+        for position, word in enumerate(batch.word_ids(row)):
+            if word is not None and word != previous:
+                labels[row, position] = example.label[word]
+            previous = word
+    batch["labels"] = labels
+    return dict(batch)
+
+
+def batches(tokenizer, examples: Sequence[Example], kind: str, batch_size: int, max_length: int,
+            shuffle_seed: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Encoded batches of ``examples`` in order, or shuffled with ``random.Random(shuffle_seed)``."""
+    order = list(range(len(examples)))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    for start in range(0, len(order), batch_size):
+        yield encode_batch(tokenizer, [examples[i] for i in order[start:start + batch_size]], kind, max_length)
+
+
+# ------------------------------------------------------------------------------------------------- metrics
+def majority_baseline(data: TaskData, test: Sequence[Example] | None = None) -> dict:
+    """The most frequent label of the training split (examples, or words for the token task) and the held-out
+    accuracy of always predicting it."""
+    train_counts = data.label_counts("train")
+    label = max(range(len(data.labels)), key=lambda i: train_counts[data.labels[i]])
+    test = data.test if test is None else test
+    labels = [x for e in test for x in (e.label if isinstance(e.label, tuple) else (e.label,))]
+    return {"label": data.labels[label], "accuracy": sum(x == label for x in labels) / max(len(labels), 1)}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokenizer, examples: Sequence[Example], kind: str, num_labels: int,
+             batch_size: int = 64, max_length: int = 128) -> dict:
+    """Held-out figures of a classifier in eval mode: accuracy, per-label precision / recall / F1 and macro F1.
+    The token task counts words (a word cut off by ``max_length`` counts as wrong and is reported)."""
+    was_training = model.training
+    model.eval()
+    confusion = torch.zeros(num_labels, num_labels, dtype=torch.long)  # [true, predicted]
+    try:
+        for batch in batches(tokenizer, examples, kind, batch_size, max_length):
+            labels = batch.pop("labels")
+            predicted = model(**batch).logits.argmax(-1)
+            keep = labels != IGNORE_INDEX
+            confusion += torch.bincount(labels[keep] * num_labels + predicted[keep],
+                                        minlength=num_labels * num_labels).view(num_labels, num_labels)
+    finally:
+        model.train(was_training)
+    # Token task: a word cut off by max_length has no prediction; it counts as wrong.
+    actual = torch.zeros(num_labels, dtype=torch.long)
+    for example in examples:
+        for label in example.label if isinstance(example.label, tuple) else (example.label,):
+            actual[label] += 1
+    truncated = int(actual.sum() - confusion.sum())
+    per_label = []
+    for label in range(num_labels):
+        tp = int(confusion[label, label])
+        predicted_count, actual_count = int(confusion[:, label].sum()), int(actual[label])
+        precision = tp / predicted_count if predicted_count else 0.0
+        recall = tp / actual_count if actual_count else 0.0
+        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+        per_label.append({"precision": precision, "recall": recall, "f1": f1, "support": actual_count})
+    total = int(actual.sum())
+    return {"accuracy": int(confusion.diag().sum()) / max(total, 1), "count": total,
+            "macro_f1": sum(p["f1"] for p in per_label) / num_labels, "per_label": per_label,
+            "truncated_words": truncated, "confusion": confusion.tolist()}
+
+
+# ------------------------------------------------------------------------------------------------ training
+class _EpochBatches(Sequence):
+    """The batches of one epoch, encoded on demand: a seeded shuffle of the examples that depends only on
+    (seed, epoch), as `fastbert.training.loop` needs for an exact resume."""
+
+    def __init__(self, tokenizer, examples: Sequence[Example], kind: str, batch_size: int, max_length: int,
+                 seed: int, epoch: int):
+        self.tokenizer, self.examples, self.kind = tokenizer, examples, kind
+        self.batch_size, self.max_length = batch_size, max_length
+        self.order = list(range(len(examples)))
+        random.Random(f"finetune:{seed}:{epoch}").shuffle(self.order)  # str seeds are hashed stably (sha512)
+
+    def __len__(self) -> int:
+        return (len(self.order) + self.batch_size - 1) // self.batch_size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        chosen = self.order[index * self.batch_size:(index + 1) * self.batch_size]
+        return encode_batch(self.tokenizer, [self.examples[i] for i in chosen], self.kind, self.max_length)
+
+
+@dataclass
+class FinetuneSettings:
+    """One fine-tuning run (the options of ``fastbert finetune``)."""
+
+    task: str
+    output_dir: str
+    model_dir: str | None = None  # None: the embedded all-MiniLM-L6-v2
+    epochs: float = 1.0
+    max_steps: int | None = None  # overrides epochs
+    batch_size: int = 32
+    learning_rate: float = 1e-4
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.01
+    max_length: int = 128
+    train_limit: int | None = None
+    eval_limit: int | None = None
+    seed: int = 0
+    device: str | None = None
+    backend: str = "auto"
+    optimize: bool = True
+    resume: bool = False
+    save_every: int = 0
+    log_every: int = 10
+    progress: bool | None = None
+
+    def check(self) -> None:
+        """Raise ValueError naming the first setting that cannot run."""
+        if self.task not in TASK_NAMES:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASK_NAMES)}")
+        if self.batch_size < 1 or self.max_length < 8:
+            raise ValueError("need --batch-size >= 1 and --max-length >= 8")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
+        if self.epochs <= 0 or not 0 <= self.warmup_ratio < 1 or self.learning_rate <= 0:
+            raise ValueError("need --epochs > 0, 0 <= --warmup-ratio < 1 and --learning-rate > 0")
+        for name, value in (("--train-limit", self.train_limit), ("--eval-limit", self.eval_limit)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+class FinetuneTask(TrainingTask):
+    """The `fastbert.training.loop.TrainingTask` of a fine-tuning run: batches of the training split, the head's loss
+    and batch accuracy, the held-out evaluation at the end, the tokenizer beside each checkpoint."""
+
+    def __init__(self, data: TaskData, train: list[Example], test: list[Example], tokenizer,
+                 settings: FinetuneSettings, model_dir: str):
+        self.data, self.train_examples, self.test_examples = data, train, test
+        self.tokenizer, self.run, self.model_dir = tokenizer, settings, model_dir
+        self.evaluation: dict | None = None
+
+    def batches(self, epoch: int) -> Sequence[dict[str, torch.Tensor]]:
+        return _EpochBatches(self.tokenizer, self.train_examples, self.data.kind, self.run.batch_size,
+                             self.run.max_length, self.run.seed, epoch)
+
+    def compute(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        out = model(**batch)
+        labels = batch["labels"]
+        keep = labels != IGNORE_INDEX
+        accuracy = float((out.logits.argmax(-1)[keep] == labels[keep]).float().mean()) if keep.any() else 0.0
+        return StepOutput(out.loss, {"accuracy": accuracy}, int(batch["attention_mask"].sum()))
+
+    def settings(self) -> dict:
+        return {"task": self.data.name, "model": os.path.abspath(self.model_dir), "batch_size": self.run.batch_size,
+                "max_length": self.run.max_length, "train_examples": len(self.train_examples),
+                "train_limit": self.run.train_limit, "data_seed": self.run.seed, "optimize": self.run.optimize,
+                "backend": self.run.backend}
+
+    def save(self, directory) -> None:
+        self.tokenizer.save_pretrained(directory)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        self.evaluation = evaluate(model, self.tokenizer, self.test_examples, self.data.kind, len(self.data.labels),
+                                   max_length=self.run.max_length)
+        return {"eval_accuracy": self.evaluation["accuracy"], "eval_macro_f1": self.evaluation["macro_f1"]}
+
+
+def load_classifier(model_dir: str, data: TaskData, device: torch.device) -> torch.nn.Module:
+    """transformers' sequence- or token-classification model of the checkpoint with a new head for the task's
+    labels (label names in its config), in training mode on ``device``."""
+    import transformers
+
+    auto = (transformers.AutoModelForSequenceClassification if data.kind == "sequence"
+            else transformers.AutoModelForTokenClassification)
+    id2label = dict(enumerate(data.labels))
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the "newly initialized head" notice: the run reports it itself
+    try:
+        model = auto.from_pretrained(model_dir, num_labels=len(data.labels), id2label=id2label,
+                                     label2id={v: k for k, v in id2label.items()}, attn_implementation="eager")
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return model.to(device).train()
+
+
+def finetune(settings: FinetuneSettings, log=None) -> dict:
+    """Run one fine-tuning (module docstring): returns the results record, also written to
+    ``<output_dir>/results.json``; the fine-tuned model and tokenizer are in ``<output_dir>/model``.
+
+    Raises ValueError for bad settings, `fastbert.common.resolve.UserError` for a checkpoint that cannot be used and
+    `fastbert.training.loop.TrainingError` for an output directory that holds another run."""
+    import shutil
+
+    import transformers
+
+    import fastbert
+    from fastbert.common.resolve import UserError, resolve_device, resolve_model
+    from fastbert.common.text import TOKENIZER_FILES
+    from fastbert.training import loop as training
+
+    log = log or sys.stderr
+    settings.check()
+    model_dir, config = resolve_model(settings.model_dir)
+    positions = config.max_position_embeddings - (config.position_offset or 0)
+    if settings.max_length > positions:  # a small pretrained model may have fewer positions than the default
+        log.write(f"fastbert finetune: --max-length {settings.max_length} capped to the model's {positions} "
+                  "positions\n")
+        settings = replace(settings, max_length=positions)
+    device = resolve_device(settings.device)
+    # transformers builds an empty tokenizer (special tokens only) for a directory without tokenizer files
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES | {"tokenizer.json"}):
+        raise UserError(f"{model_dir} has no tokenizer files (tokenizer.json, vocab.txt, ...); fine-tuning needs the "
+                        "checkpoint's tokenizer beside it")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{model_dir}: no usable tokenizer ({str(err).splitlines()[0]})") from err
+    if not tokenizer.is_fast:
+        raise UserError(f"{model_dir}: the token task needs a fast tokenizer (tokenizer.json)")
+
+    data = build_task(settings.task, settings.seed)
+    train_examples = subsample(data.train, settings.train_limit, settings.seed)
+    test_examples = subsample(data.test, settings.eval_limit, settings.seed)
+    steps_per_epoch = (len(train_examples) + settings.batch_size - 1) // settings.batch_size
+    max_steps = settings.max_steps or max(1, round(settings.epochs * steps_per_epoch))
+    log.write(f"fastbert finetune: task {data.name} ({data.description}): {len(train_examples)} train / "
+              f"{len(test_examples)} held-out {'sentences' if data.kind == 'token' else 'examples'}, labels "
+              f"{', '.join(data.labels)}; {max_steps} steps of {settings.batch_size}\n")
+
+    torch.manual_seed(settings.seed)  # the new head's initialisation
+    try:
+        model = load_classifier(model_dir, data, device)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{model_dir}: cannot build a {data.kind}-classification model "
+                        f"({str(err).splitlines()[0]})") from err
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        raise UserError(f"{model_dir}: the tokenizer has {len(tokenizer)} tokens, the model's embedding table only "
+                        f"{model.get_input_embeddings().num_embeddings}")
+    if settings.optimize:
+        model = fastbert.optimize(model, backend=settings.backend)
+    sample = encode_batch(tokenizer, train_examples[:2], data.kind, settings.max_length)
+    sample = {k: v.to(device) for k, v in sample.items()}
+    path = fastbert.explain(model, **sample) if settings.optimize else "not optimized (--no-optimize)"
+
+    task = FinetuneTask(data, train_examples, test_examples, tokenizer, settings, model_dir)
+    arguments = training.TrainingArguments(
+        output_dir=settings.output_dir, max_steps=max_steps, learning_rate=settings.learning_rate,
+        weight_decay=settings.weight_decay, warmup_steps=int(settings.warmup_ratio * max_steps), seed=settings.seed,
+        save_every=settings.save_every, log_every=settings.log_every, resume=settings.resume,
+        progress=settings.progress)
+    started = time.perf_counter()
+    result = training.train(model, task, arguments)
+    elapsed = time.perf_counter() - started
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates and writes
+        return {}
+    if task.evaluation is None:  # a resume of a run that had already finished: evaluate its weights
+        task.evaluate(model)
+    assert task.evaluation is not None
+    model_out = os.path.join(settings.output_dir, "model")
+    if os.path.exists(model_out):
+        shutil.rmtree(model_out)
+    shutil.copytree(result.checkpoint, model_out, ignore=shutil.ignore_patterns(training.STATE_FILE))
+
+    baseline = majority_baseline(data, test_examples)
+    steps = [r for r in result.records if not r.get("eval")]
+    before = [r for r in result.records if r.get("eval") and r["step"] == 0]
+    results = {
+        "task": data.name, "description": data.description, "kind": data.kind, "labels": list(data.labels),
+        "model": model_dir, "model_out": model_out, "python": sys.version.split()[0],
+        "train": {"examples": len(train_examples), "available": len(data.train),
+                  "label_counts": _counts(data, train_examples)},
+        "held_out": {"examples": len(test_examples), "available": len(data.test),
+                     "label_counts": _counts(data, test_examples)},
+        "majority_baseline": baseline, "evaluation": task.evaluation,
+        "accuracy_before_training": before[0]["eval_accuracy"] if before else None,
+        "accuracy_over_baseline": task.evaluation["accuracy"] - baseline["accuracy"],
+        "training": {"steps": result.step, "epochs": result.step / steps_per_epoch,
+                     "first_loss": steps[0]["loss"] if steps else None,
+                     "last_losses_mean": (sum(r["loss"] for r in steps[-10:]) / len(steps[-10:])) if steps else None,
+                     "tokens": sum(r["tokens"] for r in steps), "seconds_this_run": round(elapsed, 2),
+                     "seconds_total": steps[-1]["elapsed_s"] if steps else None},
+        "settings": asdict(settings), "path": path,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "fastbert": fastbert.__version__},
+        "threads": torch.get_num_threads(),
+    }
+    with open(os.path.join(settings.output_dir, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+    evaluation = task.evaluation
+    log.write(f"fastbert finetune: held-out accuracy {evaluation['accuracy']:.4f} (majority baseline "
+              f"{baseline['accuracy']:.4f}: always '{baseline['label']}'), macro F1 {evaluation['macro_f1']:.4f}; "
+              f"{result.step} steps in {elapsed:.1f} s; model -> {model_out}\n")
+    return results
+
+
+def _counts(data: TaskData, examples: Sequence[Example]) -> dict[str, int]:
+    counts: Counter[int] = Counter()
+    for example in examples:
+        counts.update(example.label if isinstance(example.label, tuple) else (example.label,))
+    return {name: counts.get(index, 0) for index, name in enumerate(data.labels)}
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def add_arguments(parser) -> None:
+    """The options of ``fastbert finetune`` (argparse; no heavy imports)."""
+    from fastbert.backends import BACKENDS
+
+    parser.add_argument("--task", required=True, choices=TASK_NAMES,
+                        help="topic: docstring sentences -> stdlib package; pair: does sentence B follow A; code: "
+                        "which words of a pydoc sentence are inline code")
+    parser.add_argument("-o", "--output-dir", required=True, metavar="DIR",
+                        help="checkpoints, metrics.jsonl, results.json and the fine-tuned model (DIR/model)")
+    parser.add_argument("--model", metavar="PATH", default=None,
+                        help="HF checkpoint directory with its tokenizer (e.g. a `fastbert pretrain` checkpoint); "
+                        "default: the embedded all-MiniLM-L6-v2")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
+    parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS, help="fastbert backend")
+    parser.add_argument("--no-optimize", action="store_true", help="train the plain transformers model")
+    parser.add_argument("--epochs", type=float, default=1.0, help="passes over the training split (default 1)")
+    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    parser.add_argument("--batch-size", type=int, default=32, help="examples per step (default 32)")
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="peak AdamW learning rate (default 1e-4)")
+    parser.add_argument("--warmup-ratio", type=float, default=0.1, help="linear warmup share of the steps")
+    parser.add_argument("--max-length", type=int, default=128, help="tokens per example (default 128)")
+    parser.add_argument("--train-limit", type=int, default=None, help="use a seeded sample of this many examples")
+    parser.add_argument("--eval-limit", type=int, default=None, help="evaluate on a seeded sample of this many")
+    parser.add_argument("--seed", type=int, default=0, help="data order, pair partners and head initialisation")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --output-dir")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default: at the end)")
+    parser.add_argument("--log-every", type=int, default=10, help="a progress line every N steps")
+
+
+def run_cli(args) -> int:
+    """``fastbert finetune``: settings from the parsed arguments; errors the user can fix become UserError."""
+    from fastbert.common.resolve import UserError
+    from fastbert.training.loop import TrainingError
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    settings = FinetuneSettings(
+        task=args.task, output_dir=args.output_dir, model_dir=args.model, epochs=args.epochs,
+        max_steps=args.max_steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
+        warmup_ratio=args.warmup_ratio, max_length=args.max_length, train_limit=args.train_limit,
+        eval_limit=args.eval_limit, seed=args.seed, device=args.device, backend=args.backend,
+        optimize=not args.no_optimize, resume=args.resume, save_every=args.save_every, log_every=args.log_every)
+    try:
+        finetune(settings)
+    except (ValueError, TrainingError) as err:
+        raise UserError(str(err)) from err
+    return 0

@@ -1,0 +1,637 @@
+"""A small, generic training loop: what `fastbert pretrain` and `fastbert finetune` share.
+
+What it does (and nothing more):
+
+- AdamW (no weight decay on biases and LayerNorm weights: every parameter with fewer than 2 dimensions) with a
+  linear warmup over ``warmup_steps`` then a linear decay to 0 at ``max_steps``; gradient clipping by global norm.
+- A progress line on stderr every ``log_every`` steps (redrawn in place on a terminal): step, loss, the task's
+  metrics (averaged since the last line), tokens/s, ETA. Every step appends one JSON record to
+  ``<output_dir>/metrics.jsonl`` (``{"step", "loss", "lr", "tokens", "elapsed_s", <metrics>}``; an evaluation adds
+  a record with ``"eval": true``).
+- Checkpoints every ``save_every`` steps and at the end, in HF format: ``model.save_pretrained`` (config.json +
+  model.safetensors), the task's extra files (tokenizer), and ``trainer_state.pt`` (step, epoch, position in the
+  epoch, optimizer, scheduler, the RNG states of python ``random``, torch and numpy, the run's settings).
+  A checkpoint is written into a temporary directory in the same parent, every file fsynced, then renamed to
+  ``checkpoint-<step>``; then the file ``latest`` (the name of that directory) is replaced atomically. A kill at
+  any moment leaves either the previous checkpoint or the new one, never a half-written one under a name that is
+  read: temporary directories (``.tmp-*``) are ignored and removed at the next start.
+- ``resume=True`` continues from the latest checkpoint with the same data order and RNG state, so a run killed
+  and resumed ends with the same weights as an uninterrupted one (same settings, same thread count). A resume
+  whose settings differ from the checkpoint's is refused with the differences named (`TrainingError`).
+- DDP-aware: when ``WORLD_SIZE`` > 1, the process group is initialised from the environment (torchrun), the model
+  wrapped in ``DistributedDataParallel``, each global batch split across ranks by `TrainingTask.shard`, logged
+  losses/metrics averaged over ranks, and only rank 0 writes files (the RNG states of every rank are saved).
+
+The data contract that makes resume exact: `TrainingTask.batches(epoch)` returns a *sequence* of batches whose
+content is a deterministic function of the epoch (and the task's own seed), so the loop can restart at
+``batches(epoch)[position]`` without replaying anything. Randomness inside a batch (dynamic masking) must be
+seeded from (seed, epoch, index), not drawn from a shared generator.
+
+Usage::
+
+    class MyTask(TrainingTask):
+        def batches(self, epoch): ...                      # Sequence of dicts of tensors
+        def compute(self, model, batch): ...               # StepOutput(loss, {"accuracy": ...}, tokens)
+        def settings(self): return {"data": ..., ...}      # what a resume must match
+        def save(self, directory): tokenizer.save_pretrained(directory)
+
+    result = train(model, MyTask(), TrainingArguments(output_dir="run", max_steps=1000, resume=True))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastbert.files import is_temporary, remove_dir, replace_atomic, temporary_path, write_atomic
+
+LATEST = "latest"
+STATE_FILE = "trainer_state.pt"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_PREFIX = "checkpoint-"
+# Arguments that do not change the trajectory of a run, so a resume may change them.
+_FREE_ARGUMENTS = frozenset({"output_dir", "resume", "save_every", "log_every", "keep_checkpoints", "progress",
+                             "eval_every"})
+
+
+class TrainingError(Exception):
+    """A problem with the run the user asked for (a resume that cannot continue, an output directory in use):
+    one line, no traceback."""
+
+
+@dataclass
+class TrainingArguments:
+    """The loop's settings. Everything but the output/logging options is recorded in each checkpoint and must be
+    equal on resume."""
+
+    output_dir: str
+    max_steps: int
+    learning_rate: float = 5e-4
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    save_every: int = 100  # 0: only at the end
+    eval_every: int = 0  # 0: only at the end (when the task evaluates at all)
+    log_every: int = 10
+    keep_checkpoints: int = 2
+    resume: bool = False
+    progress: bool | None = None  # None: redraw in place on a terminal, else one line per log_every steps
+
+    def check(self) -> None:
+        """Raise TrainingError on settings that cannot run."""
+        if self.max_steps < 1:
+            raise TrainingError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.learning_rate <= 0 or self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
+            raise TrainingError("need learning_rate > 0 and 0 <= warmup_steps <= max_steps")
+        if self.save_every < 0 or self.eval_every < 0 or self.log_every < 1 or self.keep_checkpoints < 1:
+            raise TrainingError("need save_every >= 0, eval_every >= 0, log_every >= 1, keep_checkpoints >= 1")
+        if self.max_grad_norm < 0:
+            raise TrainingError("max_grad_norm must be >= 0 (0: no clipping)")
+
+    def trajectory_settings(self) -> dict[str, Any]:
+        """The settings a resume must match."""
+        return {k: v for k, v in asdict(self).items() if k not in _FREE_ARGUMENTS}
+
+
+@dataclass
+class StepOutput:
+    """What `TrainingTask.compute` returns for one batch: the loss to minimise (a scalar tensor with grad), metrics
+    to log (floats, e.g. {"mlm_loss": 2.3, "nsp_accuracy": 0.7}) and the number of real (non-padding) tokens."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+
+
+class TrainingTask:
+    """What a training run is about: its data and its loss. Subclass and override `batches` and `compute`; the rest
+    has defaults."""
+
+    def batches(self, epoch: int) -> Sequence[Any]:
+        """The batches of ``epoch`` in order: a sequence (len, indexing) whose items are a deterministic function of
+        (epoch, index) and the task's seed, so a resume restarts at ``batches(epoch)[position]``."""
+        raise NotImplementedError
+
+    def compute(self, model: nn.Module, batch: Any) -> StepOutput:
+        """Forward one batch (already on the model's device) through ``model`` (the DDP wrapper under DDP)."""
+        raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-able settings of the task (data, objective, model config) that a resume must match."""
+        return {}
+
+    def save(self, directory: Path) -> None:
+        """Write the task's files beside the model in a checkpoint (e.g. ``tokenizer.save_pretrained``)."""
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out metrics (called in eval mode under no_grad, on rank 0 only); {} when the task has none."""
+        return {}
+
+    def on_checkpoint(self, output_dir: Path, records: list[dict[str, Any]], final: bool) -> None:
+        """Called on rank 0 after each checkpoint (and ``final`` after the last) with every metrics record so far
+        (e.g. to draw the loss curve)."""
+
+    def shard(self, batch: Any, rank: int, world_size: int) -> Any:
+        """This rank's part of a global batch under DDP: by default each tensor of a dict split along dim 0."""
+        if not isinstance(batch, dict):
+            raise TypeError("the default TrainingTask.shard splits dict batches; override shard for other types")
+        return {k: v.tensor_split(world_size)[rank] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@dataclass
+class TrainResult:
+    """The end of a run: the last step, the checkpoint written at it, every metrics record."""
+
+    step: int
+    checkpoint: Path | None
+    records: list[dict[str, Any]]
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _checkpoint_step(path: Path) -> int | None:
+    if not path.name.startswith(CHECKPOINT_PREFIX):
+        return None
+    try:
+        return int(path.name[len(CHECKPOINT_PREFIX):])
+    except ValueError:
+        return None
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints of a run, oldest first (temporary directories are never listed)."""
+    directory = Path(output_dir)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and _checkpoint_step(p) is not None
+             and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: _checkpoint_step(p) or 0)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint the ``latest`` pointer names; if the pointer is missing or stale (a kill between the rename
+    and the pointer's update), the complete checkpoint with the highest step; None when there is none."""
+    directory = Path(output_dir)
+    pointer = directory / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        candidate = directory / name
+        if name and "/" not in name and (candidate / STATE_FILE).is_file():
+            newest = list_checkpoints(directory)
+            # A rename that happened after the pointer was last replaced is newer and complete.
+            if newest and (_checkpoint_step(newest[-1]) or 0) > (_checkpoint_step(candidate) or 0):
+                return newest[-1]
+            return candidate
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def _clean_temporaries(output_dir: Path) -> None:
+    for path in output_dir.iterdir():
+        if is_temporary(path):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _state_dict_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors, each its own contiguous copy: fastbert.optimize makes Q, K and V views of one packed
+    tensor, which safetensors refuses to write as separate tensors. Tied weights are kept once by save_pretrained."""
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ schedule
+def build_optimizer(model: nn.Module, args: TrainingArguments) -> tuple[torch.optim.Optimizer,
+                                                                       torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW without weight decay on 1-D parameters (biases, LayerNorm), linear warmup then linear decay to 0."""
+    seen: set[int] = set()
+    decay, no_decay = [], []
+    for param in model.parameters():  # parameters() already yields a tied tensor once
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                  eps=args.adam_epsilon)
+    warmup, total = args.warmup_steps, args.max_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ----------------------------------------------------------------------------------------------------- DDP
+@dataclass
+class _Dist:
+    rank: int = 0
+    world_size: int = 1
+    started_here: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return (tensor / self.world_size).tolist()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        found: list[Any] = [None] * self.world_size
+        dist.all_gather_object(found, obj)
+        return found
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _init_distributed(device: torch.device) -> _Dist:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return _Dist()
+    import torch.distributed as dist
+
+    started = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        started = True
+    return _Dist(dist.get_rank(), dist.get_world_size(), started)
+
+
+# -------------------------------------------------------------------------------------------------- logging
+def _format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class _Progress:
+    def __init__(self, max_steps: int, in_place: bool):
+        self.max_steps, self.in_place = max_steps, in_place
+        self.window: list[dict[str, Any]] = []
+        self.window_started = time.perf_counter()
+        self.run_started = time.perf_counter()
+        self.steps_this_run = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.window.append(record)
+        self.steps_this_run += 1
+
+    def line(self, step: int) -> str:
+        now = time.perf_counter()
+        keys = [k for k in self.window[-1] if k not in ("step", "lr", "tokens", "elapsed_s", "epoch")]
+        means = {k: sum(r[k] for r in self.window if k in r) / sum(1 for r in self.window if k in r) for k in keys}
+        tokens = sum(r["tokens"] for r in self.window)
+        rate = tokens / max(now - self.window_started, 1e-9)
+        per_step = (now - self.run_started) / max(self.steps_this_run, 1)
+        shown = " ".join(f"{k} {v:.4g}" for k, v in means.items())
+        lr = self.window[-1]["lr"]
+        self.window, self.window_started = [], now
+        return (f"step {step}/{self.max_steps} {shown} lr {lr:.3g} {rate:,.0f} tokens/s "
+                f"ETA {_format_eta(per_step * (self.max_steps - step))}")
+
+    def show(self, text: str) -> None:
+        if self.in_place:
+            sys.stderr.write("\r\x1b[2K" + text)
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.in_place:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def read_metrics(path: str | os.PathLike, up_to_step: int | None = None) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (a line cut by a kill is dropped), optionally those with step <= up_to_step."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and (up_to_step is None or record.get("step", 0) <= up_to_step):
+                    records.append(record)
+    except FileNotFoundError:
+        pass
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------- train
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _describe_differences(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """'training.learning_rate 0.001 (checkpoint: 0.0005); ...' for each setting that differs."""
+    saved, current = _flatten(saved), _flatten(current)
+    keys = sorted(set(saved) | set(current))
+    parts = [f"{k} {current.get(k, '(unset)')!r} (checkpoint: {saved.get(k, '(unset)')!r})"
+             for k in keys if saved.get(k) != current.get(k)]
+    return "; ".join(parts)
+
+
+def _jsonable(settings: dict[str, Any]) -> dict[str, Any]:
+    """Round-trip through JSON so tuples/lists and the like compare equal after a save."""
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def train(model: nn.Module, task: TrainingTask, args: TrainingArguments) -> TrainResult:
+    """Train ``model`` on ``task`` for ``args.max_steps`` optimizer steps (see the module docstring).
+
+    The model must be on its device already; batches are moved there. A fresh run seeds python/torch/numpy with
+    ``args.seed`` (seed before building the model as well, for a reproducible initialisation); a resumed run
+    restores the weights, optimizer, scheduler, RNG states and data position of the latest checkpoint.
+    Raises TrainingError when the output directory already holds a run and ``resume`` is False, or when a resume
+    has nothing to resume or different settings.
+    """
+    args.check()
+    output_dir = Path(args.output_dir)
+    device = next(model.parameters()).device
+    dist = _init_distributed(device)
+    settings = _jsonable({"training": args.trajectory_settings(), "task": task.settings(),
+                          "world_size": dist.world_size})
+
+    checkpoint = None
+    if dist.main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _clean_temporaries(output_dir)
+    dist.barrier()
+    existing = latest_checkpoint(output_dir)
+    if args.resume:
+        if existing is None:
+            raise TrainingError(f"--resume: {output_dir} holds no checkpoint to resume from")
+        checkpoint = existing
+    elif existing is not None:
+        raise TrainingError(f"{output_dir} already holds a run (latest checkpoint {existing.name}); continue it with "
+                            "--resume or choose another output directory")
+
+    optimizer, scheduler = build_optimizer(model, args)
+    step, epoch, position = 0, 0, 0
+    if checkpoint is not None:
+        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
+        if state["settings"] != settings:
+            raise TrainingError(f"--resume: the settings differ from the checkpoint's ({checkpoint}): "
+                                f"{_describe_differences(state['settings'], settings)}; resume with the same settings "
+                                "or start a new output directory")
+        _load_weights(model, checkpoint)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, epoch, position = state["step"], state["epoch"], state["position"]
+        _set_rng_state(state["rng"][dist.rank])
+    else:
+        _seed_everything(args.seed + dist.rank)
+
+    records = read_metrics(output_dir / METRICS_FILE, up_to_step=step) if dist.main else []
+    if dist.main:  # drop what a killed run logged after its last checkpoint
+        write_atomic(output_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records).encode())
+    log = open(output_dir / METRICS_FILE, "a", encoding="utf-8") if dist.main else None  # noqa: SIM115
+    train_model: nn.Module = model
+    if dist.world_size > 1:
+        train_model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                          else None)
+    in_place = args.progress if args.progress is not None else sys.stderr.isatty()
+    progress = _Progress(args.max_steps, in_place and dist.main)
+    elapsed_before = records[-1]["elapsed_s"] if records and "elapsed_s" in records[-1] else 0.0
+    started = time.perf_counter()
+    if checkpoint is not None and dist.main:
+        progress.show(f"resuming from {checkpoint} at step {step} (epoch {epoch}, batch {position})")
+        if in_place:
+            sys.stderr.write("\n")
+
+    def save(final: bool) -> Path:
+        path = _save_checkpoint(model, task, optimizer, scheduler, output_dir, step, epoch, position, settings,
+                                args.keep_checkpoints, dist)
+        if dist.main:
+            task.on_checkpoint(output_dir, records, final)
+        return path
+
+    def evaluate() -> None:
+        if not dist.main:
+            return
+        rng = _rng_state()  # evaluation must not change the training trajectory
+        model.eval()
+        with torch.no_grad():
+            found = task.evaluate(model)
+        model.train()
+        _set_rng_state(rng)
+        if found:
+            record = {"step": step, "eval": True, **{k: float(v) for k, v in found.items()}}
+            records.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            progress.show(f"eval at step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in found.items()))
+
+    try:
+        if checkpoint is None:
+            evaluate()  # the untrained model's held-out figures: the curve's starting point
+        model.train()
+        batches = task.batches(epoch)
+        if len(batches) == 0:
+            raise TrainingError("the task has no batches (too little data for one batch?)")
+        last_saved = checkpoint if checkpoint is not None and step == args.max_steps else None
+        while step < args.max_steps:
+            if position >= len(batches):
+                epoch, position = epoch + 1, 0
+                batches = task.batches(epoch)
+            batch = batches[position]
+            if dist.world_size > 1:
+                batch = task.shard(batch, dist.rank, dist.world_size)
+            batch = _to_device(batch, device)
+            out = task.compute(train_model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step, position = step + 1, position + 1
+
+            names = list(out.metrics)
+            values = dist.mean([float(out.loss.detach()), *(float(out.metrics[k]) for k in names), float(out.tokens)])
+            if dist.main:
+                record = {"step": step, "epoch": epoch, "loss": values[0], **dict(zip(names, values[1:-1],
+                                                                                      strict=True)),
+                          "lr": lr, "tokens": int(round(values[-1] * dist.world_size)),
+                          "elapsed_s": round(elapsed_before + time.perf_counter() - started, 3)}
+                records.append(record)
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                progress.add(record)
+                if step % args.log_every == 0 or step == args.max_steps:
+                    progress.show(progress.line(step))
+            if args.eval_every and step % args.eval_every == 0 and step != args.max_steps:
+                evaluate()
+            if step == args.max_steps:
+                evaluate()
+                last_saved = save(final=True)
+            elif args.save_every and step % args.save_every == 0:
+                save(final=False)
+        if last_saved is None:  # resumed at the end already
+            last_saved = checkpoint
+        return TrainResult(step, last_saved, records)
+    finally:
+        progress.close()
+        if log is not None:
+            log.close()
+        if dist.started_here:
+            import torch.distributed as tdist
+
+            tdist.destroy_process_group()
+
+
+def _load_weights(model: nn.Module, checkpoint: Path) -> None:
+    """Copy a checkpoint's model.safetensors into ``model`` in place (keeps fastbert.optimize's views valid). Keys
+    absent from the file must be tied to a key that is present (save_pretrained writes a tied tensor once)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(checkpoint / "model.safetensors")
+    own = model.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    storages = {own[k].untyped_storage().data_ptr() for k in saved if k in own}
+    untied = [k for k in missing if own[k].untyped_storage().data_ptr() not in storages]
+    if unexpected or untied:
+        raise TrainingError(f"--resume: {checkpoint}/model.safetensors does not fit the model: missing {untied[:5]}, "
+                            f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for key, tensor in saved.items():
+            own[key].copy_(tensor)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No 'Writing model shards' bar from save_pretrained in the middle of the progress line."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _save_checkpoint(model: nn.Module, task: TrainingTask, optimizer: torch.optim.Optimizer,
+                     scheduler: torch.optim.lr_scheduler.LRScheduler, output_dir: Path, step: int, epoch: int,
+                     position: int, settings: dict[str, Any], keep: int, dist: _Dist) -> Path:
+    rng = dist.gather(_rng_state())
+    final = output_dir / f"{CHECKPOINT_PREFIX}{step:07d}"
+    if dist.main:
+        tmp = temporary_path(final)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        with _quiet_transformers():
+            model.save_pretrained(tmp, state_dict=_state_dict_to_save(model))
+        task.save(tmp)
+        torch.save({"step": step, "epoch": epoch, "position": position, "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "rng": rng, "settings": settings,
+                    "torch_version": torch.__version__}, tmp / STATE_FILE)
+        replace_atomic(tmp, final)  # over the same step written before, when a resume ended where it started
+        write_atomic(output_dir / LATEST, (final.name + "\n").encode())
+        for old in list_checkpoints(output_dir)[:-keep]:
+            remove_dir(old)
+    dist.barrier()
+    return final

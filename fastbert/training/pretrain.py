@@ -1,0 +1,858 @@
+"""`fastbert pretrain`: pretrain a small BERT (or RoBERTa / ALBERT) from scratch on real text, offline.
+
+- Corpus: CPython's reference documentation as it ships with every Python (``pydoc_data.topics``: one document per
+  topic; ``--corpus cpython`` adds the standard library's docstrings, one document per module), or text files named
+  on the command line (a blank line ends a document). Documents are split into sentences (paragraphs, then
+  ``. ! ?`` followed by a capital letter). 5 % of the documents, chosen at random, are held out whole for
+  evaluation (with fewer than 20 documents: the last 5 % of the sentences of each document of 10 or more).
+- Vocabulary: WordPiece trained with the ``tokenizers`` library on the training sentences (lower-cased, BERT's
+  normaliser and pre-tokeniser), saved as a transformers fast tokenizer (``AutoTokenizer.from_pretrained`` loads it).
+- Objectives (``--objective``):
+    - ``bert`` (default): ``[CLS] A [SEP] B [SEP]`` with segment ids, masked LM (15 %, 80/10/10) + next-sentence
+      prediction, B the following segment or one from another document 50/50; ``BertForPreTraining``.
+    - ``roberta``: one segment (or, with ``--pack``, consecutive sentences across documents up to the max length,
+      ``[SEP]`` between documents), masked LM only, no NSP, no segment ids; ``RobertaForMaskedLM`` (RoBERTa's
+      architecture: positions offset past the padding id, one token type) over the same WordPiece vocabulary.
+    - ``albert``: sentence-order prediction (two consecutive segments, in order or swapped 50/50) + masked LM;
+      ``AlbertForPreTraining`` (factorised embeddings, one shared layer).
+  Masks are drawn afresh every time a batch is formed (dynamic masking) for every objective, seeded by (seed,
+  epoch, batch) so a resumed run sees the same masks. ``--whole-word-masking`` chooses words (a token and its
+  ``##`` continuations) instead of tokens. ``--pack`` fills sequences: for bert/albert each segment is a run of
+  consecutive sentences up to half the max length (BERT's original recipe), for roberta see above.
+- The model is a transformers class built from a small default config (H=256, 4 layers, 4 heads; ``--config``
+  a JSON file of config fields, or the size options), passed through `fastbert.optimize` so training runs on
+  fastbert's path where it can (it says with a warning when a call runs transformers' code).
+- Training: `fastbert.training.loop` (AdamW, warmup + linear decay, clipping, checkpoints every ``--save-every``
+  steps in HF format with the tokenizer, written atomically, ``--resume``); the output directory also gets
+  ``metrics.jsonl``, ``loss_curve.png`` (rewritten at each checkpoint) and, at the end, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastbert.common.resolve import UserError
+from fastbert.files import replace_atomic, temporary_path, write_atomic
+from fastbert.training.corpus import _SENTENCE_END, _docstrings
+from fastbert.training.loop import (
+    StepOutput,
+    TrainingArguments,
+    TrainingError,
+    TrainingTask,
+    latest_checkpoint,
+    train,
+)
+from fastbert.training.masking import (
+    IGNORE_INDEX,
+    SentencePair,
+    encode_pair,
+    mask_tokens,
+    next_sentence_pairs,
+    sentence_order_pairs,
+)
+
+OBJECTIVES = ("bert", "roberta", "albert")
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# The small default model: a few minutes on two CPU cores teach it something.
+DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
+
+
+# -------------------------------------------------------------------------------------------------- corpus
+def split_sentences(text: str, min_words: int = 3) -> list[str]:
+    """Sentences of a text: paragraphs (split at blank lines, whitespace collapsed), each split after ``. ! ?``
+    followed by a capital letter; pieces with fewer than ``min_words`` words are dropped."""
+    found = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        paragraph = " ".join(paragraph.split())
+        for sentence in _SENTENCE_END.split(paragraph):
+            if len(sentence.split()) >= min_words:
+                found.append(sentence)
+    return found
+
+
+def pydoc_documents() -> list[list[str]]:
+    """CPython's reference documentation (``pydoc_data.topics``): one document of sentences per topic, in sorted
+    topic order; empty documents dropped."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    documents = [split_sentences(topics[key]) for key in sorted(topics)]
+    return [doc for doc in documents if doc]
+
+
+_SKIPPED_DIRS = {"site-packages", "__pycache__", "test", "tests", "idle_test", "lib2to3", "ensurepip", "turtledemo"}
+
+
+def stdlib_documents() -> list[list[str]]:
+    """The docstrings of CPython's standard library (test suites left out): one document per module file, its
+    docstrings in source order (module, classes, functions), in sorted path order."""
+    import sysconfig
+
+    documents = []
+    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
+        for name in sorted(names):
+            if name.endswith(".py"):
+                doc = [s for text in _docstrings(os.path.join(root, name)) for s in split_sentences(text)]
+                if doc:
+                    documents.append(doc)
+    return documents
+
+
+CORPORA = {"pydoc": "CPython's reference topics (pydoc_data.topics)",
+           "cpython": "pydoc_data.topics plus the standard library's docstrings, one document per module"}
+
+
+def cpython_documents(corpus: str) -> list[list[str]]:
+    """The documents of a built-in corpus (`CORPORA`)."""
+    if corpus not in CORPORA:
+        raise UserError(f"unknown corpus {corpus!r}; expected one of {', '.join(CORPORA)}")
+    documents = pydoc_documents()
+    return documents + stdlib_documents() if corpus == "cpython" else documents
+
+
+def file_documents(paths: Sequence[str]) -> list[list[str]]:
+    """Documents of text files: a blank line ends a document (and a file ends one); each document's lines are
+    joined and split into sentences. UserError for a missing or unreadable file."""
+    documents = []
+    for path in paths:
+        if not os.path.isfile(path):
+            raise UserError(f"text file {path} does not exist" if not os.path.exists(path) else
+                            f"{path} is not a file")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"cannot read {path} as UTF-8 text: {err}") from err
+        for block in re.split(r"\n\s*\n", text):
+            sentences = []
+            for line in block.splitlines():
+                sentences += split_sentences(line, min_words=1)
+            if sentences:
+                documents.append(sentences)
+    return documents
+
+
+WHOLE_DOCUMENTS_FROM = 20  # with at least this many documents, whole documents are held out
+
+
+def hold_out(documents: list[list[str]], fraction: float, seed: int = 0) -> tuple[list[list[str]], list[list[str]]]:
+    """(training documents, held-out documents), in their original order. With at least `WHOLE_DOCUMENTS_FROM`
+    documents, ``fraction`` of the documents (at least two, chosen at random from ``seed``) are held out whole:
+    the model never sees their text. With fewer, the last ``fraction`` of the sentences of every document with at
+    least 10 sentences (at least two each, so they form a pair) are held out instead."""
+    if fraction <= 0:
+        return list(documents), []
+    if len(documents) >= WHOLE_DOCUMENTS_FROM:
+        count = max(2, round(len(documents) * fraction))
+        chosen = set(random.Random(f"held-out/{seed}").sample(range(len(documents)), count))
+        return ([doc for i, doc in enumerate(documents) if i not in chosen],
+                [doc for i, doc in enumerate(documents) if i in chosen])
+    train_docs, held = [], []
+    for doc in documents:
+        count = max(2, int(len(doc) * fraction)) if len(doc) >= 10 else 0
+        train_docs.append(doc[:len(doc) - count] if count else doc)
+        if count:
+            held.append(doc[len(doc) - count:])
+    return train_docs, held
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+def train_tokenizer(documents: list[list[str]], vocab_size: int, max_length: int, lowercase: bool = True):
+    """A WordPiece vocabulary trained on the documents' sentences, as a transformers fast tokenizer
+    (BertTokenizerFast; specials [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4; pairs get token types 0/1)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertTokenizerFast
+
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                        show_progress=False)
+    backend.train_from_iterator((s for doc in documents for s in doc), trainer)
+    cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id),
+                                                                                     ("[SEP]", sep_id)])
+    return BertTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
+                             cls_token="[CLS]", mask_token="[MASK]", do_lower_case=lowercase,
+                             model_max_length=max_length)
+
+
+def continuation_table(tokenizer) -> torch.Tensor:
+    """bool [vocab]: True for WordPiece continuation tokens (``##...``), which whole-word masking keeps with the
+    token before them."""
+    table = torch.zeros(len(tokenizer), dtype=torch.bool)
+    for token, index in tokenizer.get_vocab().items():
+        if token.startswith("##"):
+            table[index] = True
+    return table
+
+
+# ------------------------------------------------------------------------------------------------- masking
+def mask_whole_words(
+    input_ids: torch.Tensor,
+    continuation: torch.Tensor,
+    *,
+    mask_token_id: int,
+    vocab_size: int,
+    special_tokens_mask: torch.Tensor,
+    mlm_probability: float = 0.15,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-word masking of a batch [B, S]: each word (a token and the ``##`` continuations after it) is chosen
+    with ``mlm_probability``; a chosen word's tokens all become [MASK] (80 %), all random tokens (10 %) or all stay
+    (10 %). Returns (masked inputs, labels) like `fastbert.training.masking.mask_tokens`."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+    special = special_tokens_mask.bool()
+    is_continuation = continuation.to(input_ids.device)[input_ids] & ~special
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    # each token's word start: the last position <= it that is not a continuation
+    word_start = torch.where(is_continuation, torch.zeros_like(positions), positions).cummax(dim=1).values
+
+    def per_word() -> torch.Tensor:
+        return torch.rand(input_ids.shape, generator=generator, device=input_ids.device).gather(1, word_start)
+
+    chosen = (per_word() < mlm_probability) & ~special
+    fate = per_word()
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+    random_ids = torch.randint(vocab_size, input_ids.shape, generator=generator, device=input_ids.device,
+                               dtype=input_ids.dtype)
+    inputs = torch.where(chosen & (fate < 0.8), torch.full_like(input_ids, mask_token_id), input_ids)
+    inputs = torch.where(chosen & (fate >= 0.8) & (fate < 0.9), random_ids, inputs)
+    return inputs, labels
+
+
+# ---------------------------------------------------------------------------------------------------- data
+@dataclass
+class DataOptions:
+    """How examples are built (recorded in checkpoints; a resume must match)."""
+
+    objective: str = "bert"
+    max_length: int = 128
+    batch_size: int = 32
+    mlm_probability: float = 0.15
+    whole_word_masking: bool = False
+    pack: bool = False
+    seed: int = 0
+
+
+def _pack_segments(doc: list[list[int]], budget: int) -> list[list[int]]:
+    """Consecutive sentences of one document joined while they fit ``budget`` tokens (a longer sentence alone)."""
+    segments: list[list[int]] = []
+    current: list[int] = []
+    for sentence in doc:
+        if current and len(current) + len(sentence) > budget:
+            segments.append(current)
+            current = []
+        current = current + sentence
+    if current:
+        segments.append(current)
+    return segments
+
+
+def _pack_stream(documents: list[list[list[int]]], budget: int, sep_id: int) -> list[list[int]]:
+    """RoBERTa's full sentences: consecutive sentences across documents (``[SEP]`` between documents) up to
+    ``budget`` tokens; a sentence longer than the budget is cut into pieces."""
+    sequences: list[list[int]] = []
+    current: list[int] = []
+    for doc_index, doc in enumerate(documents):
+        pieces = [s[i:i + budget] for s in doc for i in range(0, max(len(s), 1), budget)]
+        if doc_index and current:
+            pieces = [[sep_id]] + pieces
+        for piece in pieces:
+            if current and len(current) + len(piece) > budget:
+                sequences.append(current)
+                current = []
+            current = current + piece
+            if current == [sep_id]:
+                current = []
+    if current:
+        sequences.append(current)
+    return sequences
+
+
+class PretrainingData:
+    """Tokenised documents and the examples of each epoch (pairs drawn and shuffled per epoch from the seed)."""
+
+    def __init__(self, documents: list[list[list[int]]], options: DataOptions, *, cls_id: int, sep_id: int,
+                 pad_id: int, mask_id: int, vocab_size: int, continuation: torch.Tensor | None = None):
+        self.options = options
+        self.cls_id, self.sep_id, self.pad_id, self.mask_id = cls_id, sep_id, pad_id, mask_id
+        self.vocab_size, self.continuation = vocab_size, continuation
+        documents = [[s for s in doc if s] for doc in documents]
+        documents = [doc for doc in documents if doc]
+        if options.objective == "roberta":
+            budget = options.max_length - 2
+            self.sequences = (_pack_stream(documents, budget, sep_id) if options.pack
+                              else [s[:budget] for doc in documents for s in doc])
+            self.documents = documents
+        else:
+            budget = (options.max_length - 3) // 2
+            self.documents = [_pack_segments(doc, budget) for doc in documents] if options.pack else documents
+
+    def examples(self, epoch: int) -> list[dict[str, list[int]]]:
+        """The encoded examples of an epoch, shuffled; a deterministic function of (seed, epoch)."""
+        rng = random.Random(f"{self.options.seed}/{epoch}")
+        if self.options.objective == "roberta":
+            examples = [{"input_ids": [self.cls_id, *s, self.sep_id], "token_type_ids": [0] * (len(s) + 2),
+                         "special_tokens_mask": [1, *(int(t == self.sep_id) for t in s), 1]} for s in self.sequences]
+        else:
+            if self.options.objective == "bert":
+                if sum(1 for d in self.documents if d) < 2:
+                    raise UserError("next-sentence pairs need at least two documents (separate them by a blank line)")
+                pairs: list[SentencePair] = next_sentence_pairs(self.documents, rng)
+            else:
+                pairs = sentence_order_pairs(self.documents, rng)
+            examples = []
+            for pair in pairs:
+                encoded: dict[str, Any] = encode_pair(pair, self.cls_id, self.sep_id, self.options.max_length)
+                encoded["label"] = pair.label
+                examples.append(encoded)
+        rng.shuffle(examples)
+        return examples
+
+    def collate(self, examples: Sequence[dict[str, Any]], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Pad a list of examples to their longest and mask them (token or whole-word masking)."""
+        length = max(len(e["input_ids"]) for e in examples)
+
+        def padded(key: str, fill: int) -> torch.Tensor:
+            return torch.tensor([list(e[key]) + [fill] * (length - len(e[key])) for e in examples])
+
+        input_ids = padded("input_ids", self.pad_id)
+        attention_mask = padded("input_ids", -1).ne(-1).long()
+        special = padded("special_tokens_mask", 1).bool()
+        options = self.options
+        if options.whole_word_masking:
+            inputs, labels = mask_whole_words(input_ids, self.continuation, mask_token_id=self.mask_id,
+                                              vocab_size=self.vocab_size, special_tokens_mask=special,
+                                              mlm_probability=options.mlm_probability, generator=generator)
+        else:
+            inputs, labels = mask_tokens(input_ids, mask_token_id=self.mask_id, vocab_size=self.vocab_size,
+                                         special_tokens_mask=special, mlm_probability=options.mlm_probability,
+                                         generator=generator)
+        batch = {"input_ids": inputs, "attention_mask": attention_mask, "labels": labels}
+        if options.objective != "roberta":
+            batch["token_type_ids"] = padded("token_type_ids", 0)
+            batch["pair_labels"] = torch.tensor([e["label"] for e in examples])
+        return batch
+
+    def epoch_batches(self, epoch: int) -> _EpochBatches:
+        """The batches of an epoch (the last, incomplete one dropped unless it is the only one)."""
+        return _EpochBatches(self, epoch, self.examples(epoch))
+
+
+class _EpochBatches(Sequence):
+    """An epoch's batches, collated (and masked) on access: batch i's masks come from a generator seeded with
+    (seed, epoch, i), so a resumed run that starts at batch i sees what an uninterrupted one saw."""
+
+    def __init__(self, data: PretrainingData, epoch: int, examples: list[dict[str, Any]]):
+        self.data, self.epoch, self.examples = data, epoch, examples
+        size = data.options.batch_size
+        self.count = max(len(examples) // size, 1 if examples else 0)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        size = self.data.options.batch_size
+        seed = int.from_bytes(hashlib.sha256(f"{self.data.options.seed}/{self.epoch}/{index}".encode()).digest()[:8],
+                              "little")
+        return self.data.collate(self.examples[index * size:(index + 1) * size], torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------------- model
+def build_config(objective: str, tokenizer, max_length: int, overrides: dict[str, Any]):
+    """The transformers config of the objective's model: the small default sizes, then ``overrides`` (a --config
+    file's fields and the size options), with the vocabulary and special ids of ``tokenizer``."""
+    from transformers import AlbertConfig, BertConfig, RobertaConfig
+
+    fields: dict[str, Any] = dict(DEFAULT_SIZES)
+    if objective == "albert":
+        fields.update(embedding_size=128, hidden_act="gelu_new")
+    fields.update(overrides)
+    special = dict(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    if objective == "roberta":
+        # RoBERTa numbers positions from pad_token_id + 1
+        fields.setdefault("max_position_embeddings", max_length + tokenizer.pad_token_id + 1)
+        fields.setdefault("type_vocab_size", 1)
+        return RobertaConfig(**{**fields, **special, "bos_token_id": tokenizer.cls_token_id,
+                                "eos_token_id": tokenizer.sep_token_id})
+    fields.setdefault("max_position_embeddings", max_length)
+    config_class = AlbertConfig if objective == "albert" else BertConfig
+    extra = {"bos_token_id": tokenizer.cls_token_id, "eos_token_id": tokenizer.sep_token_id} \
+        if objective == "albert" else {}
+    return config_class(**{**fields, **special, **extra})
+
+
+def build_model(objective: str, config) -> torch.nn.Module:
+    """BertForPreTraining, RobertaForMaskedLM or AlbertForPreTraining from ``config`` (random initialisation)."""
+    from transformers import AlbertForPreTraining, BertForPreTraining, RobertaForMaskedLM
+
+    model_class = {"bert": BertForPreTraining, "roberta": RobertaForMaskedLM, "albert": AlbertForPreTraining}
+    return model_class[objective](config)
+
+
+def _pretraining_losses(objective: str, model: torch.nn.Module, batch: dict[str, torch.Tensor]
+                        ) -> tuple[torch.Tensor, dict[str, float], dict[str, int]]:
+    """(loss, metrics, counts) of one batch: masked-LM cross-entropy over the chosen tokens, plus NSP/SOP
+    cross-entropy for bert/albert."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
+    out = model(**inputs)
+    prediction = out.logits if objective == "roberta" else out.prediction_logits
+    labels = batch["labels"]
+    chosen = labels != IGNORE_INDEX
+    # only the chosen positions go through the cross-entropy (the logits of the rest are not needed)
+    mlm_logits = prediction[chosen].float()
+    mlm_labels = labels[chosen]
+    if mlm_labels.numel():
+        mlm_loss = torch.nn.functional.cross_entropy(mlm_logits, mlm_labels)
+    else:  # no token chosen in the whole batch: zero loss that still depends on the graph
+        mlm_loss = prediction.sum() * 0.0
+    mlm_correct = int((mlm_logits.argmax(-1) == mlm_labels).sum())
+    metrics = {"mlm_loss": float(mlm_loss.detach()),
+               "mlm_accuracy": mlm_correct / max(mlm_labels.numel(), 1)}
+    counts = {"mlm_tokens": int(mlm_labels.numel()), "mlm_correct": mlm_correct}
+    loss = mlm_loss
+    if objective != "roberta":
+        pair_logits = out.seq_relationship_logits if objective == "bert" else out.sop_logits
+        name = "nsp" if objective == "bert" else "sop"
+        pair_loss = torch.nn.functional.cross_entropy(pair_logits.float(), batch["pair_labels"])
+        pair_correct = int((pair_logits.argmax(-1) == batch["pair_labels"]).sum())
+        metrics[f"{name}_loss"] = float(pair_loss.detach())
+        metrics[f"{name}_accuracy"] = pair_correct / len(batch["pair_labels"])
+        counts.update(pairs=len(batch["pair_labels"]), pair_correct=pair_correct)
+        loss = loss + pair_loss
+    return loss, metrics, counts
+
+
+class PretrainingTask(TrainingTask):
+    """The `fastbert.training.loop` task of a pretraining run: batches from `PretrainingData`, MLM (+ NSP/SOP) losses,
+    held-out evaluation, tokenizer files in each checkpoint, the loss curve at each checkpoint."""
+
+    def __init__(self, data: PretrainingData, tokenizer, settings: dict[str, Any],
+                 held_out: PretrainingData | None = None, eval_examples: int = 512):
+        self.data, self.tokenizer, self._settings = data, tokenizer, settings
+        self.objective = data.options.objective
+        self.eval_batches: list[dict[str, torch.Tensor]] = []
+        if held_out is not None:
+            examples = held_out.examples(epoch=0)[:eval_examples]
+            size = held_out.options.batch_size
+            generator = torch.Generator().manual_seed(held_out.options.seed + 1)
+            self.eval_batches = [held_out.collate(examples[i:i + size], generator)
+                                 for i in range(0, len(examples), size)]
+
+    def batches(self, epoch: int) -> Sequence[dict[str, torch.Tensor]]:
+        """The epoch's batches (see `PretrainingData.epoch_batches`)."""
+        return self.data.epoch_batches(epoch)
+
+    def compute(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
+        """MLM (+ NSP/SOP) loss of one batch, its metrics and its real tokens."""
+        loss, metrics, _ = _pretraining_losses(self.objective, model, batch)
+        return StepOutput(loss, metrics, int(batch["attention_mask"].sum()))
+
+    def settings(self) -> dict[str, Any]:
+        """Data, objective, corpus fingerprint and model config: what a resume must match."""
+        return self._settings
+
+    def save(self, directory: Path) -> None:
+        """The tokenizer files beside the model."""
+        self.tokenizer.save_pretrained(directory)
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Held-out MLM loss and accuracy (over all chosen tokens) and NSP/SOP accuracy, with fixed masks."""
+        if not self.eval_batches:
+            return {}
+        device = next(model.parameters()).device
+        totals: dict[str, float] = {"mlm_loss_sum": 0.0, "mlm_tokens": 0, "mlm_correct": 0, "pairs": 0,
+                                    "pair_correct": 0}
+        for batch in self.eval_batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            _, metrics, counts = _pretraining_losses(self.objective, model, batch)
+            totals["mlm_loss_sum"] += metrics["mlm_loss"] * counts["mlm_tokens"]
+            for key in ("mlm_tokens", "mlm_correct", "pairs", "pair_correct"):
+                totals[key] += counts.get(key, 0)
+        found = {"eval_mlm_loss": totals["mlm_loss_sum"] / max(totals["mlm_tokens"], 1),
+                 "eval_mlm_accuracy": totals["mlm_correct"] / max(totals["mlm_tokens"], 1)}
+        if totals["pairs"]:
+            name = "nsp" if self.objective == "bert" else "sop"
+            found[f"eval_{name}_accuracy"] = totals["pair_correct"] / totals["pairs"]
+            found["eval_pairs"] = totals["pairs"]
+        return found
+
+    def on_checkpoint(self, output_dir: Path, records: list[dict[str, Any]], final: bool) -> None:
+        """Redraw loss_curve.png (and write summary.json at the end)."""
+        plot_curve(records, output_dir / "loss_curve.png", self.objective)
+        if final:
+            write_atomic(output_dir / "summary.json", (json.dumps(summarize(records), indent=2) + "\n").encode())
+
+
+# ---------------------------------------------------------------------------------------- curve, summary
+def _moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        out.append(total / min(index + 1, window))
+    return out
+
+
+def summarize(records: list[dict[str, Any]], window: int = 50) -> dict[str, Any]:
+    """First and last figures of a run: the mean training MLM loss and pair accuracy over the first and the last
+    ``window`` steps, and the first and last held-out evaluation."""
+    steps = [r for r in records if not r.get("eval")]
+    evals = [r for r in records if r.get("eval")]
+    summary: dict[str, Any] = {"steps": steps[-1]["step"] if steps else 0,
+                               "tokens": sum(r["tokens"] for r in steps),
+                               "elapsed_s": steps[-1]["elapsed_s"] if steps else 0.0}
+    for key in ("mlm_loss", "mlm_accuracy", "nsp_accuracy", "sop_accuracy"):
+        values = [r[key] for r in steps if key in r]
+        if values:
+            first = values[:window]
+            last = values[-window:]
+            summary[f"train_{key}_first_{len(first)}_steps"] = sum(first) / len(first)
+            summary[f"train_{key}_last_{len(last)}_steps"] = sum(last) / len(last)
+    if evals:
+        summary["eval_first"] = evals[0]
+        summary["eval_last"] = evals[-1]
+    if summary["elapsed_s"]:
+        summary["tokens_per_s"] = summary["tokens"] / summary["elapsed_s"]
+    return summary
+
+
+def plot_curve(records: list[dict[str, Any]], path: Path, objective: str) -> None:
+    """Training MLM loss (and pair accuracy) against the step, with held-out points; written atomically."""
+    steps = [r for r in records if not r.get("eval")]
+    if not steps:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    window = max(1, min(50, len(steps) // 20))
+    figure, loss_axis = plt.subplots(figsize=(8, 4.5))
+    x = [r["step"] for r in steps]
+    loss_axis.plot(x, [r["mlm_loss"] for r in steps], color="tab:blue", alpha=0.25, linewidth=0.8)
+    loss_axis.plot(x, _moving_average([r["mlm_loss"] for r in steps], window), color="tab:blue",
+                   label=f"train MLM loss (mean of {window})")
+    evals = [r for r in records if r.get("eval")]
+    if evals:
+        loss_axis.plot([r["step"] for r in evals], [r["eval_mlm_loss"] for r in evals], "o-", color="navy",
+                       label="held-out MLM loss")
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("MLM loss")
+    handles, labels = loss_axis.get_legend_handles_labels()
+    pair = {"bert": "nsp_accuracy", "albert": "sop_accuracy"}.get(objective)
+    if pair and pair in steps[0]:
+        accuracy_axis = loss_axis.twinx()
+        accuracy_axis.plot(x, _moving_average([r[pair] for r in steps], window), color="tab:orange",
+                           label=f"train {pair.replace('_', ' ')} (mean of {window})")
+        if evals and f"eval_{pair}" in evals[0]:
+            accuracy_axis.plot([r["step"] for r in evals], [r[f"eval_{pair}"] for r in evals], "s-",
+                               color="darkred", label=f"held-out {pair.replace('_', ' ')}")
+        accuracy_axis.set_ylim(0, 1)
+        accuracy_axis.axhline(0.5, color="gray", linestyle=":", linewidth=0.8)
+        accuracy_axis.set_ylabel(pair.replace("_", " "))
+        more_handles, more_labels = accuracy_axis.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    loss_axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8,
+                     frameon=False)
+    loss_axis.set_title(f"fastbert pretrain ({objective})")
+    figure.tight_layout()
+    written = temporary_path(path)
+    figure.savefig(written, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    replace_atomic(written, path)
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``pretrain`` subcommand to the ``fastbert`` parser."""
+    parser = commands.add_parser(
+        "pretrain", help="pretrain a small BERT/RoBERTa/ALBERT from scratch on CPython's docs or text files",
+        description="Pretrain a small BERT-family model from scratch: WordPiece vocabulary, masked LM + "
+        "next-sentence (bert), masked LM only (roberta) or + sentence order (albert); checkpoints in HF format "
+        "(resumable), metrics.jsonl, loss_curve.png.")
+    parser.add_argument("files", nargs="*", metavar="FILE",
+                        help="text files (a blank line ends a document); default: CPython's documentation "
+                        "(pydoc_data.topics, one document per topic)")
+    parser.add_argument("--corpus", choices=tuple(CORPORA), default=None,
+                        help="without FILEs: pydoc (default: the reference topics, one document each) or cpython "
+                        "(also the standard library's docstrings, one document per module)")
+    parser.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="checkpoints, metrics, curve")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="bert",
+                        help="bert: MLM + NSP (BertForPreTraining); roberta: MLM only, dynamic masking "
+                        "(RobertaForMaskedLM); albert: MLM + SOP (AlbertForPreTraining). Default bert")
+    parser.add_argument("--whole-word-masking", action="store_true", help="mask whole words, not tokens")
+    parser.add_argument("--pack", action="store_true",
+                        help="fill sequences with consecutive sentences up to --max-length")
+    parser.add_argument("--mlm-probability", type=float, default=0.15, help="share of tokens chosen (default 0.15)")
+    parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="WordPiece vocabulary size (default 8000)")
+    parser.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="use this transformers tokenizer (with [PAD] [CLS] [SEP] [MASK]) instead of training one")
+    parser.add_argument("--config", metavar="FILE.json", default=None,
+                        help="model config fields (JSON) over the small default (H=256, 4 layers, 4 heads)")
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--num-heads", type=int, default=None)
+    parser.add_argument("--intermediate-size", type=int, default=None, help="default 4 x hidden size")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
+    parser.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    parser.add_argument("--learning-rate", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="default 10%% of --max-steps")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping (default 1.0)")
+    parser.add_argument("--held-out", type=float, default=0.05,
+                        help="share of the documents held out for evaluation (default 0.05; with fewer than 20 "
+                        "documents, the share of each document's last sentences)")
+    parser.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200; "
+                        "0: only at the end)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
+    parser.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps "
+                        "(default 200; 0: only at the end)")
+    parser.add_argument("--log-every", type=int, default=10, help="progress line every N steps (default 10)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --output-dir from its latest checkpoint (same settings)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--backend", default="auto", help="fastbert backend for fastbert.optimize (default auto)")
+    parser.add_argument("--no-optimize", action="store_true", help="train the plain transformers model")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="redraw the progress line in place (default: when stderr is a terminal)")
+    return parser
+
+
+def _read_config_file(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except FileNotFoundError as err:
+        raise UserError(f"--config {path} does not exist") from err
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"--config {path} is not readable JSON: {err}") from err
+    if not isinstance(fields, dict):
+        raise UserError(f"--config {path} must hold a JSON object of config fields")
+    for key in ("vocab_size", "pad_token_id"):
+        fields.pop(key, None)  # the tokenizer decides these
+    return fields
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    positive = {"--max-length": args.max_length, "--batch-size": args.batch_size, "--max-steps": args.max_steps,
+                "--vocab-size": args.vocab_size}
+    for name, value in positive.items():
+        if value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}")
+    if args.max_length < 8:
+        raise UserError(f"--max-length must be >= 8, got {args.max_length}")
+    if not 0 < args.mlm_probability < 1:
+        raise UserError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
+    if not 0 <= args.held_out < 0.5:
+        raise UserError(f"--held-out must be in [0, 0.5), got {args.held_out}")
+    if args.learning_rate <= 0:
+        raise UserError(f"--learning-rate must be > 0, got {args.learning_rate}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError("--threads must be >= 1")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.max_steps:
+        raise UserError("--warmup-steps must be between 0 and --max-steps")
+
+
+def _corpus_fingerprint(documents: list[list[str]]) -> str:
+    digest = hashlib.sha256()
+    for doc in documents:
+        for sentence in doc:
+            digest.update(sentence.encode())
+            digest.update(b"\n")
+        digest.update(b"\f")
+    return digest.hexdigest()[:16]
+
+
+def _vocab_fingerprint(tokenizer) -> str:
+    items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256("\n".join(token for token, _ in items).encode()).hexdigest()[:16]
+
+
+def _load_or_train_tokenizer(args: argparse.Namespace, output_dir: Path, train_docs: list[list[str]]):
+    """The run's tokenizer: on resume the latest checkpoint's (never retrained: tokenizers' WordPiece trainer numbers
+    its alphabet in hash order, so two trainings on the same text can differ); else --tokenizer's, else one trained
+    on the training sentences. A new run keeps a copy in output_dir/tokenizer."""
+    from transformers import AutoTokenizer
+
+    if args.resume:
+        checkpoint = latest_checkpoint(output_dir)
+        if checkpoint is None:
+            raise UserError(f"--resume: {output_dir} holds no checkpoint to resume from")
+        return AutoTokenizer.from_pretrained(checkpoint)
+    if args.tokenizer is not None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as err:
+            raise UserError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer there ({err})") from err
+        missing = [name for name in ("pad_token", "cls_token", "sep_token", "mask_token")
+                   if getattr(tokenizer, name) is None]
+        if missing:
+            raise UserError(f"--tokenizer {args.tokenizer} has no {', '.join(missing)}; pretraining needs [PAD], "
+                            "[CLS], [SEP] and [MASK]")
+    else:
+        tokenizer = train_tokenizer(train_docs, args.vocab_size, args.max_length)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    saved = output_dir / "tokenizer"
+    written = temporary_path(saved)
+    tokenizer.save_pretrained(written)
+    replace_atomic(written, saved)
+    return tokenizer
+
+
+def _distributed_tokenizer(args: argparse.Namespace, output_dir: Path, train_docs: list[list[str]]):
+    """The run's tokenizer; under torchrun (WORLD_SIZE > 1) rank 0 makes it and the other ranks load its copy, since
+    two trainings of the vocabulary can differ."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _load_or_train_tokenizer(args, output_dir, train_docs)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
+    tokenizer = _load_or_train_tokenizer(args, output_dir, train_docs) if dist.get_rank() == 0 else None
+    dist.barrier()
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(output_dir / "tokenizer")
+    return tokenizer
+
+
+def run_pretraining(args: argparse.Namespace) -> int:
+    """The ``fastbert pretrain`` command (see the module docstring); returns the exit status."""
+    _check_args(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from fastbert.common.resolve import resolve_device
+
+    device = resolve_device(args.device)
+    output_dir = Path(args.output_dir)
+    if args.resume and not output_dir.is_dir():
+        raise UserError(f"--resume: {output_dir} does not exist")
+    if not args.resume and latest_checkpoint(output_dir) is not None:  # checked before any file is written there
+        raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another "
+                        "--output-dir")
+    overrides = _read_config_file(args.config)
+    for field_name, value in (("hidden_size", args.hidden_size), ("num_hidden_layers", args.num_layers),
+                              ("num_attention_heads", args.num_heads),
+                              ("intermediate_size", args.intermediate_size)):
+        if value is not None:
+            overrides[field_name] = value
+    if args.hidden_size is not None and args.intermediate_size is None and "intermediate_size" not in overrides:
+        overrides["intermediate_size"] = 4 * args.hidden_size
+
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    if args.files and args.corpus is not None:
+        raise UserError("give text FILEs or --corpus, not both")
+    documents = file_documents(args.files) if args.files else cpython_documents(args.corpus or "pydoc")
+    if not documents:
+        raise UserError("the corpus holds no sentences")
+    train_docs, held_docs = hold_out(documents, args.held_out, args.seed)
+    tokenizer = _distributed_tokenizer(args, output_dir, train_docs)
+
+    def tokenize(docs: list[list[str]]) -> list[list[list[int]]]:
+        flat = [s for doc in docs for s in doc]
+        ids = tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []  # cut later
+        out, start = [], 0
+        for doc in docs:
+            out.append(ids[start:start + len(doc)])
+            start += len(doc)
+        return out
+
+    options = DataOptions(objective=args.objective, max_length=args.max_length, batch_size=args.batch_size,
+                          mlm_probability=args.mlm_probability, whole_word_masking=args.whole_word_masking,
+                          pack=args.pack, seed=args.seed)
+    special = dict(cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id,
+                   mask_id=tokenizer.mask_token_id, vocab_size=len(tokenizer),
+                   continuation=continuation_table(tokenizer))
+    data = PretrainingData(tokenize(train_docs), options, **special)
+    held_out = None
+    if len(held_docs) >= 2 or (held_docs and args.objective != "bert"):
+        held_out = PretrainingData(tokenize(held_docs), options, **special)
+    try:
+        config = build_config(args.objective, tokenizer, args.max_length, overrides)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"model config: {err}") from err
+    torch.manual_seed(args.seed)  # the initialisation is part of the run
+    try:
+        model = build_model(args.objective, config)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"model config: {err}") from err
+    model.to(device)
+    if not args.no_optimize:
+        import fastbert
+
+        model = fastbert.optimize(model, backend=args.backend)
+    # the corpus by its content (a file named by another path is the same corpus), the vocabulary by its tokens
+    settings = {"data": asdict(options), "corpus": "text files" if args.files else args.corpus or "pydoc",
+                "corpus_sha256": _corpus_fingerprint(documents), "held_out": args.held_out,
+                "vocab_size": len(tokenizer), "vocab_sha256": _vocab_fingerprint(tokenizer),
+                "model": json.loads(config.to_json_string(use_diff=False)), "optimized": not args.no_optimize,
+                "backend": args.backend}
+    settings["model"].pop("transformers_version", None)
+    task = PretrainingTask(data, tokenizer, settings, held_out)
+    warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 10
+    training = TrainingArguments(output_dir=str(output_dir), max_steps=args.max_steps,
+                                 learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                                 warmup_steps=warmup, max_grad_norm=args.max_grad_norm, seed=args.seed,
+                                 save_every=args.save_every, eval_every=args.eval_every, log_every=args.log_every,
+                                 keep_checkpoints=args.keep_checkpoints, resume=args.resume, progress=args.progress)
+    parameters = sum(p.numel() for p in model.parameters())
+    pair_note = {"bert": "NSP", "albert": "SOP"}.get(args.objective, "no pair task")
+    if int(os.environ.get("RANK", "0")) == 0:
+        sys.stderr.write(f"fastbert pretrain: {type(model).__name__} ({parameters / 1e6:.2f} M parameters, "
+                         f"H={config.hidden_size}, {config.num_hidden_layers} layers), vocabulary {len(tokenizer)}, "
+                         f"{sum(len(d) for d in train_docs):,} training sentences in {len(train_docs)} documents "
+                         f"({len(data.epoch_batches(0))} batches of {args.batch_size} per epoch), MLM + {pair_note}, "
+                         f"{len(task.eval_batches)} held-out batches, {torch.get_num_threads()} threads, {device}\n")
+    try:
+        result = train(model, task, training)
+    except TrainingError as err:
+        raise UserError(str(err)) from err
+    finally:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports for the whole run
+        return 0
+    summary = summarize(result.records)
+    figures = {k: v for k, v in summary.items() if isinstance(v, float)}
+    sys.stderr.write(f"fastbert pretrain: done at step {result.step} -> {result.checkpoint}\n")
+    for key, value in figures.items():
+        sys.stderr.write(f"  {key}: {value:.4f}\n" if math.isfinite(value) else f"  {key}: {value}\n")
+    if "eval_last" in summary:
+        last = summary["eval_last"]
+        sys.stderr.write("  held-out at step {}: {}\n".format(
+            last["step"], ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("eval_"))))
+    return 0

@@ -1,0 +1,335 @@
+"""The GEMM every linear op of the triton backend runs: out = epilogue(x @ W^T), W in PyTorch's [N, K] layout.
+
+Epilogue (all in fp32, one rounding at the store): + bias, dropout, + residual, then one activation ("gelu" = exact
+erf, "gelu_tanh", "relu", "silu"; `activate`, which linear_glu's kernel shares). Used by qkv_projection (bias),
+linear_activation (bias + activation), linear_residual_layernorm and linear_residual_prenorm (bias + dropout +
+residual; their LayerNorm runs in a row kernel after this one).
+Dropout (before the residual, as BERT's sublayer outputs): the element at (row, column) is kept when Philox's draw
+for (seed, row * N + column) is >= p (`common.dropout_keep`), so a backward regenerates the mask anywhere.
+Backward epilogue (GRAD_ACTIVATION, linear_activation's backward): the GEMM recomputes the pre-activation
+x @ W^T + b and, instead of activating it, multiplies the incoming gradient by the activation's derivative there
+(`activation_grad`), storing dL/d(pre-activation) and per-tile fp32 column sums of it (the bias gradient's first
+stage). Recomputing costs one GEMM; storing the pre-activation would cost a [M, N] buffer alive from forward to
+backward (N = 4H in a BERT FFN: its largest activation).
+x, W, residual and out may have any strides (W is read transposed through its strides, never copied).
+
+Meta-parameters: on a GPU, `triton.autotune` over a small config list keyed by (power-of-two bucket of M, N, K,
+epilogue), or a fixed table by M when FASTBERT_TRITON_AUTOTUNE=0; under the interpreter (where autotuning would
+take minutes) one fixed config with real block sizes.
+fp32 inputs are multiplied in IEEE fp32 (no TF32), so the fp32 path matches PyTorch to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INTERPRETER, cast_rtne, column_sum, dot_in_fp32, dot_precision, dropout_args, dropout_keep
+
+ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(u) = 1 - 2 / (1 + e^{2u}): saturates cleanly to +-1 when e^{2u} over/underflows.
+    return 1.0 - 2.0 / (1.0 + tl.exp(2.0 * x))
+
+
+@triton.jit
+def activate(acc, ACTIVATION: tl.constexpr):
+    """The activation of code ACTIVATION (`ACTIVATION_CODES`) on an fp32 tile; 0 returns it unchanged."""
+    if ACTIVATION == 1:
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    elif ACTIVATION == 2:
+        acc = 0.5 * acc * (1.0 + _tanh(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
+    elif ACTIVATION == 3:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == 4:  # x * sigmoid(x); exp overflows to inf for x < -88, giving -0 as it should
+        acc = acc / (1.0 + tl.exp(-acc))
+    return acc
+
+
+@triton.jit
+def activation_grad(pre, grad, ACTIVATION: tl.constexpr):
+    """grad * act'(pre) on fp32 tiles for the activation of code ACTIVATION (`ACTIVATION_CODES`; 0: grad)."""
+    if ACTIVATION == 1:  # Phi(x) + x phi(x)
+        cdf = 0.5 * (1.0 + tl.math.erf(pre * 0.7071067811865476))
+        grad = grad * (cdf + pre * 0.3989422804014327 * tl.exp(-0.5 * pre * pre))
+    elif ACTIVATION == 2:  # 0.5 (1 + t) + 0.5 x (1 - t^2) u'(x), t = tanh(u(x)), u = k (x + 0.044715 x^3)
+        t = _tanh(0.7978845608028654 * (pre + 0.044715 * pre * pre * pre))
+        slope = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * pre * pre)
+        grad = grad * (0.5 * (1.0 + t) + 0.5 * pre * (1.0 - t * t) * slope)
+    elif ACTIVATION == 3:  # 0 at x = 0, as torch's threshold_backward
+        grad = tl.where(pre > 0.0, grad, 0.0)
+    elif ACTIVATION == 4:  # s (1 + x (1 - s)), s = sigmoid(x)
+        sig = 1.0 / (1.0 + tl.exp(-pre))
+        grad = grad * (sig * (1.0 + pre * (1.0 - sig)))
+    return grad
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr,  # [M, K] input rows, strides (stride_xm, stride_xk)
+    w_ptr,  # [N, K] weight in nn.Linear layout, strides (stride_wn, stride_wk)
+    bias_ptr,  # [N] (ignored unless HAS_BIAS)
+    residual_ptr,  # [M, N] added after the bias (ignored unless HAS_RESIDUAL), strides (stride_rm, stride_rn)
+    out_ptr,  # [M, N] output, strides (stride_om, stride_on)
+    grad_ptr,  # [M, N] dL/d(activation output) (ignored unless GRAD_ACTIVATION), strides (stride_gm, stride_gn)
+    partial_ptr,  # [cdiv(M, PARTIAL_BLOCK_M), N] fp32, contiguous: the tile of rows pid_m * BLOCK_M... owns rows
+    #               pid_m * BLOCK_M / PARTIAL_BLOCK_M... of it and stores its column sums of the stored gradient in
+    #               the first, zeros in the others, so every config fills it whole (ignored unless GRAD_ACTIVATION)
+    M, N, K,
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    stride_rm, stride_rn,
+    stride_om, stride_on,
+    stride_gm, stride_gn,
+    seed,  # dropout: the Philox seed (ignored unless DROPOUT)
+    dropout_p,  # dropout: the probability of dropping (ignored unless DROPOUT)
+    keep_scale,  # dropout: 1 / (1 - dropout_p), what kept elements are multiplied by (ignored unless DROPOUT)
+    m_bucket,  # power-of-two bucket of M: only an autotune key, so token counts that vary per batch share tunings
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0 none, 1 gelu (erf), 2 gelu_tanh, 3 relu, 4 silu
+    DROPOUT: tl.constexpr,  # dropout on x @ W^T + b, before the residual
+    GRAD_ACTIVATION: tl.constexpr,  # backward epilogue: store grad * act'(x @ W^T + b) instead of the activation
+    PARTIAL_BLOCK_M: tl.constexpr,  # rows of the GEMM per row of partial_ptr: the smallest BLOCK_M of any config
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `common.INTERPRETER`
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M row blocks walk the column blocks together, so weight tiles are reused from L2.
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % group_rows
+    pid_n = (pid % group_size) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] = W^T tile
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k_start
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if DROPOUT:
+        keep = dropout_keep(seed, offs_m[:, None] * N + offs_n[None, :], dropout_p)
+        acc = tl.where(keep, acc * keep_scale, 0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=out_mask,
+                           other=0.0)
+        acc += residual.to(tl.float32)
+    if GRAD_ACTIVATION:
+        grad = tl.load(grad_ptr + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=out_mask,
+                       other=0.0).to(tl.float32)
+        acc = tl.where(out_mask, activation_grad(acc, grad, ACTIVATION), 0.0)
+        slots = tl.arange(0, BLOCK_M // PARTIAL_BLOCK_M)
+        partial_rows = pid_m * (BLOCK_M // PARTIAL_BLOCK_M) + slots
+        sums = tl.where(slots[:, None] == 0, tl.sum(acc, axis=0)[None, :], 0.0)
+        tl.store(partial_ptr + partial_rows[:, None] * N + offs_n[None, :], sums,
+                 mask=(partial_rows < tl.cdiv(M, PARTIAL_BLOCK_M))[:, None] & n_mask[None, :])
+    else:
+        acc = activate(acc, ACTIVATION)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, cast_rtne(acc, out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _config(block_m: int, block_n: int, block_k: int, stages: int, warps: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
+                         num_stages=stages, num_warps=warps)
+
+
+# Hopper/Ampere-sized tiles from large to small; small-M configs for batch-1 latency. Untested on a GPU here: the
+# autotuner times them all once per key, so a poor entry costs tuning time, never correctness. Sized by compiling
+# them for sm_90 with the launch's specialisation (tests/kernels/compile_sm90.py, table in
+# benchmarks/results/sm90-resources): none spills in fp16/bf16 with any epilogue. 128x128 tiles need 8 warps (at 4
+# the fp32 accumulator + epilogue exceed 255 registers); 128x256 and 256x128 tiles spill even at 8 or 16 warps.
+GPU_CONFIGS = [
+    _config(128, 128, 64, 4, 8),
+    _config(128, 128, 32, 4, 8),
+    _config(128, 64, 64, 4, 4),
+    _config(64, 128, 64, 4, 4),
+    _config(64, 64, 64, 4, 4),
+    _config(32, 64, 128, 4, 4),
+    _config(16, 64, 128, 4, 4),
+]
+# fp32 (IEEE, no tensor cores): the dot runs on FMA units with its operands in registers, so large tiles take
+# BLOCK_K = 32 (at 64 the 128-wide tiles spill kilobytes).
+FP32_CONFIGS = [
+    _config(128, 128, 32, 4, 8),
+    _config(128, 64, 32, 4, 4),
+    _config(64, 128, 32, 4, 4),
+    _config(64, 64, 64, 4, 4),
+    _config(32, 64, 128, 4, 4),
+    _config(16, 64, 128, 4, 4),
+]
+
+
+# The dropout epilogue (Philox) and the backward epilogue (the derivative, a second [M, N] tile) keep more registers
+# live: the subsets of the lists above that do not spill with them on sm_90 (128x64 and 64x128 tiles at 4 warps
+# spill in fp16/bf16, the 128-wide fp32 tiles and fp32 64x64x64 too; tests/kernels/compile_sm90.py).
+GPU_HEAVY_CONFIGS = [
+    _config(128, 128, 64, 4, 8),
+    _config(128, 128, 32, 4, 8),
+    _config(64, 64, 64, 4, 4),
+    _config(32, 64, 128, 4, 4),
+    _config(16, 64, 128, 4, 4),
+]
+FP32_HEAVY_CONFIGS = [
+    _config(64, 64, 32, 4, 4),
+    _config(32, 64, 128, 4, 4),
+    _config(16, 64, 128, 4, 4),
+]
+
+
+def gpu_configs(dtype: torch.dtype, heavy: bool = False) -> list[triton.Config]:
+    """The configs the autotuner times for inputs of this dtype; ``heavy``: for the dropout or backward epilogue."""
+    if heavy:
+        return FP32_HEAVY_CONFIGS if dtype == torch.float32 else GPU_HEAVY_CONFIGS
+    return FP32_CONFIGS if dtype == torch.float32 else GPU_CONFIGS
+
+
+def _config_key(config: triton.Config) -> tuple:
+    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+
+
+def _prune_by_dtype(configs, named_args, **kwargs):
+    heavy = bool(kwargs.get("DROPOUT") or kwargs.get("GRAD_ACTIVATION"))
+    wanted = {_config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype, heavy)}
+    return [c for c in configs if _config_key(c) in wanted]
+
+
+_ALL_CONFIGS = list({_config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS + GPU_HEAVY_CONFIGS
+                     + FP32_HEAVY_CONFIGS}.values())
+_autotuned = None if INTERPRETER else triton.autotune(
+    configs=_ALL_CONFIGS,
+    key=["m_bucket", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION", "DROPOUT", "GRAD_ACTIVATION"],
+    prune_configs_by={"early_config_prune": _prune_by_dtype})(_linear_kernel)
+
+
+def table_config(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False) -> triton.Config:
+    """One config per M range, for GPUs when autotuning is switched off (FASTBERT_TRITON_AUTOTUNE=0: tests and
+    correctness checks, where tuning every shape would cost minutes of compiles); ``heavy``: for the dropout or
+    backward epilogue (`gpu_configs`)."""
+    fp32 = dtype == torch.float32
+    if m <= 32:
+        return _config(32, 64, 128, 4, 4)
+    if heavy and fp32:
+        return _config(64, 64, 32, 4, 4)
+    if heavy:
+        return _config(64, 64, 64, 4, 4) if m <= 256 else _config(128, 128, 64, 4, 8)
+    if m <= 256:
+        return _config(64, 64, 64, 4, 4) if fp32 else _config(64, 128, 64, 4, 4)
+    return _config(128, 128, 32, 4, 8) if fp32 else _config(128, 128, 64, 4, 8)
+
+
+def table_meta(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False) -> dict:
+    """`table_config(m, dtype, heavy)` as launch keywords: meta-parameters plus num_warps and num_stages."""
+    config = table_config(m, dtype, heavy)
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("FASTBERT_TRITON_AUTOTUNE", "1") not in ("0", "false", "no")
+
+
+def interpreter_config(m: int) -> dict:
+    """Fixed meta-parameters for the interpreter. Its cost is per interpreted operation, so large tiles run several
+    times faster than GPU-sized ones (a 130x768x768 GEMM: 2.6 s at 32x64x64, 0.7 s at 64x256x256)."""
+    return {"BLOCK_M": 16 if m <= 16 else 32 if m <= 32 else 64, "BLOCK_N": 256, "BLOCK_K": 256, "GROUP_M": 8}
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [rows, C], a view whenever possible (2-D inputs keep their strides, whatever they are)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+MIN_BLOCK_M = 16  # the smallest BLOCK_M of every config above and of `interpreter_config`: the backward epilogue's
+# partial sums have one row per MIN_BLOCK_M rows, so they do not depend on the config the autotuner picks
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+            activation: str | None, dropout_p: float, dropout_seed: int, grad: torch.Tensor | None,
+            partial: torch.Tensor | None) -> torch.Tensor:
+    """Run the kernel: epilogue(x @ weight.T) -> [rows, N] in x's dtype; with ``grad`` ([rows, N]) the backward
+    epilogue, whose column sums go to ``partial`` ([cdiv(rows, MIN_BLOCK_M), N] fp32, filled by the kernel)."""
+    rows = as_rows(x)
+    n, k = weight.shape
+    m = rows.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:  # the ops' supports() refuse K = 0 (the result would be the bias alone); guard direct callers
+        raise ValueError("linear: K = 0 is not supported by the triton backend")
+    res = as_rows(residual) if residual is not None else None
+    bias = bias.contiguous() if bias is not None else None  # the epilogue reads it with unit stride
+    dropout = dropout_p > 0
+    args = (rows, weight, bias if bias is not None else out, res if res is not None else out, out,
+            grad if grad is not None else out, partial if partial is not None else out, m, n, k,
+            rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1),
+            res.stride(0) if res is not None else 0, res.stride(1) if res is not None else 0,
+            out.stride(0), out.stride(1), grad.stride(0) if grad is not None else 0,
+            grad.stride(1) if grad is not None else 0,
+            *dropout_args(dropout_p, dropout_seed),
+            triton.next_power_of_2(m))
+    flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
+             "ACTIVATION": ACTIVATION_CODES[activation], "DROPOUT": dropout, "GRAD_ACTIVATION": grad is not None,
+             "PARTIAL_BLOCK_M": MIN_BLOCK_M,
+             "INPUT_PRECISION": dot_precision(x.dtype), "DOT_IN_FP32": dot_in_fp32(x.dtype)}
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    if INTERPRETER or not autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
+        meta = interpreter_config(m) if INTERPRETER else table_meta(m, x.dtype, dropout or grad is not None)
+        _linear_kernel[grid(meta)](*args, **flags, **meta)
+    else:
+        _autotuned[grid](*args, **flags)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
+           activation: str | None = None, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
+    """epilogue(x @ weight.T) -> [..., N] in x's dtype (see the module docstring); dropout (``dropout_p`` > 0) on
+    x @ weight.T + bias before the residual. Inputs are checked by callers (dropout: `dropout_reason`)."""
+    out = _launch(x, weight, bias, residual, activation, dropout_p, dropout_seed, None, None)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_activation_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grad: torch.Tensor,
+                           activation: str, bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward of act(x @ weight.T + bias) up to the pre-activation: (dL/d(pre-activation) [rows, N] in x's dtype,
+    the bias gradient [N] in the bias's dtype summed in fp32 from the unrounded values, or None unless
+    ``bias_grad``), given ``grad`` = dL/d(output) [..., N] of any strides. Recomputes the GEMM (module
+    docstring)."""
+    n = weight.shape[0]
+    m = as_rows(x).shape[0]
+    # always allocated: the backward epilogue stores its column sums whether or not they are wanted
+    partial = torch.empty((triton.cdiv(m, MIN_BLOCK_M), n), dtype=torch.float32, device=x.device)
+    grad_pre = _launch(x, weight, bias, None, activation, 0.0, 0, as_rows(grad), partial)
+    return grad_pre, column_sum(partial, bias.dtype) if bias_grad else None

@@ -1,0 +1,179 @@
+"""The backend dispatch: forced backends, auto fallback, the env var, and the reasons it gives."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from fastbert import backends, ops
+
+
+def _linear_args(dtype=torch.float32):
+    x, w, b = torch.randn(7, 16, dtype=dtype), torch.randn(24, 16, dtype=dtype), torch.randn(24, dtype=dtype)
+    return x, w, b
+
+
+def test_eager_is_always_available():
+    assert backends.available()["eager"] is None
+    x, w, b = _linear_args(torch.float64)
+    out = ops.linear_activation(x, w, b, "gelu", backend="eager")
+    assert torch.allclose(out, torch.nn.functional.gelu(x @ w.T + b))
+
+
+def test_auto_falls_back_and_says_why():
+    x, w, b = _linear_args(torch.float64)  # float64: no fused backend takes it
+    chosen, skipped = backends.choose("linear_activation", "auto", x, w, b, "gelu")
+    assert chosen == "eager"
+    assert "cpp" in skipped and skipped["cpp"]
+    assert backends.explain("linear_activation", x, w, b, "gelu").startswith("linear_activation: eager")
+
+
+def test_forced_backend_that_cannot_run_raises_with_reason():
+    x, w, b = _linear_args()
+    with pytest.raises(backends.BackendUnavailable, match="triton.*cannot run"):
+        # CPU tensors: triton runs on CPU only under TRITON_INTERPRET=1 set before import; force a reason anyway
+        backends.choose("linear_activation", "triton", x.double(), w.double(), b.double(), "gelu")
+
+
+@pytest.fixture
+def environment(monkeypatch):
+    """monkeypatch for FASTBERT_BACKEND, which fastbert reads once: re-read after each change and at the end."""
+    yield monkeypatch
+    monkeypatch.undo()
+    backends.read_environment()
+
+
+def test_env_var_forces_backend_once_read(environment):
+    x, w, b = _linear_args()
+    environment.setenv("FASTBERT_BACKEND", "eager")
+    before = backends.choose("linear_activation", "auto", x, w, b, "gelu")[0]
+    if backends.available()["cpp"] is None:
+        assert before == "cpp"  # not read yet: auto still prefers cpp on CPU
+    backends.read_environment()
+    assert backends.choose("linear_activation", "auto", x, w, b, "gelu") == ("eager", {})
+    environment.setenv("FASTBERT_BACKEND", "nonsense")
+    backends.read_environment()
+    with pytest.raises(ValueError, match="unknown backend"):
+        backends.choose("linear_activation", "auto", x, w, b, "gelu")
+
+
+def test_grad_falls_back_to_a_backend_with_backward():
+    x, w, b = _linear_args()
+    w.requires_grad_(True)
+    out = ops.linear_activation(x, w, b, "relu")
+    out.sum().backward()
+    assert w.grad is not None
+
+
+def test_op_argument_errors():
+    x, w, b = _linear_args()
+    with pytest.raises(ValueError, match="unknown activation"):
+        ops.linear_activation(x, w, b, "swish")
+    with pytest.raises(ValueError, match="weight must be"):
+        ops.linear_residual_layernorm(x, w.T, b, x, b, b, 1e-5)
+    q = torch.randn(2, 5, 4, 8)
+    with pytest.raises(ValueError, match="key_padding_mask must be bool"):
+        ops.attention(q, q, q, key_padding_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="cu_seqlens must be int32"):
+        ops.attention(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]), max_seqlen=5)
+
+
+# --------------------------------------------------------------------------------- poison at padded positions
+POISONS = (float("nan"), float("inf"), float("-inf"))
+
+
+def check_padding_poison(backend: str, dtype: torch.dtype, head_dim: int, seqlen: int = 7, heads: int = 2,
+                         device: str | torch.device = "cpu") -> None:
+    """NaN, +Inf and -Inf in q, k, v at masked positions (padded form) must not reach a real query's output: real
+    rows bit-identical to the run with zeros there and finite; the all-masked row zeros. Batch rows: holes plus
+    right padding, right padding only, all masked, a single real key mid-sequence. q, k, v are strided views of
+    one [B, S, 3, heads, D] buffer, as qkv_projection returns them."""
+    gen = torch.Generator().manual_seed(100 * seqlen + head_dim)
+    qkv = torch.randn(4, seqlen, 3, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    mask = torch.ones(4, seqlen, dtype=torch.bool)
+    mask[0, [1, seqlen - 4]] = False
+    mask[0, -2:] = False
+    mask[1, 3:] = False
+    mask[2] = False
+    mask[3] = False
+    mask[3, seqlen // 2] = True
+    mask = mask.to(device)
+    masked = ~mask[:, :, None, None, None]
+    # every element cycles through NaN, +Inf, -Inf, so each masked row mixes all three in q, k and v
+    cycle = torch.arange(qkv.numel(), device=device).view(qkv.shape) % len(POISONS)
+    poison = torch.tensor(POISONS, dtype=dtype, device=device)[cycle]
+    outputs = {}
+    for name, fill in (("zeros", torch.zeros_like(qkv)), ("poison", poison)):
+        q, k, v = torch.where(masked, fill, qkv).unbind(2)
+        outputs[name] = ops.attention(q, k, v, key_padding_mask=mask, backend=backend)
+    clean, dirty = outputs["zeros"], outputs["poison"]
+    assert torch.isfinite(dirty[mask]).all(), f"{backend}: NaN/Inf at padded positions reached real rows"
+    assert torch.equal(dirty[mask], clean[mask]), f"{backend}: padded positions' values changed real rows"
+    assert torch.equal(dirty[2], torch.zeros_like(dirty[2])), f"{backend}: an all-masked row must give zeros"
+
+
+@pytest.mark.parametrize("head_dim", (8, 16), ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_eager_attention_ignores_nan_and_inf_at_padded_positions(dtype, head_dim):
+    check_padding_poison("eager", dtype, head_dim)
+
+
+def test_describe_available_says_what_loaded_in_words():
+    from fastbert.backends import cpp as cpp_backend
+
+    text = backends.describe_available()
+    assert "None" not in text
+    assert [part.split()[0] for part in text.split("; ")] == list(backends.BACKENDS)
+    assert "eager loaded" in text
+    capability = cpp_backend.compiled_capability()
+    assert f"cpp loaded ({capability})" in text if capability else "cpp not usable" in text
+    if not torch.cuda.is_available():  # conftest sets TRITON_INTERPRET=1 without a GPU
+        assert "triton loaded (no GPU: running on CPU in the Triton interpreter" in text
+
+
+def test_describe_available_gives_the_reasons_for_failures(monkeypatch):
+    from fastbert.backends import cpp as cpp_backend
+
+    backends.available()  # cpp_backend imported and recorded before its extension is taken away
+    monkeypatch.setattr(cpp_backend, "EXTENSION_ERROR", "the C++ extension fastbert._C is not built (gone)")
+    monkeypatch.setattr(backends, "_LOADED", {"eager", "cpp"})
+    monkeypatch.setattr(backends, "_LOAD_ERRORS", {
+        "triton": "triton backend failed to load: ModuleNotFoundError: No module named 'triton'"})
+    assert backends.describe_available() == (
+        "eager loaded; triton not loaded (ModuleNotFoundError: No module named 'triton'); "
+        "cpp not usable (the C++ extension fastbert._C is not built (gone))")
+
+
+def test_a_backend_that_fails_to_load_warns_once_when_an_op_wants_it(monkeypatch):
+    monkeypatch.setitem(backends._BACKEND_MODULES, "triton", "fastbert._no_such_backend_module")
+    monkeypatch.setattr(backends, "_LOADED", {"eager"})
+    monkeypatch.setattr(backends, "_LOAD_ERRORS", {})
+    monkeypatch.setattr(backends, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert "failed to load" in backends.available()["triton"]  # listing backends does not warn
+        assert not caught
+        for _ in range(3):
+            assert "ModuleNotFoundError" in backends.why_not("attention", "triton")
+    assert [str(w.message) for w in caught] == [
+        "fastbert: the triton backend failed to load: ModuleNotFoundError: No module named "
+        "'fastbert._no_such_backend_module'; its ops run on another backend"]
+
+
+def test_explain_a_model_says_which_backend_each_op_ran_on():
+    import fastbert
+    from tests.hf_tiny import padded_batch, tiny_model
+
+    model = fastbert.optimize(tiny_model("bert", "ForSequenceClassification"), backend="eager")
+    assert "has not run" in backends.explain(model)
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask)
+    backends.read_environment()  # the backends' generation moves on (as when a backend loads during a first call)
+    text = backends.explain(model)
+    assert "on cpu float32 no grad" in text
+    bert_ops = ("embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm")
+    assert all(f"{op} eager" in text for op in bert_ops)  # the ops a BERT encoder runs (not ModernBERT's)
+    assert backends.explain(torch.nn.Linear(2, 2)) == "Linear: no fastbert encoder inside"

@@ -1,0 +1,340 @@
+"""fastbert pretrain: the data it builds (NSP/SOP 50/50, segment ids, masking rates, whole words, packing), the
+checkpoints (transformers and fastbert load them), resume after a real SIGKILL equals an uninterrupted run, and
+the CLI's refusals (one line each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from fastbert import cli  # noqa: E402
+from fastbert.training.loop import latest_checkpoint  # noqa: E402
+from fastbert.training.masking import IGNORE_INDEX  # noqa: E402
+from fastbert.training.pretrain import (  # noqa: E402
+    DataOptions,
+    PretrainingData,
+    file_documents,
+    hold_out,
+    mask_whole_words,
+    split_sentences,
+)
+
+PAD, UNK, CLS, SEP, MASK, VOCAB = 0, 1, 2, 3, 4, 1000
+REPO = Path(__file__).resolve().parents[2]
+# A tiny model: these tests check the plumbing, not what it learns.
+TINY = ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2", "--vocab-size", "200", "--max-length", "32",
+        "--batch-size", "4", "--threads", "1", "--log-every", "1000", "--no-progress"]
+
+
+def _synthetic_documents(documents: int = 40, segments: int = 12) -> list[list[list[int]]]:
+    """Segment j of document d is [100 + d, 500 + j, 7, 8]: the first two ids say where it came from."""
+    return [[[100 + d, 500 + j, 7, 8] for j in range(segments)] for d in range(documents)]
+
+
+def _data(documents, **options) -> PretrainingData:
+    return PretrainingData(documents, DataOptions(**options), cls_id=CLS, sep_id=SEP, pad_id=PAD, mask_id=MASK,
+                           vocab_size=VOCAB, continuation=torch.zeros(VOCAB, dtype=torch.bool))
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small real text: paragraphs of CPython's reference topics, a blank line between documents."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    blocks = []
+    for key in sorted(topics)[:12]:
+        sentences = split_sentences(topics[key])[:30]
+        if len(sentences) >= 4:
+            blocks.append("\n".join(sentences))
+    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    path.write_text("\n\n".join(blocks) + "\n", encoding="utf-8")
+    return path
+
+
+# -------------------------------------------------------------------------------------------------- the data
+def test_split_sentences_and_file_documents(tmp_path):
+    assert split_sentences("One two three. Four five six!\n\nSeven eight nine? ten") == [
+        "One two three.", "Four five six!", "Seven eight nine? ten"]
+    path = tmp_path / "t.txt"
+    path.write_text("First doc one. First doc two.\nFirst doc three.\n\n\nSecond doc.\n", encoding="utf-8")
+    assert file_documents([str(path)]) == [["First doc one.", "First doc two.", "First doc three."],
+                                           ["Second doc."]]
+
+
+def test_hold_out_takes_the_end_of_long_documents():
+    docs = [[f"s{i}" for i in range(40)], [f"t{i}" for i in range(5)], [f"u{i}" for i in range(12)]]
+    train_docs, held = hold_out(docs, 0.1)
+    assert train_docs == [[f"s{i}" for i in range(36)], [f"t{i}" for i in range(5)], [f"u{i}" for i in range(10)]]
+    assert held == [[f"s{i}" for i in range(36, 40)], ["u10", "u11"]]
+
+
+def test_hold_out_whole_documents_when_there_are_many():
+    docs = [[f"d{d} s{i}" for i in range(3)] for d in range(40)]
+    train_docs, held = hold_out(docs, 0.1, seed=2)
+    assert len(held) == 4 and len(train_docs) == 36 and sorted(train_docs + held) == sorted(docs)
+    assert hold_out(docs, 0.1, seed=2) == (train_docs, held) and hold_out(docs, 0.1, seed=3)[1] != held
+
+
+def test_nsp_pairs_are_half_next_half_random_with_segment_ids():
+    data = _data(_synthetic_documents(), max_length=16)
+    examples = data.examples(epoch=0)
+    assert len(examples) == 40 * 11
+    labels = [e["label"] for e in examples]
+    assert abs(sum(labels) / len(labels) - 0.5) < 0.06  # 440 pairs: 3 standard deviations
+    for e in examples:
+        ids, types = e["input_ids"], e["token_type_ids"]
+        assert ids[0] == CLS and ids[5] == SEP and ids[-1] == SEP and len(ids) == 11
+        assert types == [0] * 6 + [1] * 5
+        (doc_a, seg_a), (doc_b, seg_b) = (ids[1], ids[2]), (ids[6], ids[7])
+        if e["label"] == 0:
+            assert doc_a == doc_b and seg_b == seg_a + 1
+        else:
+            assert doc_a != doc_b
+    # each epoch draws its own pairs and order, the same ones every time it is asked for
+    assert data.examples(epoch=1) != examples
+    assert data.examples(epoch=0) == examples
+
+
+def test_nsp_balance_on_a_large_sample():
+    data = _data(_synthetic_documents(documents=200, segments=51), max_length=16)
+    labels = torch.tensor([e["label"] for e in data.examples(epoch=3)], dtype=torch.float)
+    assert labels.numel() == 10_000 and abs(float(labels.mean()) - 0.5) < 0.015
+
+
+def test_sop_pairs_swap_half():
+    data = _data(_synthetic_documents(), objective="albert", max_length=16)
+    examples = data.examples(epoch=0)
+    assert abs(sum(e["label"] for e in examples) / len(examples) - 0.5) < 0.06
+    for e in examples:
+        seg_a, seg_b = e["input_ids"][2], e["input_ids"][7]
+        assert e["input_ids"][1] == e["input_ids"][6]  # same document
+        assert seg_b - seg_a == (1 if e["label"] == 0 else -1)
+
+
+def test_batch_masking_rate_and_determinism():
+    data = _data(_synthetic_documents(documents=100, segments=30), max_length=16, batch_size=512)
+    batches = data.epoch_batches(0)
+    batch = batches[1]
+    special = (batch["input_ids"] == CLS) | (batch["input_ids"] == SEP) | (batch["attention_mask"] == 0)
+    chosen = batch["labels"] != IGNORE_INDEX
+    assert not (chosen & special).any()
+    assert abs(float(chosen.sum()) / float((~special).sum()) - 0.15) < 0.01
+    assert batch["token_type_ids"].shape == batch["input_ids"].shape and "pair_labels" in batch
+    again = data.epoch_batches(0)[1]
+    assert all(torch.equal(batch[k], again[k]) for k in batch)  # same (seed, epoch, index): same masks
+    assert not torch.equal(batches[0]["labels"], batches[1]["labels"])
+
+
+def test_whole_word_masking_keeps_words_together():
+    gen = torch.Generator().manual_seed(0)
+    continuation = torch.zeros(VOCAB, dtype=torch.bool)
+    continuation[500:] = True  # ids >= 500 continue the word before them
+    ids = torch.randint(10, VOCAB, (64, 200), generator=gen)
+    ids[:, 0] = CLS
+    special = torch.zeros_like(ids, dtype=torch.bool)
+    special[:, 0] = True
+    inputs, labels = mask_whole_words(ids, continuation, mask_token_id=MASK, vocab_size=VOCAB,
+                                      special_tokens_mask=special, generator=gen)
+    chosen = labels != IGNORE_INDEX
+    words = 0
+    for row in range(ids.shape[0]):
+        start = None
+        for col in range(1, ids.shape[1] + 1):
+            if col == ids.shape[1] or not continuation[ids[row, col]]:
+                if start is not None:
+                    states = chosen[row, start:col]
+                    assert states.all() or not states.any()
+                    masked = inputs[row, start:col] == MASK
+                    assert not states.any() or masked.all() or not masked.any()
+                    words += 1
+                start = col
+    word_starts = (~continuation[ids]) & ~special
+    word_rate = float((chosen & word_starts).sum()) / float(word_starts.sum())
+    assert words == int(word_starts.sum()) and abs(word_rate - 0.15) < 0.02
+    assert not chosen[special].any() and torch.equal(labels[chosen], ids[chosen])
+
+
+def test_packing():
+    docs = [[[10 + d] * 5 for _ in range(9)] for d in range(4)]  # 4 documents of 9 sentences of 5 tokens
+    bert = _data(docs, max_length=27, pack=True)  # segments of up to (27 - 3) // 2 = 12 tokens: two sentences
+    assert all(len(seg) == 10 for doc in bert.documents for seg in doc[:-1])
+    roberta = _data(docs, objective="roberta", max_length=24, pack=True)  # up to 22 tokens per sequence
+    lengths = [len(s) for s in roberta.sequences]
+    assert max(lengths) <= 22 and sum(lengths) == 4 * 9 * 5 + 3  # every token, plus [SEP] between documents
+    assert any(SEP in s for s in roberta.sequences)
+    example = roberta.examples(0)[0]
+    assert example["input_ids"][0] == CLS and example["input_ids"][-1] == SEP and "label" not in example
+    assert set(example["token_type_ids"]) == {0}
+    plain = _data(docs, objective="roberta", max_length=24)
+    assert len(plain.sequences) == 36
+
+
+# ----------------------------------------------------------------------------------------- runs, checkpoints
+def _run(args: list[str], capsys) -> tuple[int, str]:
+    code = cli.main(["pretrain", *args])
+    return code, capsys.readouterr().err
+
+
+def test_bert_checkpoint_loads_in_transformers_and_fastbert(tmp_path, corpus, capsys, one_thread):
+    import fastbert
+
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "6", "--save-every", "3", "--eval-every", "3",
+                      "--whole-word-masking", *TINY], capsys)
+    assert code == 0, err
+    assert "held-out at step 6" in err
+    checkpoint = latest_checkpoint(out)
+    assert checkpoint.name == "checkpoint-0000006"
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["eval_first"]["step"] == 0 and "eval_nsp_accuracy" in summary["eval_last"]
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    batch = tokenizer(["The while statement is used for repeated execution."], return_tensors="pt")
+    assert int(tokenizer.pad_token_id) == PAD and batch["input_ids"][0, 0] == tokenizer.cls_token_id
+    pretraining = transformers.AutoModelForPreTraining.from_pretrained(checkpoint).eval()
+    assert type(pretraining).__name__ == "BertForPreTraining"
+    encoder = transformers.AutoModel.from_pretrained(checkpoint).eval()
+    ours = fastbert.from_pretrained(checkpoint).eval()
+    ours_pretraining = fastbert.from_pretrained(checkpoint, task="pretraining").eval()
+    with torch.no_grad():
+        expected = encoder(**batch).last_hidden_state
+        got = ours(**batch).last_hidden_state
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+        expected_nsp = pretraining(**batch).seq_relationship_logits
+        assert torch.allclose(ours_pretraining(**batch).seq_relationship_logits, expected_nsp, rtol=1e-5, atol=1e-5)
+
+
+def test_a_short_run_learns(tmp_path, corpus, capsys, one_thread):
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "60", "--learning-rate", "5e-3", "--save-every",
+                      "0", *TINY], capsys)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    first, last = summary["eval_first"], summary["eval_last"]
+    assert first["step"] == 0 and last["step"] == 60
+    assert last["eval_mlm_loss"] < first["eval_mlm_loss"] - 0.3  # held-out text, fixed masks
+
+
+@pytest.mark.parametrize("objective, model_class", [("roberta", "RobertaForMaskedLM"),
+                                                    ("albert", "AlbertForPreTraining")])
+def test_other_objectives(tmp_path, corpus, capsys, one_thread, objective, model_class):
+    import fastbert
+
+    out = tmp_path / objective
+    code, err = _run([str(corpus), "-o", str(out), "--objective", objective, "--pack", "--max-steps", "3",
+                      "--save-every", "0", *TINY], capsys)
+    assert code == 0, err
+    checkpoint = latest_checkpoint(out)
+    loaded = transformers.AutoModelForPreTraining.from_pretrained(checkpoint)
+    assert type(loaded).__name__ == model_class
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if not r.get("eval")][-1]
+    pair = {"roberta": None, "albert": "sop_accuracy"}[objective]
+    assert last["step"] == 3 and "mlm_loss" in last and (pair is None or pair in last)
+    assert "nsp_accuracy" not in last
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    batch = tokenizer(["Names refer to objects."], return_tensors="pt")
+    batch.pop("token_type_ids")
+    with torch.no_grad():
+        expected = transformers.AutoModel.from_pretrained(checkpoint).eval()(**batch).last_hidden_state
+        got = fastbert.from_pretrained(checkpoint).eval()(**batch).last_hidden_state
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # two fresh processes (~7 s each just to import torch and transformers here)
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, corpus, capsys, one_thread):
+    from safetensors.torch import load_file
+
+    steps = "40"
+    common = [str(corpus), "--max-steps", steps, "--save-every", "4", "--eval-every", "0", "--seed", "5", *TINY]
+    whole = tmp_path / "whole"
+    code, err = _run([*common, "-o", str(whole)], capsys)
+    assert code == 0, err
+    # tokenizers' WordPiece trainer is not reproducible across processes: the second run reuses the first's vocabulary
+    common += ["--tokenizer", str(whole / "tokenizer")]
+
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "fastbert.cli", "pretrain", *common, "-o", str(killed)]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while latest_checkpoint(killed) is None and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    process.stderr.close()
+    interrupted_at = latest_checkpoint(killed)
+    assert interrupted_at is not None and interrupted_at.name < f"checkpoint-{int(steps):07d}"
+
+    resumed = subprocess.run([*command, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from {interrupted_at}" in resumed.stderr
+    final_whole = load_file(latest_checkpoint(whole) / "model.safetensors")
+    final_resumed = load_file(latest_checkpoint(killed) / "model.safetensors")
+    assert latest_checkpoint(killed).name == latest_checkpoint(whole).name
+    assert final_whole.keys() == final_resumed.keys()
+    for key, tensor in final_whole.items():
+        assert torch.equal(tensor, final_resumed[key]), key
+    losses = [json.loads(line).get("loss") for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    resumed_losses = [json.loads(line).get("loss") for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == int(steps) + 2 and resumed_losses == losses  # + the evaluations before and after
+
+
+def test_resume_with_changed_settings_is_refused(tmp_path, corpus, capsys, one_thread):
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "2", *TINY], capsys)
+    assert code == 0, err
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "2", "--learning-rate", "1e-3", "--resume",
+                      *TINY], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and lines[-1].startswith("fastbert: error: --resume: the settings differ")
+    assert "learning_rate 0.001 (checkpoint: 0.0005)" in lines[-1]
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "2", "--whole-word-masking", "--resume", *TINY],
+                     capsys)
+    assert code == 1 and "whole_word_masking" in err.strip().splitlines()[-1]
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "2", *TINY], capsys)
+    assert code == 1 and "already holds a run" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.txt", "-o", "{tmp}/a"], "text file missing.txt does not exist"),
+    (["-o", "{tmp}/a", "--max-length", "0"], "--max-length must be >= 1"),
+    (["-o", "{tmp}/a", "--mlm-probability", "1.5"], "--mlm-probability must be between 0 and 1"),
+    (["-o", "{tmp}/a", "--config", "{tmp}/nope.json"], "does not exist"),
+    (["-o", "{tmp}/nothing", "--resume"], "--resume: {tmp}/nothing does not exist"),
+    (["-o", "{tmp}/a", "--objective", "gpt"], "invalid choice: 'gpt'"),
+    (["{tmp}/empty.txt", "-o", "{tmp}/a"], "the corpus holds no sentences"),
+    (["{tmp}/empty.txt", "--corpus", "pydoc", "-o", "{tmp}/a"], "give text FILEs or --corpus, not both"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, args, message):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    try:
+        code = cli.main(["pretrain", *args])
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code != 0
+    assert err.count("\n") == 1 and err.startswith("fastbert: error: ")
+    assert message.replace("{tmp}", str(tmp_path)) in err
