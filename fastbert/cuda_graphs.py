@@ -32,7 +32,7 @@ def encode_padded(model: FastBertModel, input_ids: torch.Tensor, mask: torch.Ten
     (last_hidden_state [B, S, H] zero at padding, pooler_output [B, H] or None). mask: bool [B, S]."""
     batch, seqlen = input_ids.shape
     device = input_ids.device
-    positions = model._position_ids(input_ids, None, batch, seqlen, device)
+    positions = model.default_position_ids(input_ids, batch, seqlen, device)
     if token_type_ids is None and model.config.type_vocab_size:
         token_type_ids = torch.zeros_like(input_ids)
     varlen = varlen_from_mask(None, batch, seqlen, device)
@@ -102,8 +102,8 @@ class CudaGraphEncoder:
             return self.model(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)
         mask = normalize_attention_mask(attention_mask, batch, seqlen)
         if self.model.validate_inputs:
-            positions = self.model._position_ids(input_ids, None, batch, seqlen, input_ids.device)
-            self.model._validate(input_ids, positions, token_type_ids)
+            positions = self.model.default_position_ids(input_ids, batch, seqlen, input_ids.device)
+            self.model.validate_ids(input_ids, positions, token_type_ids)
         key = (*shape, token_type_ids is not None)
         captured = self.graphs.pop(key, None)
         if captured is None:

@@ -127,8 +127,25 @@ class Embeddings(nn.Module):
         return dropout(normed, *seeds(self.dropout))
 
 
-class EncoderLayer(nn.Module):
-    """Post-LN transformer encoder layer with Q, K, V packed into one [3H, H] weight."""
+def attend(table: backends.OpTable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: VarlenBatch,
+           key_padding_mask: torch.Tensor | None, scale: float, window: int | None,
+           dropout: tuple[float, int]) -> torch.Tensor:
+    """A layer's attention -> context [T, H]. q, k, v [T, heads, D]: packed variable-length sequences described
+    by ``varlen``, or, with ``key_padding_mask`` [B, S], the whole padded batch (viewed as [B, S, heads, D]).
+    ``dropout``: (p, seed) of this site."""
+    tokens, heads, head_dim = q.shape
+    if key_padding_mask is None:
+        context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, scale, window, *dropout)
+    else:
+        shape = (varlen.batch, varlen.seqlen, heads, head_dim)
+        context = table.attention(q.view(shape), k.view(shape), v.view(shape), None, None, key_padding_mask, scale,
+                                  window, *dropout)
+    return context.view(tokens, heads * head_dim)
+
+
+class PostNormLayer(nn.Module):
+    """Post-LN transformer encoder layer (BERT, RoBERTa, ALBERT, DistilBERT, ELECTRA) with Q, K, V packed into one
+    [3H, H] weight."""
 
     def __init__(self, config: FastBertConfig):
         super().__init__()
@@ -161,20 +178,13 @@ class EncoderLayer(nn.Module):
                 table: backends.OpTable, seeds: DropoutSeeds = EVAL) -> torch.Tensor:
         """x: [T, H] packed tokens (padding_free) or [B*S, H] with key_padding_mask [B, S]. ``table`` holds the
         ops (argument order of `fastbert.backends.dispatch`); ``seeds`` the forward's dropout."""
-        tokens, hidden = x.shape
         p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
         attention_p, attention_output_p, ffn_p = self.dropout
         qkv_weight, qkv_bias = self.packed_qkv(x.dtype)
         q, k, v = table.qkv_projection(x, qkv_weight, qkv_bias, self.num_heads)
-        if key_padding_mask is None:
-            context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale, None,
-                                      *seeds(attention_p))
-        else:
-            shape = (varlen.batch, varlen.seqlen, self.num_heads, hidden // self.num_heads)
-            context = table.attention(q.view(shape), k.view(shape), v.view(shape), None, None, key_padding_mask,
-                                      self.scale, None, *seeds(attention_p))
-        x = table.linear_residual_layernorm(context.view(tokens, hidden), p["attn_out_weight"], p["attn_out_bias"],
-                                            x, p["attn_norm_weight"], p["attn_norm_bias"], self.eps,
+        context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, None, seeds(attention_p))
+        x = table.linear_residual_layernorm(context, p["attn_out_weight"], p["attn_out_bias"], x,
+                                            p["attn_norm_weight"], p["attn_norm_bias"], self.eps,
                                             *seeds(attention_output_p))
         inner = table.linear_activation(x, p["ffn_in_weight"], p["ffn_in_bias"], self.activation)
         return table.linear_residual_layernorm(inner, p["ffn_out_weight"], p["ffn_out_bias"], x,
@@ -221,21 +231,14 @@ class PreNormLayer(nn.Module):
         """x: the residual stream [T, H] (packed, or [B*S, H] with key_padding_mask [B, S]); normed: x through
         this layer's attention norm; positions [T]: each token's position in its sequence; rotary: theta ->
         (cos, sin) tables. Returns (x after the layer, that x through the next norm)."""
-        tokens, hidden = x.shape
         p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
         attention_p, attention_output_p, glu_p, ffn_p = self.dropout
         cos, sin = rotary[self.theta]
         q, k, v = table.qkv_rotary(normed, p["qkv_weight"], p["qkv_bias"], self.num_heads, positions, cos, sin)
-        if key_padding_mask is None:
-            context = table.attention(q, k, v, varlen.cu_seqlens, varlen.max_seqlen, None, self.scale, self.window,
-                                      *seeds(attention_p))
-        else:
-            shape = (varlen.batch, varlen.seqlen, self.num_heads, hidden // self.num_heads)
-            context = table.attention(q.view(shape), k.view(shape), v.view(shape), None, None, key_padding_mask,
-                                      self.scale, self.window, *seeds(attention_p))
-        x, normed = table.linear_residual_prenorm(context.view(tokens, hidden), p["attn_out_weight"],
-                                                  p["attn_out_bias"], x, p["ffn_norm_weight"], p["ffn_norm_bias"],
-                                                  self.eps, *seeds(attention_output_p))
+        context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, self.window, seeds(attention_p))
+        x, normed = table.linear_residual_prenorm(context, p["attn_out_weight"], p["attn_out_bias"], x,
+                                                  p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps,
+                                                  *seeds(attention_output_p))
         inner = dropout(table.linear_glu(normed, p["ffn_in_weight"], p["ffn_in_bias"], self.activation),
                         *seeds(glu_p))  # (unfused: ModernBERT's mlp_dropout, 0 in its released configs)
         return table.linear_residual_prenorm(inner, p["ffn_out_weight"], p["ffn_out_bias"], x, next_norm_weight,
@@ -281,14 +284,18 @@ class FastBertModel(nn.Module):
         if self.pre_norm:
             self.layers = nn.ModuleList(PreNormLayer(config, index) for index in range(config.num_unique_layers))
         else:
-            self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_unique_layers))
+            self.layers = nn.ModuleList(PostNormLayer(config) for _ in range(config.num_unique_layers))
         self.schedule = config.layer_schedule()
         if config.final_norm:
             _weight_and_bias(self, "final_norm", (config.hidden_size,), config.norm_bias)
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if config.has_pooler else None
 
     # ----------------------------------------------------------------------------------------------- inputs
-    def _position_ids(self, input_ids, inputs_embeds, batch, seqlen, device):
+    def default_position_ids(self, input_ids: torch.Tensor | None, batch: int, seqlen: int,
+                             device: torch.device) -> torch.Tensor:
+        """Position ids [B, S] for a call that gives none: 0..S-1; with offset positions (RoBERTa) the count of
+        non-pad tokens so far after the padding index, pad tokens at the padding index (transformers' rule), or
+        offset..offset+S-1 for inputs_embeds (``input_ids`` None)."""
         offset = self.config.position_offset
         if offset is None:
             return torch.arange(seqlen, device=device).expand(batch, seqlen)
@@ -297,7 +304,8 @@ class FastBertModel(nn.Module):
             return (torch.cumsum(not_pad, dim=1) * not_pad).long() + self.config.pad_token_id
         return torch.arange(offset, offset + seqlen, device=device).expand(batch, seqlen)
 
-    def _validate(self, input_ids, position_ids, token_type_ids):
+    def validate_ids(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,
+                     token_type_ids: torch.Tensor | None) -> None:
         """Range checks of the ids, one min/max pass each (reading them syncs a GPU: `validate_inputs=False`
         skips this for callers that have checked their inputs)."""
         cfg = self.config
@@ -317,6 +325,40 @@ class FastBertModel(nn.Module):
             if low < 0 or high >= cfg.type_vocab_size:
                 raise IndexError(f"token_type_ids must lie in [0, {cfg.type_vocab_size})")
 
+    @staticmethod
+    def _batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> tuple[int, int]:
+        """(batch, seqlen) of a call, after checking that it gives one well-formed, non-empty input."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids or inputs_embeds")
+        if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if inputs_embeds is not None and inputs_embeds.dim() != 3:
+            raise ValueError(f"inputs_embeds must be [batch, seq, embedding], got {tuple(inputs_embeds.shape)}")
+        batch, seqlen = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if batch == 0 or seqlen == 0:
+            raise ValueError(f"empty input: batch {batch} x sequence length {seqlen}; give at least one token")
+        return batch, seqlen
+
+    def _complete_ids(self, input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None,
+                      position_ids: torch.Tensor | None, batch: int, seqlen: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(position_ids, token_type_ids) [B, S] of a call: the given ones checked and broadcast over the batch,
+        the defaults otherwise (token types None for a model that has none)."""
+        for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            if ids is not None and (ids.dim() != 2 or ids.shape[0] not in (1, batch) or ids.shape[1] != seqlen):
+                raise ValueError(f"{name} must have shape [{batch}, {seqlen}] (or [1, {seqlen}]), got "
+                                 f"{tuple(ids.shape)}")
+        if position_ids is None:
+            position_ids = self.default_position_ids(input_ids, batch, seqlen, device)
+        else:
+            position_ids = position_ids.expand(batch, seqlen)
+        if token_type_ids is not None:
+            token_type_ids = token_type_ids.expand(batch, seqlen)
+        elif self.config.type_vocab_size:
+            token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
+        return position_ids, token_type_ids
+
     # ---------------------------------------------------------------------------------------------- forward
     def forward(
         self,
@@ -329,58 +371,41 @@ class FastBertModel(nn.Module):
     ) -> EncoderOutput:
         """Encode a batch. input_ids / attention_mask / token_type_ids / position_ids: [B, S]; inputs_embeds:
         [B, S, E] instead of input_ids. Returns last_hidden_state [B, S, H] with zeros at padded positions."""
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("give exactly one of input_ids or inputs_embeds")
-        source = input_ids if input_ids is not None else inputs_embeds
-        if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
-            raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} "
-                             f"{tuple(input_ids.shape)}")
-        if inputs_embeds is not None and inputs_embeds.dim() != 3:
-            raise ValueError(f"inputs_embeds must be [batch, seq, embedding], got {tuple(inputs_embeds.shape)}")
-        batch, seqlen = source.shape[:2]
-        if batch == 0 or seqlen == 0:
-            raise ValueError(f"empty input: batch {batch} x sequence length {seqlen}; give at least one token")
-        device = source.device
+        batch, seqlen = self._batch_shape(input_ids, inputs_embeds)
+        device = (input_ids if input_ids is not None else inputs_embeds).device
         # Under torch.compile, reading tensor values (checks, padding removal) would break the graph: the compiled
         # model skips the value checks and runs the padded form with a key padding mask instead. torch.jit.trace
         # takes the padded form too: a traced graph of the padding-free form would bake in the example's lengths.
         compiling = torch.compiler.is_compiling() or torch.jit.is_tracing()
         mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
-        for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
-            if ids is not None and (ids.dim() != 2 or ids.shape[0] not in (1, batch) or ids.shape[1] != seqlen):
-                raise ValueError(f"{name} must have shape [{batch}, {seqlen}] (or [1, {seqlen}]), got "
-                                 f"{tuple(ids.shape)}")
-        if position_ids is None:
-            position_ids = self._position_ids(input_ids, inputs_embeds, batch, seqlen, device)
-        else:
-            position_ids = position_ids.expand(batch, seqlen)
-        if token_type_ids is not None:
-            token_type_ids = token_type_ids.expand(batch, seqlen)
-        elif self.config.type_vocab_size:
-            token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
+        position_ids, token_type_ids = self._complete_ids(input_ids, token_type_ids, position_ids, batch, seqlen,
+                                                          device)
         if self.validate_inputs and not compiling:
-            self._validate(input_ids, position_ids, token_type_ids)
-
-        key_padding_mask = None
-        if compiling or not self.padding_free:
-            varlen = varlen_from_mask(None, batch, seqlen, device)
-            key_padding_mask = mask
-        else:
-            varlen = varlen_from_mask(mask, batch, seqlen, device)
+            self.validate_ids(input_ids, position_ids, token_type_ids)
+        padded = compiling or not self.padding_free
+        key_padding_mask = mask if padded else None
+        varlen = varlen_from_mask(None if padded else mask, batch, seqlen, device)
 
         types = None if token_type_ids is None else unpad_tokens(token_type_ids, varlen)
         positions = unpad_tokens(position_ids, varlen)
         tokens = unpad_tokens(input_ids if inputs_embeds is None else inputs_embeds, varlen)
         states = self.encode_tokens(tokens, positions, types, varlen, key_padding_mask,
                                     embedded=inputs_embeds is not None, all_states=output_hidden_states)
+        states = self._restore_padding(states, varlen, key_padding_mask)
+        hidden = states[-1]
+        return EncoderOutput(hidden, self.pool(hidden), tuple(states) if output_hidden_states else None)
+
+    def _restore_padding(self, states: list[torch.Tensor], varlen: VarlenBatch,
+                         key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
+        """Token states [T, H] back to [B, S, H], zeros at padded positions (kept as computed in the padded form
+        when ``zero_padded_rows`` is off)."""
         states = [pad_tokens(s, varlen) for s in states]
         if key_padding_mask is not None and self.zero_padded_rows:
             # The padded path computed rows for padding too: zero them as the padding-free path does (a select,
             # not a product: a NaN or Inf computed at a padded position must not survive as NaN * 0).
             keep = key_padding_mask[..., None]
             states = [torch.where(keep, s, s.new_zeros(())) for s in states]
-        hidden = states[-1]
-        return EncoderOutput(hidden, self.pool(hidden), tuple(states) if output_hidden_states else None)
+        return states
 
     def encode_tokens(self, tokens: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None,
                       varlen: VarlenBatch, key_padding_mask: torch.Tensor | None, embedded: bool = False,
