@@ -172,121 +172,11 @@ def _build(base: nn.Module, backend: str) -> _Build:
     # A first call often comes under inference_mode: the packed Q/K/V must still be ordinary tensors, since the
     # model's own query/key/value parameters become views of them (and may be trained later).
     with torch.inference_mode(False), torch.no_grad():
-        return _build_over(base, backend)
+        return _Builder(base).build(backend)
 
 
-def _build_over(base: nn.Module, backend: str) -> _Build:
-    submodules = [m for m in base.modules() if m is not base]
-    inputs = _signature(type(base))[1]
-    links: dict = {}
-    watched: list[tuple[object, str, object]] = []
-    tensors: list[nn.Parameter] = []
-
-    def refuse(reason: str) -> _Build:
-        """A build that runs transformers' code, watching what was read so far (a change may mend it)."""
-        return _Build(None, reason, list(links.values()), tensors, tuple(t.data_ptr() for t in tensors),
-                      submodules, watched=watched)
-
-    raw = base.config.to_dict()
-    if raw.get("pruned_heads"):
-        return refuse("attention heads were pruned (config.pruned_heads)")
-    try:
-        config = FastBertConfig.from_hf_dict(raw)
-    except ValueError as err:  # a config edited after optimize() (optimize itself raises for these)
-        return refuse(str(err))
-    # What transformers' modules hold wins over the config, which they read once when they were built: the
-    # number of layers in the module list, a pooler present or not, RoBERTa's padding index.
-    config.has_pooler = _link(links, base._modules, "pooler") is not None  # e.g. RoBERTa's MLM class has none
-
-    family = families.get(config.model_type)
-    # Config attributes the encoder reads on every call (ALBERT's depth and grouping)
-    watched += [(base.config, name, getattr(base.config, name)) for name in family.live_config]
-    if family.layer_list is not None:
-        stack = _module(base, family.layer_list)
-        if isinstance(stack, nn.ModuleList):
-            config.num_hidden_layers = len(stack)
-            _link(links, stack._modules, str(len(stack)))  # a layer appended later
-    embeddings = base._modules.get("embeddings")
-    if family.offset_positions and embeddings is not None and hasattr(embeddings, "padding_idx"):
-        config.pad_token_id = embeddings.padding_idx
-        watched.append((embeddings, "padding_idx", embeddings.padding_idx))
-    pairs = encoder_key_map(config)
-    found: dict[str, nn.Parameter] = {}
-    for ours, theirs in pairs:
-        for name in theirs:
-            param, reason = _resolve(base, name, _owner_kind(ours), links)
-            if reason is not None:
-                return refuse(reason)
-            found[name] = param
-    tensors.extend(found.values())
-    attention: list[tuple[int, float]] = []  # (heads, scaling) per unique layer, as the modules hold them
-    unsupported = _reason_of_tensors(tensors) or _read_modules(base, config, pairs, links, watched, attention)
-    if unsupported:
-        return refuse(unsupported)
-    # The tables' sizes come from the tensors, not the config: resize_token_embeddings and friends change both,
-    # but a config edited by hand would otherwise let an id past the table through the range check.
-    rows = {ours: found[theirs[0]].shape[0] for ours, theirs in pairs if len(theirs) == 1}
-    config.vocab_size = rows["embeddings.word_embeddings"]
-    if "embeddings.position_embeddings" in rows:  # rotary models have no table: the config's length stands
-        config.max_position_embeddings = rows["embeddings.position_embeddings"]
-    if config.type_vocab_size:
-        config.type_vocab_size = rows["embeddings.token_type_embeddings"]
-    with torch.device("meta"):
-        fast = FastBertModel(config, backend=backend)
-    expected = dict(fast.named_parameters())
-    owners = dict(fast.named_modules())
-    bad = []
-    for ours, theirs in pairs:
-        shape = (sum(found[k].shape[0] for k in theirs), *found[theirs[0]].shape[1:])
-        if torch.Size(shape) != expected[ours].shape:
-            bad.append(f"{' + '.join(theirs)}: {shape}, expected {tuple(expected[ours].shape)}")
-    if bad:
-        return refuse("tensors of unexpected shape: " + "; ".join(bad[:3]))
-    try:
-        output_class = _output_class(base)
-    except Exception as err:  # noqa: BLE001 - a model transformers cannot run once is not one to take over
-        return refuse(f"transformers' forward failed on one token: {type(err).__name__}: {err}")
-    packed_sources: dict[str, dict[str, tuple[nn.Parameter, ...]]] = {}
-    for ours, theirs in pairs:
-        owner_name, _, attr = ours.rpartition(".")
-        owner = owners[owner_name]
-        if len(theirs) == 1:
-            setattr(owner, attr, found[theirs[0]])
-            continue
-        params = [found[k] for k in theirs]
-        packed_sources.setdefault(owner_name, {})[attr] = tuple(params)
-        packed = torch.cat([p.detach() for p in params], dim=0)
-        offset = 0
-        for param in params:  # the originals become views of the packed tensor: one copy in memory
-            rows_here = param.shape[0]
-            param.data = packed[offset: offset + rows_here]
-            offset += rows_here
-        setattr(owner, attr, nn.Parameter(packed, requires_grad=False))
-    word_table = _module(base, family.embedding_params["word"])
-    fast.embeddings.padding_idx = word_table.padding_idx
-    watched.append((word_table, "padding_idx", word_table.padding_idx))
-    position_table = _module(base, family.embedding_params.get("position", ""))
-    if position_table is not None and fast.embeddings.position_embeddings is not None:
-        fast.embeddings.position_padding_idx = position_table.padding_idx
-        watched.append((position_table, "padding_idx", position_table.padding_idx))
-    for owner_name, sources in packed_sources.items():  # under autograd the layer concatenates the originals
-        owners[owner_name].qkv_sources = (sources["qkv_weight"], sources.get("qkv_bias", ()))
-    for index, (heads, scale) in enumerate(attention):
-        fast.layers[index].num_heads, fast.layers[index].scale = heads, scale
-    fast.eval()
-    # The padded form (torch.compile, jit.trace) computes padded rows as transformers does; keeping them makes a
-    # head that reads a padded position (left padding) agree with transformers there too.
-    fast.zero_padded_rows = False
-    return _Build(fast, None, list(links.values()), tensors, tuple(t.data_ptr() for t in tensors), submodules,
-                  output_class, inputs, watched)
-
-
-def _reason_of_tensors(tensors: list[torch.Tensor]) -> str | None:
-    dtypes, devices = {t.dtype for t in tensors}, {t.device for t in tensors}
-    if len(dtypes) > 1 or len(devices) > 1:
-        return (f"the encoder's tensors are on several dtypes/devices ({sorted(map(str, dtypes))}, "
-                f"{sorted(map(str, devices))})")
-    return None
+class _Refused(Exception):
+    """Raised by a build stage when fastbert cannot run the model as it is; the message says why."""
 
 
 # transformers' activation modules (by class name: their module paths move between versions) -> fastbert's name.
@@ -295,50 +185,220 @@ _ACTIVATION_MODULES = {"GELUActivation": "gelu", "NewGELUActivation": "gelu_tanh
 _HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 
 
-def _read_modules(base: nn.Module, config: FastBertConfig, pairs, links: dict, watched: list,
-                  attention: list) -> str | None:
-    """Copy into ``config`` what transformers' modules hold (LayerNorm eps, activation) and into ``attention``
-    the heads and scaling of each layer, recording what to watch; returns why fastbert cannot run these modules,
-    or None."""
-    eps = set()
-    for ours, theirs in pairs:
-        if _owner_kind(ours) == "embedding":  # nn.Embedding renormalises its rows in place when max_norm is set
-            table = _module(base, theirs[0].rpartition(".")[0])
-            watched.append((table, "max_norm", table.max_norm))
-        if _owner_kind(ours) == "norm" and ours.endswith("_weight"):
-            norm = _module(base, theirs[0].rpartition(".")[0])
-            eps.add(norm.eps)
-            watched.append((norm, "eps", norm.eps))
-    if len(eps) != 1:
-        return f"LayerNorms with different eps {sorted(eps)}"
-    config.layer_norm_eps = eps.pop()
+class _Builder:
+    """One build of fastbert's encoder over a transformers base model, in stages: read the configuration as the
+    modules hold it, find the mapped tensors, read what the modules hold beside them (eps, activation, heads),
+    create the encoder on the meta device, check its shapes, then give it the model's tensors. Each stage records
+    what it read (``links``, ``watched``), so that the build knows when it is stale, refused builds included: a
+    change to what made fastbert refuse may mend it."""
 
-    family = families.get(config.model_type)
-    activations = set()
-    for index in range(config.num_unique_layers):
-        layer = family.layer(config, index)
-        attn = _module(base, f"{layer}.{family.attention}")
+    def __init__(self, base: nn.Module):
+        self.base = base
+        self.submodules = [m for m in base.modules() if m is not base]
+        self.links: dict = {}  # (id(container), key) -> (container, key, object), see `_Build.links`
+        self.watched: list[tuple[object, str, object]] = []
+        self.tensors: list[nn.Parameter] = []
+
+    def build(self, backend: str) -> _Build:
+        """The build, or a refused one (``fast`` None, ``unsupported`` the reason)."""
+        try:
+            config = self.read_config()
+            pairs = encoder_key_map(config)
+            found = self.find_tensors(pairs)
+            self.read_norms(config, pairs)
+            attention = self.read_layers(config)
+            self.size_tables(config, pairs, found)
+            with torch.device("meta"):
+                fast = FastBertModel(config, backend=backend)
+            self.check_shapes(fast, pairs, found)
+            output_class = self.output_class()
+        except _Refused as refusal:
+            return self.result(None, str(refusal))
+        self.share_tensors(fast, pairs, found)
+        self.copy_module_settings(fast, config, attention)
+        return self.result(fast, None, output_class, _signature(type(self.base))[1])
+
+    def result(self, fast: FastBertModel | None, unsupported: str | None, output_class: type | None = None,
+               inputs: tuple[str, ...] = ENCODER_INPUTS) -> _Build:
+        tensors = self.tensors
+        return _Build(fast, unsupported, list(self.links.values()), tensors, tuple(t.data_ptr() for t in tensors),
+                      self.submodules, output_class, inputs, self.watched)
+
+    def read_config(self) -> FastBertConfig:
+        """fastbert's config from the model's, corrected by what transformers' modules hold: they read the config
+        once when they were built (the number of layers in the module list, a pooler present or not, RoBERTa's
+        padding index)."""
+        base = self.base
+        raw = base.config.to_dict()
+        if raw.get("pruned_heads"):
+            raise _Refused("attention heads were pruned (config.pruned_heads)")
+        try:
+            config = FastBertConfig.from_hf_dict(raw)
+        except ValueError as err:  # a config edited after optimize() (optimize itself raises for these)
+            raise _Refused(str(err)) from None
+        config.has_pooler = _link(self.links, base._modules, "pooler") is not None  # RoBERTa's MLM class has none
+        family = families.get(config.model_type)
+        # Config attributes the encoder reads on every call (ALBERT's depth and grouping)
+        self.watched += [(base.config, name, getattr(base.config, name)) for name in family.live_config]
+        if family.layer_list is not None:
+            stack = _module(base, family.layer_list)
+            if isinstance(stack, nn.ModuleList):
+                config.num_hidden_layers = len(stack)
+                _link(self.links, stack._modules, str(len(stack)))  # a layer appended later
+        embeddings = base._modules.get("embeddings")
+        if family.offset_positions and embeddings is not None and hasattr(embeddings, "padding_idx"):
+            config.pad_token_id = embeddings.padding_idx
+            self.watched.append((embeddings, "padding_idx", embeddings.padding_idx))
+        return config
+
+    def find_tensors(self, pairs: list[tuple[str, list[str]]]) -> dict[str, nn.Parameter]:
+        """The model's parameter behind each transformers name of ``pairs``, all on one dtype and device."""
+        found: dict[str, nn.Parameter] = {}
+        for ours, theirs in pairs:
+            for name in theirs:
+                param, reason = _resolve(self.base, name, _owner_kind(ours), self.links)
+                if reason is not None:
+                    raise _Refused(reason)
+                found[name] = param
+        self.tensors.extend(found.values())
+        dtypes, devices = {t.dtype for t in self.tensors}, {t.device for t in self.tensors}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise _Refused(f"the encoder's tensors are on several dtypes/devices ({sorted(map(str, dtypes))}, "
+                           f"{sorted(map(str, devices))})")
+        return found
+
+    def read_norms(self, config: FastBertConfig, pairs: list[tuple[str, list[str]]]) -> None:
+        """Copy the LayerNorms' eps into ``config`` (one for all), watching it and the embedding tables'
+        ``max_norm`` (nn.Embedding renormalises its rows in place when it is set)."""
+        eps = set()
+        for ours, theirs in pairs:
+            owner = _module(self.base, theirs[0].rpartition(".")[0])
+            if _owner_kind(ours) == "embedding":
+                self.watched.append((owner, "max_norm", owner.max_norm))
+            if _owner_kind(ours) == "norm" and ours.endswith("_weight"):
+                eps.add(owner.eps)
+                self.watched.append((owner, "eps", owner.eps))
+        if len(eps) != 1:
+            raise _Refused(f"LayerNorms with different eps {sorted(eps)}")
+        config.layer_norm_eps = eps.pop()
+
+    def read_layers(self, config: FastBertConfig) -> list[tuple[int, float]]:
+        """(heads, scaling) of each unique layer as its attention module holds them, and the activation (one for
+        all layers) into ``config``."""
+        family = families.get(config.model_type)
+        attention, activations = [], set()
+        for index in range(config.num_unique_layers):
+            layer = family.layer(config, index)
+            attention.append(self.read_attention(_module(self.base, f"{layer}.{family.attention}"), config))
+            activations.add(self.read_activation(f"{layer}.{family.ffn_activation}"))
+        if len(activations) != 1:
+            raise _Refused(f"layers with different activations {sorted(activations)}")
+        config.hidden_act = _HF_ACTIVATION[activations.pop()]
+        return attention
+
+    def read_attention(self, attn: nn.Module, config: FastBertConfig) -> tuple[int, float]:
+        """(heads, scaling) of one attention module, watching the attributes they come from."""
         heads = getattr(attn, "num_attention_heads", getattr(attn, "n_heads", None))
         head_dim = getattr(attn, "head_dim", None)
         if heads is None and isinstance(head_dim, int) and head_dim > 0:  # ModernBERT's holds the head size only
             heads = config.hidden_size // head_dim
         if not isinstance(heads, int) or heads <= 0 or config.hidden_size % heads:
-            return f"attention module {type(attn).__name__} with {heads!r} heads"
+            raise _Refused(f"attention module {type(attn).__name__} with {heads!r} heads")
         scale = float(getattr(attn, "scaling", (config.hidden_size // heads) ** -0.5))
-        watched += [(attn, name, getattr(attn, name)) for name in ("num_attention_heads", "n_heads", "head_dim",
-                                                                   "scaling") if hasattr(attn, name)]
-        attention.append((heads, scale))
-        parent_path, _, act_name = f"{layer}.{family.ffn_activation}".rpartition(".")
-        parent = _module(base, parent_path)
-        act = _link(links, parent._modules, act_name)
+        self.watched += [(attn, name, getattr(attn, name))
+                         for name in ("num_attention_heads", "n_heads", "head_dim", "scaling") if hasattr(attn, name)]
+        return heads, scale
+
+    def read_activation(self, path: str) -> str:
+        """fastbert's name of the activation module at ``path``, linked (a replaced activation rebuilds)."""
+        parent_path, _, act_name = path.rpartition(".")
+        act = _link(self.links, _module(self.base, parent_path)._modules, act_name)
         name = _ACTIVATION_MODULES.get(type(act).__name__)
         if name is None:
-            return f"activation {type(act).__name__} of {parent_path} (fastbert runs {sorted(_HF_ACTIVATION)})"
-        activations.add(name)
-    if len(activations) != 1:
-        return f"layers with different activations {sorted(activations)}"
-    config.hidden_act = _HF_ACTIVATION[activations.pop()]
-    return None
+            raise _Refused(f"activation {type(act).__name__} of {parent_path} (fastbert runs "
+                           f"{sorted(_HF_ACTIVATION)})")
+        return name
+
+    @staticmethod
+    def size_tables(config: FastBertConfig, pairs: list[tuple[str, list[str]]],
+                    found: dict[str, nn.Parameter]) -> None:
+        """The embedding tables' sizes into ``config``, from the tensors: resize_token_embeddings and friends
+        change both, but a config edited by hand would otherwise let an id past the table through the range
+        check."""
+        rows = {ours: found[theirs[0]].shape[0] for ours, theirs in pairs if len(theirs) == 1}
+        config.vocab_size = rows["embeddings.word_embeddings"]
+        if "embeddings.position_embeddings" in rows:  # rotary models have no table: the config's length stands
+            config.max_position_embeddings = rows["embeddings.position_embeddings"]
+        if config.type_vocab_size:
+            config.type_vocab_size = rows["embeddings.token_type_embeddings"]
+
+    @staticmethod
+    def check_shapes(fast: FastBertModel, pairs: list[tuple[str, list[str]]],
+                     found: dict[str, nn.Parameter]) -> None:
+        """Each mapped tensor (Q, K and V concatenated) has the shape of the parameter it becomes."""
+        expected = dict(fast.named_parameters())
+        bad = []
+        for ours, theirs in pairs:
+            shape = (sum(found[k].shape[0] for k in theirs), *found[theirs[0]].shape[1:])
+            if torch.Size(shape) != expected[ours].shape:
+                bad.append(f"{' + '.join(theirs)}: {shape}, expected {tuple(expected[ours].shape)}")
+        if bad:
+            raise _Refused("tensors of unexpected shape: " + "; ".join(bad[:3]))
+
+    def output_class(self) -> type:
+        try:
+            return _output_class(self.base)
+        except Exception as err:  # noqa: BLE001 - a model transformers cannot run once is not one to take over
+            raise _Refused(f"transformers' forward failed on one token: {type(err).__name__}: {err}") from None
+
+    @staticmethod
+    def share_tensors(fast: FastBertModel, pairs: list[tuple[str, list[str]]],
+                      found: dict[str, nn.Parameter]) -> None:
+        """Give ``fast`` the model's parameters. Q, K and V are packed into one new tensor and the originals
+        become views of it (one copy in memory); under autograd the layer concatenates the originals instead
+        (``qkv_sources``), so that gradients reach the parameters the model's optimizer holds."""
+        owners = dict(fast.named_modules())
+        packed_sources: dict[str, dict[str, tuple[nn.Parameter, ...]]] = {}
+        for ours, theirs in pairs:
+            owner_name, _, attr = ours.rpartition(".")
+            if len(theirs) == 1:
+                setattr(owners[owner_name], attr, found[theirs[0]])
+                continue
+            params = tuple(found[k] for k in theirs)
+            packed_sources.setdefault(owner_name, {})[attr] = params
+            setattr(owners[owner_name], attr, nn.Parameter(_pack_as_views(params), requires_grad=False))
+        for owner_name, sources in packed_sources.items():
+            owners[owner_name].qkv_sources = (sources["qkv_weight"], sources.get("qkv_bias", ()))
+
+    def copy_module_settings(self, fast: FastBertModel, config: FastBertConfig,
+                             attention: list[tuple[int, float]]) -> None:
+        """What transformers' modules hold beside their tensors (padding rows, heads, scaling) into ``fast``, and
+        the mode fastbert's path runs in."""
+        family = families.get(config.model_type)
+        word_table = _module(self.base, family.embedding_params["word"])
+        fast.embeddings.padding_idx = word_table.padding_idx
+        self.watched.append((word_table, "padding_idx", word_table.padding_idx))
+        position_table = _module(self.base, family.embedding_params.get("position", ""))
+        if position_table is not None and fast.embeddings.position_embeddings is not None:
+            fast.embeddings.position_padding_idx = position_table.padding_idx
+            self.watched.append((position_table, "padding_idx", position_table.padding_idx))
+        for index, (heads, scale) in enumerate(attention):
+            fast.layers[index].num_heads, fast.layers[index].scale = heads, scale
+        fast.eval()
+        # The padded form (torch.compile, jit.trace) computes padded rows as transformers does; keeping them makes
+        # a head that reads a padded position (left padding) agree with transformers there too.
+        fast.zero_padded_rows = False
+
+
+def _pack_as_views(params: tuple[nn.Parameter, ...]) -> torch.Tensor:
+    """The parameters concatenated along dim 0 into a new tensor, each parameter's data now a view of its rows."""
+    packed = torch.cat([p.detach() for p in params], dim=0)
+    offset = 0
+    for param in params:
+        rows = param.shape[0]
+        param.data = packed[offset: offset + rows]
+        offset += rows
+    return packed
 
 
 def _hook_reason(base: nn.Module, build: _Build) -> str | None:
@@ -501,7 +561,7 @@ def _run_encoder(fast: FastBertModel, inputs: dict, output_hidden_states: bool):
     if weight.dtype == dtype or not weight.is_floating_point():
         with torch.autocast(device_type, enabled=False):
             return fast(**inputs, output_hidden_states=output_hidden_states)
-    # Under autograd a layer concatenates Q/K/V from the model's own parameters (`EncoderLayer.packed_qkv`): its
+    # Under autograd a layer concatenates Q/K/V from the model's own parameters (`PostNormLayer.packed_qkv`): its
     # packed copy goes unread, so it is not cast (a 3H x H copy per layer and step).
     unread = {f"{name}.qkv_weight" for name, module in fast.named_modules()
               if torch.is_grad_enabled() and getattr(module, "qkv_sources", None) is not None}
