@@ -9,12 +9,15 @@ and `fastbert.optimize` (parameters shared with a live transformers module); the
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
 from fastbert import families
 from fastbert.config import FastBertConfig
+from fastbert.heads import build_task_model, head_key_map, redundant_checkpoint_keys
+from fastbert.model import FastBertModel
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Non-persistent buffers that older checkpoints saved; they carry no weights.
@@ -143,64 +146,76 @@ def from_pretrained(
     reported in a warning and in ``model.loading_info``; head keys that are missing (a base checkpoint loaded for
     fine-tuning) are initialised randomly and reported the same way.
     """
-    import warnings
-
-    from fastbert.model import FastBertModel
-
     directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory} is not a directory")
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise CheckpointError(f"{directory} has no config.json")
-    config = FastBertConfig.from_json_file(config_path)
-    source = read_state_dict(directory)
+    config, source = _read_checkpoint(directory)
     prefix = detect_prefix(config, source)
-    has_pooler_weights = any(k.startswith(f"{prefix}pooler") for k in source)
-    if task is None and not has_pooler_weights:
+    if task is None and not any(k.startswith(f"{prefix}pooler") for k in source):
         config.has_pooler = False  # saved without one (e.g. from a masked-LM class): no pooler_output
-    if task is None:
-        model = FastBertModel(config, backend=backend)
-        encoder, own_prefix, head_pairs = model, "", []
-    else:
-        from fastbert.heads import build_task_model, head_key_map
-
-        model = build_task_model(config, task, backend=backend)
-        encoder, own_prefix = model.encoder, "encoder."
-        head_pairs = head_key_map(config, task)
-    # The task model's encoder has a pooler only where its head reads one: map the encoder as built. A task
-    # checkpoint may lack the pooler (HF then initialises it), so the pooler is optional, like the heads.
-    encoder_pairs = [(own_prefix + ours, theirs) for ours, theirs in encoder_key_map(encoder.config, prefix)]
-    optional = head_pairs + [pair for pair in encoder_pairs if pair[0].startswith(own_prefix + "pooler.")]
-    required = [pair for pair in encoder_pairs if pair not in optional]
+    model, required, optional = _model_and_key_map(config, task, prefix, backend)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     present = [(ours, theirs) for ours, theirs in optional if all(k in source for k in theirs)]
     missing_head = [theirs[0] for ours, theirs in optional if not all(k in source for k in theirs)]
     state = map_state_dict(required + present, source, shapes, str(directory))
     used = {k for _, theirs in required + present for k in theirs}
     if task is not None:  # tied copies (a decoder's view of the word embeddings) are not unused weights
-        from fastbert.heads import redundant_checkpoint_keys
-
         used.update(redundant_checkpoint_keys(config, task))
     extra = unexpected_keys(source, used)
     model.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name not in state:  # heads absent from the checkpoint: HF's initialisation
-                if name.endswith("bias"):
-                    param.zero_()
-                elif param.dim() == 1:
-                    param.fill_(1.0)
-                else:
-                    param.normal_(0.0, config.extra.get("initializer_range", 0.02))
+    _initialise_missing(model, state, config.extra.get("initializer_range", 0.02))
     model.loading_info = {"unexpected_keys": extra, "missing_head_keys": missing_head}
-    if extra:
-        warnings.warn(f"{directory}: {len(extra)} checkpoint keys unused by fastbert ({task or 'encoder'}): "
-                      f"{', '.join(extra[:10])}" + (" ..." if len(extra) > 10 else ""), stacklevel=2)
-    if missing_head:
-        warnings.warn(f"{directory}: no weights for the {task} head ({', '.join(missing_head[:6])}); initialised "
-                      "randomly: fine-tune before use", stacklevel=2)
+    _warn_about_keys(directory, task, extra, missing_head)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model.to(device=device, dtype=dtype)
     return model.eval()
+
+
+def _read_checkpoint(directory: Path) -> tuple[FastBertConfig, dict[str, torch.Tensor]]:
+    """(config, tensors) of a checkpoint directory; CheckpointError when it is not one."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    return FastBertConfig.from_json_file(config_path), read_state_dict(directory)
+
+
+def _model_and_key_map(config: FastBertConfig, task: str | None, prefix: str, backend: str):
+    """(model, required pairs, optional pairs): the model to load, with the (fastbert key, [checkpoint keys]) pairs
+    a checkpoint must hold and those it may lack (the head, and the pooler: HF initialises both when absent)."""
+    if task is None:
+        model = FastBertModel(config, backend=backend)
+        encoder, own_prefix, head_pairs = model, "", []
+    else:
+        model = build_task_model(config, task, backend=backend)
+        encoder, own_prefix = model.encoder, "encoder."
+        head_pairs = head_key_map(config, task)
+    # The task model's encoder has a pooler only where its head reads one: map the encoder as built.
+    encoder_pairs = [(own_prefix + ours, theirs) for ours, theirs in encoder_key_map(encoder.config, prefix)]
+    optional = head_pairs + [pair for pair in encoder_pairs if pair[0].startswith(own_prefix + "pooler.")]
+    required = [pair for pair in encoder_pairs if pair not in optional]
+    return model, required, optional
+
+
+def _initialise_missing(model: torch.nn.Module, loaded: dict[str, torch.Tensor], initializer_range: float) -> None:
+    """HF's initialisation for the parameters the checkpoint did not hold (a head absent from it): zero biases,
+    unit norm weights, normal(0, initializer_range) matrices."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in loaded:
+                continue
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, initializer_range)
+
+
+def _warn_about_keys(directory: Path, task: str | None, extra: list[str], missing_head: list[str]) -> None:
+    if extra:
+        warnings.warn(f"{directory}: {len(extra)} checkpoint keys unused by fastbert ({task or 'encoder'}): "
+                      f"{', '.join(extra[:10])}" + (" ..." if len(extra) > 10 else ""), stacklevel=3)
+    if missing_head:
+        warnings.warn(f"{directory}: no weights for the {task} head ({', '.join(missing_head[:6])}); initialised "
+                      "randomly: fine-tune before use", stacklevel=3)
