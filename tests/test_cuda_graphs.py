@@ -10,7 +10,7 @@ import torch
 
 import fastbert
 from fastbert.cuda_graphs import CudaGraphEncoder, encode_padded
-from tests.hf_tiny import padded_batch, rel_err, tiny_model
+from tests.helpers import padded_batch, rel_err, tiny_model
 
 
 def _fast_model(family: str, backend: str):

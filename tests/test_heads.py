@@ -15,7 +15,7 @@ import torch
 
 import fastbert
 from fastbert.heads import TASKS
-from tests.hf_tiny import VOCAB, tiny_config, tiny_model
+from tests.helpers import VOCAB, tiny_config, tiny_model
 
 SEQ = 9
 LENGTHS = (SEQ, 1, 5)  # mixed: full, a single token, in between

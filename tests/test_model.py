@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fastbert
-from tests.hf_tiny import FAMILIES, MAX_POSITIONS, VOCAB, padded_batch, rel_err, tiny_model
+from tests.helpers import FAMILIES, MAX_POSITIONS, VOCAB, padded_batch, rel_err, tiny_model
 
 
 def _save(model, directory, safe: bool = True):

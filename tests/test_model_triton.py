@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import fastbert
-from tests.hf_tiny import FAMILIES, padded_batch, rel_err, tiny_model
-from tests.numerics import DEVICE, max_error
+from tests.helpers import DEVICE, FAMILIES, max_error, padded_batch, rel_err, tiny_model
 
 # hidden 64 with 2 heads: head_dim 32, one of the BERT-family sizes (the default tiny models have head_dim 8)
 WIDE = {"hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 96}

@@ -12,7 +12,7 @@ import transformers
 import fastbert
 from fastbert import backends
 from fastbert.bench.recording import backends_used, record_backends
-from tests.hf_tiny import HEADS, VOCAB, fused_ops, padded_batch, rel_err, tiny_model
+from tests.helpers import HEADS, fused_ops, optimize_inputs, padded_batch, rel_err, tiny_model
 
 # CI builds the C++ extension: every op must run on it (a `supports` regression that falls back to eager fails).
 EXPECTED_BACKEND = "eager" if os.environ.get("FASTBERT_SKIP_EXT", "0").lower() in ("1", "true", "yes") else "cpp"
@@ -25,40 +25,6 @@ def expected_backends(model) -> dict[str, str]:
     not implemented yet runs on eager)."""
     return {op: EXPECTED_BACKEND if EXPECTED_BACKEND in backends._REGISTRY.get(op, {}) else "eager"
             for op in fused_ops(model)}
-
-
-def _inputs(family: str, head: str, model) -> dict:
-    pad = model.config.pad_token_id or 0
-    batch, seqlen = 4, 9
-    full_length = head == "ForQuestionAnswering"  # HF's span loss also softmaxes padded positions: see README
-    ids, mask = padded_batch(batch, seqlen, pad_id=pad)
-    if full_length:
-        mask = torch.ones_like(mask)
-    inputs = {"input_ids": ids, "attention_mask": mask}
-    if family in ("bert", "albert", "electra"):
-        inputs["token_type_ids"] = (torch.arange(seqlen) >= 4).long().expand(batch, seqlen).contiguous()
-    gen = torch.Generator().manual_seed(2)
-    token_labels = torch.randint(0, VOCAB, (batch, seqlen), generator=gen).masked_fill(mask == 0, -100)
-    if head == "ForMaskedLM":
-        inputs["labels"] = token_labels
-    elif head == "ForNextSentencePrediction":
-        inputs["labels"] = torch.tensor([0, 1, 1, 0])
-    elif head == "ForPreTraining":
-        if family == "electra":
-            inputs["labels"] = torch.randint(0, 2, (batch, seqlen), generator=gen)
-        else:
-            inputs["labels"] = token_labels
-            inputs["next_sentence_label" if family == "bert" else "sentence_order_label"] = torch.tensor([0, 1, 1, 0])
-    elif head == "ForSequenceClassification":
-        inputs["labels"] = torch.tensor([0, 1, 1, 0])
-    elif head == "ForTokenClassification":
-        inputs["labels"] = torch.randint(0, 2, (batch, seqlen), generator=gen).masked_fill(mask == 0, -100)
-    elif head == "ForQuestionAnswering":
-        inputs["start_positions"], inputs["end_positions"] = torch.tensor([0, 2, 5, 8]), torch.tensor([1, 3, 7, 8])
-    elif head == "ForMultipleChoice":
-        inputs = {k: v[None].expand(2, *v.shape).contiguous() for k, v in inputs.items()}  # [B=2, C=4, S]
-        inputs["labels"] = torch.tensor([1, 3])
-    return inputs
 
 
 def _compare(reference, optimized, mask: torch.Tensor) -> dict[str, float]:
@@ -80,7 +46,7 @@ def test_optimize_matches_transformers(family, head):
     reference = tiny_model(family, head)
     optimized = fastbert.optimize(copy.deepcopy(reference))
     assert type(optimized) is type(reference)
-    inputs = _inputs(family, head, reference)
+    inputs = optimize_inputs(family, head, reference)
     with torch.inference_mode(), record_backends() as seen:
         expected = reference(**inputs)
         actual = optimized(**inputs)

@@ -16,8 +16,7 @@ import torch
 import fastbert
 from fastbert.bench.recording import record_backends
 from fastbert.numerics import assert_accurate
-from tests.hf_tiny import HEADS, fused_ops, padded_batch, rel_err, tiny_config, tiny_model
-from tests.test_optimize import _inputs
+from tests.helpers import HEADS, fused_ops, optimize_inputs, padded_batch, rel_err, tiny_config, tiny_model
 
 CASES = [(family, head) for family, heads in HEADS.items() for head in heads]
 # Gradients: fp32 sums in another order. Their error relative to the model's largest gradient must stay within
@@ -69,7 +68,7 @@ def _fastbert_warnings(record) -> list[str]:
 def test_training_step_matches_transformers(family, head):
     reference = tiny_model(family, head, **no_dropout(family)).train()
     optimized = fastbert.optimize(copy.deepcopy(reference)).train()
-    inputs = _inputs(family, head, reference)
+    inputs = optimize_inputs(family, head, reference)
     expected_loss, expected = _step(reference, inputs)
     with warnings.catch_warnings(record=True) as record, record_backends() as seen:
         warnings.simplefilter("always")
@@ -141,7 +140,7 @@ def test_optimizer_steps_reach_the_optimized_model():
     (Not Adam: it scales the rounding noise of gradients that are zero in theory up to full-size steps.)"""
     reference = tiny_model("bert", "ForSequenceClassification", **no_dropout("bert")).train()
     optimized = fastbert.optimize(copy.deepcopy(reference)).train()
-    inputs = _inputs("bert", "ForSequenceClassification", reference)
+    inputs = optimize_inputs("bert", "ForSequenceClassification", reference)
     for model in (reference, optimized):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for _ in range(3):
@@ -159,7 +158,7 @@ def test_optimizer_steps_reach_the_optimized_model():
 
 def test_what_cannot_train_through_fastbert_falls_back_with_its_reason():
     model = fastbert.optimize(tiny_model("bert", "ForSequenceClassification")).train()
-    inputs = _inputs("bert", "ForSequenceClassification", model)
+    inputs = optimize_inputs("bert", "ForSequenceClassification", model)
     model.gradient_checkpointing_enable()
     with pytest.warns(UserWarning, match="gradient checkpointing"), record_backends() as seen:
         model(**inputs).loss.backward()
@@ -180,7 +179,7 @@ def test_autocast_training_step_is_as_accurate_as_transformers(family):
     head = "ForSequenceClassification"
     reference = tiny_model(family, head, **no_dropout(family)).train()
     optimized = fastbert.optimize(copy.deepcopy(reference)).train()
-    inputs = _inputs(family, head, reference)
+    inputs = optimize_inputs(family, head, reference)
     exact_loss, exact = _step(reference, inputs)
     plain_loss, plain = _step(copy.deepcopy(reference).to(torch.bfloat16), inputs)
     with torch.autocast("cpu", dtype=torch.bfloat16), record_backends() as seen:

@@ -16,9 +16,7 @@ import torch.nn.functional as F
 import fastbert
 from fastbert import backends, ops
 from fastbert.backends import cpp as cpp  # imports even without fastbert._C; test_extension_loads checks it
-from tests.backends.test_dispatch import check_padding_poison
-from tests.hf_tiny import FAMILIES, padded_batch, rel_err, tiny_model
-from tests.numerics import assert_accurate
+from tests.helpers import FAMILIES, assert_accurate, check_padding_poison, padded_batch, rel_err, tiny_model
 
 WIDTHS = (1, 7, 130, 383)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

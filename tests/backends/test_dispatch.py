@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fastbert import backends, ops
+from tests.helpers import check_padding_poison, padded_batch, tiny_model
 
 
 def _linear_args(dtype=torch.float32):
@@ -81,39 +82,6 @@ def test_op_argument_errors():
 
 
 # --------------------------------------------------------------------------------- poison at padded positions
-POISONS = (float("nan"), float("inf"), float("-inf"))
-
-
-def check_padding_poison(backend: str, dtype: torch.dtype, head_dim: int, seqlen: int = 7, heads: int = 2,
-                         device: str | torch.device = "cpu") -> None:
-    """NaN, +Inf and -Inf in q, k, v at masked positions (padded form) must not reach a real query's output: real
-    rows bit-identical to the run with zeros there and finite; the all-masked row zeros. Batch rows: holes plus
-    right padding, right padding only, all masked, a single real key mid-sequence. q, k, v are strided views of
-    one [B, S, 3, heads, D] buffer, as qkv_projection returns them."""
-    gen = torch.Generator().manual_seed(100 * seqlen + head_dim)
-    qkv = torch.randn(4, seqlen, 3, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    mask = torch.ones(4, seqlen, dtype=torch.bool)
-    mask[0, [1, seqlen - 4]] = False
-    mask[0, -2:] = False
-    mask[1, 3:] = False
-    mask[2] = False
-    mask[3] = False
-    mask[3, seqlen // 2] = True
-    mask = mask.to(device)
-    masked = ~mask[:, :, None, None, None]
-    # every element cycles through NaN, +Inf, -Inf, so each masked row mixes all three in q, k and v
-    cycle = torch.arange(qkv.numel(), device=device).view(qkv.shape) % len(POISONS)
-    poison = torch.tensor(POISONS, dtype=dtype, device=device)[cycle]
-    outputs = {}
-    for name, fill in (("zeros", torch.zeros_like(qkv)), ("poison", poison)):
-        q, k, v = torch.where(masked, fill, qkv).unbind(2)
-        outputs[name] = ops.attention(q, k, v, key_padding_mask=mask, backend=backend)
-    clean, dirty = outputs["zeros"], outputs["poison"]
-    assert torch.isfinite(dirty[mask]).all(), f"{backend}: NaN/Inf at padded positions reached real rows"
-    assert torch.equal(dirty[mask], clean[mask]), f"{backend}: padded positions' values changed real rows"
-    assert torch.equal(dirty[2], torch.zeros_like(dirty[2])), f"{backend}: an all-masked row must give zeros"
-
-
 @pytest.mark.parametrize("head_dim", (8, 16), ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 def test_eager_attention_ignores_nan_and_inf_at_padded_positions(dtype, head_dim):
@@ -164,7 +132,6 @@ def test_a_backend_that_fails_to_load_warns_once_when_an_op_wants_it(monkeypatch
 
 def test_explain_a_model_says_which_backend_each_op_ran_on():
     import fastbert
-    from tests.hf_tiny import padded_batch, tiny_model
 
     model = fastbert.optimize(tiny_model("bert", "ForSequenceClassification"), backend="eager")
     assert "has not run" in backends.explain(model)

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from fastbert import backends, ops
-from tests.numerics import DEVICE, rand
+from tests.helpers import DEVICE, rand
 
 OPS = tuple(ops.SPECS)
 

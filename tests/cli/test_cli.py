@@ -11,7 +11,7 @@ import torch
 from fastbert import cli
 from fastbert.bench import peers
 from fastbert.bench.machine import machine_tag
-from tests.hf_tiny import tiny_model
+from tests.helpers import tiny_model
 
 SIMILAR = ("A cat is sleeping on the sofa.", "A kitten naps on the couch.")
 UNRELATED = "The stock market fell sharply after the announcement."

@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import transformers  # noqa: E402
 
-from tests.clients.helpers import NER_LABELS, NLI_LABELS, minilm_head_model, optimized_copy  # noqa: E402
+from tests.helpers import NER_LABELS, NLI_LABELS, minilm_head_model, optimized_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from torch import nn
 
 import fastbert
 from fastbert.bench.recording import record_backends
-from tests.hf_tiny import ARCHITECTURE_OPS, HEADS, VOCAB, fused_ops, padded_batch, rel_err, tiny_model
+from tests.helpers import ARCHITECTURE_OPS, HEADS, VOCAB, fused_ops, padded_batch, rel_err, tiny_model
 
 FAST = set(ARCHITECTURE_OPS["post"])  # the ops of BERT's layers: the tests below run BERT unless they say otherwise
 

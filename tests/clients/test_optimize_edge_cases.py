@@ -19,7 +19,7 @@ from torch import nn
 import fastbert
 from fastbert.bench.recording import record_backends
 from fastbert.numerics import assert_accurate
-from tests.hf_tiny import ARCHITECTURE_OPS, padded_batch, rel_err, tiny_config, tiny_model
+from tests.helpers import ARCHITECTURE_OPS, padded_batch, rel_err, tiny_config, tiny_model
 
 FAST = set(ARCHITECTURE_OPS["post"])  # the ops of BERT's layers: the tests below run BERT
 

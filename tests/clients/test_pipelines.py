@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import transformers
 
-from tests.clients.helpers import (
+from tests.helpers import (
     BATCHING,
     FAMILY_INPUT_NAMES,
     OTHER_FAMILIES,

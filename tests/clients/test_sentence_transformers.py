@@ -13,8 +13,7 @@ from sentence_transformers import SentenceTransformer
 import fastbert
 from fastbert.bench.recording import backends_used, record_backends
 from fastbert.common.text import SENTENCES
-from tests.clients.helpers import assert_close, run_both
-from tests.hf_tiny import ARCHITECTURE_OPS
+from tests.helpers import ARCHITECTURE_OPS, assert_close, run_both
 
 # Mixed lengths: a 1-word text, sentences, and one longer than the model's max_seq_length (truncated).
 LONG_TEXT = " ".join(SENTENCES * 2)

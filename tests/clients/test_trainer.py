@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import transformers
 
-from tests.clients.helpers import NLI_LABELS, TEXTS, assert_close, minilm_head_model, optimized_copy, run_both
+from tests.helpers import NLI_LABELS, TEXTS, assert_close, minilm_head_model, optimized_copy, run_both
 
 EXAMPLES = [*TEXTS, "Ok", "The new library opened in 1998 and holds more than two million books.", "Rain again?"]
 BATCH = 4

@@ -11,8 +11,8 @@ from fastbert import families
 from fastbert.config import FastBertConfig
 from fastbert.heads import supported_tasks
 from fastbert.loading import encoder_key_map
-from tests.hf_tiny import FAMILIES as TINY_FAMILIES
-from tests.hf_tiny import tiny_model
+from tests.helpers import FAMILIES as TINY_FAMILIES
+from tests.helpers import tiny_model
 
 
 def test_registry_covers_the_tested_model_types():

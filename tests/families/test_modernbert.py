@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import fastbert
 from fastbert.config import FastBertConfig
 from fastbert.loading import CheckpointError
-from tests.hf_tiny import VOCAB, rel_err, tiny_model
+from tests.helpers import VOCAB, rel_err, tiny_model
 
 LONG = 48  # longer than every window below, within max_position_embeddings
 MAX_POSITIONS = 64

@@ -8,9 +8,18 @@ import pytest
 import torch
 
 from fastbert import backends, ops
-from tests.backends.test_dispatch import check_padding_poison
-from tests.numerics import DEVICE, DTYPE_IDS
-from tests.ops import test_attention_window as window_checks
+from tests.helpers import (
+    DEVICE,
+    DTYPE_IDS,
+    check_against_reference,
+    check_no_key_in_window_gives_zeros,
+    check_packed_matches_padded,
+    check_padding_poison,
+    check_rule_matches_transformers,
+    check_wide_window_is_global,
+    check_window_poison,
+    cu_seqlens_of,
+)
 from tools.op_checks import check_packed, check_padded
 
 ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
@@ -109,30 +118,30 @@ def test_window_rule_matches_transformers_modernbert_mask():
     """Which keys each query attends (probed through the output) equals transformers' ModernBERT mask: padded with
     holes and an all-padding row, packed lengths 1, 7, 13; the odd window 7 (half 3) and the even 16 (half 8)."""
     for window in (7, 16):
-        window_checks.check_rule_matches_transformers("triton", window, device=DEVICE)
+        check_rule_matches_transformers("triton", window, device=DEVICE)
 
 
 def test_window_packed_fp16_lengths_1_7_130():
-    window_checks.check_against_reference("triton", torch.float16, 16, [1, 7, 130], head_dim=64, device=DEVICE)
+    check_against_reference("triton", torch.float16, 16, [1, 7, 130], head_dim=64, device=DEVICE)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # NaN q at padded rows
 def test_window_without_a_real_key_gives_zeros_and_masked_nan_does_not_leak():
-    window_checks.check_no_key_in_window_gives_zeros("triton", torch.float16, device=DEVICE)
-    window_checks.check_window_poison("triton", torch.float32, 7, device=DEVICE)
+    check_no_key_in_window_gives_zeros("triton", torch.float16, device=DEVICE)
+    check_window_poison("triton", torch.float32, 7, device=DEVICE)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("window", [0, 1, 2, 128], ids=lambda w: f"w{w}")
 def test_window_rule_other_widths(window):
-    window_checks.check_rule_matches_transformers("triton", window, device=DEVICE)
+    check_rule_matches_transformers("triton", window, device=DEVICE)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("window", [1, 2, 7, 16, 128], ids=lambda w: f"w{w}")
 def test_window_packed(window, dtype):
-    window_checks.check_against_reference("triton", dtype, window, [1, 7, 130], head_dim=64, device=DEVICE)
+    check_against_reference("triton", dtype, window, [1, 7, 130], head_dim=64, device=DEVICE)
 
 
 @pytest.mark.interpreter
@@ -140,26 +149,26 @@ def test_window_packed(window, dtype):
 @pytest.mark.parametrize("window", [2, 7, 128], ids=lambda w: f"w{w}")
 def test_window_padded(window, dtype):
     """Right padding and an all-padding row (zeros), an explicit scale."""
-    window_checks.check_against_reference("triton", dtype, window, [130, 7, 1, 0], head_dim=32, form="padded",
+    check_against_reference("triton", dtype, window, [130, 7, 1, 0], head_dim=32, form="padded",
                                           device=DEVICE, scale=0.3)
 
 
 @pytest.mark.interpreter
 def test_window_128_over_a_long_sequence():
     """S = 520 with blocks of 64: query blocks in the middle skip whole key blocks on both sides."""
-    window_checks.check_against_reference("triton", torch.bfloat16, 128, [520, 3], heads=1, head_dim=64,
+    check_against_reference("triton", torch.bfloat16, 128, [520, 3], heads=1, head_dim=64,
                                           device=DEVICE)
 
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("seqlen", [1, 7, 130], ids=lambda s: f"S{s}")
 def test_window_wider_than_the_sequence_is_global(seqlen):
-    window_checks.check_wide_window_is_global("triton", torch.float16, seqlen, device=DEVICE)
+    check_wide_window_is_global("triton", torch.float16, seqlen, device=DEVICE)
 
 
 @pytest.mark.interpreter
 def test_window_packed_and_padded_agree():
-    window_checks.check_packed_matches_padded("triton", torch.float32, 7, [1, 7, 70], device=DEVICE)
+    check_packed_matches_padded("triton", torch.float32, 7, [1, 7, 70], device=DEVICE)
 
 
 @pytest.mark.interpreter
@@ -167,13 +176,13 @@ def test_window_packed_and_padded_agree():
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)])
 def test_window_nan_and_inf_at_masked_keys_never_reach_real_rows(dtype):
-    window_checks.check_window_poison("triton", dtype, 2, device=DEVICE)
+    check_window_poison("triton", dtype, 2, device=DEVICE)
 
 
 @pytest.mark.interpreter
 def test_window_opcheck():
     q, k, v = torch.randn(10, 3, 2, 8, device=DEVICE).unbind(1)
-    cu_seqlens = window_checks.cu_seqlens_of([3, 0, 7], DEVICE)
+    cu_seqlens = cu_seqlens_of([3, 0, 7], DEVICE)
     torch.library.opcheck(torch.ops.fastbert.triton_attention.default, (q, k, v, cu_seqlens, 7, None, None, 2))
     q, k, v = torch.randn(2, 6, 3, 2, 8, device=DEVICE).unbind(2)
     mask = torch.tensor([[True] * 4 + [False] * 2, [False] * 6], device=DEVICE)

@@ -22,8 +22,7 @@ import torch
 
 from fastbert import backends
 from fastbert.numerics import assert_accurate
-from tests.numerics import DEVICE, DTYPE_IDS
-from tests.ops.test_backward import HEADS, attention_args, check_grads, run_grads
+from tests.helpers import DEVICE, DTYPE_IDS, OP_HEADS, attention_args, check_grads, padded_batch, run_grads, tiny_model
 
 HALF_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)]
 attention_spec = importlib.import_module("fastbert.ops.attention")  # (fastbert.ops.attention: the function)
@@ -68,7 +67,7 @@ def check_grads_with_kernel_mask(monkeypatch, args: tuple, p: float, seed: int) 
     q, cu_seqlens, max_seqlen = args[0], args[3], args[4]
     batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
     seqlen = max_seqlen if cu_seqlens is not None else q.shape[1]
-    mask = triton_keep_mask(batch, HEADS, seqlen, p, seed)
+    mask = triton_keep_mask(batch, OP_HEADS, seqlen, p, seed)
     assert 0 < mask.double().mean() < 1
 
     def kernel_mask(shape, p_, seed_, device):
@@ -319,7 +318,6 @@ def test_encoder_trains_on_triton_with_attention_dropout(monkeypatch, tmp_path):
     another seed changing them."""
     import fastbert
     from fastbert.bench.recording import record_backends
-    from tests.hf_tiny import padded_batch, tiny_model
 
     thresholds = []
     for module in loaded_copies():

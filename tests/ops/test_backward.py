@@ -11,12 +11,28 @@ import importlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fastbert
 from fastbert import backends, ops
 from fastbert.numerics import assert_accurate
 from fastbert.ops.spec import SPECS
+from tests.helpers import (
+    IN_FEATURES,
+    OP_HEADS,
+    OUT_FEATURES,
+    TOKEN_OPS,
+    attention_args,
+    attention_call,
+    check_grads,
+    float_tensor,
+    gradcheck_spec,
+    op_args,
+    padded_batch,
+    run_grads,
+    spec_function,
+    tiny_model,
+    torch_op_args,
+)
 
 cpp = importlib.import_module("fastbert.backends.cpp")  # imports without its extension (the fixture below fails)
 
@@ -27,93 +43,6 @@ def _extension_built():
     import its helpers, e.g. tests/ops/test_triton_backward.py, and need no extension)."""
     if cpp.EXTENSION_ERROR is not None:
         pytest.fail(cpp.EXTENSION_ERROR)
-
-
-HEADS, HEAD_DIM, IN_FEATURES, OUT_FEATURES, POSITIONS = 2, 8, 24, 40, 150
-
-
-# ------------------------------------------------------------------------------------------------------ cases
-def _float(shape, dtype, gen, scale=1.0, grad=True):
-    t = (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
-    return t.requires_grad_(grad)
-
-
-def op_args(op: str, rows: int, dtype: torch.dtype, variant: str = "full", seed: int = 0,
-            small: bool = False) -> tuple:
-    """The functional entry's positional arguments (the order `dispatch` passes) for ``rows`` tokens; float tensors
-    require grad. Variants: "full" (every optional given), "none" (optional tensors None), an activation name.
-    ``small``: narrower features (for gradcheck, which perturbs every element)."""
-    gen = torch.Generator().manual_seed(seed)
-    full = variant != "none"
-    in_features, out_features = (4, 6) if small else (IN_FEATURES, OUT_FEATURES)
-    head_dim, vocab, positions = (2, 7, 5) if small else (HEAD_DIM, 30, 20)
-
-    def f(*shape, scale=1.0):
-        return _float(shape, dtype, gen, scale)
-
-    if op == "embedding_layernorm":
-        ids = torch.randint(0, vocab, (rows,), generator=gen)
-        position_ids = torch.randint(0, positions, (rows,), generator=gen) if full else None
-        types = torch.randint(0, 2, (rows,), generator=gen) if full else None  # None: row 0 of the type table
-        return (ids, position_ids, types, f(vocab, out_features), f(positions, out_features) if full else None,
-                f(2, out_features), f(out_features), f(out_features) if full else None, 1e-12)
-    width = 3 * HEADS * head_dim
-    if op == "qkv_projection":
-        return (f(rows, in_features), f(width, in_features, scale=0.2), f(width) if full else None, HEADS)
-    if op == "qkv_rotary":
-        cos, sin = ops.rotary_tables(10000.0, head_dim, POSITIONS)
-        position_ids = torch.randint(0, POSITIONS, (rows,), generator=gen)
-        return (f(rows, in_features), f(width, in_features, scale=0.2), f(width) if full else None, HEADS,
-                position_ids, cos.clone().requires_grad_(), sin.clone().requires_grad_())
-    if op in ("linear_activation", "linear_glu"):
-        activation = variant if variant in ops.ACTIVATIONS else "gelu"
-        out = out_features * (2 if op == "linear_glu" else 1)
-        return (f(rows, in_features), f(out, in_features, scale=0.2), f(out) if full else None, activation)
-    if op in ("linear_residual_layernorm", "linear_residual_prenorm"):
-        return (f(rows, in_features), f(out_features, in_features, scale=0.2), f(out_features) if full else None,
-                f(rows, out_features), f(out_features), f(out_features) if full else None, 1e-5)
-    raise KeyError(op)
-
-
-TOKEN_OPS = [op for op in SPECS if op != "attention"]
-
-
-def _upcast(args: tuple) -> tuple:
-    """Float tensors as float64 leaves (requiring grad as the originals do); the rest as they are."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.is_floating_point():
-            a = a.detach().double().requires_grad_(a.requires_grad)
-        out.append(a)
-    return tuple(out)
-
-
-def run_grads(fn, args: tuple, seed: int = 7) -> tuple[torch.Tensor, ...]:
-    """Gradients of sum(output * fixed random weights) with respect to every float input that requires grad."""
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    out = fn(*args)
-    out = out if isinstance(out, tuple) else (out,)
-    gen = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
-               for o in out)
-    return torch.autograd.grad(loss, leaves)
-
-
-def check_grads(op: str, args: tuple, backend: str, call=None) -> None:
-    """``backend``'s gradients against the eager op's autograd in float64 (the reference) and in the tested
-    dtype (plain PyTorch, for the bf16 rule)."""
-    def on(name):  # eager: the spec's function itself (the reference's float64 tables pass no dtype check)
-        if call is not None:
-            return call(name)
-        return SPECS[op].eager if name == "eager" else (lambda *a: getattr(ops, op)(*a, backend=name))
-
-    fast = run_grads(on(backend), args)
-    plain = run_grads(on("eager"), args)
-    reference = run_grads(on("eager"), _upcast(args))
-    names = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    assert len(fast) == len(names) > 0
-    for index, f, p, r in zip(names, fast, plain, reference, strict=True):
-        assert_accurate(f, p, r, what=f"{op} {backend} grad of argument {index}")
 
 
 # ------------------------------------------------------------------------------------------------ token ops
@@ -148,40 +77,18 @@ def test_batched_leading_shape_and_only_some_inputs_requiring_grad():
 
 
 # ------------------------------------------------------------------------------------------------ attention
-def attention_args(form: str, lengths: list[int], dtype=torch.float32, seed: int = 0, scale=None, window=None,
-                   head_dim: int = HEAD_DIM, requires_grad: bool = True):
-    """(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window): packed over ``lengths`` or padded to the
-    longest with a key mask (None when nothing is padded)."""
-    gen = torch.Generator().manual_seed(seed)
-    longest = max(lengths)
-    if form == "packed":
-        shape = (sum(lengths), HEADS, head_dim)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        q, k, v = (_float(shape, dtype, gen, grad=requires_grad) for _ in range(3))
-        return q, k, v, cu, longest, None, scale, window
-    shape = (len(lengths), longest, HEADS, head_dim)
-    mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
-    q, k, v = (_float(shape, dtype, gen, grad=requires_grad) for _ in range(3))
-    return q, k, v, None, None, None if bool(mask.all()) else mask, scale, window
-
-
-def _attention_call(backend):
-    return lambda *a: SPECS["attention"].eager(*a) if backend == "eager" else backends._REGISTRY["attention"][
-        backend].fn(*a)
-
-
 @pytest.mark.parametrize("window", [None, 0, 3, 8])
 @pytest.mark.parametrize("lengths", [[1], [7, 3], [130, 1, 64]], ids=lambda n: "-".join(map(str, n)))
 @pytest.mark.parametrize("form", ["packed", "padded"])
 def test_cpp_attention_grads_match_eager(form, lengths, window):
-    check_grads("attention", attention_args(form, lengths, window=window), "cpp", call=_attention_call)
+    check_grads("attention", attention_args(form, lengths, window=window), "cpp", call=attention_call)
 
 
 @pytest.mark.parametrize("form", ["packed", "padded"])
 def test_cpp_attention_grads_bf16_and_explicit_scale(form):
-    check_grads("attention", attention_args(form, [9, 4], torch.bfloat16, scale=0.3), "cpp", call=_attention_call)
+    check_grads("attention", attention_args(form, [9, 4], torch.bfloat16, scale=0.3), "cpp", call=attention_call)
     check_grads("attention", attention_args(form, [9, 4], torch.float32, scale=0.3, window=2), "cpp",
-                call=_attention_call)
+                call=attention_call)
 
 
 @pytest.mark.parametrize("window", [None, 2])
@@ -190,12 +97,12 @@ def test_all_masked_rows_give_finite_zero_grads(backend, window):
     """A sequence with no real key (length 0 padded, or an empty packed one) and padded queries whose window holds
     no key: their outputs are zeros, so are the gradients they send, and nothing is NaN."""
     q, k, v, _, _, mask, _, _ = attention_args("padded", [6, 0, 2])
-    grads = run_grads(lambda *a: _attention_call(backend)(*a), (q, k, v, None, None, mask, None, window))
+    grads = run_grads(lambda *a: attention_call(backend)(*a), (q, k, v, None, None, mask, None, window))
     for g in grads:
         assert torch.isfinite(g).all()
         assert torch.all(g[1] == 0)  # the sequence without keys
     packed = attention_args("packed", [6, 0, 2], window=window)
-    for g in run_grads(lambda *a: _attention_call(backend)(*a), packed):
+    for g in run_grads(lambda *a: attention_call(backend)(*a), packed):
         assert torch.isfinite(g).all()
 
 
@@ -209,7 +116,7 @@ def test_nan_at_masked_keys_reaches_no_gradient(backend, window):
     poisoned_v = v.detach().masked_fill(~mask[:, :, None, None], float("nan")).requires_grad_()
     zeroed_k = k.detach().masked_fill(~mask[:, :, None, None], 0.0).requires_grad_()
     zeroed_v = v.detach().masked_fill(~mask[:, :, None, None], 0.0).requires_grad_()
-    call = _attention_call(backend)
+    call = attention_call(backend)
 
     def grads(k_, v_):
         def fn(q_, k__, v__):  # upstream gradients only at real query rows: padded rows are unspecified outputs
@@ -238,7 +145,7 @@ def test_packed_and_padded_grads_agree(window):
     upstream = torch.randn(packed[0].shape, generator=seed_gen)
     spread = torch.zeros(padded[0].shape)
     spread[mask] = upstream
-    call = _attention_call("cpp")
+    call = attention_call("cpp")
     packed_grads = torch.autograd.grad((call(*packed) * upstream).sum(), packed[:3])
     padded_grads = torch.autograd.grad((call(*padded) * spread).sum(), padded[:3])
     for a, b in zip(packed_grads, padded_grads, strict=True):
@@ -258,7 +165,7 @@ def test_attention_backward_in_blocks_equals_one_block(monkeypatch, form, window
         return via_spec.apply(*torch_op_args("attention", a))
 
     whole = run_grads(call, args)
-    monkeypatch.setattr(attention_module, "BACKWARD_BLOCK_ELEMENTS", HEADS * 13 * 3)  # 3 query rows, 1 sequence
+    monkeypatch.setattr(attention_module, "BACKWARD_BLOCK_ELEMENTS", OP_HEADS * 13 * 3)  # 3 query rows, 1 sequence
     blocked = run_grads(call, args)
     for a, b in zip(whole, blocked, strict=True):
         assert_accurate(b, b, a, what="blocked vs whole")
@@ -269,7 +176,7 @@ def test_attention_backward_in_blocks_equals_one_block(monkeypatch, form, window
 def test_cpp_attention_backward_long_sequence_in_query_chunks(form, window):
     """A sequence longer than the C++ backward's query chunk (256 rows): the chunks' dk/dv sum up, each chunk's
     keys are the union of its rows' windows."""
-    check_grads("attention", attention_args(form, [300, 5], window=window), "cpp", call=_attention_call)
+    check_grads("attention", attention_args(form, [300, 5], window=window), "cpp", call=attention_call)
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -279,7 +186,7 @@ def test_cpp_attention_grads_key_mask_with_holes(window):
     q, k, v, _, _, _, _, _ = attention_args("padded", [19, 19, 19])
     mask = torch.rand(3, 19, generator=torch.Generator().manual_seed(2)) < 0.6
     mask[2] = False  # a sequence without keys
-    check_grads("attention", (q, k, v, None, None, mask, None, window), "cpp", call=_attention_call)
+    check_grads("attention", (q, k, v, None, None, mask, None, window), "cpp", call=attention_call)
 
 
 # ------------------------------------------------------------------------------- cpp attention with dropout
@@ -350,7 +257,7 @@ def test_cpp_attention_dropout_backward_uses_the_forward_mask(window):
     forward (fp32 rule against fp64); the same reference with another seed's mask is far off, so the check
     fails for a backward that regenerates any other mask. An empty sequence gets zero gradients."""
     lengths, p, seed = [37, 0, 5, 20], 0.3, 123
-    keep = _cpp_keep_mask(lengths, HEADS, p, seed)
+    keep = _cpp_keep_mask(lengths, OP_HEADS, p, seed)
     q, k, v, cu, longest, _, _, _ = attention_args("packed", lengths)
     upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
 
@@ -364,7 +271,7 @@ def test_cpp_attention_dropout_backward_uses_the_forward_mask(window):
     reference = grads(lambda *t: _attention_with_mask(*t, lengths, keep, p, window), as_double)
     for name, f, r in zip(("out", "dq", "dk", "dv"), fast, reference, strict=True):
         assert_accurate(f, f, r, what=f"cpp attention with dropout: {name}")
-    other = grads(lambda *t: _attention_with_mask(*t, lengths, _cpp_keep_mask(lengths, HEADS, p, seed + 1), p,
+    other = grads(lambda *t: _attention_with_mask(*t, lengths, _cpp_keep_mask(lengths, OP_HEADS, p, seed + 1), p,
                                                   window), as_double)
     for f, o in zip(fast[1:], other[1:], strict=True):
         assert (f.double() - o).abs().max() > 0.1 * o.abs().max()
@@ -376,7 +283,7 @@ def test_cpp_attention_dropout_padded_key_mask_with_holes(window):
     """The padded form with a key mask with holes: the mask is indexed by key position (the packed probe's, S equal),
     output and gradients equal the written-out attention with it, masked keys get zero gradients."""
     batch, seqlen, p, seed = 3, 16, 0.4, 77
-    keep = _cpp_keep_mask([seqlen] * batch, HEADS, p, seed)
+    keep = _cpp_keep_mask([seqlen] * batch, OP_HEADS, p, seed)
     q, k, v, _, _, _, _, _ = attention_args("padded", [seqlen] * batch)
     key_mask = torch.rand(batch, seqlen, generator=torch.Generator().manual_seed(4)) < 0.7
     key_mask[2] = False  # no keys: zeros and zero gradients
@@ -405,67 +312,16 @@ def test_cpp_attention_dropout_padded_key_mask_with_holes(window):
 
 
 # ------------------------------------------------------------------------------------- gradcheck (float64)
-def torch_op_forward(op: str):
-    """The eager computation of the torch op ``fastbert::<op>`` (its schema's arguments and result)."""
-    spec = SPECS[op]
-    if op == "qkv_projection":
-        return lambda x, weight, bias: F.linear(x, weight, bias)
-    if op == "qkv_rotary":
-        def rotary(x, weight, bias, positions, cos, sin, num_heads):
-            q, k, v = spec.eager(x, weight, bias, num_heads, positions, cos, sin)
-            return torch.stack((q, k, v), dim=-3).flatten(-3)
-        return rotary
-    return spec.eager
-
-
-def torch_op_args(op: str, args: tuple) -> tuple:
-    """The functional entry's arguments reordered for the torch op's schema, trailing defaults filled in (as
-    torch.library does before it calls an op's setup_context)."""
-    if op == "qkv_projection":
-        return args[:3]
-    if op == "qkv_rotary":
-        x, weight, bias, heads, positions, cos, sin = args
-        return x, weight, bias, positions, cos, sin, heads
-    schema = getattr(torch.ops.fastbert, f"cpp_{op}").default._schema
-    return (*args, *(argument.default_value for argument in schema.arguments[len(args):]))
-
-
-def spec_function(op: str) -> type[torch.autograd.Function]:
-    """An autograd.Function whose forward is the eager op (float64 allowed) and whose backward is the spec's."""
-    spec, forward = SPECS[op], torch_op_forward(op)
-
-    class ViaSpec(torch.autograd.Function):
-        @staticmethod
-        def forward(*args):
-            return forward(*args)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            spec.setup_context(ctx, inputs, output)
-
-        @staticmethod
-        def backward(ctx, *grads):
-            return spec.backward(ctx, *grads)
-
-    return ViaSpec
-
-
-def _gradcheck(op: str, args: tuple) -> None:
-    function = spec_function(op)
-    args = torch_op_args(op, _upcast(args))
-    assert torch.autograd.gradcheck(lambda *a: function.apply(*a), args, eps=1e-6, atol=1e-6, rtol=1e-5)
-
-
 @pytest.mark.parametrize("variant", ["full", "none"])
 @pytest.mark.parametrize("op", TOKEN_OPS)
 def test_gradcheck_backward_formulas(op, variant):
     if op == "qkv_rotary":  # small tables: gradcheck perturbs each of their elements
         x, weight, bias, heads, _, _, _ = op_args(op, 5, torch.float32, variant, small=True)
-        cos, sin = (_float((6, 1), torch.float32, torch.Generator().manual_seed(i)) for i in (1, 2))  # head_dim 2
+        cos, sin = (float_tensor((6, 1), torch.float32, torch.Generator().manual_seed(i)) for i in (1, 2))  # head_dim 2
         args = (x, weight, bias, heads, torch.tensor([0, 5, 2, 2, 3]), cos, sin)
     else:
         args = op_args(op, 5, torch.float32, variant, small=True)
-    _gradcheck(op, args)
+    gradcheck_spec(op, args)
 
 
 DROPOUT_OPS = ("embedding_layernorm", "attention", "linear_residual_layernorm", "linear_residual_prenorm")
@@ -480,21 +336,21 @@ def test_gradcheck_with_dropout(op):
     else:
         args = op_args(op, 5, torch.float32, "full", small=True)
     args = torch_op_args(op, args)[:-2] + (0.4, 1234)
-    _gradcheck(op, args)
+    gradcheck_spec(op, args)
 
 
 @pytest.mark.parametrize("activation", ["gelu_tanh", "relu", "silu"])
 @pytest.mark.parametrize("op", ["linear_activation", "linear_glu"])
 def test_gradcheck_other_activations(op, activation):
-    _gradcheck(op, op_args(op, 4, torch.float32, activation, small=True))
+    gradcheck_spec(op, op_args(op, 4, torch.float32, activation, small=True))
 
 
 @pytest.mark.parametrize("window", [None, 2])
 @pytest.mark.parametrize("form", ["packed", "padded"])
 def test_gradcheck_attention(form, window):
     lengths = [4, 2, 0] if form == "packed" else [4, 2]
-    _gradcheck("attention", attention_args(form, lengths, window=window, head_dim=2))
-    _gradcheck("attention", attention_args(form, [3, 2], window=window, scale=0.7, head_dim=4))
+    gradcheck_spec("attention", attention_args(form, lengths, window=window, head_dim=2))
+    gradcheck_spec("attention", attention_args(form, [3, 2], window=window, scale=0.7, head_dim=4))
 
 
 # ------------------------------------------------------------------------------------------------- opcheck
@@ -556,7 +412,6 @@ def test_auto_training_step_runs_attention_on_cpp_and_the_rest_on_eager(tmp_path
     """A train() step through auto on CPU, dropout on: attention (with and without dropout) on cpp, the other
     ops on eager; the gradients are finite and reach every parameter that an eager step reaches."""
     from fastbert.bench.recording import record_backends
-    from tests.hf_tiny import padded_batch, tiny_model
 
     tiny_model("bert").save_pretrained(tmp_path)
     ids, mask = padded_batch(4, 11)
@@ -580,7 +435,6 @@ def test_encoder_parameter_grads_cpp_equal_eager(family, padding_free, tmp_path)
     """loss.backward() through a FastBertModel in eval mode, packed or padded: the cpp backend's parameter
     gradients are eager's (each within 1e-5 relative), and every op ran on cpp."""
     from fastbert.bench.recording import record_backends
-    from tests.hf_tiny import padded_batch, tiny_model
 
     tiny_model(family).save_pretrained(tmp_path)
     ids, mask = padded_batch(4, 11)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.numerics import DTYPE_IDS
+from tests.helpers import DTYPE_IDS
 from tools.op_checks import check_embedding_layernorm
 
 ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]

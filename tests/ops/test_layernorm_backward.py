@@ -20,8 +20,7 @@ from fastbert import kernels, ops  # noqa: F401 (kernels: registers the triton t
 from fastbert.numerics import assert_accurate
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import SPECS
-from tests.numerics import DEVICE, DTYPE_IDS
-from tests.ops.test_backward import check_grads, run_grads
+from tests.helpers import DEVICE, DTYPE_IDS, check_grads, padded_batch, run_grads, tiny_model
 
 HALF_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)]
 LAYERNORM_OPS = ["embedding_layernorm", "linear_residual_layernorm", "linear_residual_prenorm"]
@@ -332,7 +331,6 @@ def test_bert_training_step_with_dropout_runs_on_triton(tmp_path):
     outputs, one seed the same), finite gradients for every parameter."""
     import fastbert
     from fastbert.bench.recording import record_backends
-    from tests.hf_tiny import padded_batch, tiny_model
 
     tiny_model("bert").save_pretrained(tmp_path)
     ids, mask = (t.to(DEVICE) for t in padded_batch(3, 9))

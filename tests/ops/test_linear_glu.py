@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastbert import ops
-from tests.numerics import DEVICE, DTYPE_IDS, rand
+from tests.helpers import DEVICE, DTYPE_IDS, rand
 from tools.op_checks import check_linear_glu, check_linear_residual_prenorm
 
 ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]

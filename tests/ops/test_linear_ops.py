@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastbert import ops
-from tests.numerics import DEVICE, DTYPE_IDS, assert_accurate, rand
+from tests.helpers import DEVICE, DTYPE_IDS, assert_accurate, rand
 from tools.op_checks import (
     check_linear_activation,
     check_linear_residual_layernorm,

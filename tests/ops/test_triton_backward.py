@@ -12,8 +12,17 @@ import torch
 import fastbert
 from fastbert import backends
 from fastbert.numerics import assert_accurate
-from tests.numerics import DEVICE, DTYPE_IDS
-from tests.ops.test_backward import TOKEN_OPS, attention_args, check_grads, op_args, torch_op_args
+from tests.helpers import (
+    DEVICE,
+    DTYPE_IDS,
+    TOKEN_OPS,
+    attention_args,
+    check_grads,
+    op_args,
+    padded_batch,
+    tiny_model,
+    torch_op_args,
+)
 
 HALF_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)]
 
@@ -107,7 +116,6 @@ def test_encoder_parameter_grads_triton_equal_eager(family, tmp_path):
     """loss.backward() through a FastBertModel (eval mode) on the triton backend: eager's parameter gradients
     within 1e-5, every op on triton."""
     from fastbert.bench.recording import record_backends
-    from tests.hf_tiny import padded_batch, tiny_model
 
     tiny_model(family).save_pretrained(tmp_path)
     ids, mask = (t.to(DEVICE) for t in padded_batch(3, 9))

@@ -13,7 +13,7 @@ from transformers import ModernBertConfig
 from transformers.models.modernbert.modeling_modernbert import ModernBertRotaryEmbedding, apply_rotary_pos_emb
 
 from fastbert import backends, ops
-from tests.numerics import DEVICE, DTYPE_IDS, rand
+from tests.helpers import DEVICE, DTYPE_IDS, rand
 from tools.op_checks import check_qkv_rotary, packed_positions
 
 ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
