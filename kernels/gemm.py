@@ -159,51 +159,53 @@ def _linear_kernel(
     tl.store(out_ptrs, cast_rtne(acc, out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _config(block_m: int, block_n: int, block_k: int, stages: int, warps: int) -> triton.Config:
+def tile_config(block_m: int, block_n: int, block_k: int, stages: int, warps: int) -> triton.Config:
+    """A GEMM tile config: BLOCK_M x BLOCK_N output tiles, BLOCK_K steps, GROUP_M row blocks per group."""
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
                          num_stages=stages, num_warps=warps)
 
 
-# Hopper/Ampere-sized tiles from large to small; small-M configs for batch-1 latency. Untested on a GPU here: the
-# autotuner times them all once per key, so a poor entry costs tuning time, never correctness. Sized by compiling
-# them for sm_90 with the launch's specialisation (tests/kernels/compile_sm90.py, table in
-# benchmarks/results/sm90-resources): none spills in fp16/bf16 with any epilogue. 128x128 tiles need 8 warps (at 4
-# the fp32 accumulator + epilogue exceed 255 registers); 128x256 and 256x128 tiles spill even at 8 or 16 warps.
+# Hopper/Ampere-sized tiles from large to small; small-M configs for batch-1 latency. Not yet timed on a GPU (the
+# H200 run, benchmarks/results/h200-gpu-check, used the fixed `table_config`): the autotuner times them all once per
+# key, so a poor entry costs tuning time, never correctness. Sized by compiling them for sm_90 with the launch's
+# specialisation (tools/compile_sm90.py, table in benchmarks/results/sm90-resources): none spills in fp16/bf16 with
+# any epilogue. 128x128 tiles need 8 warps (at 4 the fp32 accumulator + epilogue exceed 255 registers); 128x256 and
+# 256x128 tiles spill even at 8 or 16 warps.
 GPU_CONFIGS = [
-    _config(128, 128, 64, 4, 8),
-    _config(128, 128, 32, 4, 8),
-    _config(128, 64, 64, 4, 4),
-    _config(64, 128, 64, 4, 4),
-    _config(64, 64, 64, 4, 4),
-    _config(32, 64, 128, 4, 4),
-    _config(16, 64, 128, 4, 4),
+    tile_config(128, 128, 64, 4, 8),
+    tile_config(128, 128, 32, 4, 8),
+    tile_config(128, 64, 64, 4, 4),
+    tile_config(64, 128, 64, 4, 4),
+    tile_config(64, 64, 64, 4, 4),
+    tile_config(32, 64, 128, 4, 4),
+    tile_config(16, 64, 128, 4, 4),
 ]
 # fp32 (IEEE, no tensor cores): the dot runs on FMA units with its operands in registers, so large tiles take
 # BLOCK_K = 32 (at 64 the 128-wide tiles spill kilobytes).
 FP32_CONFIGS = [
-    _config(128, 128, 32, 4, 8),
-    _config(128, 64, 32, 4, 4),
-    _config(64, 128, 32, 4, 4),
-    _config(64, 64, 64, 4, 4),
-    _config(32, 64, 128, 4, 4),
-    _config(16, 64, 128, 4, 4),
+    tile_config(128, 128, 32, 4, 8),
+    tile_config(128, 64, 32, 4, 4),
+    tile_config(64, 128, 32, 4, 4),
+    tile_config(64, 64, 64, 4, 4),
+    tile_config(32, 64, 128, 4, 4),
+    tile_config(16, 64, 128, 4, 4),
 ]
 
 
 # The dropout epilogue (Philox) and the backward epilogue (the derivative, a second [M, N] tile) keep more registers
 # live: the subsets of the lists above that do not spill with them on sm_90 (128x64 and 64x128 tiles at 4 warps
-# spill in fp16/bf16, the 128-wide fp32 tiles and fp32 64x64x64 too; tests/kernels/compile_sm90.py).
+# spill in fp16/bf16, the 128-wide fp32 tiles and fp32 64x64x64 too; tools/compile_sm90.py).
 GPU_HEAVY_CONFIGS = [
-    _config(128, 128, 64, 4, 8),
-    _config(128, 128, 32, 4, 8),
-    _config(64, 64, 64, 4, 4),
-    _config(32, 64, 128, 4, 4),
-    _config(16, 64, 128, 4, 4),
+    tile_config(128, 128, 64, 4, 8),
+    tile_config(128, 128, 32, 4, 8),
+    tile_config(64, 64, 64, 4, 4),
+    tile_config(32, 64, 128, 4, 4),
+    tile_config(16, 64, 128, 4, 4),
 ]
 FP32_HEAVY_CONFIGS = [
-    _config(64, 64, 32, 4, 4),
-    _config(32, 64, 128, 4, 4),
-    _config(16, 64, 128, 4, 4),
+    tile_config(64, 64, 32, 4, 4),
+    tile_config(32, 64, 128, 4, 4),
+    tile_config(16, 64, 128, 4, 4),
 ]
 
 
@@ -214,18 +216,33 @@ def gpu_configs(dtype: torch.dtype, heavy: bool = False) -> list[triton.Config]:
     return FP32_CONFIGS if dtype == torch.float32 else GPU_CONFIGS
 
 
-def _config_key(config: triton.Config) -> tuple:
+def config_key(config: triton.Config) -> tuple:
+    """What makes two configs the same launch (triton.Config has no equality of its own)."""
     return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
+
+
+def unique_configs(configs: list[triton.Config]) -> list[triton.Config]:
+    """``configs`` without repeats (`config_key`), in order: the list handed to `triton.autotune`."""
+    return list({config_key(c): c for c in configs}.values())
+
+
+def keep_configs(configs: list[triton.Config], wanted: list[triton.Config]) -> list[triton.Config]:
+    """The autotuner's ``configs`` that are among ``wanted``: an `early_config_prune` keeps a dtype's list."""
+    keys = {config_key(c) for c in wanted}
+    return [c for c in configs if config_key(c) in keys]
+
+
+def launch_meta(config: triton.Config) -> dict:
+    """A config as launch keywords: meta-parameters plus num_warps and num_stages."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def _prune_by_dtype(configs, named_args, **kwargs):
     heavy = bool(kwargs.get("DROPOUT") or kwargs.get("GRAD_ACTIVATION"))
-    wanted = {_config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype, heavy)}
-    return [c for c in configs if _config_key(c) in wanted]
+    return keep_configs(configs, gpu_configs(named_args["x_ptr"].dtype, heavy))
 
 
-_ALL_CONFIGS = list({_config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS + GPU_HEAVY_CONFIGS
-                     + FP32_HEAVY_CONFIGS}.values())
+_ALL_CONFIGS = unique_configs(GPU_CONFIGS + FP32_CONFIGS + GPU_HEAVY_CONFIGS + FP32_HEAVY_CONFIGS)
 _autotuned = None if INTERPRETER else triton.autotune(
     configs=_ALL_CONFIGS,
     key=["m_bucket", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION", "DROPOUT", "GRAD_ACTIVATION"],
@@ -238,20 +255,19 @@ def table_config(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False
     backward epilogue (`gpu_configs`)."""
     fp32 = dtype == torch.float32
     if m <= 32:
-        return _config(32, 64, 128, 4, 4)
+        return tile_config(32, 64, 128, 4, 4)
     if heavy and fp32:
-        return _config(64, 64, 32, 4, 4)
+        return tile_config(64, 64, 32, 4, 4)
     if heavy:
-        return _config(64, 64, 64, 4, 4) if m <= 256 else _config(128, 128, 64, 4, 8)
+        return tile_config(64, 64, 64, 4, 4) if m <= 256 else tile_config(128, 128, 64, 4, 8)
     if m <= 256:
-        return _config(64, 64, 64, 4, 4) if fp32 else _config(64, 128, 64, 4, 4)
-    return _config(128, 128, 32, 4, 8) if fp32 else _config(128, 128, 64, 4, 8)
+        return tile_config(64, 64, 64, 4, 4) if fp32 else tile_config(64, 128, 64, 4, 4)
+    return tile_config(128, 128, 32, 4, 8) if fp32 else tile_config(128, 128, 64, 4, 8)
 
 
 def table_meta(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False) -> dict:
-    """`table_config(m, dtype, heavy)` as launch keywords: meta-parameters plus num_warps and num_stages."""
-    config = table_config(m, dtype, heavy)
-    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    """`table_config(m, dtype, heavy)` as launch keywords (`launch_meta`)."""
+    return launch_meta(table_config(m, dtype, heavy))
 
 
 def autotune_enabled() -> bool:

@@ -11,7 +11,7 @@ without TF32). In the kernel I is called N (the output's columns).
 
 Meta-parameters as the shared GEMM (`gemm.py`): autotuned on a GPU over `gpu_configs(dtype)`, a fixed table by M
 when FASTBERT_TRITON_AUTOTUNE=0, the interpreter's fixed config on CPU. Two fp32 accumulators per program, so the
-tiles are half the shared GEMM's largest (128x64 at 8 warps; sized by tests/kernels/compile_sm90.py: no spills).
+tiles are half the shared GEMM's largest (128x64 at 8 warps; sized by tools/compile_sm90.py: no spills).
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fastbert.ops.linear_activation import ACTIVATIONS
 from fastbert.ops.linear_glu import SPEC, linear_glu_reference
 
 from . import gemm
-from .common import INTERPRETER, cast_rtne, device_reason, dot_in_fp32, dot_precision, first_reason, float_reason
-from .gemm import activate
+from .common import INTERPRETER, cast_rtne, dot_in_fp32, dot_precision
+from .gemm import activate, tile_config
+
+# The same limits as linear_activation (float tensors on one CUDA device, a known activation, K > 0): its check.
+from .linear_activation import supports
 
 __all__ = ["linear_glu", "linear_glu_reference", "supports"]
 
@@ -96,25 +98,24 @@ def _linear_glu_kernel(
     tl.store(out_ptrs, cast_rtne(result, out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-_config = gemm._config
 # Two accumulators per program: the shared GEMM's 128x128 tile would hold 2 x 64 fp32 registers per thread in
 # accumulators alone at 8 warps, so the largest tiles here are 128x64 / 64x128. Checked for sm_90 by
-# tests/kernels/compile_sm90.py (no spills, shared memory within 227 KB).
+# tools/compile_sm90.py (no spills, shared memory within 227 KB).
 GPU_CONFIGS = [
-    _config(128, 64, 64, 4, 8),
-    _config(64, 128, 64, 3, 8),
-    _config(64, 64, 64, 4, 4),
-    _config(32, 64, 128, 4, 4),
-    _config(16, 64, 128, 4, 4),
+    tile_config(128, 64, 64, 4, 8),
+    tile_config(64, 128, 64, 3, 8),
+    tile_config(64, 64, 64, 4, 4),
+    tile_config(32, 64, 128, 4, 4),
+    tile_config(16, 64, 128, 4, 4),
 ]
 # fp32 (IEEE, FMA units, operands in registers): both weight tiles sit in registers beside the two accumulators, so
 # K steps of 16-32 and 8 warps for the wider tiles (at K = 32-64 with 4 warps most configs spilled).
 FP32_CONFIGS = [
-    _config(128, 64, 16, 3, 8),
-    _config(64, 64, 16, 3, 8),
-    _config(32, 64, 32, 3, 8),
-    _config(32, 64, 16, 3, 4),
-    _config(16, 64, 32, 3, 4),
+    tile_config(128, 64, 16, 3, 8),
+    tile_config(64, 64, 16, 3, 8),
+    tile_config(32, 64, 32, 3, 8),
+    tile_config(32, 64, 16, 3, 4),
+    tile_config(16, 64, 32, 3, 4),
 ]
 
 
@@ -127,31 +128,20 @@ def table_config(m: int, dtype: torch.dtype = torch.float16) -> triton.Config:
     """One config per M range for GPUs when autotuning is off (FASTBERT_TRITON_AUTOTUNE=0)."""
     fp32 = dtype == torch.float32
     if m <= 32:
-        return _config(16, 64, 32, 3, 4) if fp32 else _config(32, 64, 128, 4, 4)
+        return tile_config(16, 64, 32, 3, 4) if fp32 else tile_config(32, 64, 128, 4, 4)
     if m <= 256:
-        return _config(64, 64, 16, 3, 8) if fp32 else _config(64, 64, 64, 4, 4)
-    return _config(128, 64, 16, 3, 8) if fp32 else _config(128, 64, 64, 4, 8)
+        return tile_config(64, 64, 16, 3, 8) if fp32 else tile_config(64, 64, 64, 4, 4)
+    return tile_config(128, 64, 16, 3, 8) if fp32 else tile_config(128, 64, 64, 4, 8)
 
 
 def _prune_by_dtype(configs, named_args, **kwargs):
-    wanted = {gemm._config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype)}
-    return [c for c in configs if gemm._config_key(c) in wanted]
+    return gemm.keep_configs(configs, gpu_configs(named_args["x_ptr"].dtype))
 
 
-_ALL_CONFIGS = list({gemm._config_key(c): c for c in GPU_CONFIGS + FP32_CONFIGS}.values())
+_ALL_CONFIGS = gemm.unique_configs(GPU_CONFIGS + FP32_CONFIGS)
 _autotuned = None if INTERPRETER else triton.autotune(
     configs=_ALL_CONFIGS, key=["m_bucket", "N", "K", "HAS_BIAS", "ACTIVATION"],
     prune_configs_by={"early_config_prune": _prune_by_dtype})(_linear_glu_kernel)
-
-
-def supports(x, weight, bias, activation) -> str | None:
-    tensors = [x, weight, bias]
-    return first_reason(
-        device_reason(tensors),
-        float_reason(tensors),
-        None if activation in ACTIVATIONS else f"activation {activation!r} not in {ACTIVATIONS}",
-        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
-    )
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -174,11 +164,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(inner, meta["BLOCK_N"]),)
 
     if INTERPRETER or not gemm.autotune_enabled():
-        if INTERPRETER:
-            meta = gemm.interpreter_config(m)
-        else:
-            config = table_config(m, x.dtype)
-            meta = {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+        meta = gemm.interpreter_config(m) if INTERPRETER else gemm.launch_meta(table_config(m, x.dtype))
         _linear_glu_kernel[grid(meta)](*args, **flags, **meta)
     else:
         _autotuned[grid](*args, **flags)

@@ -24,26 +24,17 @@ import torch
 from fastbert.ops.linear_residual_prenorm import SPEC, linear_residual_prenorm_reference
 
 from . import gemm
-from .common import device_reason, dropout_reason, first_reason, float_reason
+from .common import dropout_reason
+
+# The same two kernels as linear_residual_layernorm, so the same limits: its check.
 from .linear_residual_layernorm import (
-    MAX_WIDTH,
     layernorm_rows,
     layernorm_rows_backward_op,
     linear_layernorm_input_grads,
+    supports,
 )
 
 __all__ = ["linear_residual_prenorm", "linear_residual_prenorm_reference", "supports"]
-
-
-def supports(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> str | None:
-    tensors = [x, weight, bias, residual, ln_weight, ln_bias]
-    return first_reason(
-        device_reason(tensors),
-        float_reason(tensors),
-        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
-        f"width {weight.shape[0]} exceeds {MAX_WIDTH}" if weight.shape[0] > MAX_WIDTH else None,
-        dropout_reason(dropout_p, residual.numel()),
-    )
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,

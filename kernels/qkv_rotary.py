@@ -125,22 +125,16 @@ def pair_config(config: triton.Config) -> triton.Config:
     return triton.Config(meta, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def _config_key(config: triton.Config) -> tuple:
-    return tuple(sorted(config.kwargs.items())), config.num_warps, config.num_stages
-
-
 def gpu_configs(dtype: torch.dtype) -> list[triton.Config]:
     """The configs the autotuner times for inputs of this dtype (the shared GEMM's, as pairs)."""
     return [pair_config(c) for c in gemm.gpu_configs(dtype)]
 
 
 def _prune_by_dtype(configs, named_args, **kwargs):
-    wanted = {_config_key(c) for c in gpu_configs(named_args["x_ptr"].dtype)}
-    return [c for c in configs if _config_key(c) in wanted]
+    return gemm.keep_configs(configs, gpu_configs(named_args["x_ptr"].dtype))
 
 
-_ALL_CONFIGS = list({_config_key(c): c for dtype in (torch.float16, torch.float32) for c in gpu_configs(dtype)}
-                    .values())
+_ALL_CONFIGS = gemm.unique_configs(gpu_configs(torch.float16) + gpu_configs(torch.float32))
 _autotuned = None if INTERPRETER else triton.autotune(
     configs=_ALL_CONFIGS, key=["m_bucket", "N", "K", "HALF", "HAS_BIAS"],
     prune_configs_by={"early_config_prune": _prune_by_dtype})(_qkv_rotary_kernel)
@@ -148,8 +142,7 @@ _autotuned = None if INTERPRETER else triton.autotune(
 
 def table_meta(m: int, dtype: torch.dtype) -> dict:
     """`gemm.table_config(m, dtype)` as pairs, as launch keywords (FASTBERT_TRITON_AUTOTUNE=0)."""
-    config = pair_config(gemm.table_config(m, dtype))
-    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    return gemm.launch_meta(pair_config(gemm.table_config(m, dtype)))
 
 
 def interpreter_meta(m: int) -> dict:

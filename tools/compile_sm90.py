@@ -115,7 +115,7 @@ def gemm_cases(dtype: str, epilogues) -> list:
         heavy = dropout or grad
         reachable = [*gemm.gpu_configs(torch_dtype, heavy),
                      *(gemm.table_config(m, torch_dtype, heavy) for m in (16, 128, 4096))]
-        for config in {gemm._config_key(c): c for c in reachable}.values():  # autotuner list + M table
+        for config in {gemm.config_key(c): c for c in reachable}.values():  # autotuner list + M table
             r_strides = (n, 1) if has_residual else (0, 0)
             g_strides = (n, 1) if grad else (0, 0)
             args = (p, p, p, p, p, p, _ptr("fp32"), m, n, k, k, 1, k, 1, *r_strides, n, 1, *g_strides,
@@ -139,7 +139,7 @@ def glu_cases(dtype: str, activations, biases=(False, True)) -> list:
     torch_dtype = DTYPES[dtype]
     reachable = [*glu.gpu_configs(torch_dtype), *(glu.table_config(m, torch_dtype) for m in (16, 128, 4096))]
     cases = []
-    for config in {gemm._config_key(c): c for c in reachable}.values():
+    for config in {gemm.config_key(c): c for c in reachable}.values():
         for activation in activations:
             for has_bias in biases:
                 args = (p, p, p, p, m, inner, k, k, 1, k, 1, inner, 1, triton.next_power_of_2(m))
@@ -164,7 +164,7 @@ def qkv_rotary_cases(dtype: str, biases=(False, True)) -> list:
     reachable = [*rotary.gpu_configs(torch_dtype),
                  *(rotary.pair_config(gemm.table_config(m, torch_dtype)) for m in (16, 128, 4096))]
     cases = []
-    for config in {gemm._config_key(c): c for c in reachable}.values():
+    for config in {gemm.config_key(c): c for c in reachable}.values():
         for has_bias in biases:
             # x, W, bias, positions, cos, sin, out, M, N, K, rotated columns, table rows, strides, M bucket
             args = (p, p, p, _ptr("int64"), _ptr("fp32"), _ptr("fp32"), p, m, n, k, 2 * HIDDEN, 8192, k, 1, k, 1,
