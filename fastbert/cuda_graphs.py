@@ -1,8 +1,9 @@
 """CUDA-graph replay of a FastBertModel for repeated input shapes (small-batch latency on a GPU).
 
-UNTESTED ON A GPU: written in a session without one. The padded static forward it captures is checked on CPU
-against the model (tests/test_cuda_graphs.py); capture and replay are only exercised by the `gpu`-marked
-test and by benchmarks/gpu_check.py.
+What is checked where: on CPU, the padded static forward it captures, against the model (tests/test_cuda_graphs.py);
+on an H200, capture and replay of BERT-base fp16 at five shapes (benchmarks/gpu_check.py's timing phase, in
+benchmarks/results/h200-gpu-check as ``fastbert_triton_cudagraph``: timed, outputs not compared). Replayed outputs
+against the eager model, and the bound on kept graphs, are the `gpu`-marked test's (not part of that H200 run).
 
 How: a batch [B, S] is padded up to a bucket (B to a power of two, S to the smallest of ``seq_buckets`` >= S),
 copied into that bucket's static input buffers, and the bucket's graph replays the padded path of the encoder

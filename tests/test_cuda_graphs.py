@@ -1,5 +1,5 @@
 """fastbert.cuda_graphs: the capturable padded forward and the bucketing, on CPU; capture and replay only on a GPU
-(`gpu` marker: not run in the session that wrote this)."""
+(`gpu` marker)."""
 
 from __future__ import annotations
 
