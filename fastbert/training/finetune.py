@@ -1,4 +1,5 @@
-"""`fastbert finetune`: fine-tune a checkpoint on small real labelled sets built offline from CPython's own text.
+"""Fine-tuning (``fastbert finetune``): fine-tune a checkpoint on small real labelled sets built offline from
+CPython's own text.
 
 Three tasks, each deterministic for a given Python version, with a held-out split by *source* (a whole file, topic
 or docstring goes to one side), so no sentence, nor a near-copy from the same place, is on both sides:
@@ -24,8 +25,8 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
-import sysconfig
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -35,7 +36,17 @@ from itertools import pairwise
 
 import torch
 
-from fastbert.training.corpus import _SKIPPED_DIRS, _docstrings, _sentences
+from fastbert.common.resolve import UserError, resolve_device, resolve_model
+from fastbert.common.text import TOKENIZER_FILES
+from fastbert.files import replace_atomic, temporary_path, write_atomic
+from fastbert.training import loop as training
+from fastbert.training.corpus import (
+    TEST_DIRS,
+    UNDOCUMENTED_DIRS,
+    file_docstrings,
+    prose_sentences,
+    stdlib_python_files,
+)
 from fastbert.training.loop import StepOutput, TrainingTask
 
 TASK_NAMES = ("topic", "pair", "code")
@@ -44,8 +55,8 @@ PAIR_LABELS = ("follows", "random")
 CODE_LABELS = ("prose", "code")
 HELD_OUT_FRACTION = 0.2
 IGNORE_INDEX = -100
-# Test suites are left out: their docstrings describe tests, not the package.
-_TEST_DIRS = {"test", "tests", "idle_test"}
+# The folders whose docstrings are left out: no prose of their own, tkinter (as in `cpython_sentences`), the tests.
+SKIPPED_DIRS = UNDOCUMENTED_DIRS | {"tkinter"} | TEST_DIRS
 _QUOTED = re.compile(r'"([^"]*)"')
 
 
@@ -75,10 +86,7 @@ class TaskData:
 
     def label_counts(self, split: str) -> dict[str, int]:
         """How many examples (sequence tasks) or words (token task) of ``split`` carry each label."""
-        counts: Counter[int] = Counter()
-        for example in getattr(self, split):
-            counts.update(example.label if isinstance(example.label, tuple) else (example.label,))
-        return {name: counts.get(index, 0) for index, name in enumerate(self.labels)}
+        return count_labels(self.labels, getattr(self, split))
 
 
 def _stable_hash(source: str) -> int:
@@ -103,15 +111,13 @@ def held_out_sources(sizes: dict[str, int], fraction: float = HELD_OUT_FRACTION)
 def stdlib_docstrings() -> tuple[tuple[str, int, str], ...]:
     """(path relative to the standard library, index in the file, docstring) for every module, class and function
     docstring of the standard library outside its test suites, in sorted path order."""
+    import sysconfig
+
     stdlib = sysconfig.get_paths()["stdlib"]
     found = []
-    for root, dirs, names in os.walk(stdlib):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and d not in _TEST_DIRS)
-        for name in sorted(names):
-            if name.endswith(".py"):
-                path = os.path.join(root, name)
-                relative = os.path.relpath(path, stdlib).replace(os.sep, "/")
-                found.extend((relative, index, doc) for index, doc in enumerate(_docstrings(path)))
+    for path in stdlib_python_files(SKIPPED_DIRS):
+        relative = os.path.relpath(path, stdlib).replace(os.sep, "/")
+        found.extend((relative, index, doc) for index, doc in enumerate(file_docstrings(path)))
     return tuple(found)
 
 
@@ -138,7 +144,7 @@ def topic_task() -> TaskData:
         package = path.split("/")[0]
         if package not in TOPIC_PACKAGES:
             continue
-        for sentence in _sentences(doc):
+        for sentence in prose_sentences(doc):
             if sentence in where and where[sentence][0] != package:
                 ambiguous.add(sentence)
             where.setdefault(sentence, (package, path))
@@ -159,9 +165,9 @@ def _pair_documents() -> list[tuple[str, str, list[list[str]]]]:
     docstrings. The split key of a docstring is its file, so one file's docstrings stay on one side."""
     documents = []
     for topic, text in _pydoc_topics().items():
-        documents.append((f"pydoc:{topic}", f"pydoc:{topic}", [_sentences(p) for p in _paragraphs(text)]))
+        documents.append((f"pydoc:{topic}", f"pydoc:{topic}", [prose_sentences(p) for p in _paragraphs(text)]))
     for path, index, doc in stdlib_docstrings():
-        documents.append((path, f"{path}#{index}", [_sentences(p) for p in _paragraphs(doc)]))
+        documents.append((path, f"{path}#{index}", [prose_sentences(p) for p in _paragraphs(doc)]))
     return documents
 
 
@@ -186,31 +192,34 @@ def pair_task(seed: int = 0) -> TaskData:
     for key, name, paragraphs in documents:
         sides[key in held].append((name, paragraphs))
     train_sentences = {s for _, paragraphs in sides[False] for p in paragraphs for s in p}
-    splits: dict[bool, list[Example]] = {}
-    for held_out, side in sides.items():
-        def usable(sentence: str, held_out: bool = held_out) -> bool:
-            return not held_out or sentence not in train_sentences
-
-        pool = [(index, s) for index, (_, paragraphs) in enumerate(side) for p in paragraphs for s in p if usable(s)]
-        examples, anchors = [], set()
-        for index, (name, paragraphs) in enumerate(side):
-            for paragraph in paragraphs:
-                for first, second in pairwise(paragraph):
-                    if first in anchors or not usable(first) or not usable(second):
-                        continue
-                    anchors.add(first)
-                    if rng.random() < 0.5:
-                        examples.append(Example(source=name, label=0, text=first, text_pair=second))
-                        continue
-                    while True:
-                        other, sentence = pool[rng.randrange(len(pool))]
-                        if other != index and sentence != first and sentence not in successors[first]:
-                            break
-                    examples.append(Example(source=name, label=1, text=first, text_pair=sentence))
-        splits[held_out] = examples
+    splits = {held_out: _side_pairs(side, train_sentences if held_out else set(), successors, rng)
+              for held_out, side in sides.items()}  # training side first: both draw from one rng
     return TaskData("pair", "sequence", PAIR_LABELS, splits[False], splits[True],
                     "consecutive sentences of one paragraph (pydoc topics, stdlib docstrings) vs a sentence of "
                     "another document, 50/50; held out by topic / file")
+
+
+def _side_pairs(side: list[tuple[str, list[list[str]]]], excluded: set[str], successors: dict[str, set[str]],
+                rng: random.Random) -> list[Example]:
+    """The pairs of one side of the split (see `pair_task`), leaving out every sentence in ``excluded``."""
+    pool = [(index, s) for index, (_, paragraphs) in enumerate(side) for p in paragraphs for s in p
+            if s not in excluded]
+    examples, anchors = [], set()
+    for index, (name, paragraphs) in enumerate(side):
+        for paragraph in paragraphs:
+            for first, second in pairwise(paragraph):
+                if first in anchors or first in excluded or second in excluded:
+                    continue
+                anchors.add(first)
+                if rng.random() < 0.5:
+                    examples.append(Example(source=name, label=0, text=first, text_pair=second))
+                    continue
+                while True:
+                    other, sentence = pool[rng.randrange(len(pool))]
+                    if other != index and sentence != first and sentence not in successors[first]:
+                        break
+                examples.append(Example(source=name, label=1, text=first, text_pair=sentence))
+    return examples
 
 
 def code_words(sentence: str) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
@@ -244,7 +253,7 @@ def code_task() -> TaskData:
     seen: set[str] = set()
     for topic, text in _pydoc_topics().items():
         for paragraph in _paragraphs(text):
-            for sentence in _sentences(paragraph):
+            for sentence in prose_sentences(paragraph):
                 labelled = code_words(sentence)
                 if labelled is not None and sentence not in seen:
                     seen.add(sentence)
@@ -423,6 +432,13 @@ class FinetuneSettings:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
+    def training_arguments(self, max_steps: int) -> training.TrainingArguments:
+        """The `fastbert.training.loop` arguments of this run, for ``max_steps`` steps."""
+        return training.TrainingArguments(
+            output_dir=self.output_dir, max_steps=max_steps, learning_rate=self.learning_rate,
+            weight_decay=self.weight_decay, warmup_steps=int(self.warmup_ratio * max_steps), seed=self.seed,
+            save_every=self.save_every, log_every=self.log_every, resume=self.resume, progress=self.progress)
+
 
 class FinetuneTask(TrainingTask):
     """The `fastbert.training.loop.TrainingTask` of a fine-tuning run: batches of the training split, the head's loss
@@ -479,29 +495,61 @@ def load_classifier(model_dir: str, data: TaskData, device: torch.device) -> tor
 
 
 def finetune(settings: FinetuneSettings, log=None) -> dict:
-    """Run one fine-tuning (module docstring): returns the results record, also written to
-    ``<output_dir>/results.json``; the fine-tuned model and tokenizer are in ``<output_dir>/model``.
+    """Run one fine-tuning (module docstring), with a description of it and the held-out result on ``log``
+    (default stderr): returns the results record, also written to ``<output_dir>/results.json``; the fine-tuned
+    model and tokenizer are in ``<output_dir>/model``. Under torchrun, ranks other than 0 return {}.
 
     Raises ValueError for bad settings, `fastbert.common.resolve.UserError` for a checkpoint that cannot be used and
     `fastbert.training.loop.TrainingError` for an output directory that holds another run."""
-    import shutil
-
-    import transformers
-
-    import fastbert
-    from fastbert.common.resolve import UserError, resolve_device, resolve_model
-    from fastbert.common.text import TOKENIZER_FILES
-    from fastbert.training import loop as training
-
     log = log or sys.stderr
     settings.check()
     model_dir, config = resolve_model(settings.model_dir)
-    positions = config.max_position_embeddings - (config.position_offset or 0)
-    if settings.max_length > positions:  # a small pretrained model may have fewer positions than the default
-        log.write(f"fastbert finetune: --max-length {settings.max_length} capped to the model's {positions} "
-                  "positions\n")
-        settings = replace(settings, max_length=positions)
+    settings = cap_max_length(settings, config, log)
     device = resolve_device(settings.device)
+    tokenizer = load_tokenizer(model_dir)
+    data = build_task(settings.task, settings.seed)
+    train_examples = subsample(data.train, settings.train_limit, settings.seed)
+    test_examples = subsample(data.test, settings.eval_limit, settings.seed)
+    steps_per_epoch = (len(train_examples) + settings.batch_size - 1) // settings.batch_size
+    max_steps = settings.max_steps or max(1, round(settings.epochs * steps_per_epoch))
+    log.write(f"fastbert finetune: task {data.name} ({data.description}): {len(train_examples)} train / "
+              f"{len(test_examples)} held-out {'sentences' if data.kind == 'token' else 'examples'}, labels "
+              f"{', '.join(data.labels)}; {max_steps} steps of {settings.batch_size}\n")
+    model = build_classifier(model_dir, data, tokenizer, settings, device)
+    path = describe_path(model, tokenizer, train_examples, data.kind, settings, device)
+    task = FinetuneTask(data, train_examples, test_examples, tokenizer, settings, model_dir)
+    started = time.perf_counter()
+    result = training.train(model, task, settings.training_arguments(max_steps))
+    elapsed = time.perf_counter() - started
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates and writes
+        return {}
+    if task.evaluation is None:  # a resume of a run that had already finished: evaluate its weights
+        task.evaluate(model)
+    model_out = keep_final_model(result.checkpoint, settings.output_dir)
+    results = results_record(task, result, model_out, path, steps_per_epoch, elapsed)
+    write_atomic(os.path.join(settings.output_dir, "results.json"), json.dumps(results, indent=2) + "\n")
+    evaluation, baseline = results["evaluation"], results["majority_baseline"]
+    log.write(f"fastbert finetune: held-out accuracy {evaluation['accuracy']:.4f} (majority baseline "
+              f"{baseline['accuracy']:.4f}: always '{baseline['label']}'), macro F1 {evaluation['macro_f1']:.4f}; "
+              f"{result.step} steps in {elapsed:.1f} s; model -> {model_out}\n")
+    return results
+
+
+def cap_max_length(settings: FinetuneSettings, config, log) -> FinetuneSettings:
+    """The settings with max_length at most the model's positions (a small pretrained model may have fewer than
+    the default), saying so on ``log`` when it cuts."""
+    positions = config.max_position_embeddings - (config.position_offset or 0)
+    if settings.max_length <= positions:
+        return settings
+    log.write(f"fastbert finetune: --max-length {settings.max_length} capped to the model's {positions} "
+              "positions\n")
+    return replace(settings, max_length=positions)
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's fast tokenizer; UserError when there is none."""
+    import transformers
+
     # transformers builds an empty tokenizer (special tokens only) for a directory without tokenizer files
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES | {"tokenizer.json"}):
         raise UserError(f"{model_dir} has no tokenizer files (tokenizer.json, vocab.txt, ...); fine-tuning needs the "
@@ -512,15 +560,14 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
         raise UserError(f"{model_dir}: no usable tokenizer ({str(err).splitlines()[0]})") from err
     if not tokenizer.is_fast:
         raise UserError(f"{model_dir}: the token task needs a fast tokenizer (tokenizer.json)")
+    return tokenizer
 
-    data = build_task(settings.task, settings.seed)
-    train_examples = subsample(data.train, settings.train_limit, settings.seed)
-    test_examples = subsample(data.test, settings.eval_limit, settings.seed)
-    steps_per_epoch = (len(train_examples) + settings.batch_size - 1) // settings.batch_size
-    max_steps = settings.max_steps or max(1, round(settings.epochs * steps_per_epoch))
-    log.write(f"fastbert finetune: task {data.name} ({data.description}): {len(train_examples)} train / "
-              f"{len(test_examples)} held-out {'sentences' if data.kind == 'token' else 'examples'}, labels "
-              f"{', '.join(data.labels)}; {max_steps} steps of {settings.batch_size}\n")
+
+def build_classifier(model_dir: str, data: TaskData, tokenizer, settings: FinetuneSettings,
+                     device: torch.device) -> torch.nn.Module:
+    """`load_classifier` with the head initialised from the seed, checked against the tokenizer, and passed
+    through `fastbert.optimize` unless the settings say not to."""
+    import fastbert
 
     torch.manual_seed(settings.seed)  # the new head's initialisation
     try:
@@ -531,41 +578,52 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
         raise UserError(f"{model_dir}: the tokenizer has {len(tokenizer)} tokens, the model's embedding table only "
                         f"{model.get_input_embeddings().num_embeddings}")
-    if settings.optimize:
-        model = fastbert.optimize(model, backend=settings.backend)
-    sample = encode_batch(tokenizer, train_examples[:2], data.kind, settings.max_length)
-    sample = {k: v.to(device) for k, v in sample.items()}
-    path = fastbert.explain(model, **sample) if settings.optimize else "not optimized (--no-optimize)"
+    return fastbert.optimize(model, backend=settings.backend) if settings.optimize else model
 
-    task = FinetuneTask(data, train_examples, test_examples, tokenizer, settings, model_dir)
-    arguments = training.TrainingArguments(
-        output_dir=settings.output_dir, max_steps=max_steps, learning_rate=settings.learning_rate,
-        weight_decay=settings.weight_decay, warmup_steps=int(settings.warmup_ratio * max_steps), seed=settings.seed,
-        save_every=settings.save_every, log_every=settings.log_every, resume=settings.resume,
-        progress=settings.progress)
-    started = time.perf_counter()
-    result = training.train(model, task, arguments)
-    elapsed = time.perf_counter() - started
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates and writes
-        return {}
-    if task.evaluation is None:  # a resume of a run that had already finished: evaluate its weights
-        task.evaluate(model)
+
+def describe_path(model: torch.nn.Module, tokenizer, examples: Sequence[Example], kind: str,
+                  settings: FinetuneSettings, device: torch.device) -> str:
+    """`fastbert.explain` of the model on a sample batch: which of its calls run fastbert's code."""
+    if not settings.optimize:
+        return "not optimized (--no-optimize)"
+    import fastbert
+
+    sample = encode_batch(tokenizer, examples[:2], kind, settings.max_length)
+    return fastbert.explain(model, **{k: v.to(device) for k, v in sample.items()})
+
+
+def keep_final_model(checkpoint, output_dir: str) -> str:
+    """Copy the last checkpoint (without the trainer state) to ``<output_dir>/model``, replacing it atomically;
+    returns that path."""
+    model_out = os.path.join(output_dir, "model")
+    written = temporary_path(model_out)
+    if os.path.exists(written):
+        shutil.rmtree(written)
+    shutil.copytree(checkpoint, written, ignore=shutil.ignore_patterns(training.STATE_FILE))
+    replace_atomic(written, model_out)
+    return model_out
+
+
+def results_record(task: FinetuneTask, result: training.TrainResult, model_out: str, path: str,
+                   steps_per_epoch: int, elapsed: float) -> dict:
+    """What results.json holds: the task, the splits, the held-out evaluation against the majority baseline, the
+    training's figures, the settings and the versions."""
+    import transformers
+
+    import fastbert
+
+    data, train_examples, test_examples = task.data, task.train_examples, task.test_examples
     assert task.evaluation is not None
-    model_out = os.path.join(settings.output_dir, "model")
-    if os.path.exists(model_out):
-        shutil.rmtree(model_out)
-    shutil.copytree(result.checkpoint, model_out, ignore=shutil.ignore_patterns(training.STATE_FILE))
-
     baseline = majority_baseline(data, test_examples)
     steps = [r for r in result.records if not r.get("eval")]
     before = [r for r in result.records if r.get("eval") and r["step"] == 0]
-    results = {
+    return {
         "task": data.name, "description": data.description, "kind": data.kind, "labels": list(data.labels),
-        "model": model_dir, "model_out": model_out, "python": sys.version.split()[0],
+        "model": task.model_dir, "model_out": model_out, "python": sys.version.split()[0],
         "train": {"examples": len(train_examples), "available": len(data.train),
-                  "label_counts": _counts(data, train_examples)},
+                  "label_counts": count_labels(data.labels, train_examples)},
         "held_out": {"examples": len(test_examples), "available": len(data.test),
-                     "label_counts": _counts(data, test_examples)},
+                     "label_counts": count_labels(data.labels, test_examples)},
         "majority_baseline": baseline, "evaluation": task.evaluation,
         "accuracy_before_training": before[0]["eval_accuracy"] if before else None,
         "accuracy_over_baseline": task.evaluation["accuracy"] - baseline["accuracy"],
@@ -574,76 +632,16 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
                      "last_losses_mean": (sum(r["loss"] for r in steps[-10:]) / len(steps[-10:])) if steps else None,
                      "tokens": sum(r["tokens"] for r in steps), "seconds_this_run": round(elapsed, 2),
                      "seconds_total": steps[-1]["elapsed_s"] if steps else None},
-        "settings": asdict(settings), "path": path,
+        "settings": asdict(task.run), "path": path,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "fastbert": fastbert.__version__},
         "threads": torch.get_num_threads(),
     }
-    with open(os.path.join(settings.output_dir, "results.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
-        f.write("\n")
-    evaluation = task.evaluation
-    log.write(f"fastbert finetune: held-out accuracy {evaluation['accuracy']:.4f} (majority baseline "
-              f"{baseline['accuracy']:.4f}: always '{baseline['label']}'), macro F1 {evaluation['macro_f1']:.4f}; "
-              f"{result.step} steps in {elapsed:.1f} s; model -> {model_out}\n")
-    return results
 
 
-def _counts(data: TaskData, examples: Sequence[Example]) -> dict[str, int]:
+def count_labels(labels: Sequence[str], examples: Sequence[Example]) -> dict[str, int]:
+    """How many examples (sequence tasks) or words (token task) carry each label, by label name."""
     counts: Counter[int] = Counter()
     for example in examples:
         counts.update(example.label if isinstance(example.label, tuple) else (example.label,))
-    return {name: counts.get(index, 0) for index, name in enumerate(data.labels)}
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
-def add_arguments(parser) -> None:
-    """The options of ``fastbert finetune`` (argparse; no heavy imports)."""
-    from fastbert.backends import BACKENDS
-
-    parser.add_argument("--task", required=True, choices=TASK_NAMES,
-                        help="topic: docstring sentences -> stdlib package; pair: does sentence B follow A; code: "
-                        "which words of a pydoc sentence are inline code")
-    parser.add_argument("-o", "--output-dir", required=True, metavar="DIR",
-                        help="checkpoints, metrics.jsonl, results.json and the fine-tuned model (DIR/model)")
-    parser.add_argument("--model", metavar="PATH", default=None,
-                        help="HF checkpoint directory with its tokenizer (e.g. a `fastbert pretrain` checkpoint); "
-                        "default: the embedded all-MiniLM-L6-v2")
-    parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
-    parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS, help="fastbert backend")
-    parser.add_argument("--no-optimize", action="store_true", help="train the plain transformers model")
-    parser.add_argument("--epochs", type=float, default=1.0, help="passes over the training split (default 1)")
-    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
-    parser.add_argument("--batch-size", type=int, default=32, help="examples per step (default 32)")
-    parser.add_argument("--learning-rate", type=float, default=1e-4, help="peak AdamW learning rate (default 1e-4)")
-    parser.add_argument("--warmup-ratio", type=float, default=0.1, help="linear warmup share of the steps")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per example (default 128)")
-    parser.add_argument("--train-limit", type=int, default=None, help="use a seeded sample of this many examples")
-    parser.add_argument("--eval-limit", type=int, default=None, help="evaluate on a seeded sample of this many")
-    parser.add_argument("--seed", type=int, default=0, help="data order, pair partners and head initialisation")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --output-dir")
-    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default: at the end)")
-    parser.add_argument("--log-every", type=int, default=10, help="a progress line every N steps")
-
-
-def run_cli(args) -> int:
-    """``fastbert finetune``: settings from the parsed arguments; errors the user can fix become UserError."""
-    from fastbert.common.resolve import UserError
-    from fastbert.training.loop import TrainingError
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UserError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
-    settings = FinetuneSettings(
-        task=args.task, output_dir=args.output_dir, model_dir=args.model, epochs=args.epochs,
-        max_steps=args.max_steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
-        warmup_ratio=args.warmup_ratio, max_length=args.max_length, train_limit=args.train_limit,
-        eval_limit=args.eval_limit, seed=args.seed, device=args.device, backend=args.backend,
-        optimize=not args.no_optimize, resume=args.resume, save_every=args.save_every, log_every=args.log_every)
-    try:
-        finetune(settings)
-    except (ValueError, TrainingError) as err:
-        raise UserError(str(err)) from err
-    return 0
+    return {name: counts.get(index, 0) for index, name in enumerate(labels)}

@@ -29,13 +29,11 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import random
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,14 +42,14 @@ from typing import Any
 
 import torch
 
-from fastbert.common.resolve import UserError
+from fastbert.common.resolve import UserError, resolve_device
 from fastbert.files import replace_atomic, temporary_path, write_atomic
-from fastbert.training.corpus import _SENTENCE_END, _docstrings
+from fastbert.training.corpus import cpython_documents, file_documents
 from fastbert.training.loop import (
     StepOutput,
     TrainingArguments,
-    TrainingError,
     TrainingTask,
+    TrainResult,
     latest_checkpoint,
     train,
 )
@@ -70,82 +68,7 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
 
 
-# -------------------------------------------------------------------------------------------------- corpus
-def split_sentences(text: str, min_words: int = 3) -> list[str]:
-    """Sentences of a text: paragraphs (split at blank lines, whitespace collapsed), each split after ``. ! ?``
-    followed by a capital letter; pieces with fewer than ``min_words`` words are dropped."""
-    found = []
-    for paragraph in re.split(r"\n\s*\n", text):
-        paragraph = " ".join(paragraph.split())
-        for sentence in _SENTENCE_END.split(paragraph):
-            if len(sentence.split()) >= min_words:
-                found.append(sentence)
-    return found
-
-
-def pydoc_documents() -> list[list[str]]:
-    """CPython's reference documentation (``pydoc_data.topics``): one document of sentences per topic, in sorted
-    topic order; empty documents dropped."""
-    import pydoc_data.topics
-
-    topics = pydoc_data.topics.topics
-    documents = [split_sentences(topics[key]) for key in sorted(topics)]
-    return [doc for doc in documents if doc]
-
-
-_SKIPPED_DIRS = {"site-packages", "__pycache__", "test", "tests", "idle_test", "lib2to3", "ensurepip", "turtledemo"}
-
-
-def stdlib_documents() -> list[list[str]]:
-    """The docstrings of CPython's standard library (test suites left out): one document per module file, its
-    docstrings in source order (module, classes, functions), in sorted path order."""
-    import sysconfig
-
-    documents = []
-    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
-        for name in sorted(names):
-            if name.endswith(".py"):
-                doc = [s for text in _docstrings(os.path.join(root, name)) for s in split_sentences(text)]
-                if doc:
-                    documents.append(doc)
-    return documents
-
-
-CORPORA = {"pydoc": "CPython's reference topics (pydoc_data.topics)",
-           "cpython": "pydoc_data.topics plus the standard library's docstrings, one document per module"}
-
-
-def cpython_documents(corpus: str) -> list[list[str]]:
-    """The documents of a built-in corpus (`CORPORA`)."""
-    if corpus not in CORPORA:
-        raise UserError(f"unknown corpus {corpus!r}; expected one of {', '.join(CORPORA)}")
-    documents = pydoc_documents()
-    return documents + stdlib_documents() if corpus == "cpython" else documents
-
-
-def file_documents(paths: Sequence[str]) -> list[list[str]]:
-    """Documents of text files: a blank line ends a document (and a file ends one); each document's lines are
-    joined and split into sentences. UserError for a missing or unreadable file."""
-    documents = []
-    for path in paths:
-        if not os.path.isfile(path):
-            raise UserError(f"text file {path} does not exist" if not os.path.exists(path) else
-                            f"{path} is not a file")
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as err:
-            raise UserError(f"cannot read {path} as UTF-8 text: {err}") from err
-        for block in re.split(r"\n\s*\n", text):
-            sentences = []
-            for line in block.splitlines():
-                sentences += split_sentences(line, min_words=1)
-            if sentences:
-                documents.append(sentences)
-    return documents
-
-
+# ------------------------------------------------------------------------------------------------ held out
 WHOLE_DOCUMENTS_FROM = 20  # with at least this many documents, whole documents are held out
 
 
@@ -225,17 +148,19 @@ def mask_whole_words(
     # each token's word start: the last position <= it that is not a continuation
     word_start = torch.where(is_continuation, torch.zeros_like(positions), positions).cummax(dim=1).values
 
-    def per_word() -> torch.Tensor:
-        return torch.rand(input_ids.shape, generator=generator, device=input_ids.device).gather(1, word_start)
-
-    chosen = (per_word() < mlm_probability) & ~special
-    fate = per_word()
+    chosen = (_per_word_uniform(word_start, generator) < mlm_probability) & ~special
+    fate = _per_word_uniform(word_start, generator)
     labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
     random_ids = torch.randint(vocab_size, input_ids.shape, generator=generator, device=input_ids.device,
                                dtype=input_ids.dtype)
     inputs = torch.where(chosen & (fate < 0.8), torch.full_like(input_ids, mask_token_id), input_ids)
     inputs = torch.where(chosen & (fate >= 0.8) & (fate < 0.9), random_ids, inputs)
     return inputs, labels
+
+
+def _per_word_uniform(word_start: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform [0, 1) draws, one per token, that every token of a word takes from its word's first token."""
+    return torch.rand(word_start.shape, generator=generator, device=word_start.device).gather(1, word_start)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -329,14 +254,9 @@ class PretrainingData:
 
     def collate(self, examples: Sequence[dict[str, Any]], generator: torch.Generator) -> dict[str, torch.Tensor]:
         """Pad a list of examples to their longest and mask them (token or whole-word masking)."""
-        length = max(len(e["input_ids"]) for e in examples)
-
-        def padded(key: str, fill: int) -> torch.Tensor:
-            return torch.tensor([list(e[key]) + [fill] * (length - len(e[key])) for e in examples])
-
-        input_ids = padded("input_ids", self.pad_id)
-        attention_mask = padded("input_ids", -1).ne(-1).long()
-        special = padded("special_tokens_mask", 1).bool()
+        input_ids = _padded(examples, "input_ids", self.pad_id)
+        attention_mask = _padded(examples, "input_ids", -1).ne(-1).long()
+        special = _padded(examples, "special_tokens_mask", 1).bool()
         options = self.options
         if options.whole_word_masking:
             inputs, labels = mask_whole_words(input_ids, self.continuation, mask_token_id=self.mask_id,
@@ -348,13 +268,19 @@ class PretrainingData:
                                          generator=generator)
         batch = {"input_ids": inputs, "attention_mask": attention_mask, "labels": labels}
         if options.objective != "roberta":
-            batch["token_type_ids"] = padded("token_type_ids", 0)
+            batch["token_type_ids"] = _padded(examples, "token_type_ids", 0)
             batch["pair_labels"] = torch.tensor([e["label"] for e in examples])
         return batch
 
     def epoch_batches(self, epoch: int) -> _EpochBatches:
         """The batches of an epoch (the last, incomplete one dropped unless it is the only one)."""
         return _EpochBatches(self, epoch, self.examples(epoch))
+
+
+def _padded(examples: Sequence[dict[str, Any]], key: str, fill: int) -> torch.Tensor:
+    """[examples, longest input]: each example's ``key`` list, padded with ``fill``."""
+    length = max(len(e["input_ids"]) for e in examples)
+    return torch.tensor([list(e[key]) + [fill] * (length - len(e[key])) for e in examples])
 
 
 class _EpochBatches(Sequence):
@@ -584,66 +510,139 @@ def plot_curve(records: list[dict[str, Any]], path: Path, objective: str) -> Non
     replace_atomic(written, path)
 
 
-# ----------------------------------------------------------------------------------------------------- CLI
-def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``pretrain`` subcommand to the ``fastbert`` parser."""
-    parser = commands.add_parser(
-        "pretrain", help="pretrain a small BERT/RoBERTa/ALBERT from scratch on CPython's docs or text files",
-        description="Pretrain a small BERT-family model from scratch: WordPiece vocabulary, masked LM + "
-        "next-sentence (bert), masked LM only (roberta) or + sentence order (albert); checkpoints in HF format "
-        "(resumable), metrics.jsonl, loss_curve.png.")
-    parser.add_argument("files", nargs="*", metavar="FILE",
-                        help="text files (a blank line ends a document); default: CPython's documentation "
-                        "(pydoc_data.topics, one document per topic)")
-    parser.add_argument("--corpus", choices=tuple(CORPORA), default=None,
-                        help="without FILEs: pydoc (default: the reference topics, one document each) or cpython "
-                        "(also the standard library's docstrings, one document per module)")
-    parser.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="checkpoints, metrics, curve")
-    parser.add_argument("--objective", choices=OBJECTIVES, default="bert",
-                        help="bert: MLM + NSP (BertForPreTraining); roberta: MLM only, dynamic masking "
-                        "(RobertaForMaskedLM); albert: MLM + SOP (AlbertForPreTraining). Default bert")
-    parser.add_argument("--whole-word-masking", action="store_true", help="mask whole words, not tokens")
-    parser.add_argument("--pack", action="store_true",
-                        help="fill sequences with consecutive sentences up to --max-length")
-    parser.add_argument("--mlm-probability", type=float, default=0.15, help="share of tokens chosen (default 0.15)")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence (default 128)")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="WordPiece vocabulary size (default 8000)")
-    parser.add_argument("--tokenizer", metavar="DIR", default=None,
-                        help="use this transformers tokenizer (with [PAD] [CLS] [SEP] [MASK]) instead of training one")
-    parser.add_argument("--config", metavar="FILE.json", default=None,
-                        help="model config fields (JSON) over the small default (H=256, 4 layers, 4 heads)")
-    parser.add_argument("--hidden-size", type=int, default=None)
-    parser.add_argument("--num-layers", type=int, default=None)
-    parser.add_argument("--num-heads", type=int, default=None)
-    parser.add_argument("--intermediate-size", type=int, default=None, help="default 4 x hidden size")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
-    parser.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (default 1000)")
-    parser.add_argument("--learning-rate", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="default 10%% of --max-steps")
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping (default 1.0)")
-    parser.add_argument("--held-out", type=float, default=0.05,
-                        help="share of the documents held out for evaluation (default 0.05; with fewer than 20 "
-                        "documents, the share of each document's last sentences)")
-    parser.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200; "
-                        "0: only at the end)")
-    parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
-    parser.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps "
-                        "(default 200; 0: only at the end)")
-    parser.add_argument("--log-every", type=int, default=10, help="progress line every N steps (default 10)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --output-dir from its latest checkpoint (same settings)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    parser.add_argument("--backend", default="auto", help="fastbert backend for fastbert.optimize (default auto)")
-    parser.add_argument("--no-optimize", action="store_true", help="train the plain transformers model")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="redraw the progress line in place (default: when stderr is a terminal)")
-    return parser
 
 
-def _read_config_file(path: str | None) -> dict[str, Any]:
+# ----------------------------------------------------------------------------------------------------- run
+@dataclass
+class PretrainSettings:
+    """One pretraining run (the options of ``fastbert pretrain``; see the module docstring)."""
+
+    output_dir: str
+    files: tuple[str, ...] = ()  # text files; none: a built-in corpus
+    corpus: str | None = None  # without files: "pydoc" (the default) or "cpython"
+    objective: str = "bert"
+    whole_word_masking: bool = False
+    pack: bool = False
+    mlm_probability: float = 0.15
+    max_length: int = 128
+    vocab_size: int = 8000
+    tokenizer: str | None = None  # a transformers tokenizer directory instead of training one
+    config: str | None = None  # a JSON file of model config fields
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    intermediate_size: int | None = None
+    batch_size: int = 32
+    max_steps: int = 1000
+    learning_rate: float = 5e-4
+    warmup_steps: int | None = None  # None: 10 % of max_steps
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    held_out: float = 0.05
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    eval_every: int = 200
+    log_every: int = 10
+    seed: int = 0
+    resume: bool = False
+    threads: int | None = None
+    device: str = "cpu"
+    backend: str = "auto"
+    optimize: bool = True
+    progress: bool | None = None
+
+    def check(self) -> None:
+        """UserError naming the first setting that cannot run (by its command-line option)."""
+        positive = {"--max-length": self.max_length, "--batch-size": self.batch_size, "--max-steps": self.max_steps,
+                    "--vocab-size": self.vocab_size}
+        for name, value in positive.items():
+            if value < 1:
+                raise UserError(f"{name} must be >= 1, got {value}")
+        if self.max_length < 8:
+            raise UserError(f"--max-length must be >= 8, got {self.max_length}")
+        if not 0 < self.mlm_probability < 1:
+            raise UserError(f"--mlm-probability must be between 0 and 1, got {self.mlm_probability}")
+        if not 0 <= self.held_out < 0.5:
+            raise UserError(f"--held-out must be in [0, 0.5), got {self.held_out}")
+        if self.learning_rate <= 0:
+            raise UserError(f"--learning-rate must be > 0, got {self.learning_rate}")
+        if self.threads is not None and self.threads < 1:
+            raise UserError("--threads must be >= 1")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.max_steps:
+            raise UserError("--warmup-steps must be between 0 and --max-steps")
+
+    def data_options(self) -> DataOptions:
+        """How this run builds its examples."""
+        return DataOptions(objective=self.objective, max_length=self.max_length, batch_size=self.batch_size,
+                           mlm_probability=self.mlm_probability, whole_word_masking=self.whole_word_masking,
+                           pack=self.pack, seed=self.seed)
+
+    def training_arguments(self) -> TrainingArguments:
+        """The `fastbert.training.loop` arguments of this run."""
+        warmup = self.warmup_steps if self.warmup_steps is not None else self.max_steps // 10
+        return TrainingArguments(output_dir=self.output_dir, max_steps=self.max_steps,
+                                 learning_rate=self.learning_rate, weight_decay=self.weight_decay,
+                                 warmup_steps=warmup, max_grad_norm=self.max_grad_norm, seed=self.seed,
+                                 save_every=self.save_every, eval_every=self.eval_every, log_every=self.log_every,
+                                 keep_checkpoints=self.keep_checkpoints, resume=self.resume, progress=self.progress)
+
+
+def pretrain(settings: PretrainSettings, log=None) -> TrainResult | None:
+    """Run one pretraining (module docstring), with a description of it and a summary at the end on ``log``
+    (default stderr). Returns the loop's result; None on the ranks other than 0 under torchrun.
+
+    Raises `fastbert.common.resolve.UserError` for settings, files or a corpus that cannot be used and
+    `fastbert.training.loop.TrainingError` for an output directory that holds another run or a resume that cannot
+    continue."""
+    log = log or sys.stderr
+    settings.check()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    device = resolve_device(settings.device)
+    check_output_dir(settings)
+    overrides = model_overrides(settings)
+    _quiet_transformers()
+    documents = read_corpus(settings)
+    train_docs, held_docs = hold_out(documents, settings.held_out, settings.seed)
+    tokenizer = distributed_tokenizer(settings, train_docs)
+    data, held_out = build_data(settings, tokenizer, train_docs, held_docs)
+    model, config = build_pretraining_model(settings, tokenizer, overrides, device)
+    task = PretrainingTask(data, tokenizer, run_settings(settings, documents, tokenizer, config), held_out)
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.write(describe_run(settings, model, config, tokenizer, train_docs, data, task, device) + "\n")
+    result = _train_and_leave_the_group(model, task, settings.training_arguments())
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports for the whole run
+        return None
+    log.write(summary_text(result))
+    return result
+
+
+def check_output_dir(settings: PretrainSettings) -> None:
+    """A resume needs the output directory; a new run needs one without a run in it (checked before any file is
+    written there)."""
+    output_dir = Path(settings.output_dir)
+    if settings.resume and not output_dir.is_dir():
+        raise UserError(f"--resume: {output_dir} does not exist")
+    if not settings.resume and latest_checkpoint(output_dir) is not None:
+        raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another "
+                        "--output-dir")
+
+
+def model_overrides(settings: PretrainSettings) -> dict[str, Any]:
+    """Model config fields over the small default: the --config file's, then the size options."""
+    overrides = read_config_file(settings.config)
+    for field_name, value in (("hidden_size", settings.hidden_size), ("num_hidden_layers", settings.num_layers),
+                              ("num_attention_heads", settings.num_heads),
+                              ("intermediate_size", settings.intermediate_size)):
+        if value is not None:
+            overrides[field_name] = value
+    if settings.hidden_size is not None and settings.intermediate_size is None and "intermediate_size" not in overrides:
+        overrides["intermediate_size"] = 4 * settings.hidden_size
+    return overrides
+
+
+def read_config_file(path: str | None) -> dict[str, Any]:
+    """The model config fields of a JSON file (None: none), without the ones the tokenizer decides."""
     if path is None:
         return {}
     try:
@@ -660,27 +659,131 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
     return fields
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    positive = {"--max-length": args.max_length, "--batch-size": args.batch_size, "--max-steps": args.max_steps,
-                "--vocab-size": args.vocab_size}
-    for name, value in positive.items():
-        if value < 1:
-            raise UserError(f"{name} must be >= 1, got {value}")
-    if args.max_length < 8:
-        raise UserError(f"--max-length must be >= 8, got {args.max_length}")
-    if not 0 < args.mlm_probability < 1:
-        raise UserError(f"--mlm-probability must be between 0 and 1, got {args.mlm_probability}")
-    if not 0 <= args.held_out < 0.5:
-        raise UserError(f"--held-out must be in [0, 0.5), got {args.held_out}")
-    if args.learning_rate <= 0:
-        raise UserError(f"--learning-rate must be > 0, got {args.learning_rate}")
-    if args.threads is not None and args.threads < 1:
-        raise UserError("--threads must be >= 1")
-    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.max_steps:
-        raise UserError("--warmup-steps must be between 0 and --max-steps")
+def _quiet_transformers() -> None:
+    """No download bars and no notices from transformers in the middle of the run's own output."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
 
 
-def _corpus_fingerprint(documents: list[list[str]]) -> str:
+def read_corpus(settings: PretrainSettings) -> list[list[str]]:
+    """The run's documents: the text files, else the built-in corpus (default pydoc)."""
+    if settings.files and settings.corpus is not None:
+        raise UserError("give text FILEs or --corpus, not both")
+    documents = file_documents(settings.files) if settings.files else cpython_documents(settings.corpus or "pydoc")
+    if not documents:
+        raise UserError("the corpus holds no sentences")
+    return documents
+
+
+def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[str]]):
+    """The run's tokenizer: on resume the latest checkpoint's (never retrained: tokenizers' WordPiece trainer numbers
+    its alphabet in hash order, so two trainings on the same text can differ); else --tokenizer's, else one trained
+    on the training sentences. A new run keeps a copy in output_dir/tokenizer."""
+    from transformers import AutoTokenizer
+
+    output_dir = Path(settings.output_dir)
+    if settings.resume:
+        checkpoint = latest_checkpoint(output_dir)
+        if checkpoint is None:
+            raise UserError(f"--resume: {output_dir} holds no checkpoint to resume from")
+        return AutoTokenizer.from_pretrained(checkpoint)
+    if settings.tokenizer is not None:
+        tokenizer = load_given_tokenizer(settings.tokenizer)
+    else:
+        tokenizer = train_tokenizer(train_docs, settings.vocab_size, settings.max_length)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    saved = output_dir / "tokenizer"
+    written = temporary_path(saved)
+    tokenizer.save_pretrained(written)
+    replace_atomic(written, saved)
+    return tokenizer
+
+
+def load_given_tokenizer(directory: str):
+    """A --tokenizer directory's tokenizer, which must have the special tokens pretraining uses."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--tokenizer {directory}: cannot load a tokenizer there ({err})") from err
+    missing = [name for name in ("pad_token", "cls_token", "sep_token", "mask_token")
+               if getattr(tokenizer, name) is None]
+    if missing:
+        raise UserError(f"--tokenizer {directory} has no {', '.join(missing)}; pretraining needs [PAD], "
+                        "[CLS], [SEP] and [MASK]")
+    return tokenizer
+
+
+def distributed_tokenizer(settings: PretrainSettings, train_docs: list[list[str]]):
+    """The run's tokenizer; under torchrun (WORLD_SIZE > 1) rank 0 makes it and the other ranks load its copy, since
+    two trainings of the vocabulary can differ."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return load_or_train_tokenizer(settings, train_docs)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if settings.device.startswith("cuda") else "gloo")
+    tokenizer = load_or_train_tokenizer(settings, train_docs) if dist.get_rank() == 0 else None
+    dist.barrier()
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(Path(settings.output_dir) / "tokenizer")
+    return tokenizer
+
+
+def tokenize_documents(tokenizer, docs: list[list[str]]) -> list[list[list[int]]]:
+    """Each document's sentences as token ids, without special tokens (sequences are cut to length later)."""
+    flat = [s for doc in docs for s in doc]
+    ids = tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []
+    out, start = [], 0
+    for doc in docs:
+        out.append(ids[start:start + len(doc)])
+        start += len(doc)
+    return out
+
+
+def build_data(settings: PretrainSettings, tokenizer, train_docs: list[list[str]], held_docs: list[list[str]]
+               ) -> tuple[PretrainingData, PretrainingData | None]:
+    """The training data and the held-out data (None when there is too little held out to evaluate on)."""
+    options = settings.data_options()
+    special = dict(cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id,
+                   mask_id=tokenizer.mask_token_id, vocab_size=len(tokenizer),
+                   continuation=continuation_table(tokenizer))
+    data = PretrainingData(tokenize_documents(tokenizer, train_docs), options, **special)
+    held_out = None
+    if len(held_docs) >= 2 or (held_docs and settings.objective != "bert"):
+        held_out = PretrainingData(tokenize_documents(tokenizer, held_docs), options, **special)
+    return data, held_out
+
+
+def build_pretraining_model(settings: PretrainSettings, tokenizer, overrides: dict[str, Any],
+                            device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """(model on ``device``, its transformers config), initialised from the seed and passed through
+    `fastbert.optimize` unless the settings say not to; UserError for config fields transformers refuses."""
+    try:
+        config = build_config(settings.objective, tokenizer, settings.max_length, overrides)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"model config: {err}") from err
+    torch.manual_seed(settings.seed)  # the initialisation is part of the run
+    try:
+        model = build_model(settings.objective, config)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"model config: {err}") from err
+    model.to(device)
+    if settings.optimize:
+        import fastbert
+
+        model = fastbert.optimize(model, backend=settings.backend)
+    return model, config
+
+
+def corpus_fingerprint(documents: list[list[str]]) -> str:
+    """A short hash of the documents' text: the corpus by its content (a file named by another path is the same
+    corpus)."""
     digest = hashlib.sha256()
     for doc in documents:
         for sentence in doc:
@@ -690,169 +793,60 @@ def _corpus_fingerprint(documents: list[list[str]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _vocab_fingerprint(tokenizer) -> str:
+def vocab_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary's tokens in id order."""
     items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256("\n".join(token for token, _ in items).encode()).hexdigest()[:16]
 
 
-def _load_or_train_tokenizer(args: argparse.Namespace, output_dir: Path, train_docs: list[list[str]]):
-    """The run's tokenizer: on resume the latest checkpoint's (never retrained: tokenizers' WordPiece trainer numbers
-    its alphabet in hash order, so two trainings on the same text can differ); else --tokenizer's, else one trained
-    on the training sentences. A new run keeps a copy in output_dir/tokenizer."""
-    from transformers import AutoTokenizer
-
-    if args.resume:
-        checkpoint = latest_checkpoint(output_dir)
-        if checkpoint is None:
-            raise UserError(f"--resume: {output_dir} holds no checkpoint to resume from")
-        return AutoTokenizer.from_pretrained(checkpoint)
-    if args.tokenizer is not None:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        except (OSError, ValueError) as err:
-            raise UserError(f"--tokenizer {args.tokenizer}: cannot load a tokenizer there ({err})") from err
-        missing = [name for name in ("pad_token", "cls_token", "sep_token", "mask_token")
-                   if getattr(tokenizer, name) is None]
-        if missing:
-            raise UserError(f"--tokenizer {args.tokenizer} has no {', '.join(missing)}; pretraining needs [PAD], "
-                            "[CLS], [SEP] and [MASK]")
-    else:
-        tokenizer = train_tokenizer(train_docs, args.vocab_size, args.max_length)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    saved = output_dir / "tokenizer"
-    written = temporary_path(saved)
-    tokenizer.save_pretrained(written)
-    replace_atomic(written, saved)
-    return tokenizer
+def run_settings(settings: PretrainSettings, documents: list[list[str]], tokenizer, config) -> dict[str, Any]:
+    """What a resume of this run must match: data options, corpus and vocabulary fingerprints, model config."""
+    found = {"data": asdict(settings.data_options()),
+             "corpus": "text files" if settings.files else settings.corpus or "pydoc",
+             "corpus_sha256": corpus_fingerprint(documents), "held_out": settings.held_out,
+             "vocab_size": len(tokenizer), "vocab_sha256": vocab_fingerprint(tokenizer),
+             "model": json.loads(config.to_json_string(use_diff=False)), "optimized": settings.optimize,
+             "backend": settings.backend}
+    found["model"].pop("transformers_version", None)
+    return found
 
 
-def _distributed_tokenizer(args: argparse.Namespace, output_dir: Path, train_docs: list[list[str]]):
-    """The run's tokenizer; under torchrun (WORLD_SIZE > 1) rank 0 makes it and the other ranks load its copy, since
-    two trainings of the vocabulary can differ."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return _load_or_train_tokenizer(args, output_dir, train_docs)
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if args.device.startswith("cuda") else "gloo")
-    tokenizer = _load_or_train_tokenizer(args, output_dir, train_docs) if dist.get_rank() == 0 else None
-    dist.barrier()
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(output_dir / "tokenizer")
-    return tokenizer
-
-
-def run_pretraining(args: argparse.Namespace) -> int:
-    """The ``fastbert pretrain`` command (see the module docstring); returns the exit status."""
-    _check_args(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    from fastbert.common.resolve import resolve_device
-
-    device = resolve_device(args.device)
-    output_dir = Path(args.output_dir)
-    if args.resume and not output_dir.is_dir():
-        raise UserError(f"--resume: {output_dir} does not exist")
-    if not args.resume and latest_checkpoint(output_dir) is not None:  # checked before any file is written there
-        raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another "
-                        "--output-dir")
-    overrides = _read_config_file(args.config)
-    for field_name, value in (("hidden_size", args.hidden_size), ("num_hidden_layers", args.num_layers),
-                              ("num_attention_heads", args.num_heads),
-                              ("intermediate_size", args.intermediate_size)):
-        if value is not None:
-            overrides[field_name] = value
-    if args.hidden_size is not None and args.intermediate_size is None and "intermediate_size" not in overrides:
-        overrides["intermediate_size"] = 4 * args.hidden_size
-
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    if args.files and args.corpus is not None:
-        raise UserError("give text FILEs or --corpus, not both")
-    documents = file_documents(args.files) if args.files else cpython_documents(args.corpus or "pydoc")
-    if not documents:
-        raise UserError("the corpus holds no sentences")
-    train_docs, held_docs = hold_out(documents, args.held_out, args.seed)
-    tokenizer = _distributed_tokenizer(args, output_dir, train_docs)
-
-    def tokenize(docs: list[list[str]]) -> list[list[list[int]]]:
-        flat = [s for doc in docs for s in doc]
-        ids = tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []  # cut later
-        out, start = [], 0
-        for doc in docs:
-            out.append(ids[start:start + len(doc)])
-            start += len(doc)
-        return out
-
-    options = DataOptions(objective=args.objective, max_length=args.max_length, batch_size=args.batch_size,
-                          mlm_probability=args.mlm_probability, whole_word_masking=args.whole_word_masking,
-                          pack=args.pack, seed=args.seed)
-    special = dict(cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id,
-                   mask_id=tokenizer.mask_token_id, vocab_size=len(tokenizer),
-                   continuation=continuation_table(tokenizer))
-    data = PretrainingData(tokenize(train_docs), options, **special)
-    held_out = None
-    if len(held_docs) >= 2 or (held_docs and args.objective != "bert"):
-        held_out = PretrainingData(tokenize(held_docs), options, **special)
-    try:
-        config = build_config(args.objective, tokenizer, args.max_length, overrides)
-    except (TypeError, ValueError) as err:
-        raise UserError(f"model config: {err}") from err
-    torch.manual_seed(args.seed)  # the initialisation is part of the run
-    try:
-        model = build_model(args.objective, config)
-    except (TypeError, ValueError) as err:
-        raise UserError(f"model config: {err}") from err
-    model.to(device)
-    if not args.no_optimize:
-        import fastbert
-
-        model = fastbert.optimize(model, backend=args.backend)
-    # the corpus by its content (a file named by another path is the same corpus), the vocabulary by its tokens
-    settings = {"data": asdict(options), "corpus": "text files" if args.files else args.corpus or "pydoc",
-                "corpus_sha256": _corpus_fingerprint(documents), "held_out": args.held_out,
-                "vocab_size": len(tokenizer), "vocab_sha256": _vocab_fingerprint(tokenizer),
-                "model": json.loads(config.to_json_string(use_diff=False)), "optimized": not args.no_optimize,
-                "backend": args.backend}
-    settings["model"].pop("transformers_version", None)
-    task = PretrainingTask(data, tokenizer, settings, held_out)
-    warmup = args.warmup_steps if args.warmup_steps is not None else args.max_steps // 10
-    training = TrainingArguments(output_dir=str(output_dir), max_steps=args.max_steps,
-                                 learning_rate=args.learning_rate, weight_decay=args.weight_decay,
-                                 warmup_steps=warmup, max_grad_norm=args.max_grad_norm, seed=args.seed,
-                                 save_every=args.save_every, eval_every=args.eval_every, log_every=args.log_every,
-                                 keep_checkpoints=args.keep_checkpoints, resume=args.resume, progress=args.progress)
+def describe_run(settings: PretrainSettings, model: torch.nn.Module, config, tokenizer,
+                 train_docs: list[list[str]], data: PretrainingData, task: PretrainingTask,
+                 device: torch.device) -> str:
+    """The run's first line: model, vocabulary, data, objective, threads and device."""
     parameters = sum(p.numel() for p in model.parameters())
-    pair_note = {"bert": "NSP", "albert": "SOP"}.get(args.objective, "no pair task")
-    if int(os.environ.get("RANK", "0")) == 0:
-        sys.stderr.write(f"fastbert pretrain: {type(model).__name__} ({parameters / 1e6:.2f} M parameters, "
-                         f"H={config.hidden_size}, {config.num_hidden_layers} layers), vocabulary {len(tokenizer)}, "
-                         f"{sum(len(d) for d in train_docs):,} training sentences in {len(train_docs)} documents "
-                         f"({len(data.epoch_batches(0))} batches of {args.batch_size} per epoch), MLM + {pair_note}, "
-                         f"{len(task.eval_batches)} held-out batches, {torch.get_num_threads()} threads, {device}\n")
+    pair_note = {"bert": "NSP", "albert": "SOP"}.get(settings.objective, "no pair task")
+    return (f"fastbert pretrain: {type(model).__name__} ({parameters / 1e6:.2f} M parameters, "
+            f"H={config.hidden_size}, {config.num_hidden_layers} layers), vocabulary {len(tokenizer)}, "
+            f"{sum(len(d) for d in train_docs):,} training sentences in {len(train_docs)} documents "
+            f"({len(data.epoch_batches(0))} batches of {settings.batch_size} per epoch), MLM + {pair_note}, "
+            f"{len(task.eval_batches)} held-out batches, {torch.get_num_threads()} threads, {device}")
+
+
+def _train_and_leave_the_group(model: torch.nn.Module, task: PretrainingTask, arguments: TrainingArguments
+                               ) -> TrainResult:
+    """`fastbert.training.loop.train`; under torchrun the process group (started for the tokenizer) is destroyed
+    after it, however it ends."""
     try:
-        result = train(model, task, training)
-    except TrainingError as err:
-        raise UserError(str(err)) from err
+        return train(model, task, arguments)
     finally:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reports for the whole run
-        return 0
+
+
+def summary_text(result: TrainResult) -> str:
+    """The lines written at the end: the checkpoint, the summary's figures and the last held-out evaluation."""
     summary = summarize(result.records)
     figures = {k: v for k, v in summary.items() if isinstance(v, float)}
-    sys.stderr.write(f"fastbert pretrain: done at step {result.step} -> {result.checkpoint}\n")
+    lines = [f"fastbert pretrain: done at step {result.step} -> {result.checkpoint}\n"]
     for key, value in figures.items():
-        sys.stderr.write(f"  {key}: {value:.4f}\n" if math.isfinite(value) else f"  {key}: {value}\n")
+        lines.append(f"  {key}: {value:.4f}\n" if math.isfinite(value) else f"  {key}: {value}\n")
     if "eval_last" in summary:
         last = summary["eval_last"]
-        sys.stderr.write("  held-out at step {}: {}\n".format(
+        lines.append("  held-out at step {}: {}\n".format(
             last["step"], ", ".join(f"{k} {v:.4f}" for k, v in last.items() if k.startswith("eval_"))))
-    return 0
+    return "".join(lines)

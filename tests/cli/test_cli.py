@@ -11,6 +11,7 @@ import torch
 from fastbert import cli
 from fastbert.bench import peers
 from fastbert.bench.machine import machine_tag
+from fastbert.cli import check
 from tests.helpers import tiny_model
 
 SIMILAR = ("A cat is sleeping on the sofa.", "A kitten naps on the couch.")
@@ -89,7 +90,7 @@ def test_check_other_families_without_tokenizer(capsys, tmp_path, family, pooler
     (torch.bfloat16, 0.1, 0.05, 1.0, True),
 ], ids=["fp32-ok", "fp32-fail", "fp16-ok", "fp16-fail", "bf16-ok"])
 def test_check_rule(dtype, fast_err, hf_err, scale, expected):
-    assert cli.check_rule(dtype, fast_err, hf_err, scale)[0] is expected
+    assert check.check_rule(dtype, fast_err, hf_err, scale)[0] is expected
 
 
 def _unsupported_model(tmp_path):

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastbert import cli  # noqa: E402
 from fastbert.training import finetune  # noqa: E402
-from fastbert.training.corpus import _sentences  # noqa: E402
+from fastbert.training.corpus import prose_sentences  # noqa: E402
 from fastbert.training.finetune import Example, TaskData  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
@@ -76,7 +76,7 @@ def test_topic_labels_are_the_package_each_sentence_comes_from(tasks):
     data = tasks["topic"]
     by_file: dict[str, set[str]] = {}
     for path, _, doc in finetune.stdlib_docstrings():
-        by_file.setdefault(path, set()).update(_sentences(doc))
+        by_file.setdefault(path, set()).update(prose_sentences(doc))
     for example in data.train + data.test:
         assert example.source.split("/")[0] == data.labels[example.label]
         assert example.text in by_file[example.source]
@@ -287,4 +287,4 @@ def test_minilm_learns_the_topic_task(tmp_path, minilm_dir):
         train_limit=640, eval_limit=150, learning_rate=2e-4))
     assert results["evaluation"]["accuracy"] > results["majority_baseline"]["accuracy"] + 0.15
     assert Counter(results["held_out"]["label_counts"]) == Counter(
-        finetune._counts(finetune.build_task("topic"), finetune.subsample(finetune.build_task("topic").test, 150, 0)))
+        finetune.count_labels(finetune.TOPIC_PACKAGES, finetune.subsample(finetune.build_task("topic").test, 150, 0)))

@@ -19,15 +19,14 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from fastbert import cli  # noqa: E402
+from fastbert.training.corpus import file_documents, split_sentences  # noqa: E402
 from fastbert.training.loop import latest_checkpoint  # noqa: E402
 from fastbert.training.masking import IGNORE_INDEX  # noqa: E402
 from fastbert.training.pretrain import (  # noqa: E402
     DataOptions,
     PretrainingData,
-    file_documents,
     hold_out,
     mask_whole_words,
-    split_sentences,
 )
 
 PAD, UNK, CLS, SEP, MASK, VOCAB = 0, 1, 2, 3, 4, 1000

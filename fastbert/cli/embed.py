@@ -1,0 +1,230 @@
+"""``fastbert embed``: embeddings of TEXT arguments or of every row of a corpus (`fastbert.embedding`), one output
+row per input row, in input order, streaming and resumable; or the cosine similarity matrix of the TEXTs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastbert import embedding
+from fastbert.bench import report
+from fastbert.cli import shared
+from fastbert.common.resolve import UserError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``embed`` to the ``fastbert`` parser."""
+    parser = subparsers.add_parser(
+        "embed", help="embed texts or a whole corpus: streaming, one output row per input row, resumable",
+        description="Embeddings of TEXT arguments, or of every row of --input (a text file with one text per line, "
+        "JSONL, or stdin), written as they are computed, in input order: a blank text gives a null row, never a "
+        "skipped one. Texts are sorted by length within a window of rows and batched by a token budget on the "
+        "padding-free encoder. A progress line and a summary go to stderr.")
+    parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (none: read --input, default stdin)")
+    shared.add_model_options(parser)
+    add_io_options(parser)
+    add_model_run_options(parser)
+    add_ray_options(parser)
+    parser.add_argument("--similarity", action="store_true",
+                        help="print the cosine similarity matrix of the TEXTs instead")
+    return parser
+
+
+def add_io_options(parser: argparse.ArgumentParser) -> None:
+    """Where rows come from and where embeddings go."""
+    parser.add_argument("-i", "--input", metavar="FILE", default=None,
+                        help="one text per line, or JSONL with --field; '-' = stdin (the default without TEXT)")
+    parser.add_argument("--input-format", choices=("auto", "text", "jsonl"), default="auto",
+                        help="auto (default): jsonl for *.jsonl / *.ndjson, else text")
+    parser.add_argument("--field", default="text", help="JSONL: the field holding the text (default: text)")
+    parser.add_argument("--id-field", default=None,
+                        help="JSONL: the field written as each row's id (default: the line number)")
+    parser.add_argument("-o", "--output", metavar="FILE", default=None,
+                        help="one output file, written as rows are done; format from the extension (.jsonl, .npy, "
+                        ".parquet) or --format (default: JSONL on stdout)")
+    parser.add_argument("--output-dir", metavar="DIR", default=None,
+                        help="write shards (one per window) and manifest.json, each atomically: resumable with "
+                        "--resume")
+    parser.add_argument("--format", choices=embedding.FORMATS, default=None,
+                        help="output format (default: from --output's extension; jsonl otherwise)")
+    parser.add_argument("--output-dtype", choices=("float32", "float16"), default="float32",
+                        help="npy/parquet value type (default float32)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the interrupted run in --output-dir (same input and settings) after its last "
+                        "complete shard")
+
+
+def add_model_run_options(parser: argparse.ArgumentParser) -> None:
+    """Pooling, normalisation, truncation, batching, windows, blank rows, progress and threads."""
+    parser.add_argument("--pooling", choices=embedding.POOLINGS, default=None,
+                        help="mean over real tokens or cls (default: what the checkpoint's sentence-transformers "
+                        "1_Pooling declares, else mean)")
+    parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                        help="L2-normalise each embedding (default: as the checkpoint's sentence-transformers "
+                        "modules declare, else on)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per text, longer texts truncated and counted (default: the checkpoint's "
+                        "sentence-transformers max_seq_length, else the model's limit)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="token budget per batch: texts x longest text of the batch (default 4096 on CPU, 16384 "
+                        "on CUDA, at least --max-length)")
+    parser.add_argument("--batch-size", type=int, default=None, help="at most this many texts per batch")
+    parser.add_argument("--window-rows", type=int, default=None,
+                        help="rows read, sorted and written together; one shard each with --output-dir (default "
+                        "2048; with --ray 16384)")
+    parser.add_argument("--on-blank", choices=("null", "error"), default="null",
+                        help="a blank text: a null row (default) or stop with its line number")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress on stderr (default: on when stderr is a terminal)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def add_ray_options(parser: argparse.ArgumentParser) -> None:
+    """--ray and the cluster's settings."""
+    parser.add_argument("--ray", action="store_true",
+                        help="embed on a Ray cluster (fastbert.embedding.ray.RayEmbedder actors; pip install "
+                             "'fastbert[ray]')")
+    parser.add_argument("--ray-address", default=None,
+                        help="the cluster to join, e.g. ray://head:10001 or auto (default: RAY_ADDRESS, else a new "
+                        "local cluster)")
+    parser.add_argument("--ray-actors", type=int, default=1, help="model replicas on Ray (default 1)")
+    parser.add_argument("--ray-cpus", type=float, default=1.0, help="CPUs per Ray actor (default 1)")
+    parser.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per Ray actor (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Embed TEXT arguments or a corpus: one output row per input row, in input order; a summary on stderr."""
+    started = time.perf_counter()
+    shared.set_threads(args.threads)
+    if args.output is not None and args.output_dir is not None:
+        raise UserError("give --output or --output-dir, not both")
+    if args.resume and args.output_dir is None:
+        raise UserError("--resume continues an --output-dir run; give --output-dir")
+    output_format = output_format_of(args)
+    embedder, window_rows = build_embedder(args)
+    if args.similarity:
+        return print_similarity(args, embedder)
+    rows, counter, size, stream = input_rows(args)
+    output = open_output(args, embedder, output_format, window_rows)
+    initial = None
+    if args.resume:
+        if output.manifest["complete"]:
+            sys.stderr.write(f"fastbert embed: {args.output_dir} is complete ({output.rows_done:,} rows); "
+                             "nothing to resume\n")
+            return 0
+        embedding.skip_rows(rows, output.rows_done)
+        initial = output.stats()
+        sys.stderr.write(f"fastbert embed: resuming after row {output.rows_done:,} "
+                         f"({len(output.manifest['shards'])} shards done)\n")
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    progress = embedding.Progress(size, show, initial=initial)
+    error, stats = None, None
+    try:
+        stats = embedding.run(embedder, rows, output, window_rows, progress,
+                              bytes_read=(lambda: counter.bytes_read) if counter is not None else (lambda: 0),
+                              blank=args.on_blank, initial=initial)
+    except embedding.InputError as err:
+        error = err
+    finally:
+        if stream is not None and stream is not sys.stdin.buffer:
+            stream.close()
+        output.close(stats)  # stats None: the run stopped early (a sharded run stays resumable)
+    if error is not None:
+        raise UserError(f"{error} ({output.rows_done:,} rows before it were written to {output.describe()} and are "
+                        "valid)")
+    write_summary(stats, initial, embedder, output, time.perf_counter() - started)
+    return 0
+
+
+def output_format_of(args: argparse.Namespace) -> str:
+    """--format, else the one --output's extension names, else jsonl."""
+    if args.format is not None:
+        return args.format
+    if args.output is not None:
+        suffix = Path(args.output).suffix.lower().lstrip(".")
+        if suffix in embedding.FORMATS:
+            return suffix
+        if suffix in ("json", "ndjson"):
+            return "jsonl"
+        raise UserError(f"cannot tell the format of --output {args.output}: give --format or use .jsonl, .npy or "
+                        ".parquet")
+    return "jsonl"
+
+
+def build_embedder(args: argparse.Namespace) -> tuple:
+    """(embedder, rows per window): a local `fastbert.embedding.Embedder` or, with --ray, actors on a cluster."""
+    options = dict(model_dir=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
+                   pooling=args.pooling, normalize=args.normalize, max_length=args.max_length,
+                   max_batch_tokens=args.max_batch_tokens, max_batch_size=args.batch_size)
+    if args.ray:
+        from fastbert.embedding.ray import RayClusterEmbedder
+
+        embedder = RayClusterEmbedder(options, actors=args.ray_actors, address=args.ray_address,
+                                      cpus_per_actor=args.ray_cpus, gpus_per_actor=args.ray_gpus)
+        return embedder, args.window_rows or 16384
+    return embedding.Embedder(**options), args.window_rows or 2048
+
+
+def input_rows(args: argparse.Namespace) -> tuple:
+    """(rows, byte counter, input size, stream to close): the TEXT arguments, or the rows of --input."""
+    if args.texts:
+        if args.input is not None:
+            raise UserError("give TEXT arguments or --input, not both")
+        rows = (embedding.Row(i, i, t if t.strip() else None) for i, t in enumerate(args.texts, start=1))
+        return rows, None, None, None
+    path = args.input or "-"
+    input_format = args.input_format
+    if input_format == "auto":
+        input_format = "jsonl" if path.lower().endswith((".jsonl", ".ndjson")) else "text"
+    if args.id_field is not None and input_format != "jsonl":
+        raise UserError("--id-field needs JSONL input")
+    counter, size, name = embedding.open_input(path)
+    rows = embedding.read_rows(counter, input_format, args.field, args.id_field, name)
+    return rows, counter, size, counter.stream
+
+
+def open_output(args: argparse.Namespace, embedder, output_format: str, window_rows: int):
+    """The writer: shards in --output-dir (resumed with --resume), else one file (or stdout)."""
+    string_ids = args.id_field is not None
+    dtype = np.float16 if args.output_dtype == "float16" else np.float32
+    if args.output_dir is None:
+        return embedding.FileOutput(args.output, output_format, embedder.dimension, dtype, string_ids)
+    settings = {**embedder.settings(), "window_rows": window_rows, "input": args.input or "-",
+                "input_format": args.input_format, "field": args.field, "id_field": args.id_field}
+    return embedding.ShardedOutput(args.output_dir, output_format, embedder.dimension, dtype, settings,
+                                   resume=args.resume, string_ids=string_ids)
+
+
+def write_summary(stats, initial, embedder, output, elapsed: float) -> None:
+    """The truncation warning and the run's summary line, on stderr."""
+    if stats.truncated:
+        lines = ", ".join(str(n) for n in stats.truncated_lines) + (", ..." if stats.truncated > 10 else "")
+        limit = embedder.settings()["max_length"]
+        sys.stderr.write(f"fastbert: warning: {stats.truncated:,} texts were longer than {limit} tokens and were "
+                         f"truncated (lines {lines}); --max-length sets the limit\n")
+    before = initial or embedding.EmbedStats()
+    this_run = f" ({stats.rows - before.rows:,} this run)" if initial is not None else ""
+    sys.stderr.write(f"fastbert embed: {stats.rows:,} rows{this_run} -> {output.describe()}: {stats.embedded:,} "
+                     f"embedded, {stats.null_rows:,} null (blank), {stats.truncated:,} truncated; {stats.tokens:,} "
+                     f"tokens; this run {elapsed:.1f} s ({(stats.embedded - before.embedded) / elapsed:,.0f} "
+                     f"texts/s, {(stats.tokens - before.tokens) / elapsed:,.0f} tokens/s, model load included)\n")
+
+
+def print_similarity(args: argparse.Namespace, embedder) -> int:
+    """The cosine similarity matrix of the TEXT arguments, as a table on stdout."""
+    texts = list(args.texts)
+    if not texts:
+        raise UserError("--similarity needs TEXT arguments")
+    if any(not t.strip() for t in texts):
+        raise UserError("--similarity: a TEXT is blank")
+    vectors, _ = embedder.embed([t if t.strip() else None for t in texts])
+    matrix = torch.from_numpy(vectors) @ torch.from_numpy(vectors).T
+    labels = [f"[{i}] " + (t if len(t) <= 48 else t[:45] + "...") for i, t in enumerate(texts)]
+    rows = [[label] + [f"{float(v):.3f}" for v in row] for label, row in zip(labels, matrix, strict=True)]
+    print(report.format_table(["text"] + [f"[{i}]" for i in range(len(texts))], rows))
+    return 0

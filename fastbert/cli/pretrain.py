@@ -1,0 +1,103 @@
+"""``fastbert pretrain``: pretrain a small BERT / RoBERTa / ALBERT from scratch on CPython's documentation or text
+files (`fastbert.training.pretrain`): checkpoints, metrics.jsonl, loss_curve.png."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from fastbert.cli import shared
+from fastbert.common.resolve import UserError
+from fastbert.training import pretrain as pretraining
+from fastbert.training.corpus import CORPORA
+from fastbert.training.loop import TrainingError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``pretrain`` to the ``fastbert`` parser."""
+    parser = subparsers.add_parser(
+        "pretrain", help="pretrain a small BERT/RoBERTa/ALBERT from scratch on CPython's docs or text files",
+        description="Pretrain a small BERT-family model from scratch: WordPiece vocabulary, masked LM + "
+        "next-sentence (bert), masked LM only (roberta) or + sentence order (albert); checkpoints in HF format "
+        "(resumable), metrics.jsonl, loss_curve.png.")
+    add_data_options(parser)
+    add_model_options(parser)
+    add_training_options(parser)
+    return parser
+
+
+def add_data_options(parser: argparse.ArgumentParser) -> None:
+    """The corpus, the output directory, the objective and how examples are built."""
+    parser.add_argument("files", nargs="*", metavar="FILE",
+                        help="text files (a blank line ends a document); default: CPython's documentation "
+                        "(pydoc_data.topics, one document per topic)")
+    parser.add_argument("--corpus", choices=tuple(CORPORA), default=None,
+                        help="without FILEs: pydoc (default: the reference topics, one document each) or cpython "
+                        "(also the standard library's docstrings, one document per module)")
+    parser.add_argument("-o", "--output-dir", required=True, metavar="DIR", help="checkpoints, metrics, curve")
+    parser.add_argument("--objective", choices=pretraining.OBJECTIVES, default="bert",
+                        help="bert: MLM + NSP (BertForPreTraining); roberta: MLM only, dynamic masking "
+                        "(RobertaForMaskedLM); albert: MLM + SOP (AlbertForPreTraining). Default bert")
+    parser.add_argument("--whole-word-masking", action="store_true", help="mask whole words, not tokens")
+    parser.add_argument("--pack", action="store_true",
+                        help="fill sequences with consecutive sentences up to --max-length")
+    parser.add_argument("--mlm-probability", type=float, default=0.15, help="share of tokens chosen (default 0.15)")
+    parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence (default 128)")
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The vocabulary and the model's size."""
+    parser.add_argument("--vocab-size", type=int, default=8000, help="WordPiece vocabulary size (default 8000)")
+    parser.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="use this transformers tokenizer (with [PAD] [CLS] [SEP] [MASK]) instead of training one")
+    parser.add_argument("--config", metavar="FILE.json", default=None,
+                        help="model config fields (JSON) over the small default (H=256, 4 layers, 4 heads)")
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--num-heads", type=int, default=None)
+    parser.add_argument("--intermediate-size", type=int, default=None, help="default 4 x hidden size")
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """Optimisation, evaluation, checkpoints, logging and where the run runs."""
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
+    parser.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    parser.add_argument("--learning-rate", type=float, default=5e-4, help="peak learning rate (default 5e-4)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="default 10%% of --max-steps")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping (default 1.0)")
+    parser.add_argument("--held-out", type=float, default=0.05,
+                        help="share of the documents held out for evaluation (default 0.05; with fewer than 20 "
+                        "documents, the share of each document's last sentences)")
+    parser.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200; "
+                        "0: only at the end)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
+    parser.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps "
+                        "(default 200; 0: only at the end)")
+    parser.add_argument("--log-every", type=int, default=10, help="progress line every N steps (default 10)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --output-dir from its latest checkpoint (same settings)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--backend", default="auto", help="fastbert backend for fastbert.optimize (default auto)")
+    parser.add_argument("--no-optimize", action="store_true", help="train the plain transformers model")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="redraw the progress line in place (default: when stderr is a terminal)")
+
+
+def settings_of(args: argparse.Namespace) -> pretraining.PretrainSettings:
+    """The run's settings from the parsed options (each option is the settings field of the same name)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(pretraining.PretrainSettings)
+             if hasattr(args, f.name)}
+    return pretraining.PretrainSettings(**{**given, "files": tuple(args.files), "optimize": not args.no_optimize})
+
+
+def run(args: argparse.Namespace) -> int:
+    """Pretrain (see `fastbert.training.pretrain`); a run that cannot start or continue is a UserError."""
+    shared.need_transformers("pretrain")
+    try:
+        pretraining.pretrain(settings_of(args))
+    except TrainingError as err:
+        raise UserError(str(err)) from err
+    return 0

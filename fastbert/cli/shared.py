@@ -1,0 +1,86 @@
+"""What several ``fastbert`` commands share: the parser that prints usage errors as one line, the model options,
+the thread option's check, loading fastbert's model, and a forward that records which backend ran each op."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn
+
+import torch
+
+from fastbert.backends import BACKENDS
+from fastbert.bench import peers, recording
+from fastbert.common.resolve import UserError, model_name
+from fastbert.loading import CheckpointError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line on stderr (exit status 2, no usage text)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        sys.stderr.write(f"fastbert: error: {message}\n")
+        sys.exit(2)
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype, --backend: the options of every command that runs a checkpoint."""
+    parser.add_argument("--model", metavar="PATH", default=None,
+                        help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
+    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16; default: float32 on CPU, "
+                        "float16 on CUDA (check and embed: float32)")
+    parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                        help="fastbert backend (default auto: cpp then eager on CPU, triton then eager on CUDA)")
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply a --threads option (None: leave torch's default); UserError below 1."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UserError("--threads must be >= 1")
+    torch.set_num_threads(threads)
+
+
+def model_line(model_dir: str, config: Any, device: torch.device, dtype: torch.dtype) -> str:
+    """'<name> (<family>, <layers> layers, H=<hidden>) on <device>, <dtype>': the first line of demo and check."""
+    return (f"{model_name(model_dir)} ({config.family}, {config.num_hidden_layers} layers, "
+            f"H={config.hidden_size}) on {device}, {str(dtype).replace('torch.', '')}")
+
+
+def backend_lines(seen: dict) -> list[str]:
+    """Which backend ran each fastbert op (from `forward`'s record), and which backends this machine has."""
+    used = recording.backends_used(seen)
+    lines = ["fastbert ops ran on: " + ", ".join(f"{op}={backend}" for op, backend in used.items())]
+    lines.append("backends: " + "; ".join(f"{k}: {v}" for k, v in recording.backend_availability().items()))
+    return lines
+
+
+def need_transformers(command: str) -> None:
+    """UserError naming the extra to install when transformers is missing."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as err:
+        raise UserError(f"'fastbert {command}' compares with transformers, which is not installed "
+                        "(pip install 'fastbert[hf]')") from err
+
+
+def load_fastbert(model_dir: str, dtype: torch.dtype, device: torch.device, backend: str) -> torch.nn.Module:
+    """fastbert's model of a checkpoint, in eval mode; a checkpoint it cannot read is a UserError."""
+    try:
+        return peers.load_fastbert(model_dir, dtype, device, backend)
+    except CheckpointError as err:
+        raise UserError(str(err)) from err
+
+
+def forward(model: torch.nn.Module, batch: dict, seen: dict | None = None) -> Any:
+    """``model(**batch)`` under inference mode; with ``seen``, the backends each op ran on are added to it."""
+    with torch.inference_mode():
+        if seen is None:
+            return model(**batch)
+        with recording.record_backends() as recorded:
+            out = model(**batch)
+        for op, counts in recorded.items():
+            seen.setdefault(op, type(counts)()).update(counts)
+        return out
