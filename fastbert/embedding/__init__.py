@@ -1,29 +1,23 @@
-"""Embedding whole corpora (`fastbert embed`): reading rows, token-budget batching, output writers and resumable
-shards, progress, and the same pipeline on a Ray cluster (`fastbert.embedding.ray`, imported on its own since it
-needs Ray). Import the public names from this package."""
+"""Embedding whole corpora (`fastbert embed`), one module per role:
 
-from fastbert.embedding.embedder import (
-    DEFAULT_BATCH_TOKENS,
-    FORMATS,
-    MANIFEST,
-    POOLINGS,
-    Embedder,
-    EmbedStats,
-    FileOutput,
-    InputError,
-    NonFiniteEmbedding,
-    Progress,
-    Row,
-    ShardedOutput,
-    default_max_length,
-    open_input,
-    read_output,
-    read_rows,
-    run,
-    sentence_transformers_head,
-    skip_rows,
-    windows,
-)
+- `reading`: input files and stdin, rows with their line numbers, `InputError`;
+- `batching`: rows into windows, a window's texts into token-budget batches;
+- `checkpoint`: what a checkpoint's sentence-transformers files declare (pooling, normalisation, max length);
+- `embedder`: the `Embedder` (tokenizer + fastbert model), texts in, embeddings in the same order out;
+- `formats`: JSONL, .npy and Parquet encodings; `outputs`: one file, or resumable shards with a manifest;
+- `stats`: the counts of a run; `pipeline`: the run over windows (`run`) and its progress line;
+- `ray`: the same pipeline on a Ray cluster (imported on its own since it needs Ray).
+
+Import the public names from this package."""
+
+from fastbert.embedding.batching import windows
+from fastbert.embedding.checkpoint import default_max_length, sentence_transformers_head
+from fastbert.embedding.embedder import DEFAULT_BATCH_TOKENS, POOLINGS, Embedder, NonFiniteEmbedding
+from fastbert.embedding.formats import FORMATS
+from fastbert.embedding.outputs import MANIFEST, FileOutput, ShardedOutput, read_output
+from fastbert.embedding.pipeline import Progress, run, skip_rows
+from fastbert.embedding.reading import InputError, Row, open_input, read_rows
+from fastbert.embedding.stats import EmbedStats
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS", "FORMATS", "MANIFEST", "POOLINGS", "EmbedStats", "Embedder", "FileOutput", "InputError",

@@ -1,7 +1,7 @@
 """fastbert's corpus embedder on a Ray cluster (Ray Data), for users who outgrow one machine.
 
 `RayEmbedder` is a callable class for ``ray.data.Dataset.map_batches``: Ray starts one per actor, each loads the
-model once and then embeds batch after batch of a text column with `fastbert.embedding.embedder.Embedder` (token-budget
+model once and then embeds batch after batch of a text column with `fastbert.embedding.Embedder` (token-budget
 batching on the padding-free encoder, the numbers `fastbert embed` writes)::
 
     import ray
@@ -24,13 +24,15 @@ import logging
 
 import numpy as np
 
-from fastbert.embedding.embedder import Embedder, EmbedStats
+from fastbert.common.resolve import UserError
+from fastbert.embedding.embedder import Embedder
+from fastbert.embedding.stats import TRUNCATED_LINES_KEPT, EmbedStats
 
 
 class RayEmbedder:
     """One fastbert model per Ray actor; ``__call__`` embeds a numpy batch's ``text_column``.
 
-    Constructor arguments are `fastbert.embedding.embedder.Embedder`'s (model_dir, device, dtype, backend, pooling,
+    Constructor arguments are `fastbert.embedding.Embedder`'s (model_dir, device, dtype, backend, pooling,
     normalize, max_length, max_batch_tokens, max_batch_size), plus ``text_column`` (default "text"; a null or blank
     value gives a NaN row) and ``threads`` (torch intra-op threads per actor; default: Ray's CPU share of the actor)."""
 
@@ -66,8 +68,8 @@ class RayEmbedder:
 class RayClusterEmbedder:
     """`fastbert embed --ray`: embeds each window of rows as a Ray dataset mapped by `RayEmbedder` actors, results
     in input order. Each window is its own dataset, so its actors start (and load the model) per window: keep
-    windows large (the default with --ray is 16384 rows). It has `fastbert.embedding.embedder.Embedder`'s ``embed``,
-    ``settings`` and ``dimension``, so `fastbert.embedding.embedder.run` (streaming input, output files or resumable
+    windows large (the default with --ray is 16384 rows). It has `fastbert.embedding.Embedder`'s ``embed``,
+    ``settings`` and ``dimension``, so `fastbert.embedding.run` (streaming input, output files or resumable
     shards, progress) drives it unchanged; the driver holds one window.
 
     address: the cluster to join (None: the one RAY_ADDRESS names, else a new local one); actors: how many model
@@ -78,12 +80,8 @@ class RayClusterEmbedder:
         try:
             import ray
         except ImportError as err:
-            from fastbert.common.resolve import UserError
-
             raise UserError("--ray needs Ray (pip install 'fastbert[ray]')") from err
         if actors < 1:
-            from fastbert.common.resolve import UserError
-
             raise UserError("--ray-actors must be >= 1")
         self.ray = ray
         if not ray.is_initialized():
@@ -120,5 +118,5 @@ class RayClusterEmbedder:
         stats = EmbedStats(rows=len(texts), null_rows=sum(text is None for text in texts),
                            tokens=int(np.concatenate(tokens).sum()), truncated=len(cut))
         stats.embedded = stats.rows - stats.null_rows
-        stats.truncated_lines = [(lines[i] if lines is not None else int(i) + 1) for i in cut[:10]]
+        stats.truncated_lines = [(lines[i] if lines is not None else int(i) + 1) for i in cut[:TRUNCATED_LINES_KEPT]]
         return embeddings, stats

@@ -1,0 +1,203 @@
+"""Where embeddings go: one file (`FileOutput`, or stdout for JSONL) or a resumable directory of shards with a
+manifest (`ShardedOutput`, read back by `read_output`). Both have ``write``, ``rows_done``, ``close`` and
+``describe``, so `fastbert.embedding.run` drives either."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fastbert.common.resolve import UserError
+from fastbert.embedding.formats import NpyWriter, encode, import_pyarrow, jsonl_bytes, parquet_table
+from fastbert.embedding.stats import EmbedStats
+from fastbert.files import is_temporary, replace_atomic, temporary_path, write_atomic
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class FileOutput:
+    """One output file (or stdout for JSONL), written as windows arrive. Same interface as `ShardedOutput`:
+    ``write``, ``rows_done``, ``close``, ``describe``.
+
+    JSONL and .npy are written in place and are valid after every window (the .npy header is rewritten with the
+    row count), so a reader can follow a long run and a killed run keeps its rows so far. Parquet is valid only
+    once closed (a row group per window), so it is written under `fastbert.files.temporary_path` and moved over
+    ``path`` by `close`: a killed run leaves the file that was there before, never a broken one."""
+
+    def __init__(self, path: str | None, output_format: str, dimension: int, dtype: np.dtype,
+                 string_ids: bool = False):
+        self.path, self.format, self.dimension, self.dtype = path, output_format, dimension, np.dtype(dtype)
+        self.string_ids, self.rows_done = string_ids, 0
+        self.written = None if path is None or output_format != "parquet" else temporary_path(path)
+        self.stream = self._open()
+        self._npy = NpyWriter(self.stream, dimension, self.dtype) if output_format == "npy" else None
+        self._parquet = None
+
+    def _open(self) -> Any:
+        """The stream written to: stdout, ``path``, or (Parquet) its temporary name."""
+        if self.path is None:
+            if self.format != "jsonl":
+                raise UserError(f"{self.format} output needs --output FILE (stdout takes JSONL only)")
+            return sys.stdout.buffer
+        mode = "w+b" if self.format == "npy" else "wb"  # .npy: the header is rewritten in place
+        try:
+            return open(self.written or self.path, mode)  # noqa: SIM115 - closed in close()
+        except OSError as err:
+            raise UserError(f"cannot write {self.path}: {err.strerror}") from err
+
+    def write(self, ids: Sequence[int | str], embeddings: np.ndarray, stats: EmbedStats | None = None) -> None:
+        """Append one window's rows (``stats`` is for `ShardedOutput`'s manifest; a file does not record it)."""
+        if self.format == "jsonl":
+            self.stream.write(jsonl_bytes(ids, embeddings))
+            self.stream.flush()
+        elif self.format == "npy":
+            self._npy.append(embeddings)
+        else:
+            table = parquet_table(ids, embeddings, self.dtype, self.string_ids)
+            self._parquet_writer(table).write_table(table)
+        self.rows_done += len(ids)
+
+    def _parquet_writer(self, table: Any) -> Any:
+        """The Parquet writer, opened with ``table``'s schema on first use."""
+        if self._parquet is None:
+            self._parquet = import_pyarrow().parquet.ParquetWriter(self.stream, table.schema)
+        return self._parquet
+
+    def close(self, stats: EmbedStats | None = None) -> None:
+        """Finish the file (whether or not the run completed: what was written stays valid)."""
+        if self.format == "parquet":
+            if self._parquet is None:  # no rows: still a valid, empty file
+                self._parquet_writer(parquet_table([], np.zeros((0, self.dimension), dtype=np.float32), self.dtype,
+                                                   self.string_ids))
+            self._parquet.close()
+        if self.stream is sys.stdout.buffer:
+            self.stream.flush()
+            return
+        self.stream.close()
+        if self.written is not None:
+            replace_atomic(self.written, self.path)
+
+    def describe(self) -> str:
+        """Where the rows went, for messages."""
+        return self.path or "stdout"
+
+
+class ShardedOutput:
+    """A directory of shards, one per window (``part-000000.<format>``), and ``manifest.json``: the settings of
+    the run, each shard's first row and row count, the counts so far, and whether the run completed. Each shard,
+    then the manifest, is written atomically, so the manifest never names a missing or partial shard: a run killed
+    at any moment resumes after the last shard the manifest lists."""
+
+    def __init__(self, directory: str, output_format: str, dimension: int, dtype: np.dtype, settings: dict,
+                 resume: bool, string_ids: bool = False):
+        self.directory, self.format, self.string_ids = Path(directory), output_format, string_ids
+        self.dimension, self.dtype = dimension, np.dtype(dtype)
+        self.settings = {**settings, "format": output_format, "output_dtype": self.dtype.name,
+                         "dimension": dimension, "string_ids": string_ids}
+        if self.directory.exists() and not self.directory.is_dir():
+            raise UserError(f"--output-dir {directory} exists and is not a directory")
+        if resume:
+            self.manifest = self._interrupted_manifest()
+        else:
+            self._refuse_an_existing_run()
+            self.manifest = {"version": MANIFEST_VERSION, "settings": self.settings, "shards": [], "stats": {},
+                             "complete": False}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for leftover in self.directory.iterdir():
+            if is_temporary(leftover):  # a write cut short by a kill
+                leftover.unlink()
+
+    def _interrupted_manifest(self) -> dict[str, Any]:
+        """The manifest of the run to resume, refused if its settings differ from this run's."""
+        path = self.directory / MANIFEST
+        if not path.is_file():
+            raise UserError(f"--resume: {self.directory} holds no {MANIFEST} (nothing to resume; run without "
+                            "--resume)")
+        with open(path) as f:
+            found = json.load(f)
+        changed = {k: (found["settings"].get(k), v) for k, v in self.settings.items()
+                   if found["settings"].get(k) != v}
+        if changed:
+            raise UserError("--resume with other settings than the interrupted run: " + "; ".join(
+                f"{k} was {old!r}, now {new!r}" for k, (old, new) in changed.items()))
+        return found
+
+    def _refuse_an_existing_run(self) -> None:
+        if (self.directory / MANIFEST).exists() or any(self.directory.glob("part-*")):
+            raise UserError(f"--output-dir {self.directory} already holds a run ({MANIFEST} or part-* files); use "
+                            "--resume to continue it, or another directory")
+
+    def stats(self) -> EmbedStats:
+        """The counts of the shards written so far (where a resumed run starts counting)."""
+        return EmbedStats.from_counts(self.manifest["stats"])
+
+    @property
+    def rows_done(self) -> int:
+        """Rows in the shards written so far."""
+        return sum(shard["rows"] for shard in self.manifest["shards"])
+
+    def write(self, ids: Sequence[int | str], embeddings: np.ndarray, stats: EmbedStats) -> None:
+        """One shard, then the manifest with the counts so far (``stats``: the whole run's, resumed part included)."""
+        index = len(self.manifest["shards"])
+        name = f"part-{index:06d}.{self.format}"
+        if self.format == "npy":
+            # the ids of a .npy shard: its rows' ids, in a JSON file beside it (written before the manifest)
+            write_atomic(self.directory / f"part-{index:06d}.ids.json", json.dumps(list(ids)).encode())
+        write_atomic(self.directory / name, encode(self.format, ids, embeddings, self.dtype, self.string_ids))
+        self.manifest["shards"].append({"file": name, "first_row": self.rows_done, "rows": len(ids)})
+        self.manifest["stats"] = stats.counts()
+        self._save_manifest()
+
+    def close(self, stats: EmbedStats | None = None) -> None:
+        """Mark the run complete with its final ``stats``; None (the run stopped early): leave it resumable."""
+        if stats is None:
+            return
+        self.manifest["stats"] = stats.counts()
+        self.manifest["complete"] = True
+        self._save_manifest()
+
+    def _save_manifest(self) -> None:
+        write_atomic(self.directory / MANIFEST, (json.dumps(self.manifest, indent=1) + "\n").encode())
+
+    def describe(self) -> str:
+        """Where the rows went, for messages."""
+        return f"{self.directory}/ ({len(self.manifest['shards'])} shards + {MANIFEST})"
+
+
+def read_output(directory: str | os.PathLike) -> tuple[list[int | str], np.ndarray]:
+    """The ids and embeddings [rows, H] of a sharded output directory, in input order (null rows are NaN)."""
+    directory = Path(directory)
+    with open(directory / MANIFEST) as f:
+        manifest = json.load(f)
+    dimension = manifest["settings"]["dimension"]
+    ids: list[int | str] = []
+    parts = []
+    for shard in manifest["shards"]:
+        shard_ids, vectors = read_shard(directory / shard["file"], dimension)
+        ids += shard_ids
+        parts.append(vectors)
+    return ids, (np.concatenate(parts) if parts else np.zeros((0, dimension), dtype=np.float32))
+
+
+def read_shard(path: Path, dimension: int) -> tuple[list[int | str], np.ndarray]:
+    """The ids and float32 embeddings [rows, dimension] of one shard of `ShardedOutput` (null rows are NaN)."""
+    if path.suffix == ".npy":
+        return json.loads(path.with_name(path.stem + ".ids.json").read_text()), np.load(path).astype(np.float32)
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return [r["id"] for r in rows], vectors_with_nulls([r["embedding"] for r in rows], dimension)
+    table = import_pyarrow().parquet.read_table(path)
+    return table.column("id").to_pylist(), vectors_with_nulls(table.column("embedding").to_pylist(), dimension)
+
+
+def vectors_with_nulls(values: list[list[float] | None], dimension: int) -> np.ndarray:
+    """Float32 rows [len(values), dimension] of lists, a None (a null row) as NaN."""
+    return np.array([v if v is not None else [np.nan] * dimension for v in values],
+                    dtype=np.float32).reshape(len(values), dimension)

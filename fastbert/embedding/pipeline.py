@@ -1,0 +1,117 @@
+"""The embedding run: rows window by window through an embedder into an output, in input order, with a progress
+line. Memory is bounded by the window (``window_rows`` texts and their embeddings), not by the corpus."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+from fastbert.common.resolve import UserError
+from fastbert.embedding.batching import windows
+from fastbert.embedding.reading import InputError, Row
+from fastbert.embedding.stats import EmbedStats
+
+BLANK_POLICIES = ("null", "error")
+PROGRESS_BAR_WIDTH = 24
+
+
+class Progress:
+    """A progress line on stderr: rows, texts/s, tokens/s, and with a known input size the fraction done and an
+    ETA. On a terminal it redraws one line (at most 4 times a second); otherwise it prints a line every
+    ``log_every`` seconds."""
+
+    def __init__(self, total_bytes: int | None, enabled: bool, stream: TextIO | None = None, log_every: float = 10.0,
+                 initial: EmbedStats | None = None):
+        self.stream = stream or sys.stderr
+        # a resumed run: rates and the ETA count this run's work only
+        self.initial = initial or EmbedStats()
+        self.enabled, self.total_bytes = enabled, total_bytes
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.interval = 0.25 if self.tty else log_every
+        self.start = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, stats: EmbedStats, bytes_read: int, force: bool = False) -> None:
+        """Show the counts so far (at most once an interval unless ``force``)."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self.last < self.interval:
+            return
+        self.last = now
+        line = "fastbert embed: " + "  ".join(self.fields(stats, bytes_read, max(now - self.start, 1e-9)))
+        self.stream.write(("\r" + line + "\033[K") if self.tty else line + "\n")
+        self.stream.flush()
+
+    def fields(self, stats: EmbedStats, bytes_read: int, elapsed: float) -> list[str]:
+        """The parts of the progress line: bar and fraction, rows, rates, ETA."""
+        parts = []
+        if self.total_bytes:
+            fraction = min(bytes_read / self.total_bytes, 1.0)
+            filled = int(fraction * PROGRESS_BAR_WIDTH)
+            parts.append(f"[{'#' * filled}{'.' * (PROGRESS_BAR_WIDTH - filled)}] {fraction:4.0%}")
+        parts.append(f"{stats.rows:,} rows")
+        parts.append(f"{(stats.embedded - self.initial.embedded) / elapsed:,.0f} texts/s")
+        parts.append(f"{(stats.tokens - self.initial.tokens) / elapsed:,.0f} tokens/s")
+        if self.total_bytes and 0 < bytes_read < self.total_bytes:
+            remaining = elapsed * (self.total_bytes - bytes_read) / bytes_read
+            parts.append(f"ETA {int(remaining // 60)}:{int(remaining % 60):02d}")
+        return parts
+
+    def close(self) -> None:
+        """End the redrawn line on a terminal."""
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def skip_rows(rows: Iterator[Row], count: int) -> None:
+    """Consume ``count`` rows (a resumed run passes over what the manifest says is done)."""
+    for _ in range(count):
+        try:
+            next(rows)
+        except StopIteration as err:
+            raise UserError(f"--resume: the input has fewer rows than the {count} already written; is it the same "
+                            "input?") from err
+
+
+def cut_at_first_blank(window: list[Row]) -> tuple[list[Row], InputError | None]:
+    """The rows before the window's first blank text and an error naming its line (--on-blank error)."""
+    for position, row in enumerate(window):
+        if row.text is None:
+            return window[:position], InputError(f"line {row.line}: blank text (--on-blank error)")
+    return window, None
+
+
+def run(embedder: Any, rows: Iterator[Row], output: Any, window_rows: int = 2048, progress: Progress | None = None,
+        bytes_read: Callable[[], int] = lambda: 0, blank: str = "null",
+        initial: EmbedStats | None = None) -> EmbedStats:
+    """Embed ``rows`` window by window into ``output`` (`FileOutput` or `ShardedOutput`), in input order.
+    ``embedder``: anything with ``embed(texts, lines) -> (embeddings, EmbedStats)``. blank: "null" (a null row)
+    or "error" (stop at the first blank text with its line number). Input errors stop the run after the rows
+    before them are written; they are raised after. ``initial``: the counts of a resumed run's earlier part."""
+    if window_rows < 1:
+        raise UserError("--window-rows must be >= 1")
+    total = initial or EmbedStats()
+    pending_error: InputError | None = None
+    for window, error in windows(rows, window_rows):
+        if blank == "error":
+            window, blank_error = cut_at_first_blank(window)
+            error = blank_error or error
+        if window:
+            embeddings, stats = embedder.embed([r.text for r in window], [r.line for r in window])
+            total.add(stats)
+            output.write([r.id for r in window], embeddings, total)
+            if progress is not None:
+                progress.update(total, bytes_read())
+        if error is not None:
+            pending_error = error
+            break
+    if progress is not None:
+        progress.update(total, bytes_read(), force=True)
+        progress.close()
+    if pending_error is not None:
+        raise pending_error
+    return total

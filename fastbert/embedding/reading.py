@@ -1,0 +1,121 @@
+"""Reading a corpus: a text file (one text per line), JSONL with a text field, or stdin, read lazily as `Row`s.
+
+Every input line is one `Row`; a blank text is a row with ``text=None`` (its result is an explicit null), never a
+skipped line, so line numbers and output rows stay aligned. Input that cannot be read (bad UTF-8, bad JSON, a
+missing or non-string field) raises `InputError` naming ``file:line``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from fastbert.common.resolve import UserError
+
+INPUT_FORMATS = ("text", "jsonl")
+
+
+class InputError(UserError):
+    """A row of the input that cannot be embedded (the message names its line)."""
+
+
+@dataclass
+class Row:
+    """One input line: ``line`` is its 1-based line number, ``id`` the id written with its embedding (the JSONL
+    id field's value, else the line number), ``text`` None for a blank text (its embedding is null)."""
+
+    line: int
+    id: int | str
+    text: str | None
+
+
+class ByteCounter:
+    """Wraps a binary stream and counts the bytes read (the progress line's fraction of a file)."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream = stream
+        self.bytes_read = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        for line in self.stream:
+            self.bytes_read += len(line)
+            yield line
+
+
+def open_input(path: str) -> tuple[ByteCounter, int | None, str]:
+    """The byte stream of ``path`` ('-' for stdin), its size when known, and a name for messages."""
+    if path == "-":
+        return ByteCounter(sys.stdin.buffer), None, "<stdin>"
+    if not os.path.exists(path):
+        raise UserError(f"input file {path} does not exist")
+    if os.path.isdir(path):
+        raise UserError(f"input {path} is a directory, not a file")
+    try:
+        stream = open(path, "rb")  # noqa: SIM115 - closed by read_rows' caller through the generator's end
+    except OSError as err:
+        raise UserError(f"cannot read input file {path}: {err.strerror}") from err
+    size = os.fstat(stream.fileno()).st_size
+    return ByteCounter(stream), (size if size > 0 else None), path
+
+
+def read_rows(lines: Iterable[bytes], input_format: str = "text", text_field: str = "text",
+              id_field: str | None = None, name: str = "<input>") -> Iterator[Row]:
+    """Rows of a text or JSONL input, lazily. ``lines``: raw lines (bytes, with or without their newline).
+
+    text: one text per line, a blank line is a null row. jsonl: one JSON object per line whose ``text_field`` is a
+    string (blank or null: a null row); ``id_field``, when given, names each row's id (else the line number). A
+    blank JSONL line is a null row too, so line numbers and rows stay aligned. Anything else raises `InputError`
+    with ``name:line``."""
+    if input_format not in INPUT_FORMATS:
+        raise ValueError(f"input format must be 'text' or 'jsonl', got {input_format!r}")
+    for number, raw in enumerate(lines, start=1):
+        line = decode_line(raw, number, name)
+        if input_format == "text" or not line.strip():
+            yield Row(number, number, line if line.strip() else None)
+        else:
+            yield jsonl_row(line, number, text_field, id_field, name)
+
+
+def decode_line(raw: bytes, number: int, name: str) -> str:
+    """One raw input line as text, without its newline (nor, on line 1, a byte order mark)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"{name}:{number}: not valid UTF-8 (byte {err.start}: {raw[err.start:err.start + 4]!r});"
+                         " re-encode the file as UTF-8") from err
+    line = line.rstrip("\r\n")
+    if number == 1:
+        line = line.removeprefix("\ufeff")  # a byte order mark is not part of the first text
+    return line
+
+
+def jsonl_row(line: str, number: int, text_field: str, id_field: str | None, name: str) -> Row:
+    """The `Row` of one non-blank JSONL line (see `read_rows`)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{name}:{number}: not valid JSON ({err.msg} at column {err.colno})") from err
+    if not isinstance(record, dict):
+        raise InputError(f"{name}:{number}: expected a JSON object, got {type(record).__name__}")
+    if text_field not in record:
+        raise InputError(f"{name}:{number}: the object has no field {text_field!r} (fields: "
+                         f"{', '.join(list(record)[:8]) or 'none'}); choose one with --field")
+    text = record[text_field]
+    if text is not None and not isinstance(text, str):
+        raise InputError(f"{name}:{number}: field {text_field!r} holds {type(text).__name__}, not a string")
+    row_id = number if id_field is None else record_id(record, id_field, number, name)
+    return Row(number, row_id, text if text and text.strip() else None)
+
+
+def record_id(record: dict, id_field: str, number: int, name: str) -> int | str:
+    """The value of a JSONL record's id field: a string or an integer."""
+    if id_field not in record:
+        raise InputError(f"{name}:{number}: the object has no id field {id_field!r}")
+    value = record[id_field]
+    if not isinstance(value, (int, str)) or isinstance(value, bool):
+        raise InputError(f"{name}:{number}: id field {id_field!r} must be a string or an integer, got "
+                         f"{type(value).__name__}")
+    return value

@@ -1,0 +1,151 @@
+"""fastbert.embedding.outputs: single files valid as documented, sharded runs that resume after a real SIGKILL
+with no row missing or repeated, and read back like a single file."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastbert.common.resolve import UserError
+from fastbert.embedding import MANIFEST, EmbedStats, FileOutput, ShardedOutput, read_output
+from fastbert.files import temporary_path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rows(count: int, dimension: int = 4, null_at: int | None = None) -> np.ndarray:
+    vectors = np.random.default_rng(count).standard_normal((count, dimension)).astype(np.float32)
+    if null_at is not None:
+        vectors[null_at] = np.nan
+    return vectors
+
+
+# ------------------------------------------------------------------------------------------------ single file
+def test_npy_file_loads_with_the_rows_so_far_after_every_window(tmp_path):
+    path = tmp_path / "out.npy"
+    output = FileOutput(str(path), "npy", 4, np.float32)
+    first, second = _rows(3), _rows(5)
+    output.write([1, 2, 3], first)
+    np.testing.assert_array_equal(np.load(path), first)
+    output.write([4, 5, 6, 7, 8], second)
+    output.close()
+    np.testing.assert_array_equal(np.load(path), np.concatenate([first, second]))
+    assert output.rows_done == 8
+
+
+def test_parquet_file_replaces_the_old_one_only_when_closed(tmp_path):
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "out.parquet"
+    path.write_bytes(b"the previous version")
+    output = FileOutput(str(path), "parquet", 4, np.float16, string_ids=True)
+    output.write(["a", "b"], _rows(2, null_at=1))
+    assert path.read_bytes() == b"the previous version"  # a run killed now leaves the old file whole
+    output.close()
+    table = pq.read_table(path)
+    assert table.column("id").to_pylist() == ["a", "b"]
+    assert table.column("embedding").to_pylist()[1] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]
+
+
+def test_an_empty_parquet_file_is_still_valid(tmp_path):
+    import pyarrow.parquet as pq
+
+    output = FileOutput(str(tmp_path / "empty.parquet"), "parquet", 4, np.float32)
+    output.close()
+    assert pq.read_table(tmp_path / "empty.parquet").num_rows == 0
+
+
+def test_stdout_takes_jsonl_only():
+    with pytest.raises(UserError, match="npy output needs --output FILE"):
+        FileOutput(None, "npy", 4, np.float32)
+
+
+# -------------------------------------------------------------------------------------------------- sharded
+@pytest.mark.parametrize("output_format", ["jsonl", "npy", "parquet"])
+def test_shards_read_back_in_order_with_null_rows(tmp_path, output_format):
+    output = ShardedOutput(str(tmp_path / "run"), output_format, 4, np.float32, {"model": "m"}, resume=False)
+    windows = [(list(range(1, 4)), _rows(3, null_at=1)), (list(range(4, 6)), _rows(2))]
+    total = EmbedStats()
+    for ids, vectors in windows:
+        total.add(EmbedStats(rows=len(ids)))
+        output.write(ids, vectors, total)
+    output.close(total)
+    ids, vectors = read_output(tmp_path / "run")
+    assert ids == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(vectors, np.concatenate([v for _, v in windows]), rtol=0, atol=1e-6)
+    manifest = json.loads((tmp_path / "run" / MANIFEST).read_text())
+    assert manifest["complete"] and manifest["stats"]["rows"] == 5
+    assert [s["first_row"] for s in manifest["shards"]] == [0, 3]
+
+
+def test_resuming_removes_what_a_killed_write_left(tmp_path):
+    directory = tmp_path / "run"
+    output = ShardedOutput(str(directory), "npy", 4, np.float32, {"model": "m"}, resume=False)
+    output.write([1, 2], _rows(2), EmbedStats(rows=2))
+    leftover = temporary_path(directory / "part-000001.npy")
+    leftover.write_bytes(b"half a shard")
+    resumed = ShardedOutput(str(directory), "npy", 4, np.float32, {"model": "m"}, resume=True)
+    assert not leftover.exists()
+    assert (resumed.rows_done, resumed.stats().rows) == (2, 2)
+
+
+def test_sharded_output_resumes_after_sigkill_without_missing_or_repeated_rows(tiny_dir, tmp_path, sentences,
+                                                                              write_lines, embed_cli):
+    source = write_lines(tmp_path / "in.txt", sentences[:2400])
+    complete, killed = tmp_path / "complete", tmp_path / "killed"
+    args = ["-i", str(source), "--model", tiny_dir, "--window-rows", "100", "--format", "npy"]
+    embed_cli(*args, "--output-dir", str(complete))
+    proc = subprocess.Popen([sys.executable, "-m", "fastbert.cli", "embed", *args, "--output-dir", str(killed)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    manifest = killed / MANIFEST
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    state = json.loads(manifest.read_text())
+    assert not state["complete"] and 3 <= len(state["shards"]) < 24  # killed mid-run
+    resumed = embed_cli(*args, "--output-dir", str(killed), "--resume")
+    assert f"resuming after row {len(state['shards']) * 100:,}" in resumed.stderr
+    ids_a, vectors_a = read_output(complete)
+    ids_b, vectors_b = read_output(killed)
+    assert ids_b == ids_a == list(range(1, 2401))
+    np.testing.assert_array_equal(vectors_b, vectors_a)
+    assert json.loads(manifest.read_text())["complete"]
+    assert json.loads(manifest.read_text())["stats"]["rows"] == 2400
+    again = embed_cli(*args, "--output-dir", str(killed), "--resume")
+    assert "nothing to resume" in again.stderr
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet", "npy"])
+def test_sharded_output_in_each_format_reads_back_like_a_single_file(tiny_dir, tmp_path, output_format, write_lines,
+                                                                     embed_cli):
+    rows = [json.dumps({"text": f"text number {i}" if i % 9 else "", "key": f"doc-{i}"}) for i in range(23)]
+    source = write_lines(tmp_path / "in.jsonl", rows)
+    embed_cli("-i", str(source), "--model", tiny_dir, "-o", str(tmp_path / "single.npy"))
+    embed_cli("-i", str(source), "--model", tiny_dir, "--id-field", "key", "--output-dir", str(tmp_path / "run"),
+              "--format", output_format, "--window-rows", "10")
+    ids, vectors = read_output(tmp_path / "run")
+    assert ids == [f"doc-{i}" for i in range(23)]
+    assert len(json.loads((tmp_path / "run" / MANIFEST).read_text())["shards"]) == 3
+    # null rows are NaN in both (assert_allclose compares NaN positions); other windows batch differently
+    np.testing.assert_allclose(vectors, np.load(tmp_path / "single.npy"), rtol=0, atol=1e-6)
+
+
+def test_resume_refuses_other_settings_and_an_existing_run(tiny_dir, tmp_path, write_lines, embed_cli):
+    source = write_lines(tmp_path / "in.txt", ["one", "two", "three"])
+    out = tmp_path / "run"
+    embed_cli("-i", str(source), "--model", tiny_dir, "--output-dir", str(out))
+    proc = embed_cli("-i", str(source), "--model", tiny_dir, "--output-dir", str(out), check=False)
+    assert proc.returncode == 1 and "already holds a run" in proc.stderr
+    proc = embed_cli("-i", str(source), "--model", tiny_dir, "--output-dir", str(out), "--resume", "--pooling", "cls",
+                     check=False)
+    assert proc.returncode == 1 and "pooling was 'mean', now 'cls'" in proc.stderr

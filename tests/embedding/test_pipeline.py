@@ -1,0 +1,214 @@
+"""fastbert.embedding.run and `fastbert embed` end to end: one output row per input row in each format, input
+errors with line numbers that keep the rows before them, progress and truncation warnings, bounded memory, and the
+same numbers on a Ray cluster."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastbert import cli
+from fastbert.embedding import EmbedStats, InputError, Progress, Row, run, skip_rows
+from fastbert.embedding.pipeline import cut_at_first_blank
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class CountingEmbedder:
+    """An embedder of row numbers: each text's embedding is [its line, 0]."""
+
+    def embed(self, texts, lines):
+        vectors = np.array([[line, 0.0] if text is not None else [np.nan, np.nan]
+                            for text, line in zip(texts, lines, strict=True)], dtype=np.float32)
+        present = sum(text is not None for text in texts)
+        return vectors, EmbedStats(rows=len(texts), embedded=present, null_rows=len(texts) - present)
+
+
+class ListOutput:
+    def __init__(self):
+        self.ids, self.vectors = [], []
+
+    def write(self, ids, embeddings, stats):
+        self.ids += ids
+        self.vectors.append(embeddings)
+
+
+def _rows(texts):
+    return iter([Row(i, i, t) for i, t in enumerate(texts, start=1)])
+
+
+# ------------------------------------------------------------------------------------------------------ run
+def test_run_writes_every_row_in_order_window_by_window():
+    output = ListOutput()
+    stats = run(CountingEmbedder(), _rows(["a", None, "c", "d", "e"]), output, window_rows=2)
+    assert output.ids == [1, 2, 3, 4, 5] and [len(v) for v in output.vectors] == [2, 2, 1]
+    assert (stats.rows, stats.embedded, stats.null_rows) == (5, 4, 1)
+
+
+def test_run_on_blank_error_writes_the_rows_before_and_raises_with_the_line():
+    output = ListOutput()
+    with pytest.raises(InputError, match="line 4: blank text"):
+        run(CountingEmbedder(), _rows(["a", "b", "c", None, "e"]), output, window_rows=3, blank="error")
+    assert output.ids == [1, 2, 3]
+    assert cut_at_first_blank([Row(1, 1, "a")]) == ([Row(1, 1, "a")], None)
+
+
+def test_run_stops_at_an_input_error_after_the_rows_before_it():
+    def rows():
+        yield from _rows(["a", "b", "c"])
+        raise InputError("in.txt:4: broken")
+
+    output = ListOutput()
+    with pytest.raises(InputError, match="in.txt:4"):
+        run(CountingEmbedder(), rows(), output, window_rows=2)
+    assert output.ids == [1, 2, 3]
+
+
+def test_run_continues_the_counts_of_a_resumed_run_and_skip_rows_checks_the_input():
+    rows = _rows(["a", "b", "c"])
+    skip_rows(rows, 1)
+    stats = run(CountingEmbedder(), rows, ListOutput(), initial=EmbedStats(rows=1, embedded=1))
+    assert (stats.rows, stats.embedded) == (3, 3)
+    with pytest.raises(Exception, match="fewer rows than the 5 already written"):
+        skip_rows(_rows(["a"]), 5)
+
+
+def test_progress_line_shows_rows_rates_and_the_fraction_read():
+    stream = io.StringIO()
+    progress = Progress(total_bytes=100, enabled=True, stream=stream)
+    progress.update(EmbedStats(rows=7, embedded=7, tokens=70), bytes_read=50, force=True)
+    progress.close()
+    line = stream.getvalue()
+    assert line.startswith("fastbert embed: [############............]  50%") and "7 rows" in line
+    assert "texts/s" in line and "tokens/s" in line and "ETA" in line
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def test_cli_text_file_to_each_format_one_row_per_line(tiny_dir, tmp_path, sentences, write_lines, embed_cli):
+    lines = sentences[:30] + [""] + sentences[30:45]
+    source = write_lines(tmp_path / "in.txt", lines)
+    for name in ("out.jsonl", "out.npy", "out.parquet"):
+        proc = embed_cli("-i", str(source), "--model", tiny_dir, "-o", str(tmp_path / name), "--window-rows", "8")
+        assert "46 rows" in proc.stderr and "45 embedded, 1 null" in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == list(range(1, 47))
+    assert records[30]["embedding"] is None
+    from_jsonl = np.array([r["embedding"] if r["embedding"] else [np.nan] * 32 for r in records], dtype=np.float32)
+    from_npy = np.load(tmp_path / "out.npy")
+    np.testing.assert_array_equal(from_npy, from_jsonl)  # %.9g gives float32 values back exactly
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column("id").to_pylist() == list(range(1, 47))
+    column = table.column("embedding").to_pylist()
+    assert column[30] is None
+    np.testing.assert_array_equal(np.array(column[:30], dtype=np.float32), from_npy[:30])
+
+
+def test_cli_stdin_jsonl_with_ids_and_float16(tiny_dir, tmp_path):
+    data = "".join(json.dumps({"t": f"sentence number {i}", "key": f"k{i}"}) + "\n" for i in range(5))
+    out = tmp_path / "e.npy"
+    proc = subprocess.run([sys.executable, "-m", "fastbert.cli", "embed", "--input-format", "jsonl", "--field", "t",
+                           "--model", tiny_dir, "-o", str(out), "--output-dtype", "float16"], input=data,
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    array = np.load(out)
+    assert array.dtype == np.float16 and array.shape == (5, 32)
+
+
+def test_cli_bad_row_stops_with_its_line_and_keeps_earlier_rows(tiny_dir, tmp_path, write_lines, embed_cli):
+    rows = [json.dumps({"text": f"row {i}"}) for i in range(10)] + ['{"txt": "oops"}'] + ['{"text": "after"}']
+    source = write_lines(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.npy"
+    proc = embed_cli("-i", str(source), "--model", tiny_dir, "-o", str(out), "--window-rows", "4", check=False)
+    assert proc.returncode == 1
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("fastbert: error:")]
+    assert len(error_lines) == 1 and "in.jsonl:11: the object has no field 'text'" in error_lines[0]
+    assert "Traceback" not in proc.stderr
+    assert np.load(out).shape == (10, 32)  # the 10 rows before the bad one, complete and loadable
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-i", "/nonexistent/file.txt"], "does not exist"),
+    (["-i", "IN", "--model", "/nonexistent"], "does not exist"),
+    (["-i", "IN", "-o", "out.csv"], "cannot tell the format"),
+    (["-i", "IN", "--resume"], "--resume continues an --output-dir run"),
+    (["-i", "IN", "--on-blank", "error"], "line 2: blank text"),
+], ids=["missing-input", "missing-model", "unknown-format", "resume-without-dir", "blank-is-error"])
+def test_cli_errors_are_one_line(tiny_dir, tmp_path, argv, message, write_lines, embed_cli):
+    source = write_lines(tmp_path / "in.txt", ["first", "", "third"])
+    argv = [str(source) if a == "IN" else str(tmp_path / a) if a == "out.csv" else a for a in argv]
+    if "--model" not in argv:
+        argv += ["--model", tiny_dir]
+    proc = embed_cli(*argv, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_stops_quietly_when_the_reader_of_stdout_goes_away(tiny_dir, tmp_path, sentences, write_lines):
+    source = write_lines(tmp_path / "in.txt", sentences[:400])
+    proc = subprocess.run(f"{sys.executable} -m fastbert.cli embed -i {source} --model {tiny_dir} --window-rows 50 "
+                          "| head -n 2", shell=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert len(proc.stdout.splitlines()) == 2
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_cli_warns_about_truncation_and_shows_progress(tiny_dir, tmp_path, write_lines, embed_cli):
+    source = write_lines(tmp_path / "in.txt", ["short", "long " * 100, "short again"])
+    proc = embed_cli("-i", str(source), "--model", tiny_dir, "--max-length", "8", "--progress", "-o",
+                     str(tmp_path / "o.jsonl"))
+    assert "1 texts were longer than 8 tokens and were truncated (lines 2)" in proc.stderr
+    assert "fastbert embed: [########################] 100%" in proc.stderr  # the final progress line
+    assert "tokens/s" in proc.stderr
+
+
+def test_cli_parser_knows_the_corpus_options():
+    args = cli.build_parser().parse_args(["embed", "-i", "x.txt", "--output-dir", "d", "--resume", "--pooling", "cls",
+                                          "--no-normalize", "--max-batch-tokens", "4096", "--ray"])
+    assert (args.input, args.output_dir, args.resume, args.pooling, args.normalize, args.max_batch_tokens,
+            args.ray) == ("x.txt", "d", True, "cls", False, 4096, True)
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+PEAK_RSS_GROWTH_MB = 64  # the stated bound: 10x the rows may add at most this much to the peak
+
+
+def _peak_rss_mb(tiny_dir: str, source: Path, out: Path) -> float:
+    code = ("import resource, sys; from fastbert import cli; code = cli.main(sys.argv[1:]); "
+            "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code, "embed", "-i", str(source), "--model", tiny_dir, "-o",
+                           str(out)], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stderr.split("PEAK")[-1].split()[0]) / 1024
+
+
+@pytest.mark.slow
+def test_peak_memory_does_not_grow_with_the_corpus(tiny_dir, tmp_path, sentences, write_lines):
+    small = write_lines(tmp_path / "small.txt", (sentences * 7)[:20_000])
+    large = write_lines(tmp_path / "large.txt", (sentences * 67)[:200_000])
+    small_peak = _peak_rss_mb(tiny_dir, small, tmp_path / "small.npy")
+    large_peak = _peak_rss_mb(tiny_dir, large, tmp_path / "large.npy")
+    assert np.load(tmp_path / "large.npy", mmap_mode="r").shape == (200_000, 32)
+    assert large_peak <= small_peak + PEAK_RSS_GROWTH_MB, (small_peak, large_peak)
+
+
+# ---------------------------------------------------------------------------------------------------------- ray
+@pytest.mark.slow
+def test_ray_output_equals_single_process_row_for_row(tiny_dir, tmp_path, sentences, write_lines, embed_cli):
+    pytest.importorskip("ray", reason="Ray is an optional extra")
+    source = write_lines(tmp_path / "in.txt", sentences[:300] + [""] + sentences[300:500])
+    embed_cli("-i", str(source), "--model", tiny_dir, "-o", str(tmp_path / "single.npy"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a new local cluster (2 CPUs, no dashboard)
+    proc = subprocess.run([sys.executable, "-m", "fastbert.cli", "embed", "-i", str(source), "--model", tiny_dir,
+                           "-o", str(tmp_path / "ray.npy"), "--ray", "--ray-actors", "2", "--window-rows", "250"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    single, on_ray = np.load(tmp_path / "single.npy"), np.load(tmp_path / "ray.npy")
+    assert single.shape == on_ray.shape == (501, 32)
+    assert np.isnan(on_ray[300]).all()
+    np.testing.assert_allclose(on_ray, single, rtol=0, atol=1e-6)
