@@ -9,8 +9,15 @@ device and takes the first backend whose check passes; a forced backend whose ch
 `dispatch` chooses at every call (the functional entries in `fastbert.ops` use it); a model resolves an
 `OpTable` once per (device, dtype, grad mode, backend request) and calls the implementations directly.
 
-Backends other than ``eager`` are loaded lazily on first use (importing triton costs about a second), so
-``import fastbert`` stays cheap; a backend that fails to load is remembered with the reason.
+Layout: this module is the dispatcher; each backend other than ``eager`` is a module of this package,
+`fastbert.backends.cpp` (the C++ extension ``fastbert._C``) and `fastbert.backends.triton` (the Triton kernels of
+``fastbert.kernels``), which registers its implementations when imported and says what it runs on with
+``describe()``. A backend whose kernels are torch ops names them ``torch.ops.fastbert.<backend>_<op>``
+(``cpp_attention``, ``triton_attention``), declared from the op's spec (`fastbert.ops.spec.OpSpec.define`); the
+``eager`` implementations are the specs' own (`fastbert.ops`).
+
+Those modules are loaded lazily on first use (importing triton costs about a second), so ``import fastbert`` stays
+cheap; a backend that fails to load is remembered with the reason.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ``cpp`` backend: fastbert's C++ CPU kernels (the extension ``fastbert._C``), what ``auto`` picks on CPU.
 
-Importing this module declares the torch ops ``torch.ops.fastbert.cpp_<op>`` from the ops' specs (schema and fake, used
-by ``torch.compile`` and ``torch.library.opcheck``), loads ``fastbert._C`` (whose static initialisers register
+Importing this module declares the torch ops ``torch.ops.fastbert.cpp_<op>`` from the ops' specs (schema and fake,
+used by ``torch.compile`` and ``torch.library.opcheck``), loads ``fastbert._C`` (whose static initialisers register
 their CPU kernels, and declare a few helper ops of its own), and registers the cpp implementation of each
 dispatched op with `fastbert.backends`:
 
@@ -16,14 +16,16 @@ dispatched op with `fastbert.backends`:
 - linear_residual_prenorm: a GEMM, then bias + residual written in place and its LayerNorm beside it.
 
 GEMMs stay with PyTorch (MKL/oneDNN). Limits: CPU tensors, float32 or bfloat16. Autograd: every op has a backward.
-Attention's is a C++ kernel (``fastbert::cpp_attention_backward``, csrc/attention_backward.cpp: probabilities recomputed
-per block from q and k, real lengths only, fp32), and the attention kernels take dropout (a counter-based mask the
-backward regenerates, csrc/dropout_rng.h); the other ops' backward is their spec's (PyTorch ops recomputing what
-they need) and they decline dropout. When the extension
-is missing (``FASTBERT_SKIP_EXT=1``, or its build failed) this module still imports: it warns once and every op's
-``supports`` gives that reason, so ``auto`` runs eager.
-"""
+Attention's is a C++ kernel (``fastbert::cpp_attention_backward``, csrc/attention_backward.cpp: probabilities
+recomputed per block from q and k, real lengths only, fp32), and the attention kernels take dropout (a
+counter-based mask the backward regenerates, csrc/dropout_rng.h); the other ops' backward is their spec's (PyTorch
+ops recomputing what they need) and they decline dropout.
 
+When the extension is missing (``FASTBERT_SKIP_EXT=1``, or its build failed) this module still imports: it warns
+once and every op's ``supports`` gives that reason, so ``auto`` runs eager. An extension built from older sources
+than this module's (a source checkout updated without a rebuild) loads without some kernels: the ops that need
+them give that reason too (`missing_kernel`).
+"""
 from __future__ import annotations
 
 import warnings
@@ -40,13 +42,14 @@ TORCH_OPS = ("embedding_layernorm", "linear_activation", "linear_residual_layern
 
 
 def _attention_backward(ctx, grad):
-    """The attention op's autograd formula: the C++ backward kernel (the spec's formula when the extension predates
-    it; its forward then has no dropout either). ``ctx`` as the spec's ``setup_context`` fills it."""
+    """The attention op's autograd formula: the C++ backward kernel, or the spec's formula where the extension lacks
+    it (`ATTENTION_BACKWARD_ERROR`: its forward then declines dropout). ``ctx`` as the spec's ``setup_context``
+    fills it."""
     if ATTENTION_BACKWARD_ERROR is not None:
         return SPECS["attention"].backward(ctx, grad)
     q, k, v, cu_seqlens, key_padding_mask = ctx.saved_tensors
     grads = torch.ops.fastbert.cpp_attention_backward(grad, q, k, v, cu_seqlens, ctx.max_seqlen, key_padding_mask,
-                                                  ctx.scale, ctx.window, ctx.dropout_p, ctx.dropout_seed)
+                                                      ctx.scale, ctx.window, ctx.dropout_p, ctx.dropout_seed)
     return (*(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[:3], strict=True)),
             None, None, None, None, None, None, None)
 
@@ -69,17 +72,23 @@ except ImportError as err:
 else:
     EXTENSION_ERROR = None
 
-# An extension built before csrc/rotary.cpp existed loads but has no qkv_rotary kernel: say so instead of failing.
-QKV_ROTARY_ERROR: str | None = EXTENSION_ERROR or (
-    None if torch._C._dispatch_has_kernel_for_dispatch_key("fastbert::cpp_qkv_rotary", "CPU")
-    else "fastbert._C was built without csrc/rotary.cpp (qkv_rotary); rebuild it "
-         "(`python setup.py build_ext --inplace` or reinstall)")
 
-# An extension built before csrc/attention_backward.cpp: attention trains through the spec's formula, without dropout.
-ATTENTION_BACKWARD_ERROR: str | None = EXTENSION_ERROR or (
-    None if torch._C._dispatch_has_kernel_for_dispatch_key("fastbert::cpp_attention_backward", "CPU")
-    else "fastbert._C was built without csrc/attention_backward.cpp (attention's backward and dropout); rebuild it "
-         "(`python setup.py build_ext --inplace` or reinstall)")
+def missing_kernel(op: str, source: str, what: str) -> str | None:
+    """None when the loaded extension has the CPU kernel of ``torch.ops.fastbert.<op>``; else why not, so that a
+    stale build (older than ``source``, which defines it) says to rebuild instead of failing at the op's first call.
+    ``what``: what the kernel gives, in words."""
+    if EXTENSION_ERROR is not None:
+        return EXTENSION_ERROR
+    if torch._C._dispatch_has_kernel_for_dispatch_key(f"fastbert::{op}", "CPU"):
+        return None
+    return (f"fastbert._C was built without {source} ({what}); rebuild it (`python setup.py build_ext --inplace` or "
+            "reinstall)")
+
+
+QKV_ROTARY_ERROR = missing_kernel("cpp_qkv_rotary", "csrc/rotary.cpp", "qkv_rotary")
+# Without it attention trains through the spec's formula, and its forward declines dropout.
+ATTENTION_BACKWARD_ERROR = missing_kernel("cpp_attention_backward", "csrc/attention_backward.cpp",
+                                          "attention's backward and dropout")
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -162,10 +171,6 @@ def _embedding_supports(input_ids, position_ids, token_type_ids, word_embeddings
             or _why_not(word_embeddings, position_embeddings, token_type_embeddings, weight, bias))
 
 
-def _qkv_supports(x, weight, bias, num_heads):
-    return _why_not(x, weight, bias)
-
-
 def _qkv_rotary_supports(x, weight, bias, num_heads, positions, cos, sin):
     return (QKV_ROTARY_ERROR or _why_not(x, weight, bias) or _ids_on_cpu(positions)
             or _why_not(cos, sin))  # the tables are float32 whatever x's dtype: a check of their own
@@ -177,7 +182,9 @@ def _attention_supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_m
     return no_dropout or _why_not(q, k, v) or _ids_on_cpu(cu_seqlens, key_padding_mask)
 
 
-def _linear_activation_supports(x, weight, bias, activation):
+def _linear_supports(x, weight, bias, option):
+    """qkv_projection (``option``: num_heads), linear_activation and linear_glu (``option``: the activation, which
+    the spec's check has validated): a PyTorch GEMM and a kernel that take any float tensors the others do."""
     return _why_not(x, weight, bias)
 
 
@@ -186,25 +193,19 @@ def _linear_residual_layernorm_supports(x, weight, bias, residual, ln_weight, ln
     return _no_dropout(dropout_p) or _why_not(x, weight, bias, residual, ln_weight, ln_bias)
 
 
-def _linear_glu_supports(x, weight, bias, activation):
-    return _why_not(x, weight, bias)
-
-
 # ----------------------------------------------------------------------------------------------------- impls
 def _embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
                          token_type_embeddings, weight, bias, eps, dropout_p=0.0, dropout_seed=0):
     return torch.ops.fastbert.cpp_embedding_layernorm(input_ids, position_ids, token_type_ids, word_embeddings,
-                                                  position_embeddings, token_type_embeddings, weight, bias, eps,
-                                                  dropout_p, dropout_seed)
+                                                      position_embeddings, token_type_embeddings, weight, bias, eps,
+                                                      dropout_p, dropout_seed)
 
 
 def _qkv_projection(x, weight, bias, num_heads):
     """One GEMM into a [..., 3, heads, D] buffer; q, k, v are strided views that the attention kernel reads."""
     flat = x.reshape(-1, x.shape[-1])
     packed = torch.addmm(bias, flat, weight.t()) if bias is not None else torch.mm(flat, weight.t())
-    head_dim = weight.shape[0] // (3 * num_heads)
-    q, k, v = packed.view(*x.shape[:-1], 3, num_heads, head_dim).unbind(-3)
-    return q, k, v
+    return split_packed(packed.view(*x.shape[:-1], packed.shape[-1]), num_heads)
 
 
 def _qkv_rotary(x, weight, bias, num_heads, positions, cos, sin):
@@ -214,8 +215,8 @@ def _qkv_rotary(x, weight, bias, num_heads, positions, cos, sin):
 
 def _attention(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
                dropout_p=0.0, dropout_seed=0):
-    return torch.ops.fastbert.cpp_attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window, dropout_p,
-                                        dropout_seed)
+    return torch.ops.fastbert.cpp_attention(q, k, v, cu_seqlens, max_seqlen, key_padding_mask, scale, window,
+                                            dropout_p, dropout_seed)
 
 
 def _linear_activation(x, weight, bias, activation):
@@ -232,8 +233,8 @@ def _linear_glu(x, weight, bias, activation):
 
 
 def _linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
-    return torch.ops.fastbert.cpp_linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p,
-                                                      dropout_seed)
+    return torch.ops.fastbert.cpp_linear_residual_prenorm(x, weight, bias, residual, ln_weight, ln_bias, eps,
+                                                          dropout_p, dropout_seed)
 
 
 def unpad(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -260,12 +261,12 @@ def bias_residual_layernorm(x: torch.Tensor, bias: torch.Tensor | None, residual
 # Differentiable: the torch ops carry their spec's backward (`OpSpec.define`), qkv_projection is PyTorch's addmm.
 for _op, _impl, _supports in (
     ("embedding_layernorm", _embedding_layernorm, _embedding_supports),
-    ("qkv_projection", _qkv_projection, _qkv_supports),
+    ("qkv_projection", _qkv_projection, _linear_supports),
     ("qkv_rotary", _qkv_rotary, _qkv_rotary_supports),
     ("attention", _attention, _attention_supports),
-    ("linear_activation", _linear_activation, _linear_activation_supports),
+    ("linear_activation", _linear_activation, _linear_supports),
     ("linear_residual_layernorm", _linear_residual_layernorm, _linear_residual_layernorm_supports),
-    ("linear_glu", _linear_glu, _linear_glu_supports),
+    ("linear_glu", _linear_glu, _linear_supports),
     ("linear_residual_prenorm", _linear_residual_prenorm, _linear_residual_layernorm_supports),
 ):
     backends.register(_op, "cpp", _impl, _supports, has_backward=_op not in TORCH_OPS or SPECS[_op].has_backward)

@@ -4,10 +4,11 @@ A spec holds everything about an op that does not depend on a backend: the schem
 the result) of its registered torch op, the argument checks, the eager (pure PyTorch, differentiable)
 implementation, the fp32 reference the tests hold every backend to, and its cost formula. Backends attach an
 implementation and a ``supports`` check by name (`fastbert.backends.register`); a backend whose kernel is a torch
-op gets it from `OpSpec.define`, so the schema and the fake exist once whatever the number of backends. An op's
-backward (``setup_context`` and ``backward``, the `torch.library.register_autograd` contract, in PyTorch ops) is
-written once in its spec too, and `OpSpec.define` attaches it to every torch op it defines: each backend's kernel
-is then differentiable.
+op gets it from `OpSpec.define` with its prefix (``torch.ops.fastbert.cpp_<op>`` from `fastbert.backends.cpp`,
+``triton_<op>`` from `fastbert.backends.triton`'s kernel modules), so the schema and the fake exist once whatever
+the number of backends. An op's backward (``setup_context`` and ``backward``, the `torch.library.register_autograd`
+contract, in PyTorch ops) is written once in its spec too, and `OpSpec.define` attaches it to every torch op it
+defines: each backend's kernel is then differentiable.
 
 ``SPECS`` is the list of ops: everything that enumerates ops (tests, benchmarks, CLI reports) reads it.
 """
@@ -67,10 +68,11 @@ class OpSpec:
 
     def define(self, prefix: str, impl: Callable | None = None, setup_context: Callable | None = None,
                backward: Callable | None = None):
-        """Register the torch op ``fastbert::<prefix><name>`` from this spec's schema and fake, with ``impl`` for
-        every device (a compiled extension registers its own kernels instead: ``impl=None``), and the spec's
-        backward as its autograd formula when it has one. A backend with its own backward kernels passes
-        ``setup_context`` and ``backward`` (same contract) to use them instead of the spec's. Returns the op."""
+        """Register the torch op ``fastbert::<prefix><name>`` (``prefix``: the backend's, ``"cpp_"`` or
+        ``"triton_"``) from this spec's schema and fake, with ``impl`` for every device (a compiled extension
+        registers its own kernels instead: ``impl=None``), and the spec's backward as its autograd formula when it
+        has one. A backend with its own backward kernels passes ``setup_context`` and ``backward`` (same contract)
+        to use them instead of the spec's. Returns the op."""
         if self.schema is None or self.fake is None:
             raise ValueError(f"op {self.name} declares no torch op schema")
         name = prefix + self.name
