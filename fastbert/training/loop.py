@@ -441,137 +441,205 @@ def train(model: nn.Module, task: TrainingTask, args: TrainingArguments) -> Trai
     Raises TrainingError when the output directory already holds a run and ``resume`` is False, or when a resume
     has nothing to resume or different settings.
     """
-    args.check()
-    output_dir = Path(args.output_dir)
-    device = next(model.parameters()).device
-    dist = _init_distributed(device)
-    settings = _jsonable({"training": args.trajectory_settings(), "task": task.settings(),
-                          "world_size": dist.world_size})
+    return TrainingRun(model, task, args).run()
 
-    checkpoint = None
-    if dist.main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        _clean_temporaries(output_dir)
-    dist.barrier()
-    existing = latest_checkpoint(output_dir)
-    if args.resume:
-        if existing is None:
-            raise TrainingError(f"--resume: {output_dir} holds no checkpoint to resume from")
-        checkpoint = existing
-    elif existing is not None:
-        raise TrainingError(f"{output_dir} already holds a run (latest checkpoint {existing.name}); continue it with "
-                            "--resume or choose another output directory")
 
-    optimizer, scheduler = build_optimizer(model, args)
-    step, epoch, position = 0, 0, 0
-    if checkpoint is not None:
+class TrainingRun:
+    """One run of `train`: set up (output directory, optimizer, fresh seeds or the resumed state, metrics log,
+    DDP wrapper, progress line), then steps, with evaluations and checkpoints on their schedule."""
+
+    def __init__(self, model: nn.Module, task: TrainingTask, args: TrainingArguments):
+        args.check()
+        self.model, self.task, self.args = model, task, args
+        self.output_dir = Path(args.output_dir)
+        self.device = next(model.parameters()).device
+        self.dist = _init_distributed(self.device)
+        self.settings = _jsonable({"training": args.trajectory_settings(), "task": task.settings(),
+                                   "world_size": self.dist.world_size})
+        self.step, self.epoch, self.position = 0, 0, 0
+        self.records: list[dict[str, Any]] = []
+        self.log = None
+        self.progress: _Progress | None = None
+
+    def run(self) -> TrainResult:
+        """Set up, train to ``max_steps`` and close the metrics log and the progress line (and the process group
+        when this run started it)."""
+        checkpoint = self.find_checkpoint()
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.args)
+        if checkpoint is not None:
+            self.restore(checkpoint)
+        else:
+            _seed_everything(self.args.seed + self.dist.rank)
+        self.open_metrics()
+        self.train_model = self.wrap_model()
+        self.progress = self.start_progress(checkpoint)
+        try:
+            return self.train_steps(checkpoint)
+        finally:
+            self.close()
+
+    def find_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from (None for a fresh run); TrainingError when that does not fit ``resume``.
+        Leftovers of an interrupted write are removed first."""
+        if self.dist.main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            _clean_temporaries(self.output_dir)
+        self.dist.barrier()
+        existing = latest_checkpoint(self.output_dir)
+        if self.args.resume:
+            if existing is None:
+                raise TrainingError(f"--resume: {self.output_dir} holds no checkpoint to resume from")
+            return existing
+        if existing is not None:
+            raise TrainingError(f"{self.output_dir} already holds a run (latest checkpoint {existing.name}); continue "
+                                "it with --resume or choose another output directory")
+        return None
+
+    def restore(self, checkpoint: Path) -> None:
+        """Weights, optimizer, scheduler, position and this rank's RNG states of ``checkpoint``, whose settings must
+        be the run's."""
         state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
-        if state["settings"] != settings:
+        if state["settings"] != self.settings:
             raise TrainingError(f"--resume: the settings differ from the checkpoint's ({checkpoint}): "
-                                f"{_describe_differences(state['settings'], settings)}; resume with the same settings "
-                                "or start a new output directory")
-        _load_weights(model, checkpoint)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, epoch, position = state["step"], state["epoch"], state["position"]
-        _set_rng_state(state["rng"][dist.rank])
-    else:
-        _seed_everything(args.seed + dist.rank)
+                                f"{_describe_differences(state['settings'], self.settings)}; resume with the same "
+                                "settings or start a new output directory")
+        _load_weights(self.model, checkpoint)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+        _set_rng_state(state["rng"][self.dist.rank])
 
-    records = read_metrics(output_dir / METRICS_FILE, up_to_step=step) if dist.main else []
-    if dist.main:  # drop what a killed run logged after its last checkpoint
-        write_atomic(output_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records).encode())
-    log = open(output_dir / METRICS_FILE, "a", encoding="utf-8") if dist.main else None  # noqa: SIM115
-    train_model: nn.Module = model
-    if dist.world_size > 1:
-        train_model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                          else None)
-    in_place = args.progress if args.progress is not None else sys.stderr.isatty()
-    progress = _Progress(args.max_steps, in_place and dist.main)
-    elapsed_before = records[-1]["elapsed_s"] if records and "elapsed_s" in records[-1] else 0.0
-    started = time.perf_counter()
-    if checkpoint is not None and dist.main:
-        progress.show(f"resuming from {checkpoint} at step {step} (epoch {epoch}, batch {position})")
-        if in_place:
-            sys.stderr.write("\n")
-
-    def save(final: bool) -> Path:
-        path = _save_checkpoint(model, task, optimizer, scheduler, output_dir, step, epoch, position, settings,
-                                args.keep_checkpoints, dist)
-        if dist.main:
-            task.on_checkpoint(output_dir, records, final)
-        return path
-
-    def evaluate() -> None:
-        if not dist.main:
+    def open_metrics(self) -> None:
+        """On rank 0: the metrics records up to the current step (what a killed run logged after its last
+        checkpoint is dropped from the file too), and the file opened for appending."""
+        if not self.dist.main:
             return
-        rng = _rng_state()  # evaluation must not change the training trajectory
-        model.eval()
-        with torch.no_grad():
-            found = task.evaluate(model)
-        model.train()
-        _set_rng_state(rng)
-        if found:
-            record = {"step": step, "eval": True, **{k: float(v) for k, v in found.items()}}
-            records.append(record)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            progress.show(f"eval at step {step}: " + " ".join(f"{k} {v:.4g}" for k, v in found.items()))
+        self.records = read_metrics(self.output_dir / METRICS_FILE, up_to_step=self.step)
+        write_atomic(self.output_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.records).encode())
+        self.log = open(self.output_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
 
-    try:
+    def wrap_model(self) -> nn.Module:
+        """The model the steps call: the model itself, or its DistributedDataParallel wrapper under DDP."""
+        if self.dist.world_size <= 1:
+            return self.model
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+
+    def start_progress(self, checkpoint: Path | None) -> _Progress:
+        """The progress line (rank 0 only draws it in place), opened with where a resume starts."""
+        in_place = self.args.progress if self.args.progress is not None else sys.stderr.isatty()
+        progress = _Progress(self.args.max_steps, in_place and self.dist.main)
+        self.elapsed_before = (self.records[-1]["elapsed_s"] if self.records and "elapsed_s" in self.records[-1]
+                               else 0.0)
+        self.started = time.perf_counter()
+        if checkpoint is not None and self.dist.main:
+            progress.show(f"resuming from {checkpoint} at step {self.step} (epoch {self.epoch}, batch "
+                          f"{self.position})")
+            if in_place:
+                sys.stderr.write("\n")
+        return progress
+
+    def train_steps(self, checkpoint: Path | None) -> TrainResult:
+        """Steps from the current position to ``max_steps`` (an evaluation of the untrained model first on a fresh
+        run); returns the result with the last checkpoint."""
         if checkpoint is None:
-            evaluate()  # the untrained model's held-out figures: the curve's starting point
-        model.train()
-        batches = task.batches(epoch)
+            self.evaluate()  # the untrained model's held-out figures: the curve's starting point
+        self.model.train()
+        batches = self.task.batches(self.epoch)
         if len(batches) == 0:
             raise TrainingError("the task has no batches (too little data for one batch?)")
-        last_saved = checkpoint if checkpoint is not None and step == args.max_steps else None
-        while step < args.max_steps:
-            if position >= len(batches):
-                epoch, position = epoch + 1, 0
-                batches = task.batches(epoch)
-            batch = batches[position]
-            if dist.world_size > 1:
-                batch = task.shard(batch, dist.rank, dist.world_size)
-            batch = _to_device(batch, device)
-            out = task.compute(train_model, batch)
-            optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-            if args.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            step, position = step + 1, position + 1
+        last_saved = checkpoint if checkpoint is not None and self.step == self.args.max_steps else None
+        while self.step < self.args.max_steps:
+            if self.position >= len(batches):
+                self.epoch, self.position = self.epoch + 1, 0
+                batches = self.task.batches(self.epoch)
+            out, lr = self.train_step(batches[self.position])
+            self.record_step(out, lr)
+            last_saved = self.after_step() or last_saved
+        return TrainResult(self.step, last_saved or checkpoint, self.records)
 
-            names = list(out.metrics)
-            values = dist.mean([float(out.loss.detach()), *(float(out.metrics[k]) for k in names), float(out.tokens)])
-            if dist.main:
-                record = {"step": step, "epoch": epoch, "loss": values[0], **dict(zip(names, values[1:-1],
-                                                                                      strict=True)),
-                          "lr": lr, "tokens": int(round(values[-1] * dist.world_size)),
-                          "elapsed_s": round(elapsed_before + time.perf_counter() - started, 3)}
-                records.append(record)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                progress.add(record)
-                if step % args.log_every == 0 or step == args.max_steps:
-                    progress.show(progress.line(step))
-            if args.eval_every and step % args.eval_every == 0 and step != args.max_steps:
-                evaluate()
-            if step == args.max_steps:
-                evaluate()
-                last_saved = save(final=True)
-            elif args.save_every and step % args.save_every == 0:
-                save(final=False)
-        if last_saved is None:  # resumed at the end already
-            last_saved = checkpoint
-        return TrainResult(step, last_saved, records)
-    finally:
-        progress.close()
-        if log is not None:
-            log.close()
-        if dist.started_here:
+    def train_step(self, batch: Any) -> tuple[StepOutput, float]:
+        """Forward, backward, clipping and one optimizer and scheduler step on one global batch (this rank's shard
+        under DDP); returns the task's output and the learning rate the step used."""
+        if self.dist.world_size > 1:
+            batch = self.task.shard(batch, self.dist.rank, self.dist.world_size)
+        batch = _to_device(batch, self.device)
+        out = self.task.compute(self.train_model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if self.args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step, self.position = self.step + 1, self.position + 1
+        return out, lr
+
+    def record_step(self, out: StepOutput, lr: float) -> None:
+        """The step's loss, metrics and tokens (averaged over ranks) as a metrics record and, on its schedule, a
+        progress line."""
+        names = list(out.metrics)
+        values = self.dist.mean([float(out.loss.detach()), *(float(out.metrics[k]) for k in names),
+                                 float(out.tokens)])
+        if not self.dist.main:
+            return
+        record = {"step": self.step, "epoch": self.epoch, "loss": values[0],
+                  **dict(zip(names, values[1:-1], strict=True)), "lr": lr,
+                  "tokens": int(round(values[-1] * self.dist.world_size)),
+                  "elapsed_s": round(self.elapsed_before + time.perf_counter() - self.started, 3)}
+        self.write_record(record)
+        self.progress.add(record)
+        if self.step % self.args.log_every == 0 or self.step == self.args.max_steps:
+            self.progress.show(self.progress.line(self.step))
+
+    def after_step(self) -> Path | None:
+        """The evaluations and checkpoints due after this step; the final checkpoint's path after the last step."""
+        args = self.args
+        if args.eval_every and self.step % args.eval_every == 0 and self.step != args.max_steps:
+            self.evaluate()
+        if self.step == args.max_steps:
+            self.evaluate()
+            return self.save(final=True)
+        if args.save_every and self.step % args.save_every == 0:
+            self.save(final=False)
+        return None
+
+    def evaluate(self) -> None:
+        """On rank 0: the task's held-out metrics in eval mode, recorded and shown; the RNG states are put back, so
+        an evaluation does not change the training trajectory."""
+        if not self.dist.main:
+            return
+        rng = _rng_state()
+        self.model.eval()
+        with torch.no_grad():
+            found = self.task.evaluate(self.model)
+        self.model.train()
+        _set_rng_state(rng)
+        if found:
+            self.write_record({"step": self.step, "eval": True, **{k: float(v) for k, v in found.items()}})
+            self.progress.show(f"eval at step {self.step}: " + " ".join(f"{k} {v:.4g}" for k, v in found.items()))
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        """Keep a metrics record and append it to metrics.jsonl (rank 0)."""
+        self.records.append(record)
+        self.log.write(json.dumps(record) + "\n")
+        self.log.flush()
+
+    def save(self, final: bool) -> Path:
+        """A checkpoint at the current step (every rank takes part), then the task's hook on rank 0."""
+        path = _save_checkpoint(self.model, self.task, self.optimizer, self.scheduler, self.output_dir, self.step,
+                                self.epoch, self.position, self.settings, self.args.keep_checkpoints, self.dist)
+        if self.dist.main:
+            self.task.on_checkpoint(self.output_dir, self.records, final)
+        return path
+
+    def close(self) -> None:
+        """End the progress line, close the metrics log, and leave the process group if this run joined it."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.log is not None:
+            self.log.close()
+        if self.dist.started_here:
             import torch.distributed as tdist
 
             tdist.destroy_process_group()
