@@ -23,7 +23,7 @@ CASES = [(family, head) for family, heads in HEADS.items() for head in heads]
 def expected_backends(model) -> dict[str, str]:
     """op -> the backend it must run on: EXPECTED_BACKEND wherever that backend implements the op (an op it has
     not implemented yet runs on eager)."""
-    return {op: EXPECTED_BACKEND if EXPECTED_BACKEND in backends._REGISTRY.get(op, {}) else "eager"
+    return {op: EXPECTED_BACKEND if EXPECTED_BACKEND in backends.implementations(op) else "eager"
             for op in fused_ops(model)}
 
 

@@ -54,6 +54,9 @@ class BackendUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class OpImpl:
+    """One backend's implementation of an op: the function, its ``supports`` check (None: it can run the inputs,
+    else the reason), and whether it is differentiable."""
+
     fn: Callable
     supports: Callable[..., str | None]
     has_backward: bool = False
@@ -78,6 +81,11 @@ def register(op: str, backend: str, fn: Callable, supports: Callable[..., str | 
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     _REGISTRY.setdefault(op, {})[backend] = OpImpl(fn, supports or (lambda *a, **k: None), has_backward)
     _bump()
+
+
+def implementations(op: str) -> dict[str, OpImpl]:
+    """The backends that registered ``op`` (loaded ones only: see `available`) and their implementations."""
+    return dict(_REGISTRY.get(op, {}))
 
 
 def _load(backend: str, warn: bool = True) -> str | None:
