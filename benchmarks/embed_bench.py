@@ -16,20 +16,23 @@ fastbert embed >= 1.6x plain sentence-transformers on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fastbert import embedding
 from fastbert.bench.machine import machine_info
 from fastbert.common.resolve import default_model_dir
-from fastbert.embedding import embedder as embedding
+from fastbert.files import write_atomic
 from fastbert.training.corpus import cpython_sentences
 
 
@@ -55,7 +58,7 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: all-MiniLM-L6-v2)")
     parser.add_argument("--sentences", type=int, default=20_000)
@@ -65,10 +68,75 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu-2core-embed"))
     parser.add_argument("--render", metavar="DIR", default=None,
                         help="only rewrite DIR/embed.md from DIR/embed.json (no run)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def embed_file(embedder: embedding.Embedder, source: Path, out: Path) -> np.ndarray:
+    """`fastbert embed -i source -o out.npy` as the command runs it after loading; the embeddings written."""
+    counter, _, name = embedding.open_input(str(source))
+    output = embedding.FileOutput(str(out), "npy", embedder.dimension, np.float32)
+    try:
+        embedding.run(embedder, embedding.read_rows(counter, "text", name=name), output, window_rows=2048)
+    finally:
+        output.close()
+        counter.stream.close()
+    return np.load(out)
+
+
+def implementations(model_dir: str, texts: list[str], source: Path, max_batch_tokens: int | None
+                    ) -> tuple[embedding.Embedder, dict[str, Callable[[], np.ndarray]]]:
+    """fastbert's embedder and the three timed calls, each model loaded and warmed up on a slice of the texts."""
+    from sentence_transformers import SentenceTransformer
+
+    import fastbert
+
+    embedder = embedding.Embedder(model_dir, max_batch_tokens=max_batch_tokens)
+    st_plain = SentenceTransformer(model_dir, device="cpu")
+    st_fast = fastbert.optimize(SentenceTransformer(model_dir, device="cpu"))
+    embedder.embed(texts[:256])  # warm-up on a slice (first-call costs), not timed
+    st_plain.encode(texts[:256])
+    st_fast.encode(texts[:256])
+    return embedder, {
+        "fastbert embed": functools.partial(embed_file, embedder, source, source.with_name("out.npy")),
+        "sentence-transformers encode": functools.partial(st_plain.encode, texts, convert_to_numpy=True),
+        "sentence-transformers encode, fastbert.optimize": functools.partial(st_fast.encode, texts,
+                                                                             convert_to_numpy=True),
+    }
+
+
+def interleaved_rounds(calls: dict[str, Callable[[], np.ndarray]], rounds: int
+                       ) -> tuple[dict[str, list[float]], dict[str, np.ndarray]]:
+    """Each call's seconds per round (one call of each per round) and its last output."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    outputs = {}
+    for round_index in range(rounds):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            outputs[name] = fn()
+            times[name].append(time.perf_counter() - start)
+            print(f"round {round_index + 1}/{rounds}  {name}: {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
+    return times, outputs
+
+
+def result_rows(times: dict[str, list[float]], outputs: dict[str, np.ndarray], texts: int, tokens: int
+                ) -> list[dict]:
+    """embed.json's results: median seconds, rates, speed-up and difference against plain sentence-transformers."""
+    reference = outputs["sentence-transformers encode"]
+    plain = statistics.median(times["sentence-transformers encode"])
+    rows = []
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        rows.append({"implementation": name, "median_s": median, "times_s": seconds, "texts_per_s": texts / median,
+                     "tokens_per_s": tokens / median, "speedup_vs_plain_st": plain / median,
+                     "max_abs_diff_vs_plain_st": float(np.abs(outputs[name] - reference).max())})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.render:
         report = json.loads((Path(args.render) / "embed.json").read_text())
-        (Path(args.render) / "embed.md").write_text(render_markdown(report))
+        write_atomic(Path(args.render) / "embed.md", render_markdown(report))
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,65 +144,22 @@ def main(argv: list[str] | None = None) -> int:
     texts = list(cpython_sentences(limit=args.sentences))
     if len(texts) < args.sentences:
         print(f"only {len(texts)} sentences available", file=sys.stderr)
-    workdir = Path(tempfile.mkdtemp(prefix="embed-bench-"))
-    source = workdir / "corpus.txt"
+    source = Path(tempfile.mkdtemp(prefix="embed-bench-")) / "corpus.txt"
     source.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
-
-    from sentence_transformers import SentenceTransformer
-
-    import fastbert
-
-    embedder = embedding.Embedder(model_dir, max_batch_tokens=args.max_batch_tokens)
-    st_plain = SentenceTransformer(model_dir, device="cpu")
-    st_fast = fastbert.optimize(SentenceTransformer(model_dir, device="cpu"))
-
-    def run_fastbert_embed() -> np.ndarray:
-        counter, _, name = embedding.open_input(str(source))
-        output = embedding.FileOutput(str(workdir / "out.npy"), "npy", embedder.dimension, np.float32)
-        try:
-            embedding.run(embedder, embedding.read_rows(counter, "text", name=name), output, window_rows=2048)
-        finally:
-            output.close()
-            counter.stream.close()
-        return np.load(workdir / "out.npy")
-
-    implementations = {
-        "fastbert embed": run_fastbert_embed,
-        "sentence-transformers encode": lambda: st_plain.encode(texts, convert_to_numpy=True),
-        "sentence-transformers encode, fastbert.optimize": lambda: st_fast.encode(texts, convert_to_numpy=True),
-    }
+    embedder, calls = implementations(model_dir, texts, source, args.max_batch_tokens)
     tokens = sum(len(ids) for ids in embedder.tokenize(texts)[0])
-    results = {name: [] for name in implementations}
-    outputs = {}
-    embedder.embed(texts[:256])  # warm-up on a slice (first-call costs), not timed
-    st_plain.encode(texts[:256])
-    st_fast.encode(texts[:256])
-    for round_index in range(args.rounds):
-        for name, fn in implementations.items():
-            start = time.perf_counter()
-            outputs[name] = fn()
-            results[name].append(time.perf_counter() - start)
-            print(f"round {round_index + 1}/{args.rounds}  {name}: {results[name][-1]:.2f} s", file=sys.stderr,
-                  flush=True)
-    reference = outputs["sentence-transformers encode"]
-    rows = []
-    plain = statistics.median(results["sentence-transformers encode"])
-    for name, times in results.items():
-        median = statistics.median(times)
-        out = outputs[name]
-        rows.append({"implementation": name, "median_s": median, "times_s": times, "texts_per_s": len(texts) / median,
-                     "tokens_per_s": tokens / median, "speedup_vs_plain_st": plain / median,
-                     "max_abs_diff_vs_plain_st": float(np.abs(out - reference).max())})
+    times, outputs = interleaved_rounds(calls, args.rounds)
     command = ".venv/bin/python benchmarks/embed_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report = {"benchmark": "corpus embedding", "command": command.strip(),
               "model": os.path.basename(os.path.dirname(model_dir)), "sentences": len(texts), "tokens": tokens,
               "rounds": args.rounds, "max_batch_tokens": embedder.max_batch_tokens,
-              "threads": torch.get_num_threads(), "machine": machine_info(torch.device("cpu")), "results": rows}
+              "threads": torch.get_num_threads(), "machine": machine_info(torch.device("cpu")),
+              "results": result_rows(times, outputs, len(texts), tokens)}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "embed.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_atomic(out_dir / "embed.json", json.dumps(report, indent=1) + "\n")
     markdown = render_markdown(report)
-    (out_dir / "embed.md").write_text(markdown)
+    write_atomic(out_dir / "embed.md", markdown)
     print(markdown)
     return 0
 

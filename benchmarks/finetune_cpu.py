@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from fastbert.files import write_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -101,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         record["tasks"][task] = result
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "finetune.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / "finetune.md").write_text(_markdown(record))
+    write_atomic(out / "finetune.json", json.dumps(record, indent=1) + "\n")
+    write_atomic(out / "finetune.md", _markdown(record))
     print(_markdown(record))
     return 0
 

@@ -24,7 +24,7 @@ Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate 
   timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster). timings_modernbert (45 s):
   ModernBERT-base fp16, fastbert (optimize, triton) vs transformers eager and SDPA on 8x512 and 32 sequences of
   seeded lengths 16..1024 padded to 1024. timings_embed (60 s): corpus embedding, all-MiniLM-L6-v2 fp16 on up to
-  20,000 sentences of CPython's documentation: fastbert.embedding.embedder.Embedder (`fastbert embed`'s pipeline) vs
+  20,000 sentences of CPython's documentation: fastbert.embedding.Embedder (`fastbert embed`'s pipeline) vs
   sentence-transformers' encode, plain and fastbert.optimize'd (batch 32), one timed pass each after a warm-up.
   timings_train (150 s; also alone as --phase train): training steps (zero_grad, forward with the head's loss,
   backward, AdamW step; fp16 through a GradScaler) of BERT-base with a sequence-classification head, fp32 weights
@@ -597,10 +597,10 @@ def modernbert_timing_section(section: Section, dry_run: bool, device) -> None:
 
 
 def embed_timing_section(section: Section, dry_run: bool, device, minilm: str | None) -> None:
-    """Corpus embedding (issue 13's case): texts/s of fastbert.embedding.embedder.Embedder vs
+    """Corpus embedding (issue 13's case): texts/s of fastbert.embedding.Embedder vs
     sentence-transformers' encode."""
     import fastbert
-    from fastbert.embedding import embedder as embedding
+    from fastbert import embedding
     from fastbert.training.corpus import cpython_sentences
 
     path, source = minilm_dir(minilm)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from fastbert import backends, ops
 from fastbert.bench import costs, machine, recording, report, timing
 from fastbert.common import resolve
+from fastbert.files import write_atomic
 from fastbert.ops.qkv_rotary import qkv_rotary_cost
 
 if os.environ.get("FASTBERT_BENCH_THREADS"):
@@ -286,9 +287,9 @@ def _markdown_report():
               + "; ".join(f"{k}: {v}" for k, v in recording.backend_availability().items()), ""]
     table = report.format_table(("case", "implementation", "median ms", "rate", "speed-up vs torch", "FLOPs",
                                  "bytes"), rows, markdown=True)
-    (path / "ops.md").write_text("\n".join(header) + "\n" + table + "\n", encoding="utf-8")
-    (path / "ops.json").write_text(json.dumps({"machine": info, "threads": torch.get_num_threads(), "rows": _ROWS},
-                                              indent=1, default=str), encoding="utf-8")
+    write_atomic(path / "ops.md", "\n".join(header) + "\n" + table + "\n")
+    write_atomic(path / "ops.json", json.dumps({"machine": info, "threads": torch.get_num_threads(), "rows": _ROWS},
+                                               indent=1, default=str))
     _plot_speedups(baseline, path / "ops_speedup.png", info["tag"])
 
 
@@ -311,9 +312,7 @@ def _plot_speedups(baseline: dict[str, float], png: Path, tag: str) -> None:
     ax.set_ylabel("speed-up vs unfused torch (same run)")
     ax.set_title(f"fastbert per-op speed-up: {tag}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, png, dpi=110)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

@@ -337,7 +337,7 @@ def source_state() -> dict[str, Any]:
     return {"commit": commit, "uncommitted": [line[3:] for line in status.splitlines()]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
                         help="SIZE:fixed|varlen[:nodropout] (sizes: " + ", ".join(SIZES) + ")")
@@ -355,54 +355,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="directory for <name>.json / <name>.md")
     parser.add_argument("--name", default="results", help="file name stem inside --out")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    torch.set_num_threads(args.threads)
-    cases = [Case.parse(text) for text in args.cases]
-    load_before = list(os.getloadavg())
-    source = source_state()
-    setups: dict[tuple[str, bool], list[Case]] = {}
-    for case in cases:
-        setups.setdefault(case.setup, []).append(case)
-    report_cases: dict[str, Any] = {}
-    for (size, dropout), setup_cases in setups.items():
-        keys = args.base_runners if size == "base" else args.runners
-        rounds = args.base_rounds if size == "base" else args.rounds
-        failed: dict[str, str] = {}
-        with tempfile.TemporaryDirectory() as directory:
-            config = save_checkpoint(directory, size, args.task, dropout, args.seed)
-            runners = build_runners(directory, args.task, keys, failed)
-        torch.manual_seed(args.seed)  # the dropout masks' stream
-        workloads = {case: make_workload(case.kind, args.batch, args.seqlen, args.seed) for case in setup_cases}
-        batches = {case: make_batch(workloads[case], config, args.task, args.seed) for case in setup_cases}
-        results = run_setup(setup_cases, runners, failed, batches, rounds, args.warmup)
-        for case in setup_cases:
-            workload = workloads[case]
-            entries = results[case]
-            base = entries.get(RUNNERS["hf-eager"], {}).get("median_ms")
-            for name, entry in entries.items():
-                entry["tokens_per_s"] = workload.tokens / entry["median_ms"] * 1e3
-                entry["speedup_vs_hf_eager"] = base / entry["median_ms"] if base else None
-                entry["runs_fastbert"] = runs_fastbert(name, entry) if name.startswith("fastbert") else None
-            report_cases[case.name] = {
-                "size": size, "shapes": dict(SIZES[size]), "kind": case.kind,
-                "dropout": DROPOUT if dropout else 0.0, "task": args.task, "rounds": rounds,
-                "batch": [workload.batch, workload.seqlen], "real_tokens": workload.tokens,
-                "lengths": workload.lengths, "runners": entries, "failed": dict(failed)}
-            print(f"== {case.name}: batch {workload.batch} x {workload.seqlen}, {workload.tokens} real tokens",
-                  flush=True)
-            for name, entry in entries.items():
-                speedup = entry["speedup_vs_hf_eager"]
-                print(f"  {name:28s} median {entry['median_ms']:9.1f} ms  min {entry['min_ms']:9.1f} ms  "
-                      f"{'' if speedup is None else f'{speedup:.2f}x HF eager'}"
-                      f"{'' if entry['path'] is None else '  path: ' + entry['path'].replace(chr(10), '; ')}",
-                      flush=True)
-            for name, error in failed.items():
-                if not name.endswith("(traceback)"):
-                    print(f"  {name:28s} FAILED: {error.splitlines()[0] if error else ''}", flush=True)
-        del runners, results
-        gc.collect()
 
+def measure_setup(args: argparse.Namespace, size: str, dropout: bool, setup_cases: list[Case]) -> dict[str, Any]:
+    """The report entries of the cases sharing one checkpoint (size, dropout): runners built once, then timed."""
+    keys = args.base_runners if size == "base" else args.runners
+    rounds = args.base_rounds if size == "base" else args.rounds
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        config = save_checkpoint(directory, size, args.task, dropout, args.seed)
+        runners = build_runners(directory, args.task, keys, failed)
+    torch.manual_seed(args.seed)  # the dropout masks' stream
+    workloads = {case: make_workload(case.kind, args.batch, args.seqlen, args.seed) for case in setup_cases}
+    batches = {case: make_batch(workloads[case], config, args.task, args.seed) for case in setup_cases}
+    results = run_setup(setup_cases, runners, failed, batches, rounds, args.warmup)
+    report_cases = {}
+    for case in setup_cases:
+        workload, entries = workloads[case], results[case]
+        add_rates(entries, workload)
+        report_cases[case.name] = {
+            "size": size, "shapes": dict(SIZES[size]), "kind": case.kind,
+            "dropout": DROPOUT if dropout else 0.0, "task": args.task, "rounds": rounds,
+            "batch": [workload.batch, workload.seqlen], "real_tokens": workload.tokens,
+            "lengths": workload.lengths, "runners": entries, "failed": dict(failed)}
+        print_case(case, workload, entries, failed)
+    del runners, results
+    gc.collect()
+    return report_cases
+
+
+def add_rates(entries: dict[str, dict[str, Any]], workload: Workload) -> None:
+    """Each runner's tokens/s, speed-up over HF eager, and whether fastbert's path ran."""
+    base = entries.get(RUNNERS["hf-eager"], {}).get("median_ms")
+    for name, entry in entries.items():
+        entry["tokens_per_s"] = workload.tokens / entry["median_ms"] * 1e3
+        entry["speedup_vs_hf_eager"] = base / entry["median_ms"] if base else None
+        entry["runs_fastbert"] = runs_fastbert(name, entry) if name.startswith("fastbert") else None
+
+
+def print_case(case: Case, workload: Workload, entries: dict[str, dict[str, Any]], failed: dict[str, str]) -> None:
+    """One case's figures and failures on stdout, as they come."""
+    print(f"== {case.name}: batch {workload.batch} x {workload.seqlen}, {workload.tokens} real tokens", flush=True)
+    for name, entry in entries.items():
+        speedup = entry["speedup_vs_hf_eager"]
+        print(f"  {name:28s} median {entry['median_ms']:9.1f} ms  min {entry['min_ms']:9.1f} ms  "
+              f"{'' if speedup is None else f'{speedup:.2f}x HF eager'}"
+              f"{'' if entry['path'] is None else '  path: ' + entry['path'].replace(chr(10), '; ')}", flush=True)
+    for name, error in failed.items():
+        if not name.endswith("(traceback)"):
+            print(f"  {name:28s} FAILED: {error.splitlines()[0] if error else ''}", flush=True)
+
+
+def target_results(report_cases: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each TARGETS entry that applies to a measured case: the speed-up measured and whether it was met (only
+    with fastbert's own path running)."""
     targets = []
     for case_name, data in report_cases.items():
         for kind, runner, peer, needed in TARGETS:
@@ -413,12 +420,28 @@ def main(argv: list[str] | None = None) -> int:
             targets.append({"case": case_name, "runner": runner, "peer": peer, "needed": needed,
                             "speedup": round(speedup, 3), "runs_fastbert": entry["runs_fastbert"],
                             "met": bool(speedup >= needed and entry["runs_fastbert"])})
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cases = [Case.parse(text) for text in args.cases]
+    load_before = list(os.getloadavg())
+    source = source_state()
+    setups: dict[tuple[str, bool], list[Case]] = {}
+    for case in cases:
+        setups.setdefault(case.setup, []).append(case)
+    report_cases: dict[str, Any] = {}
+    for (size, dropout), setup_cases in setups.items():
+        report_cases.update(measure_setup(args, size, dropout, setup_cases))
     machine = machine_info(CPU)
     machine.update(threads=args.threads, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
     report = interleaved_report(machine, f"BERT with a {args.task} head ({HF_CLASSES[args.task]}), random weights "
-                                f"(seed {args.seed}), float32", args.rounds, report_cases, targets,
-                                base_rounds=args.base_rounds, warmup=args.warmup, task=args.task, source=source)
+                                f"(seed {args.seed}), float32", args.rounds, report_cases,
+                                target_results(report_cases), base_rounds=args.base_rounds, warmup=args.warmup,
+                                task=args.task, source=source)
     write_interleaved(report, markdown(report), args.out, args.name)
     return 0
 
@@ -437,8 +460,22 @@ def _path(name: str, entry: dict[str, Any]) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: header, one table per case, targets, what each fastbert runner ran, failures."""
+    lines = markdown_header(report)
+    for case, data in report["cases"].items():
+        lines += case_table(case, data)
+    rows = [[t["case"], t["runner"], t["peer"], f"{t['needed']:.1f}x", f"{t['speedup']:.2f}x",
+             "yes" if t["runs_fastbert"] else "NO (fallback)", "yes" if t["met"] else "NO"]
+            for t in report["targets"]]
+    lines += ["## Targets", "", format_table(("case", "runner", "peer", "needed", "measured (median)",
+                                              "fastbert's path ran", "met"), rows, markdown=True), ""]
+    lines += fastbert_paths(report)
+    return "\n".join(lines) + "\n"
+
+
+def markdown_header(report: dict[str, Any]) -> list[str]:
+    """Date, machine, versions, command, code, model and the protocol of the run."""
     m = report["machine"]
-    lines = [
+    return [
         "# CPU training-step benchmark: fastbert vs transformers and torch.compile",
         "",
         f"- Date: {report['date_utc']}",
@@ -460,29 +497,29 @@ def markdown(report: dict[str, Any]) -> str:
         "its own masks). dropout: whether two train-mode calls gave different logits.",
         "",
     ]
-    for case, data in report["cases"].items():
-        rows = []
-        for name, entry in data["runners"].items():
-            speedup = entry["speedup_vs_hf_eager"]
-            rows.append([name, _path(name, entry), f"{entry['median_ms']:.0f}", f"{entry['min_ms']:.0f}",
-                         f"{entry['tokens_per_s']:.0f}", "-" if speedup is None else f"{speedup:.2f}x",
-                         _err(entry.get("loss_rel_err_vs_hf_eager")), _err(entry.get("grad_max_rel_err_vs_hf_eager")),
-                         "-" if "dropout_observed" not in entry else ("yes" if entry["dropout_observed"] else "no")])
-        lines += [f"## {case}: batch {data['batch'][0]} x {data['batch'][1]} ({data['real_tokens']} real tokens), "
-                  f"dropout {data['dropout']}", "",
-                  format_table(("runner", "ran", "median ms", "min ms", "tokens/s", "speed-up vs HF eager (median)",
-                                "loss rel err", "grad rel err", "dropout"), rows, markdown=True), ""]
-        failures = {k: v for k, v in data["failed"].items() if not k.endswith("(traceback)")}
-        for name, error in failures.items():
-            lines.append(f"- {name}: not timed: {error}")
-        if failures:
-            lines.append("")
-    rows = [[t["case"], t["runner"], t["peer"], f"{t['needed']:.1f}x", f"{t['speedup']:.2f}x",
-             "yes" if t["runs_fastbert"] else "NO (fallback)", "yes" if t["met"] else "NO"]
-            for t in report["targets"]]
-    lines += ["## Targets", "", format_table(("case", "runner", "peer", "needed", "measured (median)",
-                                              "fastbert's path ran", "met"), rows, markdown=True), "",
-              "## What each fastbert runner ran (fastbert.explain and the fused ops recorded in the checked call)", ""]
+
+
+def case_table(case: str, data: dict[str, Any]) -> list[str]:
+    """One case's heading, its table of runners, and the runners that could not be timed."""
+    rows = []
+    for name, entry in data["runners"].items():
+        speedup = entry["speedup_vs_hf_eager"]
+        rows.append([name, _path(name, entry), f"{entry['median_ms']:.0f}", f"{entry['min_ms']:.0f}",
+                     f"{entry['tokens_per_s']:.0f}", "-" if speedup is None else f"{speedup:.2f}x",
+                     _err(entry.get("loss_rel_err_vs_hf_eager")), _err(entry.get("grad_max_rel_err_vs_hf_eager")),
+                     "-" if "dropout_observed" not in entry else ("yes" if entry["dropout_observed"] else "no")])
+    lines = [f"## {case}: batch {data['batch'][0]} x {data['batch'][1]} ({data['real_tokens']} real tokens), "
+             f"dropout {data['dropout']}", "",
+             format_table(("runner", "ran", "median ms", "min ms", "tokens/s", "speed-up vs HF eager (median)",
+                           "loss rel err", "grad rel err", "dropout"), rows, markdown=True), ""]
+    failures = {k: v for k, v in data["failed"].items() if not k.endswith("(traceback)")}
+    lines += [f"- {name}: not timed: {error}" for name, error in failures.items()]
+    return lines + ([""] if failures else [])
+
+
+def fastbert_paths(report: dict[str, Any]) -> list[str]:
+    """What each fastbert runner ran (explain, the fused ops recorded, warnings) and torch.compile's first calls."""
+    lines = ["## What each fastbert runner ran (fastbert.explain and the fused ops recorded in the checked call)", ""]
     for case, data in report["cases"].items():
         for name, entry in data["runners"].items():
             if entry.get("runs_fastbert") is None:
@@ -496,7 +533,7 @@ def markdown(report: dict[str, Any]) -> str:
     if compiled:
         lines += ["", "torch.compile's first call (compilation, untimed): "
                   + ", ".join(f"{case} {seconds:.0f} s" for case, seconds in compiled) + "."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 if __name__ == "__main__":

@@ -84,12 +84,52 @@ def run_e2e(settings: BenchSettings, progress: bool = True) -> dict[str, Any]:
         torch.set_num_threads(threads_before)
 
 
+@dataclass
+class _Run:
+    """One benchmark run's inputs and its results as they come in: ``results[workload][implementation]`` is a
+    figures entry (`_figures`) or a failure (status and reason); ``notes`` says how each implementation ran."""
+
+    settings: BenchSettings
+    model_dir: str
+    config: FastBertConfig
+    workloads: list[Workload]
+    names: list[str]
+    bar: Any
+    results: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    ops_seen: dict[str, Counter] = field(default_factory=dict)
+
+
 def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     model_dir, config = resolve_model(settings.model_dir)
+    workloads, names = _checked_workloads(settings, config)
     device, dtype = settings.device, settings.dtype
+    peak_size = 512 if settings.quick else (8192 if device.type == "cuda" else 2048)
+    peaks = [measure_peak_flops(device, dtype, size=peak_size)] if settings.peak_flops is None else []
+    inputs = [w.inputs(config, device, settings.seed + i) for i, w in enumerate(workloads)]
+    references, reference_note = _reference_outputs(model_dir, inputs, device)
+    bar = tqdm(total=len(names) + len(workloads) * (1 + settings.repeats), desc="fastbert bench",
+               disable=not progress, leave=False, file=sys.stderr)
+    run = _Run(settings, model_dir, config, workloads, names, bar, results={w.name: {} for w in workloads})
+    with tempfile.TemporaryDirectory(prefix="fastbert-bench-") as workdir:
+        runners = _load_runners(run, workdir)
+        for workload, batch, reference in zip(workloads, inputs, references, strict=True):
+            _measure_workload(run, workload, batch, reference, runners)
+        runners.clear()
+        gc.collect()
+    bar.close()
+    if settings.peak_flops is None:
+        peaks.append(measure_peak_flops(device, dtype, size=peak_size))
+    peak = _peak_used(settings, peaks, peak_size)
+    _add_ratios(run.results, peak["value"])
+    return _record(run, peak, reference_note, load_at_start)
+
+
+def _checked_workloads(settings: BenchSettings, config: FastBertConfig) -> tuple[list[Workload], list[str]]:
+    """The workloads and the implementations (fastbert first) to measure; UserError for settings that cannot run."""
     workloads = make_workloads(settings.batches, settings.seqs, settings.varlen, settings.seed)
     if not workloads:
         raise UserError("no workloads: give at least one --batch and one --seq")
@@ -100,84 +140,99 @@ def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
     unknown = [p for p in names if p not in PEERS + ("fastbert",)]
     if unknown:
         raise UserError(f"unknown peer {unknown[0]!r}; choose from {', '.join(PEERS)}")
+    return workloads, names
 
-    peak_size = 512 if settings.quick else (8192 if device.type == "cuda" else 2048)
-    peaks = [measure_peak_flops(device, dtype, size=peak_size)] if settings.peak_flops is None else []
 
-    inputs = [w.inputs(config, device, settings.seed + i) for i, w in enumerate(workloads)]
-    references: list[torch.Tensor | None] = [None] * len(workloads)
-    reference_note = "transformers AutoModel (eager attention), float32, same device"
+def _reference_outputs(model_dir: str, inputs: list[dict], device: torch.device
+                       ) -> tuple[list[torch.Tensor | None], str]:
+    """transformers eager's float32 hidden states for each input, and what the reference is (None without
+    transformers)."""
+    references: list[torch.Tensor | None] = [None] * len(inputs)
     try:
         reference = load_hf_model(model_dir, "eager", torch.float32, device)
-        with torch.inference_mode():
-            for i, batch in enumerate(inputs):
-                references[i] = reference(**batch).last_hidden_state.float()
-        del reference
     except ImportError as err:
-        reference_note = f"none: transformers not installed ({err})"
+        return references, f"none: transformers not installed ({err})"
+    with torch.inference_mode():
+        for i, batch in enumerate(inputs):
+            references[i] = reference(**batch).last_hidden_state.float()
+    return references, "transformers AutoModel (eager attention), float32, same device"
 
-    results: dict[str, dict[str, dict[str, Any]]] = {w.name: {} for w in workloads}
-    notes: dict[str, list[str]] = {}
-    ops_seen: dict[str, Counter] = {}
-    bar = tqdm(total=len(names) + len(workloads) * (1 + settings.repeats), desc="fastbert bench",
-               disable=not progress, leave=False, file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="fastbert-bench-") as workdir:
-        runners: dict[str, Callable[[dict], torch.Tensor]] = {}
-        for name in names:
-            bar.set_postfix_str(f"loading {name}")
+
+def _load_runners(run: _Run, workdir: str) -> dict[str, Callable[[dict], torch.Tensor]]:
+    """Every implementation that loads, by name; one that does not is marked unavailable on every workload."""
+    settings = run.settings
+    runners: dict[str, Callable[[dict], torch.Tensor]] = {}
+    for name in run.names:
+        run.bar.set_postfix_str(f"loading {name}")
+        try:
+            runners[name], run.notes[name] = build_peer(name, run.model_dir, run.config, settings.dtype,
+                                                        settings.device, settings.backend, settings.quick, workdir)
+        except Exception as err:  # noqa: BLE001 - every failure of a peer is a row in the table, not a crash
+            reason = str(err) if isinstance(err, PeerUnavailable) else f"{type(err).__name__}: {err}"
+            run.notes[name] = []
+            for w in run.workloads:
+                run.results[w.name][name] = {"status": "unavailable", "reason": reason[:300]}
+        run.bar.update(1)
+    return runners
+
+
+def _measure_workload(run: _Run, workload: Workload, batch: dict, reference: torch.Tensor | None,
+                      runners: dict[str, Callable[[dict], torch.Tensor]]) -> None:
+    """First calls (checked against the reference) and warm-up of every runner, then the timed rounds; the
+    workload's results end in the order of ``run.names``."""
+    results = run.results[workload.name]
+    run.bar.set_postfix_str(f"{workload.name}: first calls and warm-up")
+    live, errors = {}, {}
+    for name, fn in runners.items():
+        failure, errors[name] = _first_calls(fn, batch, reference, run.settings,
+                                             run.ops_seen if name == "fastbert" else None)
+        if failure:
+            results[name] = failure
+        else:
+            live[name] = fn
+    run.bar.update(1)
+    times = _timed_rounds(run, workload, batch, live)
+    for name in live:
+        if name not in results:
+            results[name] = _figures(times[name], workload, run.config, errors[name])
+    run.results[workload.name] = {name: results[name] for name in run.names}
+
+
+def _timed_rounds(run: _Run, workload: Workload, batch: dict,
+                  live: dict[str, Callable[[dict], torch.Tensor]]) -> dict[str, list[float]]:
+    """``repeats`` rounds calling each live implementation once (TIMING_NOTE); a call that fails marks its
+    implementation failed on this workload and leaves it out of the later rounds."""
+    results, repeats = run.results[workload.name], run.settings.repeats
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for round_index in range(repeats):
+        run.bar.set_postfix_str(f"{workload.name}: round {round_index + 1}/{repeats}")
+        order = list(live)
+        shift = round_index % max(1, len(order))
+        for name in order[shift:] + order[:shift]:  # rotated, so no implementation always runs first
+            if name in results:
+                continue  # failed in an earlier round
             try:
-                runners[name], notes[name] = build_peer(name, model_dir, config, dtype, device, settings.backend,
-                                                        settings.quick, workdir)
-            except Exception as err:  # noqa: BLE001 - every failure of a peer is a row in the table, not a crash
-                reason = str(err) if isinstance(err, PeerUnavailable) else f"{type(err).__name__}: {err}"
-                notes[name] = []
-                for w in workloads:
-                    results[w.name][name] = {"status": "unavailable", "reason": reason[:300]}
-            bar.update(1)
-        for index, (workload, batch) in enumerate(zip(workloads, inputs, strict=True)):
-            bar.set_postfix_str(f"{workload.name}: first calls and warm-up")
-            live, errors = {}, {}
-            for name, fn in runners.items():
-                failure, errors[name] = _first_calls(fn, batch, references[index], settings,
-                                                     ops_seen if name == "fastbert" else None)
-                if failure:
-                    results[workload.name][name] = failure
-                else:
-                    live[name] = fn
-            bar.update(1)
-            times: dict[str, list[float]] = {name: [] for name in live}
-            for round_index in range(settings.repeats):
-                bar.set_postfix_str(f"{workload.name}: round {round_index + 1}/{settings.repeats}")
-                order = list(live)
-                shift = round_index % max(1, len(order))
-                for name in order[shift:] + order[:shift]:  # rotated, so no implementation always runs first
-                    if name in results[workload.name]:
-                        continue  # failed in an earlier round
-                    try:
-                        times[name].append(_time_once(live[name], batch, device))
-                    except Exception as err:  # noqa: BLE001 - reported per workload
-                        results[workload.name][name] = {"status": "failed",
-                                                        "reason": f"{type(err).__name__}: {str(err)[:300]}"}
-                bar.update(1)
-            for name in live:
-                if name not in results[workload.name]:
-                    results[workload.name][name] = _figures(times[name], workload, config, errors[name])
-            results[workload.name] = {name: results[workload.name][name] for name in names}
-        runners.clear()
-        gc.collect()
-    bar.close()
+                times[name].append(_time_once(live[name], batch, run.settings.device))
+            except Exception as err:  # noqa: BLE001 - reported per workload
+                results[name] = {"status": "failed", "reason": f"{type(err).__name__}: {str(err)[:300]}"}
+        run.bar.update(1)
+    return times
 
-    if settings.peak_flops is None:
-        # Measured before and after the run, the better one kept: a busy machine lowers either measurement.
-        peaks.append(measure_peak_flops(device, dtype, size=peak_size))
-        peak = max(peaks)
-        peak_source = (f"measured: best of 5 {peak_size}x{peak_size} matmuls in {dtype_name(dtype)} on this "
-                       f"device, before ({peaks[0] / 1e12:.3g} TFLOP/s) and after ({peaks[1] / 1e12:.3g}) the "
-                       "run, the higher kept")
-    else:
-        peak, peak_source = settings.peak_flops, "given on the command line (--peak-tflops)"
-    for workload in workloads:
-        row = results[workload.name]
+
+def _peak_used(settings: BenchSettings, peaks: list[float], peak_size: int) -> dict[str, Any]:
+    """The peak FLOP/s the roofline fractions divide by, and where it comes from."""
+    if settings.peak_flops is not None:
+        return {"value": settings.peak_flops, "source": "given on the command line (--peak-tflops)"}
+    # Measured before and after the run, the better one kept: a busy machine lowers either measurement.
+    source = (f"measured: best of 5 {peak_size}x{peak_size} matmuls in {dtype_name(settings.dtype)} on this "
+              f"device, before ({peaks[0] / 1e12:.3g} TFLOP/s) and after ({peaks[1] / 1e12:.3g}) the "
+              "run, the higher kept")
+    return {"value": max(peaks), "source": source}
+
+
+def _add_ratios(results: dict[str, dict[str, dict[str, Any]]], peak: float) -> None:
+    """Each measured entry's roofline fraction and fastbert's speed-up over it."""
+    for row in results.values():
         ours = row.get("fastbert", {}).get("p50_ms")
         for entry in row.values():
             if entry.get("status") == "ok":
@@ -185,28 +240,35 @@ def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
                 if ours:
                     entry["fastbert_speedup"] = entry["p50_ms"] / ours
 
-    machine = machine_info(device)
+
+def _record(run: _Run, peak: dict[str, Any], reference_note: str, load_at_start: list[float] | None
+            ) -> dict[str, Any]:
+    """The results dict of the run (schema RESULT_SCHEMA; written out by `fastbert.bench.report.write_results`)."""
+    settings, config = run.settings, run.config
+    machine = machine_info(settings.device)
     machine["load_average_at_start"] = load_at_start
     return {
         "schema": RESULT_SCHEMA,
         "machine": machine,
-        "model": {"path": model_dir, "name": model_name(model_dir), "family": config.family,
+        "model": {"path": run.model_dir, "name": model_name(run.model_dir), "family": config.family,
                   "layers": config.num_hidden_layers, "hidden": config.hidden_size,
                   "heads": config.num_attention_heads, "intermediate": config.intermediate_size},
-        "settings": {"device": device.type, "dtype": dtype_name(dtype), "batches": settings.batches,
-                     "seqs": settings.seqs, "varlen": settings.varlen, "peers": names, "repeats": settings.repeats,
-                     "warmup": settings.warmup, "quick": settings.quick, "backend": settings.backend,
-                     "seed": settings.seed, "timing": TIMING_NOTE, "note": settings.note},
-        "peak_flops": {"value": peak, "source": peak_source},
+        "settings": {"device": settings.device.type, "dtype": dtype_name(settings.dtype), "batches": settings.batches,
+                     "seqs": settings.seqs, "varlen": settings.varlen, "peers": run.names,
+                     "repeats": settings.repeats, "warmup": settings.warmup, "quick": settings.quick,
+                     "backend": settings.backend, "seed": settings.seed, "timing": TIMING_NOTE,
+                     "note": settings.note},
+        "peak_flops": peak,
         "flops_formula": "useful FLOPs = sum over sequences of len * L*(8H^2 + 4*H*I + 4*len*H) "
                          "(= L*(24H^2 + 4SH) per token for I = 4H); padding excluded",
         "reference": reference_note,
-        "fastbert_backends": backends_used(ops_seen),
+        "fastbert_backends": backends_used(run.ops_seen),
         "backend_availability": backend_availability(),
-        "peer_notes": notes,
+        "peer_notes": run.notes,
         "workloads": [{"name": w.name, "batch": w.batch, "seqlen": w.seqlen, "lengths": w.lengths,
                        "varlen": w.varlen, "tokens": w.tokens, "padded_tokens": w.batch * w.seqlen,
-                       "flops": batch_flops(config, w.lengths), "results": results[w.name]} for w in workloads],
+                       "flops": batch_flops(config, w.lengths), "results": run.results[w.name]}
+                      for w in run.workloads],
     }
 
 

@@ -1,5 +1,6 @@
 """Benchmark output: aligned plain-text and Markdown tables (`format_table`), the end-to-end results as a table,
 a Markdown report, JSON and PNG plots (`write_results`), and where a run writes without --out (`default_out_dir`).
+Every file is written atomically through `fastbert.files` (figures with `save_figure`).
 
 matplotlib is imported when plotting, so importing this module stays cheap."""
 
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from fastbert.bench.machine import machine_tag
-from fastbert.files import write_atomic
+from fastbert.files import replace_atomic, temporary_path, write_atomic
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = False) -> str:
@@ -122,11 +123,27 @@ def grouped_bars(ax, categories: list[str], series: dict[str, list[float | None]
     ax.set_xticks(range(len(categories)), categories)
 
 
-def _save(fig, path: Path, plt) -> Path:
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Save a matplotlib figure as PNG at ``path`` atomically (a temporary name, then renamed) and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    written = temporary_path(path)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(written, dpi=dpi, format="png")  # the temporary name's suffix is not .png
     plt.close(fig)
+    replace_atomic(written, path)
     return path
+
+
+def _column(results: dict[str, Any], name: str, key: str) -> list[float | None]:
+    """``key`` of implementation ``name`` on each workload (None where it did not run)."""
+    return [w["results"].get(name, {}).get(key) or None for w in results["workloads"]]
+
+
+def _figure(plt: Any, workloads: int, series: int) -> tuple[Any, Any]:
+    """A figure wide enough for ``workloads`` groups of ``series`` bars."""
+    return plt.subplots(figsize=(max(7.0, 1.2 * workloads * max(1, series) / 2.5), 4.5))
 
 
 def plot_results(results: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -143,33 +160,27 @@ def plot_results(results: dict[str, Any], out_dir: Path) -> list[Path]:
     title = (f"{results['model']['name']} {results['settings']['dtype']}, {results['machine']['tag']} "
              f"({results['machine']['gpu'] or results['machine']['cpu']})")
 
-    def column(name: str, key: str) -> list[float | None]:
-        return [w["results"].get(name, {}).get(key) or None for w in results["workloads"]]
-
-    def figure(count: int):
-        return plt.subplots(figsize=(max(7.0, 1.2 * len(workloads) * max(1, count) / 2.5), 4.5))
-
-    fig, ax = figure(len(names))
+    fig, ax = _figure(plt, len(workloads), len(names))
     measured = [e["p50_ms"] for w in results["workloads"] for e in w["results"].values() if e.get("p50_ms")]
     floor = min(measured) / 2 if measured else 1.0  # where "n/a" is written for an implementation that did not run
-    grouped_bars(ax, workloads, {n: column(n, "p50_ms") for n in names}, lambda v: f"{v:.3g}", colors, floor)
+    grouped_bars(ax, workloads, {n: _column(results, n, "p50_ms") for n in names}, lambda v: f"{v:.3g}", colors, floor)
     ax.set_ylabel("p50 latency per batch (ms, log scale)")
     ax.set_yscale("log")
     ax.set_ylim(floor / 1.5, (max(measured) if measured else 1.0) * 4)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.margins(y=0.3)
-    latency = _save(fig, out_dir / "e2e_latency.png", plt)
+    latency = save_figure(fig, out_dir / "e2e_latency.png")
 
-    fig, ax = figure(len(peers))
-    grouped_bars(ax, workloads, {f"vs {n}": column(n, "fastbert_speedup") for n in peers}, lambda v: f"{v:.2f}x",
-                 {f"vs {n}": colors[n] for n in peers})
+    fig, ax = _figure(plt, len(workloads), len(peers))
+    speedups = {f"vs {n}": _column(results, n, "fastbert_speedup") for n in peers}
+    grouped_bars(ax, workloads, speedups, lambda v: f"{v:.2f}x", {f"vs {n}": colors[n] for n in peers})
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_ylabel("fastbert speed-up (peer p50 / fastbert p50)")
     ax.set_title(title + "; > 1: fastbert faster", fontsize=9)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.margins(y=0.2)
-    return [latency, _save(fig, out_dir / "e2e_speedup.png", plt)]
+    return [latency, save_figure(fig, out_dir / "e2e_speedup.png")]
 
 
 DEFAULT_OUT_ROOT = Path("bench-results")
@@ -254,5 +265,5 @@ def write_interleaved(report: dict[str, Any], markdown: str, out: str | os.PathL
     if out:
         directory = Path(out)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-        (directory / f"{name}.md").write_text(markdown)
+        write_atomic(directory / f"{name}.json", json.dumps(report, indent=1) + "\n")
+        write_atomic(directory / f"{name}.md", markdown)
