@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastbert import backends, ops
 from fastbert.numerics import assert_accurate, max_error
+from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import SPECS
 from tools.op_checks import DEVICE, rand
 
@@ -36,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["DEVICE", "assert_accurate", "max_error", "rand"]  # re-exported: the op tests take them from here
 
 DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+ALL_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
+HALF_DTYPES = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)]
 
 
 # ============================================================================================ tiny HF models
@@ -273,6 +280,194 @@ def on_device(args: tuple, device=DEVICE) -> tuple:
                  for a in args)
 
 
+def for_backend(backend: str, args: tuple) -> tuple:
+    """``args`` where ``backend`` runs: the triton kernels on the test device (a GPU, or the interpreter on CPU),
+    cpp and eager on CPU."""
+    return on_device(args) if backend == "triton" else args
+
+
+def frozen_tables(op: str, args: tuple) -> tuple:
+    """qkv_rotary's fp32 tables without grad: with fp16/bf16 q, k their gradients are not fp32-accurate (they would
+    be judged by the fp32 rule)."""
+    return (*args[:5], args[5].detach(), args[6].detach()) if op == "qkv_rotary" else args
+
+
+# The backends a token op's gradients are checked on (against the eager op's autograd): cpp on every odd row count,
+# triton (under the interpreter on CPU) on fewer rows and marked `interpreter`.
+FP32_GRAD_CASES = [pytest.param("cpp", rows, id=f"cpp-rows{rows}") for rows in (1, 7, 130)] + [
+    pytest.param("triton", rows, id=f"triton-rows{rows}", marks=pytest.mark.interpreter) for rows in (1, 130)]
+LOW_PRECISION_GRAD_CASES = [
+    pytest.param("cpp", torch.bfloat16, 65, id="cpp-bf16"),
+    pytest.param("triton", torch.float16, 33, id="triton-fp16", marks=pytest.mark.interpreter),
+    pytest.param("triton", torch.bfloat16, 33, id="triton-bf16", marks=pytest.mark.interpreter),
+]
+OPCHECK_BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.interpreter)]
+
+
+def opcheck_with_grad(op: str, backend: str, variant: str) -> None:
+    """torch.library.opcheck of ``backend``'s torch op with float inputs that require grad."""
+    args = torch_op_args(op, op_args(op, 6, torch.float32, variant))
+    torch.library.opcheck(getattr(torch.ops.fastbert, f"{backend}_{op}").default, for_backend(backend, args))
+
+
+# ================================================================================= triton LayerNorm backward
+LN_VOCAB, LN_POSITIONS = 50, 40
+
+
+def ln_op_args(op: str, rows: int, width: int, dtype: torch.dtype, in_features: int = 24, full: bool = True,
+               activation: str = "gelu", seed: int = 0) -> tuple:
+    """The functional entry's positional arguments for ``rows`` tokens of ``width`` features (the LayerNorm's or
+    the linear output's), on the test device; float tensors require grad. ``full``: every optional given."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def f(*shape, scale=1.0):
+        t = (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        return t.to(DEVICE).requires_grad_()
+
+    def ids(high):
+        return torch.randint(0, high, (rows,), generator=gen).to(DEVICE)
+
+    if op == "embedding_layernorm":
+        return (ids(LN_VOCAB), ids(LN_POSITIONS) if full else None, ids(2) if full else None, f(LN_VOCAB, width),
+                f(LN_POSITIONS, width) if full else None, f(2, width), f(width), f(width) if full else None, 1e-12)
+    scale = in_features ** -0.5
+    if op == "linear_activation":
+        return f(rows, in_features), f(width, in_features, scale=scale), f(width) if full else None, activation
+    return (f(rows, in_features), f(width, in_features, scale=scale), f(width) if full else None, f(rows, width),
+            f(width), f(width) if full else None, 1e-5)
+
+
+def triton_call(op: str, args: tuple, dropout_p: float = 0.0, dropout_seed: int = 0):
+    """The triton backend's op with dropout (p, seed)."""
+    return getattr(ops, op)(*args, dropout_p=dropout_p, dropout_seed=dropout_seed, backend="triton")
+
+
+class OpsSeen(TorchDispatchMode):
+    """The names of the torch ops dispatched while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def masked_reference(op: str, args: tuple, keep: torch.Tensor, p: float):
+    """The op in fp64 (eager pieces, autograd) with the dropout mask ``keep``: what the triton op with that mask
+    computes."""
+    scale = 1.0 / (1.0 - p)
+
+    def drop(t):
+        return torch.where(keep, t * scale, t.new_zeros(()))
+
+    if op == "embedding_layernorm":
+        def fn(*a):
+            return drop(SPECS[op].eager(*a))  # p = 0: LayerNorm(gathered sum)
+        return fn
+
+    def fn(x, weight, bias, residual, ln_weight, ln_bias, eps):
+        summed = drop(torch.nn.functional.linear(x, weight, bias)) + residual
+        normed = layer_norm_fp32(summed, ln_weight, ln_bias, eps)
+        return (summed, normed) if op == "linear_residual_prenorm" else normed
+    return fn
+
+
+def forward_mask(op: str, args: tuple, p: float, seed: int) -> torch.Tensor:
+    """The keep mask the triton forward drew. embedding_layernorm: its nonzero outputs. The linear ops: prenorm's
+    summed differs from the residual exactly where the linear output was kept; linear_residual_layernorm's GEMM
+    draws the same mask (same epilogue, seed and [rows, N] offsets), so its mask is read off prenorm's."""
+    with torch.no_grad():
+        if op == "embedding_layernorm":
+            return triton_call(op, args, p, seed) != 0
+        summed, _ = triton_call("linear_residual_prenorm", args, p, seed)
+        return summed != args[3]
+
+
+def check_triton_dropout_grads(op: str, rows: int, width: int) -> None:
+    """Gradients with p = 0.3 against an fp64 reference built with the forward's mask: 1e-5 (fp32). A backward
+    regenerating another mask (another seed, offset or RNG) sends gradients through other elements and fails."""
+    p, seed = 0.3, 2024
+    args = ln_op_args(op, rows, width, torch.float32)
+    keep = forward_mask(op, args, p, seed)
+    assert 0.5 < keep.float().mean().item() < 0.9
+    fast = run_grads(lambda *a: triton_call(op, a, p, seed), args)
+    reference = run_grads(masked_reference(op, args, keep, p), upcast(args))
+    for index, (f, r) in enumerate(zip(fast, reference, strict=True)):
+        assert_accurate(f, f, r, what=f"{op} dropout grad {index}")
+    # the same check with the mask of another seed fails: the test can tell masks apart
+    other = forward_mask(op, args, p, seed + 1)
+    wrong = run_grads(masked_reference(op, args, other, p), upcast(args))
+    with pytest.raises(AssertionError):
+        for index, (f, r) in enumerate(zip(fast, wrong, strict=True)):
+            assert_accurate(f, f, r, what=f"{op} grad {index} vs another seed's mask")
+
+
+def check_triton_keep_rate(op: str, p: float) -> None:
+    """Over 2**17 elements the kept fraction is 1 - p (5 sigma) and each kept element is the undropped value
+    times 1/(1-p) (fp32, within one rounding)."""
+    rows, width = 256, 512
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a
+                 for a in ln_op_args(op, rows, width, torch.float32, in_features=16))
+    with torch.no_grad():
+        if op == "embedding_layernorm":
+            dropped, plain = triton_call(op, args, p, 11), triton_call(op, args)
+        else:  # residual 0: summed is the dropped linear output
+            zero_residual = (*args[:3], torch.zeros_like(args[3]), *args[4:])
+            dropped, plain = triton_call(op, zero_residual, p, 11)[0], triton_call(op, zero_residual)[0]
+    kept = dropped != 0
+    assert abs(kept.float().mean().item() - (1 - p)) < rate_tolerance(p, kept.numel())
+    torch.testing.assert_close(dropped[kept], plain[kept] / (1 - p), rtol=3e-7, atol=0)
+
+
+def check_triton_backward_kernel(op: str, kernel_op: str) -> None:
+    """The torch op's backward is the triton module's (its kernels' torch ops run), not the spec's PyTorch one."""
+    args = ln_op_args(op, 5, 48, torch.float32)
+    out = triton_call(op, args) if op != "linear_activation" else ops.linear_activation(*args, backend="triton")
+    loss = sum(o.sum() for o in (out if isinstance(out, tuple) else (out,)))
+    with OpsSeen() as seen:
+        loss.backward()
+    assert kernel_op in seen.names, sorted(seen.names)
+    assert "aten::native_layer_norm_backward" not in seen.names
+
+
+def rate_tolerance(p: float, count: int) -> float:
+    """5 standard deviations of a binomial proportion (the kept fraction of ``count`` draws)."""
+    return 5 * (p * (1 - p) / count) ** 0.5
+
+
+def strided_rows(rows: int, width: int, dtype, gen) -> torch.Tensor:
+    """[rows, width] view with a row stride larger than width (a slice of a wider buffer)."""
+    return torch.randn(rows, width + 5, generator=gen).to(dtype)[:, 2: 2 + width]
+
+
+def assert_accurate_fp64(fast, plain, reference, what):
+    """assert_accurate with the reference taken to fp64 (fp32 then at the ~1e-5 rule): fast and plain in the tested
+    dtype."""
+    assert_accurate(fast, plain, reference.double(), what)
+
+
+def cpp_linear_inputs(width: int, dtype) -> dict:
+    """The cpp linear ops' inputs at K = N = ``width``: a strided x [2, 5, K], weight, bias, residual and LayerNorm
+    parameters, seeded by the width."""
+    gen = torch.Generator().manual_seed(width)
+    x = strided_rows(2 * 5, width, dtype, gen).view(2, 5, width)
+    w = (torch.randn(width, width, generator=gen) / math.sqrt(width)).to(dtype)
+    b = torch.randn(width, generator=gen).to(dtype)
+    residual = torch.randn(2, 5, width, generator=gen).to(dtype)
+    ln_w, ln_b = (1 + 0.1 * torch.randn(width, generator=gen)).to(dtype), torch.randn(width, generator=gen).to(dtype)
+    return {"x": x, "w": w, "b": b, "residual": residual, "ln_w": ln_w, "ln_b": ln_b}
+
+
+def as_fp64(*tensors) -> list:
+    return [None if t is None else t.double() for t in tensors]
+
+
+CPP_WIDTHS = (1, 7, 130, 383)
+CPP_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
 # ==================================================================================================== grads
 def upcast(args: tuple) -> tuple:
     """Float tensors as float64 leaves (requiring grad as the originals do); the rest as they are."""
@@ -405,6 +600,14 @@ def check_padding_poison(backend: str, dtype: torch.dtype, head_dim: int, seqlen
     assert torch.isfinite(dirty[mask]).all(), f"{backend}: NaN/Inf at padded positions reached real rows"
     assert torch.equal(dirty[mask], clean[mask]), f"{backend}: padded positions' values changed real rows"
     assert torch.equal(dirty[2], torch.zeros_like(dirty[2])), f"{backend}: an all-masked row must give zeros"
+
+
+def loaded_attention_kernel_copies() -> list:
+    """Every loaded copy of the attention kernel module. transformers probes for the hub's `kernels` package by
+    importing `kernels`: run from the repository root, that imports this repository's kernels/ a second time, and the
+    torch op stays bound to whichever copy came first, so a spy or a patch must sit in each."""
+    importlib.import_module("fastbert.kernels.attention")
+    return [sys.modules[n] for n in ("fastbert.kernels.attention", "kernels.attention") if n in sys.modules]
 
 
 WINDOWS = (0, 1, 2, 7, 16, 128)

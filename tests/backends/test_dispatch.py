@@ -1,4 +1,5 @@
-"""The backend dispatch: forced backends, auto fallback, the env var, and the reasons it gives."""
+"""The backend dispatch: forced backends, auto fallback, the env var, the reasons it gives, and the choice under
+autograd (eager on CPU for the token ops, cpp for attention)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from fastbert import backends, ops
-from tests.helpers import check_padding_poison, padded_batch, tiny_model
+from tests.helpers import TOKEN_OPS, attention_args, op_args, padded_batch, tiny_model
 
 
 def _linear_args(dtype=torch.float32):
@@ -81,13 +82,6 @@ def test_op_argument_errors():
         ops.attention(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]), max_seqlen=5)
 
 
-# --------------------------------------------------------------------------------- poison at padded positions
-@pytest.mark.parametrize("head_dim", (8, 16), ids=lambda d: f"d{d}")
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
-def test_eager_attention_ignores_nan_and_inf_at_padded_positions(dtype, head_dim):
-    check_padding_poison("eager", dtype, head_dim)
-
-
 def test_describe_available_says_what_loaded_in_words():
     from fastbert.backends import cpp as cpp_backend
 
@@ -144,3 +138,53 @@ def test_explain_a_model_says_which_backend_each_op_ran_on():
     bert_ops = ("embedding_layernorm", "qkv_projection", "attention", "linear_activation", "linear_residual_layernorm")
     assert all(f"{op} eager" in text for op in bert_ops)  # the ops a BERT encoder runs (not ModernBERT's)
     assert backends.explain(torch.nn.Linear(2, 2)) == "Linear: no fastbert encoder inside"
+
+
+# --------------------------------------------------------------------------------------- choice under autograd
+@pytest.mark.parametrize("op", TOKEN_OPS)
+def test_under_grad_auto_trains_through_eager_on_cpu_and_cpp_when_forced(op):
+    """auto keeps eager under autograd on CPU (cpp's backward recomputes with PyTorch ops and is slower, see
+    fastbert.backends.AUTO_ORDER_AUTOGRAD), saying why; backend="cpp" trains through cpp."""
+    args = op_args(op, 7, torch.float32)
+    explained = backends.explain(op, *args)
+    assert explained.startswith(f"{op}: eager") and "cpp: auto trains through eager here" in explained
+    assert backends.explain(op, *args, backend="cpp") == f"{op}: cpp"
+    table = backends.OpTable("cpp")
+    out = getattr(table, op)(*args)
+    assert table.chosen[op] == "cpp"
+    assert (out[0] if isinstance(out, tuple) else out).requires_grad
+    with torch.no_grad():
+        assert backends.explain(op, *op_args(op, 7, torch.float32)) == f"{op}: cpp"  # inference still takes cpp
+
+
+def test_under_grad_auto_trains_attention_through_cpp_on_cpu():
+    """Attention is the exception (fastbert.backends.AUTO_ORDER_AUTOGRAD_BY_OP): its cpp forward and backward are
+    C++ kernels that follow the real lengths, measured faster than eager's autograd; with dropout too."""
+    args = attention_args("packed", [5, 3], window=2)
+    assert backends.explain("attention", *args, backend="cpp") == "attention: cpp"
+    assert backends.explain("attention", *args) == "attention: cpp"
+    assert backends.explain("attention", *args, 0.1, 3) == "attention: cpp"
+    assert backends.autograd_order("attention", "cpu") == ("cpp", "eager")
+    assert backends.autograd_order("attention", "cuda") == backends.AUTO_ORDER_AUTOGRAD["cuda"]
+    assert backends.autograd_order("linear_activation", "cpu") == backends.AUTO_ORDER_AUTOGRAD["cpu"]
+
+
+def test_auto_training_step_runs_attention_on_cpp_and_the_rest_on_eager(tmp_path):
+    """A train() step through auto on CPU, dropout on: attention (with and without dropout) on cpp, the other
+    ops on eager; the gradients are finite and reach every parameter that an eager step reaches."""
+    import fastbert
+    from fastbert.bench.recording import record_backends
+
+    tiny_model("bert").save_pretrained(tmp_path)
+    ids, mask = padded_batch(4, 11)
+    grads = {}
+    for backend in ("auto", "eager"):
+        model = fastbert.from_pretrained(tmp_path, backend=backend).train()
+        with record_backends() as seen:
+            model(ids, mask).last_hidden_state.square().mean().backward()
+        grads[backend] = {name for name, p in model.named_parameters() if p.grad is not None}
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        if backend == "auto":
+            assert set(seen.pop("attention")) == {"cpp"}, seen
+            assert {b for counts in seen.values() for b in counts} == {"eager"}, seen
+    assert grads["auto"] == grads["eager"]

@@ -1,5 +1,6 @@
-"""The triton backend's registration, its `supports` reasons, the CPU-without-interpreter refusal, and
-torch.compile(fullgraph=True) over the custom ops."""
+"""The triton backend's registration (every op with its backward), its `supports` reasons, the CPU-without-interpreter
+refusal, torch.compile(fullgraph=True) over the custom ops, the GEMM configs and the backward kernels' own torch ops
+(opcheck)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from fastbert import backends, ops
+from fastbert import backends, kernels, ops  # noqa: F401 (kernels: registers the triton torch ops called directly)
 from tests.helpers import DEVICE, rand
 
 OPS = tuple(ops.SPECS)
@@ -76,3 +78,41 @@ def test_fp16_dots_run_unmodified_in_the_interpreter():
 
     assert not common.dot_in_fp32(torch.float16)
     assert common.dot_in_fp32(torch.bfloat16) == common.INTERPRETER
+
+
+def test_every_op_has_a_triton_backward():
+    assert backends.available()["triton"] is None
+    for op in OPS:
+        assert backends._REGISTRY[op]["triton"].has_backward, op
+
+
+def test_gemm_partial_sums_fit_every_config():
+    """The backward epilogue's bias partial sums have one row per MIN_BLOCK_M GEMM rows: every BLOCK_M any config
+    (autotuner list, M table, interpreter) can pick is a multiple of it, so the buffer is filled whole whichever
+    config ran (stale rows from the autotuner's trial runs would be summed otherwise)."""
+    from fastbert.kernels import gemm
+
+    blocks = {c.kwargs["BLOCK_M"] for dtype in (torch.float16, torch.float32) for heavy in (False, True)
+              for c in (*gemm.gpu_configs(dtype, heavy), *(gemm.table_config(m, dtype, heavy)
+                                                             for m in (1, 100, 5000)))}
+    blocks |= {gemm.interpreter_config(m)["BLOCK_M"] for m in (1, 20, 1000)}
+    assert all(b % gemm.MIN_BLOCK_M == 0 for b in blocks), blocks
+
+
+@pytest.mark.interpreter
+def test_backward_kernel_ops_opcheck():
+    """The backward's own torch ops (fakes against the kernels, schemas) on small inputs."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 48, generator=gen).to(DEVICE)
+    grad = torch.randn(9, 48, generator=gen).to(DEVICE)
+    weight = torch.randn(48, generator=gen).to(DEVICE)
+    for extra, p in ((None, 0.0), (grad.clone(), 0.3)):
+        torch.library.opcheck(torch.ops.fastbert.triton_layernorm_rows_backward.default,
+                              (x, grad, weight, 1e-5, extra, p, 5, torch.float32))
+    linear = torch.randn(48, 16, generator=gen).to(DEVICE)
+    inputs = torch.randn(9, 16, generator=gen).to(DEVICE)
+    torch.library.opcheck(torch.ops.fastbert.triton_linear_dropout_residual.default,
+                          (inputs, linear, weight, x, 0.3, 5))
+    for activation, output in (("gelu", None), ("relu", torch.relu(x))):
+        torch.library.opcheck(torch.ops.fastbert.triton_linear_activation_grad.default,
+                              (inputs, linear, weight, grad, output, activation, True))

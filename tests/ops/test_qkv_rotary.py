@@ -1,22 +1,47 @@
-"""The qkv_rotary op (fastbert/ops/qkv_rotary.py): its rotary tables and rotation against transformers' ModernBERT
-code, its eager and cpp backends against the fp64 reference, the torch op, its cost, and its argument checks.
-The triton backend's tests are in tests/ops/test_triton_qkv_rotary.py."""
+"""qkv_rotary (the QKV projection with ModernBERT's rotary embedding of q and k) on every backend: its rotary tables
+and rotation against transformers' ModernBERT code, the eager and cpp backends against the fp64 reference, the
+triton GEMM with the rotation in its epilogue against the fp64 reference with plain PyTorch in the same dtype as the
+yardstick (`tools.op_checks`', shared with benchmarks/gpu_check.py), the backward against the eager op's autograd and
+by gradcheck of the spec's formula, the torch ops (opcheck), the cost and the argument checks. On CPU the triton
+kernel runs in the Triton interpreter: a cheap subset is unmarked, the rest `interpreter`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from fastbert.kernels import gemm
+from fastbert.kernels import qkv_rotary as kernel
 from transformers import ModernBertConfig
 from transformers.models.modernbert.modeling_modernbert import ModernBertRotaryEmbedding, apply_rotary_pos_emb
 
 from fastbert import backends, ops
 from fastbert.numerics import assert_accurate
 from fastbert.ops.qkv_rotary import SPEC, qkv_rotary_cost, split_packed
+from tests.helpers import (
+    ALL_DTYPES,
+    DEVICE,
+    DTYPE_IDS,
+    FP32_GRAD_CASES,
+    LOW_PRECISION_GRAD_CASES,
+    OPCHECK_BACKENDS,
+    check_grads,
+    float_tensor,
+    for_backend,
+    frozen_tables,
+    gradcheck_spec,
+    op_args,
+    opcheck_with_grad,
+    rand,
+)
+from tools.op_checks import check_qkv_rotary
+from tools.op_checks import packed_positions as packed_position_ids
 
-DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+OP = "qkv_rotary"
 # (tokens, heads, head_dim): odd token counts, 1 / 2 / 12 heads, head_dim 32 and 64
 SHAPES = [(1, 1, 64), (7, 2, 32), (130, 12, 64), (7, 12, 32)]
 SHAPE_IDS = [f"T{t}-heads{h}-d{d}" for t, h, d in SHAPES]
+TRITON_SHAPES = SHAPES[:3]
+TRITON_SHAPE_IDS = SHAPE_IDS[:3]
 
 
 def packed_positions(lengths: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -101,26 +126,29 @@ def test_tables_refuse_bad_sizes(bad):
 
 
 # ----------------------------------------------------------------------------------------------------- rotation
-@pytest.mark.parametrize("backend", ["eager", "cpp"])
 @pytest.mark.parametrize("layer_type,theta", [("full_attention", 160000.0), ("sliding_attention", 10000.0)])
+@pytest.mark.parametrize("backend", ["eager", "cpp", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_equals_transformers_apply_rotary_pos_emb(backend, layer_type, theta):
     """Wqkv + ModernBertRotaryEmbedding + apply_rotary_pos_emb, as ModernBertAttention runs them on a padded
-    batch [B, S, H] (positions arange(S) per row), against qkv_rotary on the batch flattened to [B * S, H]."""
+    batch [B, S, H] (positions arange(S) per row), in fp32, against qkv_rotary on the batch flattened to
+    [B * S, H]."""
+    device = DEVICE if backend == "triton" else torch.device("cpu")
     batch, seqlen, heads, head_dim = 2, 9, 2, 64
     hidden = heads * head_dim
-    rope = modernbert_rope(hidden=hidden, heads=heads)
+    rope = modernbert_rope(hidden=hidden, heads=heads).to(device)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(batch, seqlen, hidden, generator=gen)
-    wqkv = torch.randn(3 * hidden, hidden, generator=gen) * hidden ** -0.5
+    x = torch.randn(batch, seqlen, hidden, generator=gen).to(device)
+    wqkv = (torch.randn(3 * hidden, hidden, generator=gen) * hidden ** -0.5).to(device)
 
     qkv = (x @ wqkv.t()).view(batch, seqlen, 3, heads, head_dim)
     q_hf, k_hf, v_hf = (t.transpose(1, 2) for t in qkv.unbind(2))  # [B, heads, S, D]
-    cos_hf, sin_hf = rope(x, torch.arange(seqlen)[None].expand(batch, -1), layer_type)
+    position_ids = torch.arange(seqlen, device=device)[None].expand(batch, -1)
+    cos_hf, sin_hf = rope(x, position_ids, layer_type)
     q_hf, k_hf = apply_rotary_pos_emb(q_hf, k_hf, cos_hf, sin_hf, unsqueeze_dim=1)
 
-    cos, sin = ops.rotary_tables(theta, head_dim, 64)
-    positions = torch.arange(seqlen).repeat(batch)
-    q, k, v = ops.qkv_rotary(x.reshape(-1, hidden), wqkv, None, heads, positions, cos, sin, backend=backend)
+    cos, sin = ops.rotary_tables(theta, head_dim, 64, device)
+    q, k, v = ops.qkv_rotary(x.reshape(-1, hidden), wqkv, None, heads, position_ids.reshape(-1), cos, sin,
+                             backend=backend)
     for name, ours, theirs in (("q", q, q_hf), ("k", k, k_hf), ("v", v, v_hf)):
         theirs = theirs.transpose(1, 2).reshape(batch * seqlen, heads, head_dim)
         scale = float(theirs.abs().max())
@@ -159,7 +187,7 @@ def test_rotation_keeps_norms_and_leaves_v_alone():
 
 
 # ----------------------------------------------------------------------------------------------------- backends
-def _check_backend(backend, tokens, heads, head_dim, dtype, with_bias=True, leading=None):
+def check_backend(backend, tokens, heads, head_dim, dtype, with_bias=True, leading=None):
     x, weight, bias, heads, positions, cos, sin = make_inputs(tokens, heads, head_dim, dtype, with_bias)
     if leading is not None:
         x, positions = x.reshape(*leading, -1), positions.reshape(leading)
@@ -175,16 +203,16 @@ def _check_backend(backend, tokens, heads, head_dim, dtype, with_bias=True, lead
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("tokens,heads,head_dim", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("backend", ["eager", "cpp"])
-def test_backend_against_fp64_reference(backend, tokens, heads, head_dim, dtype):
-    fast = _check_backend(backend, tokens, heads, head_dim, dtype)
+def test_eager_and_cpp_against_fp64_reference(backend, tokens, heads, head_dim, dtype):
+    fast = check_backend(backend, tokens, heads, head_dim, dtype)
     if backend == "cpp":  # q, k, v are views of one packed buffer, as the attention kernels read them
         assert fast[0].untyped_storage().data_ptr() == fast[2].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("backend", ["eager", "cpp"])
 def test_without_bias_and_with_a_batch_shape(backend):
-    _check_backend(backend, 14, 2, 32, torch.float32, with_bias=False, leading=(2, 7))
-    _check_backend(backend, 14, 2, 32, torch.bfloat16, with_bias=False, leading=(2, 7))
+    check_backend(backend, 14, 2, 32, torch.float32, with_bias=False, leading=(2, 7))
+    check_backend(backend, 14, 2, 32, torch.bfloat16, with_bias=False, leading=(2, 7))
 
 
 def test_cpp_is_what_auto_picks_on_cpu():
@@ -202,7 +230,7 @@ def test_cpp_takes_int32_positions_and_a_strided_x():
 
 
 # ----------------------------------------------------------------------------------------------------- torch op
-def test_torch_op_passes_opcheck():
+def test_cpp_torch_op_passes_opcheck():
     x, weight, bias, heads, positions, cos, sin = make_inputs(7, 2, 32, torch.float32)
     for b in (bias, None):
         torch.library.opcheck(torch.ops.fastbert.cpp_qkv_rotary.default, (x, weight, b, positions, cos, sin, heads))
@@ -228,7 +256,7 @@ def test_cost_counts_the_gemm_and_the_rotation():
 
 
 # ----------------------------------------------------------------------------------------------------- checks
-def _bad_cases():
+def bad_cases():
     x, weight, bias, heads, positions, cos, sin = make_inputs(6, 2, 32, torch.float32)
     base = dict(x=x, weight=weight, bias=bias, num_heads=heads, positions=positions, cos=cos, sin=sin)
     odd_weight = torch.randn(3 * 2 * 15, 30)
@@ -250,7 +278,7 @@ def _bad_cases():
     ], base
 
 
-BAD, BASE = _bad_cases()
+BAD, BASE = bad_cases()
 
 
 @pytest.mark.parametrize("change,error,message", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
@@ -270,3 +298,108 @@ def test_cpp_kernel_checks_its_own_arguments():
         torch.ops.fastbert.cpp_qkv_rotary(x, weight, bias, positions, cos[:, :4], sin, heads)
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.fastbert.cpp_qkv_rotary(x, weight, bias, positions, cos, sin, 5)
+
+
+# ------------------------------------------------------------------------------------------------ triton
+def test_triton_fp16():
+    check_qkv_rotary(7, 2, 32, torch.float16)
+
+
+def test_triton_bf16_strided_without_bias():
+    check_qkv_rotary(7, 2, 32, torch.bfloat16, strided=True, with_bias=False)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", TRITON_SHAPES, ids=TRITON_SHAPE_IDS)
+def test_triton(tokens, heads, head_dim, dtype):
+    check_qkv_rotary(tokens, heads, head_dim, dtype, strided=tokens == 7)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_triton_without_bias_batched_int32_positions(dtype):
+    check_qkv_rotary(14, 2, 64, dtype, with_bias=False, leading=(2, 7), position_dtype=torch.int32, theta=10000.0)
+
+
+@pytest.mark.interpreter
+def test_triton_head_dim_whose_half_is_not_a_power_of_two():
+    check_qkv_rotary(7, 3, 48, torch.float32)  # D/2 = 24: pairs of a tile span head boundaries
+
+
+@pytest.mark.interpreter
+def test_triton_torch_op_passes_opcheck():
+    x = rand(7, 64, dtype=torch.float16)
+    weight, bias = rand(192, 64, dtype=torch.float16, scale=0.125), rand(192, dtype=torch.float16)
+    cos, sin = ops.rotary_tables(10000.0, 32, 16, DEVICE)
+    positions = packed_position_ids(7)
+    for b in (bias, None):
+        torch.library.opcheck(torch.ops.fastbert.triton_qkv_rotary.default, (x, weight, b, positions, cos, sin, 2))
+
+
+@pytest.mark.interpreter
+def test_triton_positions_outside_the_tables_are_not_read():
+    """The launcher does not check positions (the functional entry does): out-of-range rows must not read outside
+    the tables; they come back unrotated."""
+    x = rand(3, 64, dtype=torch.float32)
+    weight = rand(192, 64, dtype=torch.float32, scale=0.125)
+    cos, sin = ops.rotary_tables(10000.0, 32, 4, DEVICE)
+    positions = torch.tensor([2, 4, -1], device=DEVICE)
+    packed = torch.ops.fastbert.triton_qkv_rotary(x, weight, None, positions, cos, sin, 2)
+    plain = x @ weight.t()
+    torch.testing.assert_close(packed[1:], plain[1:])
+    assert not torch.allclose(packed[0, :128], plain[0, :128])  # position 2 is a real rotation
+
+
+def test_triton_empty_rows_give_empty_outputs():
+    x = torch.empty(0, 64, dtype=torch.float16, device=DEVICE)
+    weight = rand(192, 64, dtype=torch.float16)
+    cos, sin = ops.rotary_tables(10000.0, 32, 4, DEVICE)
+    q, k, v = ops.qkv_rotary(x, weight, None, 2, torch.empty(0, dtype=torch.int64, device=DEVICE), cos, sin,
+                             backend="triton")
+    assert q.shape == k.shape == v.shape == (0, 2, 32)
+
+
+def test_triton_supports_reasons():
+    x = torch.zeros(3, 64, dtype=torch.float16, device=DEVICE)
+    weight = torch.zeros(192, 64, dtype=torch.float16, device=DEVICE)
+    cos, sin = ops.rotary_tables(10000.0, 32, 4, DEVICE)
+    positions = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    assert backends.why_not("qkv_rotary", "triton", x, weight, None, 2, positions, cos, sin) is None
+    assert "mixed dtypes" in backends.why_not("qkv_rotary", "triton", x, weight.float(), None, 2, positions, cos, sin)
+    assert "float32" in kernel.supports(x, weight, None, 2, positions, cos.half(), sin.half())
+    assert "unit column strides" in kernel.supports(x, weight, None, 2, positions, cos.t().contiguous().t(), sin)
+
+
+def test_triton_configs_are_the_shared_gemm_tiles_as_pairs():
+    for dtype in (torch.float16, torch.float32):
+        tiles = {(c.kwargs["BLOCK_M"], 2 * c.kwargs["BLOCK_C"], c.kwargs["BLOCK_K"], c.num_warps)
+                 for c in kernel.gpu_configs(dtype)}
+        assert tiles == {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+                         for c in gemm.gpu_configs(dtype)}
+
+
+# ------------------------------------------------------------------------------------------------ backward
+@pytest.mark.parametrize("variant", ["full", "none"])
+@pytest.mark.parametrize("backend, rows", FP32_GRAD_CASES)
+def test_grads_match_eager_fp32(backend, rows, variant):
+    check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
+
+
+@pytest.mark.parametrize("backend, dtype, rows", LOW_PRECISION_GRAD_CASES)
+def test_grads_low_precision(backend, dtype, rows):
+    check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
+
+
+@pytest.mark.parametrize("variant", ["full", "none"])
+def test_gradcheck_backward_formula(variant):
+    """Small tables: gradcheck perturbs each of their elements."""
+    x, weight, bias, heads, _, _, _ = op_args(OP, 5, torch.float32, variant, small=True)
+    cos, sin = (float_tensor((6, 1), torch.float32, torch.Generator().manual_seed(i)) for i in (1, 2))  # head_dim 2
+    gradcheck_spec(OP, (x, weight, bias, heads, torch.tensor([0, 5, 2, 2, 3]), cos, sin))
+
+
+@pytest.mark.parametrize("variant", ["full", "none"])
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+def test_opcheck_with_grad(backend, variant):
+    opcheck_with_grad(OP, backend, variant)

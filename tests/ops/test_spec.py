@@ -51,3 +51,10 @@ def test_an_op_cannot_be_declared_twice():
 def test_cost_formulas_count_a_multiply_add_as_two_flops():
     cost = ops.SPECS["linear_activation"].cost(tokens=3, in_features=5, out_features=7, dtype_bytes=2)
     assert cost.flops == 2 * 3 * 5 * 7
+
+
+def test_every_spec_has_a_backward_on_every_backend():
+    importlib.import_module("fastbert.backends.cpp")
+    for op, spec in ops.SPECS.items():
+        assert spec.has_backward, op
+        assert backends._REGISTRY[op]["cpp"].has_backward, op
