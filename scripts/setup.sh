@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
-EXTRAS=dev,bench,embed,ray
+EXTRAS=dev,bench,embed,ray,serve
 
 pip_install() {  # quiet on success, the whole log on failure
   local log

@@ -24,11 +24,12 @@ from collections.abc import Sequence
 
 from fastbert import __version__
 from fastbert.backends import BackendUnavailable
-from fastbert.cli import bench, check, demo, embed, finetune, pretrain, shared
+from fastbert.cli import bench, check, demo, embed, finetune, pretrain, serve, shared
 from fastbert.common.resolve import UserError
 from fastbert.loading import CheckpointError
 
-COMMANDS = {"demo": demo, "check": check, "embed": embed, "bench": bench, "finetune": finetune, "pretrain": pretrain}
+COMMANDS = {"demo": demo, "check": check, "embed": embed, "bench": bench, "finetune": finetune, "pretrain": pretrain,
+            "serve": serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

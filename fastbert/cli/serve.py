@@ -1,0 +1,97 @@
+"""``fastbert serve``: an HTTP server for embeddings (TEI's /embed, OpenAI's /v1/embeddings), reranking (/rerank)
+or classification (/predict), batching requests by a token budget on the padding-free encoder
+(`fastbert.serving`). Binds 127.0.0.1 unless told; SIGTERM stops accepting, finishes the requests in flight and
+exits 0."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from fastbert.cli import shared
+from fastbert.common.resolve import UserError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``fastbert`` parser."""
+    from fastbert.serving.engines import TASKS
+
+    parser = subparsers.add_parser(
+        "serve", help="an embedding / rerank / classification HTTP server with token-budget dynamic batching",
+        description="Serve a checkpoint over HTTP: /embed and /v1/embeddings (task embed), /rerank (task rerank: a "
+        "cross-encoder, a sequence-classification checkpoint with one label), /predict (rerank or classify), "
+        "/health, /info, /metrics. Requests are batched across clients by a token budget; a full queue answers 429.")
+    shared.add_model_options(parser)
+    parser.add_argument("--task", choices=TASKS, default="embed", help="what the server answers (default embed)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="token budget of one forward (default 4096 on CPU, 16384 on CUDA)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests waiting at most; more are answered 429 at once (default 64)")
+    parser.add_argument("--max-input-length", type=int, default=None,
+                        help="tokens per input; longer ones are cut with truncate: true, else answered 413 (default: "
+                        "the checkpoint's sentence-transformers max_seq_length, else the model's limit)")
+    parser.add_argument("--max-client-batch-size", type=int, default=32,
+                        help="inputs per request at most; more are answered 413 (default 32)")
+    parser.add_argument("--request-timeout", type=float, default=30.0,
+                        help="seconds a request may wait for its result, else 504 (default 30)")
+    parser.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                        help="request body size limit, refused with 413 before parsing (default 2 MiB)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                        "FASTBERT_API_KEY environment variable; unset: no key)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="uvicorn's log level (default info)")
+    parser.add_argument("--ray", action="store_true",
+                        help="serve on a Ray cluster with Ray Serve (needs the ray extra), --replicas copies")
+    parser.add_argument("--replicas", type=int, default=1, help="with --ray: replicas of the model (default 1)")
+    return parser
+
+
+def settings_from(args: argparse.Namespace):
+    """The `ServeSettings` of the command line, checked."""
+    from fastbert.serving import API_KEY_ENV, ServeSettings
+
+    for name in ("max_queue", "max_client_batch_size", "max_body_bytes", "replicas"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
+        raise UserError("--max-batch-tokens must be >= 1")
+    if args.request_timeout <= 0:
+        raise UserError("--request-timeout must be > 0")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must lie in [0, 65535], got {args.port}")
+    return ServeSettings(task=args.task, model_dir=args.model, device=args.device, dtype=args.dtype,
+                         backend=args.backend, max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
+                         max_input_length=args.max_input_length, max_client_batch_size=args.max_client_batch_size,
+                         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or Ctrl-C; 0 after a clean shutdown."""
+    settings = settings_from(args)
+    shared.set_threads(args.threads)
+    if args.ray:
+        from fastbert.serving.ray import serve_on_ray
+
+        return serve_on_ray(settings, args.replicas, args.host, args.port, args.threads)
+    import uvicorn
+
+    from fastbert.serving import Service
+
+    service = Service(settings)
+    engine = service.engine
+    line = shared.model_line(engine.model_dir, engine.config, engine.device, engine.dtype)
+    sys.stderr.write(f"fastbert serve: {line}, task {engine.task}, on http://{args.host}:{args.port}\n")
+    server = uvicorn.Server(uvicorn.Config(service.app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=args.log_level == "debug"))
+    # uvicorn re-raises the signal that stopped it once it is done; with this handler that re-raise is a no-op, so
+    # a drained shutdown exits 0 instead of dying of SIGTERM
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run()
+    return 0

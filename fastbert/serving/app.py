@@ -1,0 +1,344 @@
+"""The ASGI app (FastAPI): TEI's `/embed`, `/rerank`, `/predict`, OpenAI's `/v1/embeddings` (also `/embeddings`),
+`/health`, `/info` and `/metrics`, over one `Service` (engine + batcher + metrics).
+
+Every error a client can cause is a 4xx with a message: 413 for a body over the limit (refused before it is read
+to the end, let alone parsed), too many inputs or a too-long input without ``truncate``; 422 for a body of the
+wrong shape, an empty text or text that is not UTF-8; 401 without the API key; 429 with ``Retry-After`` when the
+queue is full; 503 while shutting down; 504 past the request timeout. Errors read as TEI's
+(``{"error": ..., "error_type": ...}``) on TEI's routes and as OpenAI's (``{"error": {"message": ...}}``) under
+``/v1``."""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from fastbert import __version__
+from fastbert.common.resolve import dtype_name, model_name
+from fastbert.embedding import DEFAULT_BATCH_TOKENS
+from fastbert.serving import schemas
+from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown
+from fastbert.serving.engines import EmbedEngine, InputTooLong, load_engine
+from fastbert.serving.metrics import CONTENT_TYPE, Metrics
+
+API_KEY_ENV = "FASTBERT_API_KEY"
+OPEN_PATHS = ("/health",)  # answered without the API key: what a load balancer probes
+ROUTES = ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/predict", "/health", "/info", "/metrics")
+# exception -> (status, TEI's error_type)
+ERRORS: dict[type, tuple[int, str]] = {
+    schemas.InputError: (422, "Validation"), schemas.TooManyInputs: (413, "Validation"),
+    InputTooLong: (413, "Validation"), QueueFull: (429, "Overloaded"), ShuttingDown: (503, "Unhealthy"),
+    RequestTimeout: (504, "Timeout"),
+}
+
+
+@dataclass
+class ServeSettings:
+    """What `fastbert serve` is told; None means the model's or the device's default."""
+
+    task: str = "embed"
+    model_dir: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    backend: str = "auto"
+    max_batch_tokens: int | None = None
+    max_queue: int = 64
+    max_input_length: int | None = None
+    max_client_batch_size: int = 32
+    request_timeout: float = 30.0
+    max_body_bytes: int = 2 * 1024 * 1024
+    api_key: str | None = None
+
+
+class WrongTask(Exception):
+    """An endpoint of another task than the one served (answered 400)."""
+
+
+class Service:
+    """One model served: its engine, the batcher whose worker runs it, the metrics, and the ASGI app."""
+
+    def __init__(self, settings: ServeSettings, engine: Any = None):
+        if settings.max_queue < 1 or settings.max_client_batch_size < 1 or settings.request_timeout <= 0:
+            raise ValueError("max_queue and max_client_batch_size must be >= 1, request_timeout > 0")
+        self.settings = settings
+        self.engine = engine or load_engine(settings.task, settings.model_dir, settings.device, settings.dtype,
+                                            settings.backend, settings.max_input_length)
+        self.max_batch_tokens = settings.max_batch_tokens or DEFAULT_BATCH_TOKENS[self.engine.device.type]
+        self.metrics = Metrics(lambda: self.batcher.depth())
+        self.batcher = Batcher(self.engine, self.max_batch_tokens, settings.max_queue, observer=self.metrics)
+        self.app = build_app(self)
+
+    def require(self, *tasks: str) -> None:
+        if self.engine.task not in tasks:
+            raise WrongTask(f"this server runs task {self.engine.task!r}; this endpoint needs "
+                            f"{' or '.join(repr(t) for t in tasks)} (fastbert serve --task ...)")
+
+    async def rows(self, items: list, truncate: bool) -> tuple[np.ndarray, int]:
+        """The engine's rows for texts (or pairs) through the batcher, and their token count."""
+        tokens = self.engine.encode(items, truncate)
+        return await self.batcher.infer(tokens, self.settings.request_timeout), sum(len(t) for t in tokens)
+
+    def info(self) -> dict[str, Any]:
+        engine = self.engine
+        return {"model_id": model_name(engine.model_dir), "model_dir": engine.model_dir, "task": engine.task,
+                "family": engine.config.family, "dtype": dtype_name(engine.dtype), "device": str(engine.device),
+                "backend": self.settings.backend, "dimension": engine.dimension, "labels": engine.labels,
+                "max_input_length": engine.max_length, "max_batch_tokens": self.max_batch_tokens,
+                "max_client_batch_size": self.settings.max_client_batch_size, "max_queue": self.settings.max_queue,
+                "request_timeout_s": self.settings.request_timeout, "max_body_bytes": self.settings.max_body_bytes,
+                "auth": self.settings.api_key is not None, "version": __version__}
+
+
+def build_app(service: Service) -> FastAPI:
+    """The FastAPI app of ``service``; its lifespan starts the batcher's worker and, at shutdown (after uvicorn has
+    finished the requests in flight), stops it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.batcher.start()
+        yield
+        service.batcher.stop()
+
+    app = FastAPI(title="fastbert serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+    for path, handler in (("/embed", embed), ("/v1/embeddings", openai_embeddings), ("/embeddings", openai_embeddings),
+                          ("/rerank", rerank), ("/predict", predict)):
+        app.add_api_route(path, handler, methods=["POST"])
+    for path, handler in (("/health", health), ("/info", info), ("/metrics", metrics)):
+        app.add_api_route(path, handler, methods=["GET"])
+    for error in (*ERRORS, WrongTask, RequestValidationError, HTTPException):
+        app.add_exception_handler(error, answer_error)
+    app.add_middleware(Gate, service=service)
+    return app
+
+
+# ------------------------------------------------------------------------------------------------- routes
+def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    # json.dumps of plain lists: FastAPI's jsonable_encoder walks every float and costs more than the forward
+    return Response(json.dumps(value), status_code=status, media_type="application/json", headers=headers)
+
+
+def normalized(rows: np.ndarray) -> np.ndarray:
+    """L2-normalised rows, by the call `fastbert embed` makes (`fastbert.common.text.mean_pool`)."""
+    return torch.nn.functional.normalize(torch.from_numpy(rows), p=2, dim=1).numpy()
+
+
+async def embed(body: schemas.EmbedRequest, request: Request) -> Response:
+    """TEI's /embed: one embedding (a list of floats) per input, in order."""
+    service: Service = request.app.state.service
+    service.require("embed")
+    texts = schemas.texts_of(body.inputs, service.settings.max_client_batch_size)
+    rows, _ = await service.rows(texts, body.truncate)
+    return json_response((normalized(rows) if body.normalize else rows).tolist())
+
+
+async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Request) -> Response:
+    """OpenAI's embeddings API: texts or token ids in; floats or base64 (little-endian float32) out."""
+    service: Service = request.app.state.service
+    service.require("embed")
+    engine: EmbedEngine = service.engine
+    if body.dimensions is not None and body.dimensions != engine.dimension:
+        raise schemas.InputError(f"dimensions {body.dimensions}: this model gives {engine.dimension} only")
+    limit = service.settings.max_client_batch_size
+    if isinstance(body.input, list) and body.input and isinstance(body.input[0], (int, list)):
+        rows_of_ids = [body.input] if isinstance(body.input[0], int) else body.input
+        if len(rows_of_ids) > limit:
+            raise schemas.TooManyInputs(f"{len(rows_of_ids)} inputs in one request; this server takes at most "
+                                        f"{limit} (--max-client-batch-size)")
+        tokens = engine.check_ids(rows_of_ids)
+        rows = await service.batcher.infer(tokens, service.settings.request_timeout)
+        count = sum(len(t) for t in tokens)
+    else:
+        rows, count = await service.rows(schemas.texts_of(body.input, limit), truncate=False)
+    rows = normalized(rows) if engine.default_normalize else rows
+    if body.encoding_format == "base64":
+        vectors: list = [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in rows]
+    else:
+        vectors = rows.tolist()
+    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+    return json_response({"object": "list", "data": data, "model": body.model or model_name(engine.model_dir),
+                          "usage": {"prompt_tokens": count, "total_tokens": count}})
+
+
+async def rerank(body: schemas.RerankRequest, request: Request) -> Response:
+    """TEI's /rerank: the score of each text for the query, best first, with its index."""
+    service: Service = request.app.state.service
+    service.require("rerank")
+    schemas.check_text(body.query, "query")
+    texts = schemas.texts_of(body.texts, service.settings.max_client_batch_size)
+    logits, _ = await service.rows([(body.query, text) for text in texts], body.truncate)
+    scores = logits[:, 0] if body.raw_scores else torch.sigmoid(torch.from_numpy(logits[:, 0])).numpy()
+    order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))
+    return json_response([{"index": i, "score": float(scores[i]), **({"text": texts[i]} if body.return_text else {})}
+                          for i in order])
+
+
+async def predict(body: schemas.PredictRequest, request: Request) -> Response:
+    """TEI's /predict: labels with scores, best first, per text or pair (softmax; sigmoid for one label)."""
+    service: Service = request.app.state.service
+    service.require("classify", "rerank")
+    items, batched = schemas.predict_items(body.inputs, service.settings.max_client_batch_size)
+    logits, _ = await service.rows(items, body.truncate)
+    values = torch.from_numpy(logits)
+    if not body.raw_scores:
+        values = torch.sigmoid(values) if values.shape[1] == 1 else torch.softmax(values, dim=1)
+    labels = service.engine.labels
+    answers = [sorted(({"label": labels[j], "score": float(row[j])} for j in range(len(labels))),
+                      key=lambda item: -item["score"]) for row in values.tolist()]
+    return json_response(answers if batched else answers[0])
+
+
+async def health(request: Request) -> Response:
+    service: Service = request.app.state.service
+    if not service.batcher.accepting or not service.batcher.thread.is_alive():
+        return json_response({"status": "unavailable"}, status=503)
+    return json_response({"status": "ok"})
+
+
+async def info(request: Request) -> Response:
+    return json_response(request.app.state.service.info())
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.service.metrics.exposition(), media_type=CONTENT_TYPE)
+
+
+# ------------------------------------------------------------------------------------------------- errors
+def error_response(path: str, status: int, message: str, kind: str, headers: dict[str, str] | None = None
+                   ) -> Response:
+    """An error in the shape of the route's API: OpenAI's under /v1, TEI's elsewhere."""
+    if path.startswith("/v1") or path == "/embeddings":
+        body: dict = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    else:
+        body = {"error": message, "error_type": kind}
+    return json_response(body, status=status, headers=headers)
+
+
+def validation_message(err: RequestValidationError) -> str:
+    """pydantic's errors as one line: 'inputs: Input should be a valid string; ...'."""
+    parts = []
+    for item in err.errors()[:5]:
+        where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+        if item.get("type") == "json_invalid":
+            parts.append("the body is not valid JSON")
+        else:
+            parts.append(f"{where or 'body'}: {item.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request body"
+
+
+async def answer_error(request: Request, err: Exception) -> Response:
+    path = request.url.path
+    if isinstance(err, RequestValidationError):
+        return error_response(path, 422, validation_message(err), "Validation")
+    if isinstance(err, HTTPException):
+        return error_response(path, err.status_code, str(err.detail), "Http", headers=err.headers)
+    if isinstance(err, WrongTask):
+        return error_response(path, 400, str(err), "WrongTask")
+    status, kind = next(v for k, v in ERRORS.items() if isinstance(err, k))
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return error_response(path, status, str(err), kind, headers)
+
+
+# ------------------------------------------------------------------------------------------ the gate
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class Gate:
+    """ASGI middleware in front of the routes: the API key (a bearer token compared in constant time), the body
+    limit (by Content-Length before reading, by bytes while reading) and UTF-8 check before any parsing, and the
+    request metrics (status and latency per route)."""
+
+    def __init__(self, app: Callable, service: Service):
+        self.app, self.service = app, service
+        key = service.settings.api_key
+        self.key = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, seen = time.perf_counter(), {"status": 500}
+
+        async def send_and_note(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+            await send(message)
+
+        path = scope["path"]
+        try:
+            refusal = self.refuse_unauthorized(scope)
+            body = b""
+            if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                body, refusal = await self.read_body(scope, receive)
+            if refusal is not None:
+                await refusal(scope, receive, send_and_note)
+            else:
+                await self.app(scope, replay(body, receive), send_and_note)
+        finally:
+            endpoint = path if path in ROUTES else "other"
+            self.service.metrics.record_request(endpoint, seen["status"], time.perf_counter() - start)
+
+    def refuse_unauthorized(self, scope: dict) -> Response | None:
+        if self.key is None or scope["path"] in OPEN_PATHS:
+            return None
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.key):
+            return None
+        return error_response(scope["path"], 401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                              "Unauthorized", headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_body(self, scope: dict, receive: Receive) -> tuple[bytes, Response | None]:
+        """The whole body, or a 413 as soon as it is known to pass the limit; a 422 for a body that is not UTF-8."""
+        limit, path = self.service.settings.max_body_bytes, scope["path"]
+        too_big = error_response(path, 413, f"the body is larger than the limit of {limit} bytes", "Validation")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return b"", too_big
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return b"", too_big
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as err:
+            return b"", error_response(path, 422, f"the body is not valid UTF-8 (byte {err.start})", "Validation")
+        return body, None
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the app the body read already, then whatever the client sends next (a disconnect)."""
+    sent = False
+
+    async def receive_again() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again
+
+
+def settings_dict(settings: ServeSettings) -> dict[str, Any]:
+    """The settings without the API key (what a log line or a results file may show)."""
+    return {k: ("***" if k == "api_key" and v else v) for k, v in asdict(settings).items()}

@@ -1,0 +1,195 @@
+"""What the batcher's worker runs: a tokenizer and a model, texts in, one row per text out.
+
+- `EmbedEngine`: sentence embeddings through `fastbert.embedding.Embedder` (the numbers `fastbert embed` writes),
+  pooled but not normalised, so that each request chooses its own normalisation.
+- `ClassifyEngine`: a sequence-classification checkpoint (a cross-encoder reranker has one label): texts or
+  (text, text) pairs in, logits out.
+
+Tokenizing (`encode`) runs in the request's handler, so that a too-long input is refused before it queues;
+`run` runs in the worker, on one batch of already tokenized inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
+from fastbert.embedding import Embedder, sentence_transformers_head
+from fastbert.serving.schemas import InputError
+
+TASKS = ("embed", "rerank", "classify")
+Text = str | tuple[str, str]  # one text, or a (text, text) pair for a cross-encoder
+
+
+class InputTooLong(ValueError):
+    """An input longer than the server's max input length, with truncation off."""
+
+    def __init__(self, index: int, limit: int):
+        super().__init__(f"input {index} is longer than the maximum of {limit} tokens: shorten it, or send "
+                         "truncate: true to cut it")
+        self.index = index
+
+
+@dataclass
+class Tokens:
+    """One tokenized input: its ids and, for a model with token types, its type ids."""
+
+    ids: list[int]
+    types: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class EmbedEngine:
+    """Mean (or cls) pooled embeddings [n, H] float32 of the model's checkpoint, unnormalised."""
+
+    task = "embed"
+
+    def __init__(self, model_dir: str | None, device: str | None, dtype: str | None, backend: str,
+                 max_length: int | None):
+        self.embedder = Embedder(model_dir, device=device, dtype=dtype, backend=backend, normalize=False,
+                                 max_length=max_length, max_batch_tokens=1 << 30)
+        self.model_dir, self.config = self.embedder.model_dir, self.embedder.config
+        self.device, self.dtype, self.max_length = self.embedder.device, self.embedder.dtype, self.embedder.max_length
+        self.pooling = self.embedder.pooling
+        # what a client gets by default on /v1/embeddings: what the checkpoint declares (all-MiniLM-L6-v2: on)
+        declared = sentence_transformers_head(self.model_dir)[1]
+        self.default_normalize = True if declared is None else declared
+        self.dimension = self.config.hidden_size
+        self.labels: list[str] = []
+
+    def encode(self, texts: Sequence[Text], truncate: bool) -> list[Tokens]:
+        """Token ids of each text (special tokens added); InputTooLong for the first too-long one unless
+        ``truncate``."""
+        ids, truncated = self.embedder.tokenize(list(texts))
+        check_lengths(truncated, ids, truncate, self.max_length)
+        return [Tokens(row) for row in ids]
+
+    def check_ids(self, rows: Sequence[Sequence[int]]) -> list[Tokens]:
+        """Token ids given by a client (OpenAI's token input): in the vocabulary and not too long."""
+        vocab = self.config.vocab_size
+        for index, row in enumerate(rows):
+            if len(row) > self.max_length:
+                raise InputTooLong(index, self.max_length)
+            if not row or min(row) < 0 or max(row) >= vocab:
+                raise InputError(f"input {index}: token ids must be a non-empty list of integers in [0, {vocab})")
+        return [Tokens(list(row)) for row in rows]
+
+    def run(self, batch: Sequence[Tokens]) -> np.ndarray:
+        return self.embedder.embed_batch([t.ids for t in batch]).numpy()
+
+
+class ClassifyEngine:
+    """Logits [n, num_labels] float32 of a sequence-classification checkpoint, for texts or pairs."""
+
+    def __init__(self, task: str, model_dir: str | None, device: str | None, dtype: str | None, backend: str,
+                 max_length: int | None):
+        import fastbert
+
+        self.task = task
+        self.model_dir, self.config = resolve_model(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype or "float32", self.device)
+        limit = self.config.max_position_embeddings - (self.config.position_offset or 0)
+        self.max_length = max_length or limit
+        if not 1 <= self.max_length <= limit:
+            raise UserError(f"--max-input-length must lie in [1, {limit}] for this model, got {self.max_length}")
+        self.labels = checkpoint_labels(self.model_dir, self.config.num_labels)
+        if task == "rerank" and len(self.labels) != 1:
+            raise UserError(f"{self.model_dir} has {len(self.labels)} labels; a reranker (cross-encoder) has one")
+        try:
+            self.model = fastbert.from_pretrained(self.model_dir, task="sequence-classification", dtype=self.dtype,
+                                                  device=self.device, backend=backend).eval()
+        except ValueError as err:  # CheckpointError, an unsupported family
+            raise UserError(f"{self.model_dir}: {err}") from err
+        self.tokenizer = PairTokenizer(self.model_dir, self.max_length)
+        self.dimension = len(self.labels)
+
+    def encode(self, texts: Sequence[Text], truncate: bool) -> list[Tokens]:
+        ids, types, truncated = self.tokenizer(texts)
+        check_lengths(truncated, ids, truncate, self.max_length)
+        keep_types = bool(self.config.type_vocab_size)
+        return [Tokens(i, t if keep_types else None) for i, t in zip(ids, types, strict=True)]
+
+    def run(self, batch: Sequence[Tokens]) -> np.ndarray:
+        pad = self.config.pad_token_id
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(t.ids) for t in batch], batch_first=True,
+                                              padding_value=pad)
+        lengths = torch.tensor([len(t) for t in batch])
+        inputs = {"input_ids": ids, "attention_mask": (torch.arange(ids.shape[1]) < lengths[:, None]).long()}
+        if batch[0].types is not None:
+            inputs["token_type_ids"] = torch.nn.utils.rnn.pad_sequence([torch.tensor(t.types) for t in batch],
+                                                                       batch_first=True)
+        with torch.inference_mode():
+            logits = self.model(**{k: v.to(self.device) for k, v in inputs.items()}).logits
+        return logits.float().cpu().numpy()
+
+
+class PairTokenizer:
+    """A checkpoint's tokenizer for texts and (text, text) pairs, truncating to ``max_length`` (longest first)."""
+
+    def __init__(self, model_dir: str, max_length: int):
+        self.max_length = max_length
+        path = os.path.join(model_dir, "tokenizer.json")
+        if os.path.isfile(path):
+            from tokenizers import Tokenizer
+
+            self.fast = Tokenizer.from_file(path)
+            self.fast.no_padding()
+            self.fast.enable_truncation(max_length=max_length)
+            return
+        try:
+            from transformers import AutoTokenizer
+
+            self.fast, self.slow = None, AutoTokenizer.from_pretrained(model_dir)
+        except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer there
+            raise UserError(f"{model_dir} has no tokenizer.json and transformers cannot load a tokenizer from it "
+                            f"({type(err).__name__})") from err
+
+    def __call__(self, texts: Sequence[Text]) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+        """(ids, type ids, truncated) per text or pair."""
+        if self.fast is not None:
+            encodings = self.fast.encode_batch(list(texts))
+            return [e.ids for e in encodings], [e.type_ids for e in encodings], [bool(e.overflowing)
+                                                                                for e in encodings]
+        first = [t[0] if isinstance(t, tuple) else t for t in texts]
+        second = [t[1] if isinstance(t, tuple) else None for t in texts]
+        pairs = second if any(s is not None for s in second) else None
+        full = self.slow(first, pairs, truncation=False)["input_ids"]
+        out = self.slow(first, pairs, truncation=True, max_length=self.max_length)
+        types = out.get("token_type_ids") or [[0] * len(ids) for ids in out["input_ids"]]
+        return out["input_ids"], types, [len(ids) > self.max_length for ids in full]
+
+
+def check_lengths(truncated: Sequence[bool], ids: Sequence[list[int]], truncate: bool, limit: int) -> None:
+    """InputTooLong for the first truncated input when the client did not ask for truncation."""
+    if truncate:
+        return
+    for index, cut in enumerate(truncated):
+        if cut:
+            raise InputTooLong(index, limit)
+
+
+def checkpoint_labels(model_dir: str, num_labels: int) -> list[str]:
+    """The label names of config.json's ``id2label`` in id order, else LABEL_0, LABEL_1, ..."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    names = raw.get("id2label") or {}
+    count = raw.get("num_labels") or len(names) or num_labels
+    return [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count)]
+
+
+def load_engine(task: str, model_dir: str | None = None, device: str | None = None, dtype: str | None = None,
+                backend: str = "auto", max_length: int | None = None) -> EmbedEngine | ClassifyEngine:
+    """The engine of a task: ``embed`` (sentence embeddings), ``rerank`` or ``classify``."""
+    if task not in TASKS:
+        raise UserError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task == "embed":
+        return EmbedEngine(model_dir, device, dtype, backend, max_length)
+    return ClassifyEngine(task, model_dir, device, dtype, backend, max_length)

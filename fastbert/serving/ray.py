@@ -1,0 +1,65 @@
+"""`fastbert serve` on a Ray cluster: the same `Service` (engine, batcher, routes, metrics) as a Ray Serve
+deployment, one per replica; Ray Serve's HTTP proxy spreads requests over the replicas::
+
+    from fastbert.serving import ServeSettings
+    from fastbert.serving.ray import application
+    from ray import serve
+
+    serve.run(application(ServeSettings(), replicas=2), route_prefix="/")
+
+Each replica builds its `Service` in its own process, and Ray Serve runs the app's lifespan there (which starts the
+replica's batcher). Ray is an optional extra (``pip install 'fastbert[ray]'``); this module imports it at once."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import asdict
+from typing import Any
+
+import ray
+from ray import serve
+
+from fastbert.serving.app import ServeSettings, Service
+
+
+@serve.ingress()
+class Replica:
+    """One replica: a `Service` built from the settings, with ``threads`` torch threads (None: Ray's CPU share)."""
+
+    def __init__(self, settings: dict[str, Any], threads: int | None = None):
+        import torch
+
+        threads = threads or int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0)) or None
+        if threads:
+            torch.set_num_threads(threads)
+        self.service = Service(ServeSettings(**settings))
+
+    def __serve_build_asgi_app__(self):  # noqa: N807 - the name Ray Serve calls
+        return self.service.app
+
+
+def application(settings: ServeSettings, replicas: int = 1, threads: int | None = None,
+                cpus_per_replica: float = 1.0) -> Any:
+    """The bound Ray Serve application of ``replicas`` copies of the service (for `serve.run`)."""
+    deployment = serve.deployment(Replica, name="fastbert", num_replicas=replicas,
+                                  max_ongoing_requests=settings.max_queue + 8,
+                                  ray_actor_options={"num_cpus": cpus_per_replica})
+    return deployment.bind(asdict(settings), threads)
+
+
+def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, threads: int | None = None) -> int:
+    """Start Ray (or join the cluster of RAY_ADDRESS), serve on host:port until SIGTERM or Ctrl-C, shut down."""
+    ray.init(ignore_reinit_error=True)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(settings, replicas, threads), name="fastbert", route_prefix="/")
+    print(f"fastbert serve: {replicas} replica(s) on Ray Serve at http://{host}:{port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    serve.shutdown()
+    ray.shutdown()
+    return 0

@@ -1,0 +1,103 @@
+"""Request bodies, as pydantic models: TEI's `/embed`, `/rerank`, `/predict` and OpenAI's `/v1/embeddings`.
+
+Types are strict (a number is not a text, "yes" is not a boolean). TEI's bodies refuse unknown fields, so that a
+misspelt option is an error rather than silently ignored; OpenAI's ignore them, as OpenAI's client libraries send
+fields of their own (``user``, provider extras). What pydantic cannot say (an empty text, a text that is not valid
+UTF-8, more inputs than the server takes) is checked by `texts_of`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class InputError(ValueError):
+    """A request the client must fix: answered 422 with this message."""
+
+
+class TooManyInputs(ValueError):
+    """More inputs in one request than the server takes: answered 413."""
+
+
+class EmbedRequest(BaseModel):
+    model_config = STRICT
+    inputs: str | list[str]
+    normalize: bool = True
+    truncate: bool = False
+
+
+class OpenAIEmbeddingRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class RerankRequest(BaseModel):
+    model_config = STRICT
+    query: str
+    texts: list[str]
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool = False
+
+
+class PredictRequest(BaseModel):
+    model_config = STRICT
+    # TEI's rule: a string is one text; a list of exactly two strings is one (text, text) pair; any other list is a
+    # batch whose items are strings or lists of one string or of two (a pair)
+    inputs: str | list[str | list[str]] = Field(...)
+    raw_scores: bool = False
+    truncate: bool = False
+
+
+def texts_of(values: str | Sequence[str], limit: int) -> list[str]:
+    """The texts of a string-or-list field, checked: 1 to ``limit`` of them, none empty or blank, each encodable
+    as UTF-8 (JSON's \\ud800 escapes give lone surrogates, which are not)."""
+    texts = [values] if isinstance(values, str) else list(values)
+    if not texts:
+        raise InputError("no inputs: send at least one text")
+    if len(texts) > limit:
+        raise TooManyInputs(f"{len(texts)} inputs in one request; this server takes at most {limit} "
+                            "(--max-client-batch-size)")
+    for index, text in enumerate(texts):
+        check_text(text, f"input {index}")
+    return texts
+
+
+def check_text(text: str, name: str) -> None:
+    if not text.strip():
+        raise InputError(f"{name} is empty: every text needs at least one non-blank character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(f"{name} is not valid UTF-8 text (a lone surrogate at character {err.start})") from err
+
+
+def predict_items(inputs: str | list[str | list[str]], limit: int) -> tuple[list[str | tuple[str, str]], bool]:
+    """The texts and pairs of a /predict body, and whether it was a batch (TEI answers a single input with one
+    list of scores, a batch with one list per input)."""
+    if isinstance(inputs, str):
+        return [inputs], False
+    if len(inputs) == 2 and all(isinstance(v, str) for v in inputs):
+        return [(inputs[0], inputs[1])], False
+    items: list[str | tuple[str, str]] = []
+    for index, value in enumerate(inputs):
+        if isinstance(value, list) and len(value) not in (1, 2):
+            raise InputError(f"input {index} is a list of {len(value)} texts; give one text or a pair of two")
+        items.append(value if isinstance(value, str) else value[0] if len(value) == 1 else (value[0], value[1]))
+    if not items:
+        raise InputError("no inputs: send at least one text")
+    if len(items) > limit:
+        raise TooManyInputs(f"{len(items)} inputs in one request; this server takes at most {limit} "
+                            "(--max-client-batch-size)")
+    for index, item in enumerate(items):
+        for part in (item,) if isinstance(item, str) else item:
+            check_text(part, f"input {index}")
+    return items, True
