@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hmac
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -99,7 +100,8 @@ class Service:
                 "max_input_length": engine.max_length, "max_batch_tokens": self.max_batch_tokens,
                 "max_client_batch_size": self.settings.max_client_batch_size, "max_queue": self.settings.max_queue,
                 "request_timeout_s": self.settings.request_timeout, "max_body_bytes": self.settings.max_body_bytes,
-                "auth": self.settings.api_key is not None, "version": __version__}
+                "auth": self.settings.api_key is not None, "version": __version__,
+                "pid": os.getpid()}  # tells replicas apart behind a load balancer
 
 
 def build_app(service: Service) -> FastAPI:
@@ -234,6 +236,8 @@ def validation_message(err: RequestValidationError) -> str:
         where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
         if item.get("type") == "json_invalid":
             parts.append("the body is not valid JSON")
+        elif item.get("type") == "missing" and not where:
+            parts.append("the body is empty: send a JSON object")
         else:
             parts.append(f"{where or 'body'}: {item.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request body"

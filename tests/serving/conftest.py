@@ -1,0 +1,137 @@
+"""What the server tests share: real `fastbert serve` processes on loopback (started on a free port, waited for on
+/health, always killed at the end), small sequence-classification checkpoints built offline from
+all-MiniLM-L6-v2, and direct embeddings to compare the server's answers with."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 180
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m fastbert.cli serve ARGS --port P` on 127.0.0.1, ready once /health answers 200."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, log_dir: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = (log_dir or Path("/tmp")) / f"fastbert-serve-{self.port}.log"
+        command = [sys.executable, "-m", "fastbert.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--threads", "1", "--log-level", "warning", *args]
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not answer /health within {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int | None:
+        """SIGTERM, then SIGKILL of its process group after 20 s; the exit status."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self.log.close()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory) -> Iterator:
+    """A function starting a server (args, env) and returning it ready; every one is stopped at the end."""
+    started: list[ServerProcess] = []
+    log_dir = tmp_path_factory.mktemp("serve-logs")
+
+    def start(args: Sequence[str] = (), env: dict[str, str] | None = None, wait: bool = True) -> ServerProcess:
+        server = ServerProcess(args, env, log_dir)
+        started.append(server)
+        return server.wait_ready() if wait else server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def classifier_checkpoint(directory: Path, minilm_dir: str, labels: Sequence[str]) -> str:
+    """all-MiniLM-L6-v2 under BertForSequenceClassification with a seeded head of ``len(labels)`` labels (one
+    label: a cross-encoder reranker), saved with its tokenizer files."""
+    import transformers
+
+    torch.manual_seed(1234)
+    model = transformers.BertForSequenceClassification.from_pretrained(
+        minilm_dir, num_labels=len(labels), id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)})
+    with torch.no_grad():  # a head with visible spread, so that the scores order the texts
+        model.classifier.weight.normal_(0.0, 0.5)
+        model.classifier.bias.normal_(0.0, 0.1)
+    model.eval().save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        if os.path.exists(os.path.join(minilm_dir, name)):
+            shutil.copy(os.path.join(minilm_dir, name), directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def reranker_dir(tmp_path_factory, minilm_dir) -> str:
+    return classifier_checkpoint(tmp_path_factory.mktemp("reranker"), minilm_dir, ["relevance"])
+
+
+@pytest.fixture(scope="session")
+def classifier_dir(tmp_path_factory, minilm_dir) -> str:
+    return classifier_checkpoint(tmp_path_factory.mktemp("classifier"), minilm_dir, ["negative", "neutral", "positive"])
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """`fastbert embed`'s Embedder of the default model, to check the server against."""
+    from fastbert.embedding import Embedder
+
+    return Embedder()
+
+
+@pytest.fixture(scope="session")
+def direct(embedder):
+    """The direct embeddings [n, 384] of texts, as `fastbert embed` computes them."""
+
+    def embed(texts: Sequence[str]) -> np.ndarray:
+        return embedder.embed(list(texts))[0]
+
+    return embed

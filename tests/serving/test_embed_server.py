@@ -1,0 +1,170 @@
+"""A real `fastbert serve` (task embed, all-MiniLM-L6-v2) on loopback: every endpoint, every bad input a client
+can send (always a 4xx with a message, never a 500), /metrics through prometheus-client's parser, and 100
+concurrent requests with distinct texts each getting exactly their own vectors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fastbert.training.corpus import cpython_sentences
+
+BODY_LIMIT = 65536
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(["--max-queue", "256", "--max-body-bytes", str(BODY_LIMIT), "--max-client-batch-size", "32"])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def test_embed_matches_direct_embedding(client, direct):
+    texts = ["The cat sat on the mat.", "Ein Hund bellt.", "How do I reset my password?"]
+    answer = client.post("/embed", json={"inputs": texts})
+    assert answer.status_code == 200, answer.text
+    np.testing.assert_allclose(np.array(answer.json(), dtype=np.float32), direct(texts), atol=TOLERANCE)
+    single = client.post("/embed", json={"inputs": texts[0]}).json()
+    assert len(single) == 1 and len(single[0]) == 384
+
+
+def test_embed_normalize_false_gives_the_unnormalised_pooling(client, direct):
+    raw = np.array(client.post("/embed", json={"inputs": ["a short text"], "normalize": False}).json())
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3
+    np.testing.assert_allclose(raw / np.linalg.norm(raw), direct(["a short text"]), atol=TOLERANCE)
+
+
+def test_too_long_input_is_413_unless_truncated(client, direct):
+    long_text = "word " * 400  # > 256 tokens, the checkpoint's max_seq_length
+    refused = client.post("/embed", json={"inputs": ["short", long_text]})
+    assert refused.status_code == 413 and "input 1" in refused.json()["error"]
+    cut = client.post("/embed", json={"inputs": [long_text], "truncate": True})
+    assert cut.status_code == 200
+    np.testing.assert_allclose(np.array(cut.json()), direct([long_text]), atol=TOLERANCE)
+
+
+def test_openai_embeddings_float_base64_and_token_ids(client, embedder, direct):
+    texts = ["first text", "a second, longer text about servers"]
+    floats = client.post("/v1/embeddings", json={"input": texts, "model": "minilm"}).json()
+    assert floats["object"] == "list" and floats["model"] == "minilm"
+    assert [d["index"] for d in floats["data"]] == [0, 1]
+    expected = direct(texts)
+    np.testing.assert_allclose(np.array([d["embedding"] for d in floats["data"]]), expected, atol=TOLERANCE)
+    ids, _ = embedder.tokenize(texts)
+    assert floats["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids))}
+    packed = client.post("/v1/embeddings", json={"input": texts, "encoding_format": "base64"}).json()
+    decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in packed["data"]])
+    np.testing.assert_array_equal(decoded, np.array([d["embedding"] for d in floats["data"]], dtype=np.float32))
+    by_ids = client.post("/v1/embeddings", json={"input": ids}).json()
+    np.testing.assert_allclose(np.array([d["embedding"] for d in by_ids["data"]]), expected, atol=TOLERANCE)
+    one = client.post("/embeddings", json={"input": ids[0]}).json()  # the route without /v1, one row of ids
+    np.testing.assert_allclose(np.array(one["data"][0]["embedding"]), expected[0], atol=TOLERANCE)
+
+
+def test_health_info_and_wrong_task(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    info = client.get("/info").json()
+    assert info["task"] == "embed" and info["dimension"] == 384 and info["dtype"] == "float32"
+    assert info["max_input_length"] == 256 and info["max_client_batch_size"] == 32 and info["max_queue"] == 256
+    refused = client.post("/rerank", json={"query": "q", "texts": ["a"]})
+    assert refused.status_code == 400 and "task 'embed'" in refused.json()["error"]
+
+
+BAD_BODIES = [  # (route, body, status, words of the message)
+    ("/embed", {"inputs": [""]}, 422, "empty"),
+    ("/embed", {"inputs": ["fine", "   "]}, 422, "input 1 is empty"),
+    ("/embed", {"inputs": []}, 422, "no inputs"),
+    ("/embed", {"inputs": 5}, 422, "valid string"),
+    ("/embed", {"inputs": ["a", 3]}, 422, "valid string"),
+    ("/embed", {"inputs": "a", "normalize": "yes"}, 422, "normalize"),
+    ("/embed", {"inputs": "a", "nromalize": False}, 422, "nromalize"),
+    ("/embed", {"texts": ["a"]}, 422, "inputs"),
+    ("/embed", ["a"], 422, "dictionary"),
+    ("/embed", {"inputs": ["t"] * 33}, 413, "at most 32"),
+    ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, 422, "encoding_format"),
+    ("/v1/embeddings", {"input": [10**9]}, 422, "token ids"),
+    ("/v1/embeddings", {"input": [[101, 102], []]}, 422, "token ids"),
+    ("/v1/embeddings", {"input": "a", "dimensions": 12}, 422, "dimensions"),
+    ("/v1/embeddings", {"input": ["x"] * 40}, 413, "at most 32"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "words"), BAD_BODIES)
+def test_bad_bodies_are_4xx_with_a_message(client, route, body, status, words):
+    answer = client.post(route, json=body)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    message = error["message"] if route.startswith("/v1") else error
+    assert words in message
+
+
+@pytest.mark.parametrize(("content", "status", "words"), [
+    (b'{"inputs": "\xff\xfe caf\xe9"}', 422, "UTF-8"),
+    (b'{"inputs": "\\ud800 lone"}', 422, "UTF-8"),
+    (b'{"inputs": ["a", }', 422, "not valid JSON"),
+    (b"", 422, "empty: send a JSON object"),
+])
+def test_bad_bytes_are_4xx(client, content, status, words):
+    answer = client.post("/embed", content=content, headers={"content-type": "application/json"})
+    assert answer.status_code == status, answer.text
+    assert words in answer.json()["error"]
+
+
+def test_body_over_the_limit_is_refused_before_parsing(client, server):
+    huge = json.dumps({"inputs": ["x" * 1000] * 100}).encode()  # 100 kB > 64 kB
+    declared = client.post("/embed", content=huge, headers={"content-type": "application/json"})
+    assert declared.status_code == 413 and "limit" in declared.json()["error"]
+
+    def chunks():  # no Content-Length: refused while reading
+        for start in range(0, len(huge), 8192):
+            yield huge[start:start + 8192]
+
+    streamed = client.post("/embed", content=chunks(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413
+    assert client.get("/health").status_code == 200
+
+
+def test_metrics_parse_and_count(client):
+    client.post("/embed", json={"inputs": ["count me"]})
+    client.post("/embed", json={"inputs": [""]})
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    requests = {(s.labels["endpoint"], s.labels["status"]): s.value for s in families["fastbert_requests"].samples
+                if s.name == "fastbert_requests_total"}
+    assert requests[("/embed", "200")] >= 1 and requests[("/embed", "422")] >= 1
+    assert "fastbert_queue_depth" in families and "fastbert_request_seconds" in families
+    batch_count = [s.value for s in families["fastbert_batch_tokens"].samples if s.name.endswith("_count")]
+    assert batch_count and batch_count[0] >= 1
+    tokens = [s.value for s in families["fastbert_tokens"].samples if s.name == "fastbert_tokens_total"]
+    assert tokens[0] >= 3
+
+
+def test_100_concurrent_requests_get_their_own_vectors(server, direct):
+    sentences = list(cpython_sentences(limit=400))
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, 400), size=99, replace=False))
+    groups = [list(g) for g in np.split(np.array(sentences, dtype=object), cuts)]  # distinct texts per request
+
+    async def ask(client, texts):
+        return await client.post("/embed", json={"inputs": texts})
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120,
+                                     limits=httpx.Limits(max_connections=100)) as client:
+            return await asyncio.gather(*(ask(client, g) for g in groups))
+
+    answers = asyncio.run(all_at_once())
+    assert [a.status_code for a in answers] == [200] * 100
+    expected = direct(sentences)
+    got = np.concatenate([np.array(a.json(), dtype=np.float32) for a in answers])
+    np.testing.assert_allclose(got, expected, atol=TOLERANCE)
