@@ -1,4 +1,5 @@
-"""`fastbert pretrain`: pretrain a small BERT (or RoBERTa / ALBERT) from scratch on real text, offline.
+"""Pretraining a small BERT (or RoBERTa / ALBERT) from scratch on real text, offline: `pretrain` with a
+`PretrainSettings` from Python, or ``fastbert pretrain`` (`fastbert.cli.pretrain`; options named below).
 
 - Corpus: CPython's reference documentation as it ships with every Python (``pydoc_data.topics``: one document per
   topic; ``--corpus cpython`` adds the standard library's docstrings, one document per module), or text files named

@@ -180,3 +180,30 @@ def test_no_command_runs_the_demo(capsys):
         if name.startswith("fastbert"):
             assert float(row[-2]) < 1e-4 and float(row[-1]) > 0.9999  # max abs err, min cosine
     assert "fastbert ops ran on: embedding_layernorm=" in out
+
+
+@pytest.mark.parametrize("command, settings_class, given, applied_by_the_cli", [
+    ("pretrain", "PretrainSettings", ["-o", "out"], set()),
+    ("finetune", "FinetuneSettings", ["--task", "pair", "-o", "out"], {"threads"}),
+])
+def test_training_commands_pass_every_option_to_the_library(command, settings_class, given, applied_by_the_cli):
+    """Each option of `fastbert pretrain` / `finetune` reaches the library's settings with its parsed value (but
+    those the command applies itself)."""
+    import dataclasses
+
+    from fastbert.cli import finetune as finetune_command
+    from fastbert.cli import pretrain as pretrain_command
+
+    args = cli.build_parser().parse_args([command, *given])
+    module = {"pretrain": pretrain_command, "finetune": finetune_command}[command]
+    settings = module.settings_of(args)
+    assert type(settings).__name__ == settings_class
+    fields = {f.name for f in dataclasses.fields(settings)}
+    renamed = {"no_optimize": "optimize", "model": "model_dir"}
+    for option, value in vars(args).items():
+        if option == "command" or option in applied_by_the_cli:
+            continue
+        field = renamed.get(option, option)
+        assert field in fields, option
+        expected = not value if option == "no_optimize" else tuple(value) if option == "files" else value
+        assert getattr(settings, field) == expected, option

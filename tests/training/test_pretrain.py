@@ -4,6 +4,7 @@ the CLI's refusals (one line each)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -19,14 +20,17 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from fastbert import cli  # noqa: E402
+from fastbert.common.resolve import UserError  # noqa: E402
 from fastbert.training.corpus import file_documents, split_sentences  # noqa: E402
 from fastbert.training.loop import latest_checkpoint  # noqa: E402
 from fastbert.training.masking import IGNORE_INDEX  # noqa: E402
 from fastbert.training.pretrain import (  # noqa: E402
     DataOptions,
     PretrainingData,
+    PretrainSettings,
     hold_out,
     mask_whole_words,
+    pretrain,
 )
 
 PAD, UNK, CLS, SEP, MASK, VOCAB = 0, 1, 2, 3, 4, 1000
@@ -298,6 +302,19 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, corpus, capsys,
     losses = [json.loads(line).get("loss") for line in (whole / "metrics.jsonl").read_text().splitlines()]
     resumed_losses = [json.loads(line).get("loss") for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == int(steps) + 2 and resumed_losses == losses  # + the evaluations before and after
+
+
+def test_pretrain_runs_from_python_without_argparse(tmp_path, corpus, one_thread):
+    log = io.StringIO()
+    settings = PretrainSettings(output_dir=str(tmp_path / "run"), files=(str(corpus),), objective="roberta",
+                                hidden_size=16, num_layers=1, num_heads=2, vocab_size=200, max_length=32,
+                                batch_size=4, max_steps=2, save_every=0, threads=1, progress=False)
+    result = pretrain(settings, log=log)
+    assert result.step == 2 and result.checkpoint == latest_checkpoint(tmp_path / "run")
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("fastbert pretrain: RobertaForMaskedLM") and "held-out at step 2" in lines[-1]
+    with pytest.raises(UserError, match="--max-length must be >= 8"):
+        pretrain(PretrainSettings(output_dir=str(tmp_path / "other"), max_length=4))
 
 
 def test_resume_with_changed_settings_is_refused(tmp_path, corpus, capsys, one_thread):
