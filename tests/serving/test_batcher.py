@@ -1,0 +1,101 @@
+"""The batcher on its own, with an engine whose row i is a function of input i's ids: each job gets its own rows in
+its own order, forwards respect the token budget, a full queue refuses at once, a timed-out job is skipped, stop
+finishes the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown
+from fastbert.serving.engines import Tokens
+
+
+class SumEngine:
+    """Row = (first id, length, sum of ids); records the padded tokens of each forward; ``gate`` holds it."""
+
+    def __init__(self):
+        self.padded: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def run(self, batch):
+        self.gate.wait(10)
+        self.padded.append(len(batch) * max(len(t) for t in batch))
+        return np.array([[t.ids[0], len(t), sum(t.ids)] for t in batch], dtype=np.float64)
+
+
+def tokens(seed: int, count: int) -> list[Tokens]:
+    rng = np.random.default_rng(seed)
+    return [Tokens(list(rng.integers(1, 1000, size=int(rng.integers(1, 60))))) for _ in range(count)]
+
+
+def expected(items: list[Tokens]) -> np.ndarray:
+    return np.array([[t.ids[0], len(t), sum(t.ids)] for t in items], dtype=np.float64)
+
+
+def test_each_job_gets_its_own_rows_within_the_budget():
+    engine = SumEngine()
+    engine.gate.clear()  # the worker holds its first forward until every job is queued
+    batcher = Batcher(engine, max_batch_tokens=1024, max_queue=100)
+    batcher.start()
+    jobs = [tokens(seed, 1 + seed % 7) for seed in range(60)]
+
+    async def all_jobs():
+        waiting = asyncio.gather(*(batcher.infer(job, timeout=30) for job in jobs))
+        await asyncio.sleep(0.2)
+        engine.gate.set()
+        return await waiting
+
+    try:
+        results = asyncio.run(all_jobs())
+    finally:
+        batcher.stop()
+    for job, rows in zip(jobs, results, strict=True):
+        np.testing.assert_array_equal(rows, expected(job))
+    assert max(engine.padded) <= 1024 and len(engine.padded) < 30  # several jobs share forwards
+
+
+def test_full_queue_refuses_at_once_and_stop_drains():
+    engine = SumEngine()
+    engine.gate.clear()  # the worker blocks in its first forward
+    batcher = Batcher(engine, max_batch_tokens=64, max_queue=2)
+    batcher.start()
+
+    async def scenario():
+        first = asyncio.ensure_future(batcher.infer(tokens(0, 1), timeout=30))
+        await asyncio.sleep(0.2)  # the worker took it and waits at the gate
+        queued = [asyncio.ensure_future(batcher.infer(tokens(s, 1), timeout=30)) for s in (1, 2)]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull):
+            batcher.submit(tokens(3, 1), asyncio.get_running_loop())
+        engine.gate.set()
+        return await asyncio.gather(first, *queued)
+
+    results = asyncio.run(scenario())
+    assert [r.shape for r in results] == [(1, 3)] * 3
+    batcher.stop()
+    with pytest.raises(ShuttingDown):
+        batcher.submit(tokens(4, 1), asyncio.new_event_loop())
+
+
+def test_a_timed_out_job_is_skipped():
+    engine = SumEngine()
+    engine.gate.clear()
+    batcher = Batcher(engine, max_batch_tokens=64, max_queue=4)
+    batcher.start()
+
+    async def scenario():
+        blocker = asyncio.ensure_future(batcher.infer(tokens(0, 1), timeout=30))
+        await asyncio.sleep(0.2)
+        with pytest.raises(RequestTimeout):
+            await batcher.infer(tokens(1, 1), timeout=0.05)
+        engine.gate.set()
+        return await blocker
+
+    asyncio.run(scenario())
+    batcher.stop(timeout=10)
+    assert len(engine.padded) == 1  # the abandoned job never ran

@@ -1,0 +1,68 @@
+"""Rerank and classification servers on checkpoints built offline (all-MiniLM-L6-v2 under
+BertForSequenceClassification, seeded heads): /rerank against transformers' cross-encoder scores, /predict of texts
+and pairs against transformers' logits."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+QUERY = "How do I reset my password?"
+TEXTS = ["Click 'forgot password' on the login page to get a reset link.", "The weather is sunny today.",
+         "Passwords must be at least twelve characters long.", "Our office opens at nine."]
+
+
+def transformers_logits(model_dir: str, first: list[str], second: list[str] | None = None) -> np.ndarray:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return model(**tokenizer(first, second, padding=True, return_tensors="pt")).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def reranker(start_server, reranker_dir):
+    return start_server(["--task", "rerank", "--model", reranker_dir])
+
+
+def test_rerank_scores_sorted_raw_and_sigmoid(reranker, reranker_dir):
+    logits = transformers_logits(reranker_dir, [QUERY] * len(TEXTS), TEXTS)[:, 0]
+    raw = httpx.post(reranker.url + "/rerank", json={"query": QUERY, "texts": TEXTS, "raw_scores": True,
+                                                     "return_text": True}, timeout=60).json()
+    assert [r["index"] for r in raw] == list(np.argsort(-logits))
+    assert [r["text"] for r in raw] == [TEXTS[r["index"]] for r in raw]
+    np.testing.assert_allclose([r["score"] for r in raw], np.sort(logits)[::-1], atol=1e-4)
+    squashed = httpx.post(reranker.url + "/rerank", json={"query": QUERY, "texts": TEXTS}, timeout=60).json()
+    np.testing.assert_allclose([r["score"] for r in squashed], 1 / (1 + np.exp(-np.sort(logits)[::-1])), atol=1e-5)
+    assert "text" not in squashed[0]
+
+
+def test_rerank_bad_inputs_and_wrong_endpoint(reranker):
+    for body, status in (({"query": "", "texts": ["a"]}, 422), ({"query": "q", "texts": []}, 422),
+                         ({"query": "q", "texts": ["a", ""]}, 422), ({"query": "q"}, 422),
+                         ({"query": "q", "texts": ["word " * 600]}, 413)):
+        answer = httpx.post(reranker.url + "/rerank", json=body, timeout=60)
+        assert answer.status_code == status, (body, answer.text)
+    assert httpx.post(reranker.url + "/embed", json={"inputs": "a"}).status_code == 400
+    assert httpx.get(reranker.url + "/info").json()["labels"] == ["relevance"]
+
+
+def test_predict_texts_and_pairs(start_server, classifier_dir):
+    server = start_server(["--task", "classify", "--model", classifier_dir])
+    texts = ["I loved this film.", "Terrible service, never again."]
+    probabilities = torch.softmax(torch.from_numpy(transformers_logits(classifier_dir, texts)), dim=1).numpy()
+    batch = httpx.post(server.url + "/predict", json={"inputs": [[t] for t in texts]}, timeout=60).json()
+    for answer, expected in zip(batch, probabilities, strict=True):
+        assert [a["label"] for a in answer] == [["negative", "neutral", "positive"][i] for i in np.argsort(-expected)]
+        np.testing.assert_allclose([a["score"] for a in answer], np.sort(expected)[::-1], atol=1e-5)
+    pair_logits = transformers_logits(classifier_dir, [texts[0]], [texts[1]])[0]
+    pair = httpx.post(server.url + "/predict", json={"inputs": texts, "raw_scores": True}, timeout=60).json()
+    np.testing.assert_allclose(sorted(a["score"] for a in pair), np.sort(pair_logits), atol=1e-4)
+    single = httpx.post(server.url + "/predict", json={"inputs": texts[0]}, timeout=60).json()
+    assert single[0]["label"] == batch[0][0]["label"]
+    bad = httpx.post(server.url + "/predict", json={"inputs": [["a", "b", "c"]]}, timeout=60)
+    assert bad.status_code == 422 and "pair" in bad.json()["error"]
+    assert httpx.post(server.url + "/rerank", json={"query": "q", "texts": ["a"]}).status_code == 400

@@ -1,0 +1,68 @@
+"""The server under load and at shutdown: a flooded small queue answers 429 with Retry-After (the others 200, none
+5xx), the API key (bearer, from the option or the environment), and SIGTERM: stop accepting, finish the requests in
+flight, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from fastbert.training.corpus import cpython_sentences
+
+KEY = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def long_texts() -> list[str]:
+    return [s for s in cpython_sentences(limit=3000) if len(s) > 200][:32]
+
+
+async def fire(url: str, bodies: list[dict], headers: dict | None = None) -> list[tuple[httpx.Response, float]]:
+    """All bodies at once to /embed; each answer with the monotonic time it came back."""
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers,
+                                 limits=httpx.Limits(max_connections=len(bodies))) as client:
+        async def one(body):
+            answer = await client.post("/embed", json=body)
+            return answer, time.monotonic()
+
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def test_flooded_small_queue_answers_429_and_the_api_key(start_server, long_texts):
+    server = start_server(["--max-queue", "2", "--max-batch-tokens", "512"], env={"FASTBERT_API_KEY": KEY})
+    assert httpx.get(server.url + "/health").status_code == 200  # open to a load balancer's probe
+    assert httpx.post(server.url + "/embed", json={"inputs": "x"}).status_code == 401
+    wrong = httpx.post(server.url + "/embed", json={"inputs": "x"}, headers={"Authorization": "Bearer s3cret"})
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    answers = asyncio.run(fire(server.url, [{"inputs": long_texts}] * 24, auth))
+    statuses = [a.status_code for a, _ in answers]
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(429) >= 10 and statuses.count(200) >= 3, statuses
+    refused = next(a for a, _ in answers if a.status_code == 429)
+    assert refused.headers["retry-after"] == "1" and "queue is full" in refused.json()["error"]
+    ok = [np.array(a.json()) for a, _ in answers if a.status_code == 200]
+    assert all(np.array_equal(o, ok[0]) for o in ok)  # the same texts, the same vectors, whatever the batch
+
+
+def test_sigterm_finishes_requests_in_flight_and_exits_0(start_server, long_texts):
+    server = start_server(["--max-batch-tokens", "1024"])
+
+    async def flood_then_terminate():
+        requests = asyncio.ensure_future(fire(server.url, [{"inputs": long_texts}] * 6))
+        await asyncio.sleep(1.0)  # the requests are queued or running
+        server.process.send_signal(signal.SIGTERM)
+        return time.monotonic(), await requests
+
+    terminated_at, answers = asyncio.run(flood_then_terminate())
+    assert [a.status_code for a, _ in answers] == [200] * 6
+    assert any(done > terminated_at for _, done in answers), "no request was in flight at SIGTERM"
+    assert server.process.wait(60) == 0, server.output()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=2)
