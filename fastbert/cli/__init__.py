@@ -7,6 +7,7 @@
     fastbert bench [options]      end-to-end benchmark against HF eager/SDPA, torch.compile, ONNX Runtime
     fastbert finetune --task T -o DIR   fine-tune a classifier on a real labelled set built offline (held-out accuracy)
     fastbert pretrain -o DIR [FILE...]  pretrain a small BERT/RoBERTa/ALBERT from scratch (CPython's docs by default)
+    fastbert serve [options]      an HTTP server: embeddings, reranking or classification, batched by a token budget
 
 One module per command (`fastbert.cli.demo`, ...), each with ``add_parser(subparsers)`` and ``run(args)``; what
 several of them share is in `fastbert.cli.shared`. Errors the user can fix (a missing path, an unsupported model

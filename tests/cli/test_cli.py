@@ -142,7 +142,7 @@ def test_help_lists_commands_without_importing_transformers():
             "print('transformers' in sys.modules, 'onnxruntime' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    assert "{demo,check,embed,bench,finetune,pretrain}" in proc.stdout
+    assert "{demo,check,embed,bench,finetune,pretrain,serve}" in proc.stdout
     assert proc.stdout.splitlines()[-1] == "False False"
 
 
