@@ -163,6 +163,10 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """One (query block, sequence, head): the online-softmax attention of BLOCK_M query rows over the keys they may
+    see (their sequence's real keys, inside the window when WINDOW), dropout on the probabilities when DROPOUT.
+    Long on purpose: one GPU program whose state (running max and sum, the output accumulator) stays in registers
+    across the key loop; helpers would only move the pointer arithmetic into argument lists."""
     block_m = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2).to(tl.int64)
@@ -268,6 +272,10 @@ def _attention_backward_dq_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """One (query block, sequence, head) of the backward: delta = rowsum(dO * O), the rows' LSE (pass 1 over the
+    keys), then dq accumulated over the key blocks from the recomputed probabilities (pass 2); LSE and delta are
+    stored for the dk/dv kernel. Long on purpose, as the forward: one GPU program whose row state and accumulator
+    stay in registers across both key loops."""
     block_m = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2).to(tl.int64)
@@ -382,6 +390,9 @@ def _attention_backward_dkdv_kernel(
     BLOCK_N: tl.constexpr,  # keys of this program
     BLOCK_D: tl.constexpr,
 ):
+    """One (key block, sequence, head) of the backward: streams the query blocks that may see these keys,
+    recomputes their probabilities from the stored LSE and delta, and accumulates dk and dv. Long on purpose, as the
+    forward: one GPU program whose two accumulators stay in registers across the query loop."""
     block_n = tl.program_id(0).to(tl.int64)
     batch = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2).to(tl.int64)

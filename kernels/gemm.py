@@ -104,6 +104,9 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    """One BLOCK_M x BLOCK_N output tile: the K loop of x @ W^T, then the epilogue the flags select (module
+    docstring). Long on purpose: one GPU program, the fp32 accumulator in registers from the K loop to the single
+    store; the epilogue's steps are `activate` / `activation_grad` / `dropout_keep` already."""
     pid = tl.program_id(0).to(tl.int64)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)

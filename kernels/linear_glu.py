@@ -52,6 +52,9 @@ def _linear_glu_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    """One BLOCK_M x BLOCK_N output tile: the input half's and the gate half's K loops side by side, then
+    act(input + bias) * (gate + bias). Long on purpose: one GPU program whose two accumulators meet only in the
+    epilogue (split in two, each half would be stored and read back)."""
     pid = tl.program_id(0).to(tl.int64)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)

@@ -58,6 +58,9 @@ def _qkv_rotary_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    """One BLOCK_M x (2 BLOCK_C) output tile of the packed QKV projection, as BLOCK_C column pairs (d, d + D/2) of
+    one head: both halves' K loops, then bias and, for q and k, the rotation by each token's position. Long on
+    purpose: one GPU program whose two accumulators meet only in the rotation before the store."""
     pid = tl.program_id(0).to(tl.int64)
     num_m = tl.cdiv(M, BLOCK_M)
     pairs = N // 2
