@@ -369,10 +369,10 @@ def targets(results: dict) -> list[dict]:
                      f"({fast['peak_texts_per_s']:.0f} vs {base['peak_texts_per_s']:.0f} texts/s)"))
     # requests hold 1 to 32 texts, so "a single request on an idle server" is a distribution too: its p99 (one
     # client, closed loop) is the like-for-like figure; the ratio to its median is shown as well
-    met = half["p99_s"] is not None and half["p99_s"] <= 4 * idle["p99_s"]
-    rows.append(("p99 at half the peak load <= 4x the p99 of single requests on an idle server", met,
-                 f"p99 {fmt_ms(half['p99_s'])} vs idle p99 {fmt_ms(idle['p99_s'])} (x{half['p99_s'] / idle['p99_s']:.1f}; "
-                 f"x{half['p99_s'] / idle['p50_s']:.1f} of the idle median {fmt_ms(idle['p50_s'])})"))
+    p99 = half["p99_s"] or float("inf")
+    rows.append(("p99 at half the peak load <= 4x the p99 of single requests on an idle server",
+                 p99 <= 4 * idle["p99_s"], f"p99 {fmt_ms(p99)} vs idle p99 {fmt_ms(idle['p99_s'])} "
+                 f"(x{p99 / idle['p99_s']:.1f}; x{p99 / idle['p50_s']:.1f} of its median {fmt_ms(idle['p50_s'])})"))
     refused, count = double["refused_p99_s"], double["statuses"].get("429", 0)
     rows.append(("at 2x the peak load the excess is answered 429 within 50 ms (p99)",
                  refused is not None and refused <= 0.05,
