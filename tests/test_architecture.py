@@ -2,7 +2,8 @@
 
 - the core (ops, backends, kernels, model, families, heads, loading, optimize, config, numerics, files, cuda_graphs)
   imports no application and not `fastbert.common`; `fastbert.common` imports no application; an application
-  imports the core, `fastbert.common` and itself, and only the CLI imports the other applications;
+  imports the core, `fastbert.common`, itself and the applications `APPLICATION_USES` names for it (the CLI runs
+  every application; the server serves the embedding pipeline's `Embedder` and batching rather than a second copy);
 - no module imports an underscore name of another of the project's modules (the compiled extension `fastbert._C`
   is the one exception: torch's naming convention for it);
 - no test module imports another test module (shared helpers live in `tests/helpers.py`);
@@ -21,6 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 APPLICATIONS = ("cli", "embedding", "training", "bench", "serving")
+# application -> the other applications it builds on; None: any (the CLI is the front of all of them)
+APPLICATION_USES: dict[str, set[str] | None] = {"cli": None, "serving": {"embedding"}}
 MAX_CORE_FUNCTION_LINES = 60
 PRIVATE_EXCEPTIONS = {("fastbert", "_C")}
 OWN_TOP_LEVEL = ("fastbert", "kernels", "tools", "tests", "benchmarks")
@@ -87,6 +90,11 @@ def targets(origin: str, name: str | None) -> list[str]:
     return [m if not m.startswith("kernels") else "fastbert." + m for m in full if m.split(".")[0] == "fastbert"]
 
 
+def application_may_use(application: str, other: str) -> bool:
+    uses = APPLICATION_USES.get(application, set())
+    return other in ("core", "common", application) or uses is None or other in uses
+
+
 def direction_violations(module: str, source: str, is_package: bool = False) -> list[str]:
     """Imports of ``module`` that go against the layout's direction."""
     own = room(module)
@@ -99,7 +107,7 @@ def direction_violations(module: str, source: str, is_package: bool = False) -> 
             other = room(target)
             if allowed is not None and other not in allowed:
                 problems.append(f"{module}:{line} ({own}) imports {target} ({other})")
-            elif allowed is None and own != "cli" and other not in ("core", "common", own):
+            elif allowed is None and not application_may_use(own, other):
                 problems.append(f"{module}:{line} (application {own}) imports application {target}")
     return problems
 
@@ -192,6 +200,7 @@ def test_the_rooms_cover_the_package():
     ("fastbert.common.text", "from fastbert.training import corpus\n"),
     ("fastbert.embedding.reading", "from fastbert.training.corpus import cpython_sentences\n"),
     ("fastbert.optimize", "from fastbert.common.resolve import UserError\n"),
+    ("fastbert.serving.app", "from fastbert.training import loop\n"),
 ])
 def test_a_planted_import_against_the_direction_is_found(module, source):
     assert direction_violations(module, source)
@@ -202,6 +211,7 @@ def test_a_planted_import_against_the_direction_is_found(module, source):
     ("fastbert.cli.embed", "from fastbert import embedding, training\n"),
     ("fastbert.training.loop", "from fastbert.files import write_atomic\nfrom fastbert.common import resolve\n"),
     ("fastbert.backends.cpp", "from fastbert import _C\n"),
+    ("fastbert.serving.engines", "from fastbert.embedding import Embedder\n"),
 ])
 def test_imports_along_the_direction_pass(module, source):
     assert direction_violations(module, source) == []
