@@ -1,7 +1,8 @@
 """Dropout in the fused ops (`fastbert.ops.dropout`): the keep rate and the 1/(1-p) scaling on large samples, the
 mask a function of the seed (reproducible, different seeds differ), p = 0 equal to the op without dropout, and the
-argument checks. That the backward uses exactly the forward's mask is gradcheck's job (tests/ops/test_backward.py
-`test_gradcheck_with_dropout`); here the gradient's zeros sit where the output's do."""
+argument checks. That the backward uses exactly the forward's mask is gradcheck's job (`test_gradcheck_with_dropout`
+in each dropout op's tests/ops/test_<op>.py); here the gradient's zeros sit where the output's do. Each backend's own
+fused dropout (its mask read off its output) is tested in the op's module."""
 
 from __future__ import annotations
 
