@@ -4,12 +4,13 @@
 - the kernel tests' device, dtype ids and accuracy rule (`fastbert.numerics`', the same for these tests,
   `fastbert check` and benchmarks/gpu_check.py; on CPU the kernels run in the Triton interpreter, conftest sets
   TRITON_INTERPRET=1);
-- the op tests' inputs, gradient checks (against the eager op's autograd and by gradcheck of the spec's backward)
-  and the attention checks that take a backend and a device (padding poison, sliding windows);
+- the op tests' inputs, the backends each check is parametrised over, gradient checks (against the eager op's
+  autograd and by gradcheck of the spec's backward), the triton LayerNorm ops' backward and dropout checks, and the
+  attention checks that take a backend and a device (padding poison, sliding windows);
 - the inputs of a head model's forward (`optimize_inputs`);
 - the client tests' texts, seeded models and the check that fastbert's path really ran (`run_both`).
 
-transformers is imported where it is used, so that the op tests do not pay for it.
+transformers is imported inside the functions that use it: importing this module does not load it.
 """
 
 from __future__ import annotations
