@@ -28,9 +28,10 @@ The convention (also in CONTRIBUTING.md, "Documentation"):
     cheaply can instead (`check_without_running`): Python blocks compile and their imports resolve; bash blocks pass
     `bash -n`, every script they call exists in the repository (and is executable when called as a program), every
     `fastbert` option they use (`fastbert SUB ...`, `-m fastbert.cli SUB ...`) is in that subcommand's `--help`,
-    every option given to a `benchmarks/*.py` script is in its `--help`, and a `python -m pytest` run of the suite
-    (no paths) collects without errors (`--collect-only`). So README's `./scripts/setup.sh` is checked to exist and
-    be executable, and its `.venv/bin/python -m pytest` to collect the suite, without re-running either.
+    the paths given to pytest exist, and a `python -m pytest` run of the suite (no paths) collects without errors
+    (`--collect-only`, once per session) with a `-m` that names registered markers only. So README's
+    `./scripts/setup.sh` is checked to exist and be executable, and its `.venv/bin/python -m pytest` to collect the
+    suite, without re-running either.
 
 The tests at the end check the extractor and the runner on synthetic Markdown: a block that exits 1 fails its test.
 """
@@ -241,6 +242,31 @@ def _is_python(word: str) -> bool:
     return Path(word).name in ("python", "python3") or word.endswith("/python")
 
 
+@functools.cache
+def _collect_suite() -> str:
+    done = subprocess.run([PYTHON, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=ROOT,
+                          env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, f"collecting the test suite failed:\n{done.stdout[-4000:]}"
+    return done.stdout
+
+
+def _check_pytest_command(args: list[str], where: str) -> None:
+    """Paths given to pytest exist; the suite (no paths) collects, once per session, and a `-m` expression names
+    only registered markers."""
+    paths = [arg for arg in args if not arg.startswith("-") and "/" in arg]
+    for path in paths:
+        assert (ROOT / path.split("::")[0]).exists(), f"{where}: {path} is not in the repository"
+    if paths:
+        return
+    assert re.search(r"\d+(/\d+)? tests? collected", _collect_suite()), _collect_suite()[-2000:]
+    if "-m" in args and args.index("-m") + 1 < len(args):
+        markers = re.search(r"^markers = \[(.*?)^\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+        registered = set(re.findall(r'^\s*"([\w-]+):', markers[1] if markers else "", re.M))
+        named = set(re.findall(r"[A-Za-z_]\w*", args[args.index("-m") + 1])) - {"and", "or", "not"}
+        assert named <= registered, f"{where}: -m names unregistered markers {sorted(named - registered)}"
+
+
 def check_bash_without_running(block: Block) -> None:
     syntax = subprocess.run(["bash", "-n"], input=block.code, text=True, capture_output=True, check=False)
     assert syntax.returncode == 0, f"{block.id}: bash -n: {syntax.stderr}"
@@ -255,25 +281,13 @@ def check_bash_without_running(block: Block) -> None:
             assert (ROOT / args[0]).is_file(), f"{where}: {args[0]} is not in the repository"
         if _is_python(program) and args and args[0].endswith(".py"):
             assert (ROOT / args[0]).is_file(), f"{where}: {args[0]} is not in the repository"
-            options = _long_options(args[1:])
-            if options:
-                _check_options((PYTHON, str(ROOT / args[0])), options, where)
         if "-m" in words and words.index("-m") + 1 < len(words):
             module = words[words.index("-m") + 1]
             rest = words[words.index("-m") + 2:]
             if module == "fastbert.cli" and rest and rest[0] in _SUBCOMMANDS:
                 _check_options((str(VENV_BIN / "fastbert"), rest[0]), _long_options(rest[1:]), where)
             if module == "pytest" and _is_python(program):
-                paths = [word for word in rest if not word.startswith("-") and (ROOT / word).exists()]
-                if paths:
-                    continue
-                expression = rest[rest.index("-m") + 1:rest.index("-m") + 2] if "-m" in rest else []
-                done = subprocess.run([PYTHON, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                       *(["-m", *expression] if expression else [])], cwd=ROOT, env=_environment(),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
-                                      check=False)
-                assert done.returncode == 0, f"{where}: collecting the suite failed:\n{done.stdout[-4000:]}"
-                assert re.search(r"\d+ tests? collected|\d+/\d+ tests collected", done.stdout), done.stdout[-2000:]
+                _check_pytest_command(rest, where)
         if Path(program).name == "fastbert" and args and args[0] in _SUBCOMMANDS:
             _check_options((str(VENV_BIN / "fastbert"), args[0]), _long_options(args[1:]), where)
 
@@ -416,6 +430,8 @@ def test_skip_run_checks_catch_drift(tmp_path: Path):
     with pytest.raises(AssertionError, match="no option --no-such-option"):
         check_without_running(skip_run("bash", ".venv/bin/fastbert embed -i x --no-such-option 3 | head\n"),
                               tmp_path)
+    with pytest.raises(AssertionError, match="unregistered markers"):
+        check_without_running(skip_run("bash", '.venv/bin/python -m pytest -m "not no_such_marker"\n'), tmp_path)
     with pytest.raises(SyntaxError):
         check_without_running(skip_run("python", "def broken(:\n"), tmp_path)
     with pytest.raises(pytest.fail.Exception, match="exited 1"):
