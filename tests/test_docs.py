@@ -183,7 +183,8 @@ def check_block(block: Block, workdir: Path, timeout: float = TIMEOUT_S) -> str:
 
 # ----------------------------------------------------------------------------------------- skip-run: cheap checks
 
-_SUBCOMMANDS = ("demo", "check", "embed", "bench", "finetune", "pretrain")
+def _is_subcommand(word: str) -> bool:
+    return re.fullmatch(r"[a-z][a-z-]*", word) is not None  # its `--help` must then work: an unknown one fails
 
 
 def _logical_lines(code: str) -> list[str]:
@@ -284,11 +285,11 @@ def check_bash_without_running(block: Block) -> None:
         if "-m" in words and words.index("-m") + 1 < len(words):
             module = words[words.index("-m") + 1]
             rest = words[words.index("-m") + 2:]
-            if module == "fastbert.cli" and rest and rest[0] in _SUBCOMMANDS:
+            if module == "fastbert.cli" and rest and _is_subcommand(rest[0]):
                 _check_options((str(VENV_BIN / "fastbert"), rest[0]), _long_options(rest[1:]), where)
             if module == "pytest" and _is_python(program):
                 _check_pytest_command(rest, where)
-        if Path(program).name == "fastbert" and args and args[0] in _SUBCOMMANDS:
+        if Path(program).name == "fastbert" and args and _is_subcommand(args[0]):
             _check_options((str(VENV_BIN / "fastbert"), args[0]), _long_options(args[1:]), where)
 
 
@@ -432,6 +433,8 @@ def test_skip_run_checks_catch_drift(tmp_path: Path):
                               tmp_path)
     with pytest.raises(AssertionError, match="unregistered markers"):
         check_without_running(skip_run("bash", '.venv/bin/python -m pytest -m "not no_such_marker"\n'), tmp_path)
+    with pytest.raises(AssertionError, match="exited"):
+        check_without_running(skip_run("bash", ".venv/bin/fastbert no-such-command\n"), tmp_path)
     with pytest.raises(SyntaxError):
         check_without_running(skip_run("python", "def broken(:\n"), tmp_path)
     with pytest.raises(pytest.fail.Exception, match="exited 1"):
