@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from fastbert.embedding.batching import token_budget_batches
+from fastbert.embedding import token_budget_batches
 from fastbert.serving.engines import Tokens
 
 
