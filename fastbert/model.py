@@ -8,6 +8,12 @@ key padding mask in attention (same numbers at real positions).
 Training: in ``train()`` mode dropout acts where the config's ``*_dropout`` fields say (fused into the ops that
 take ``dropout_p``); each forward draws one seed from torch's default generator and gives each dropout site its
 own (`fastbert.ops.dropout`), so ``torch.manual_seed`` makes training reproducible. In eval mode nothing is drawn.
+Each module holds its sites' probabilities (``Embeddings.dropout``, the layers' ``dropout`` tuples, in the order of
+their ``DROPOUT_SITES``): `fastbert.optimize` sets them from transformers' modules on every call. Under
+torch.compile no seed is drawn: dropout draws from torch's traced RNG instead (`fastbert.ops.dropout.keep_mask`).
+
+Positions: a model with a position table takes positions below ``max_position_embeddings``; a rotary model
+(ModernBERT) takes any length, as transformers does: its cos/sin tables grow to the longest position seen.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class DropoutSeeds:
     def __call__(self, p: float) -> tuple[float, int]:
         if not self.training or p == 0.0:
             return 0.0, 0
+        if torch.compiler.is_compiling():  # the ops draw from torch's traced RNG (`keep_mask`): no seed to read
+            return p, 0
         if self.base is None:
             self.base = draw_seed()
         self.sites += 1
@@ -147,6 +155,9 @@ class PostNormLayer(nn.Module):
     """Post-LN transformer encoder layer (BERT, RoBERTa, ALBERT, DistilBERT, ELECTRA) with Q, K, V packed into one
     [3H, H] weight."""
 
+    # What each entry of ``self.dropout`` is the probability of (`fastbert.families.DROPOUT_SITES`' names).
+    DROPOUT_SITES = ("attention", "attention_output", "ffn")
+
     def __init__(self, config: FastBertConfig):
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
@@ -200,6 +211,8 @@ class PreNormLayer(nn.Module):
     caller passes (the next layer's ``attn_norm``, or the model's final norm after the last layer). So this layer's
     own ``attn_norm`` is applied by the layer before it; the first layer has none (its attention reads the
     embedding LayerNorm's output). Sliding-window layers attend keys within ``window // 2`` positions."""
+
+    DROPOUT_SITES = ("attention", "attention_output", "glu", "ffn")  # the entries of ``self.dropout``
 
     def __init__(self, config: FastBertConfig, index: int):
         super().__init__()
@@ -305,9 +318,10 @@ class FastBertModel(nn.Module):
         return torch.arange(offset, offset + seqlen, device=device).expand(batch, seqlen)
 
     def validate_ids(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor,
-                     token_type_ids: torch.Tensor | None) -> None:
+                     token_type_ids: torch.Tensor | None) -> int:
         """Range checks of the ids, one min/max pass each (reading them syncs a GPU: `validate_inputs=False`
-        skips this for callers that have checked their inputs)."""
+        skips this for callers that have checked their inputs). Returns the highest position id. Positions must
+        lie below ``max_position_embeddings`` only where there is a position table: rotary positions have none."""
         cfg = self.config
         if input_ids is not None:
             low, high = (int(v) for v in torch.aminmax(input_ids))
@@ -315,15 +329,18 @@ class FastBertModel(nn.Module):
                 raise IndexError(f"input_ids hold token id {high if high >= cfg.vocab_size else low}, outside the "
                                  f"vocabulary [0, {cfg.vocab_size})")
         low, high = (int(v) for v in torch.aminmax(position_ids))
-        if low < 0 or high >= cfg.max_position_embeddings:
+        if low < 0:
+            raise ValueError(f"position ids must not be negative, got {low}")
+        if high >= cfg.max_position_embeddings and cfg.positions == "absolute":
             raise ValueError(f"sequence too long: position id {high} needs more than the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         if token_type_ids is not None:
             if cfg.type_vocab_size == 0:
                 raise ValueError(f"{cfg.model_type} takes no token_type_ids")
-            low, high = (int(v) for v in torch.aminmax(token_type_ids))
-            if low < 0 or high >= cfg.type_vocab_size:
+            low, high_type = (int(v) for v in torch.aminmax(token_type_ids))
+            if low < 0 or high_type >= cfg.type_vocab_size:
                 raise IndexError(f"token_type_ids must lie in [0, {cfg.type_vocab_size})")
+        return high
 
     @staticmethod
     def _batch_shape(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> tuple[int, int]:
@@ -380,8 +397,10 @@ class FastBertModel(nn.Module):
         mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
         position_ids, token_type_ids = self._complete_ids(input_ids, token_type_ids, position_ids, batch, seqlen,
                                                           device)
+        # The rotary tables must cover every position: the highest when the ids were read, else the default ones'.
+        position_count = seqlen
         if self.validate_inputs and not compiling:
-            self.validate_ids(input_ids, position_ids, token_type_ids)
+            position_count = self.validate_ids(input_ids, position_ids, token_type_ids) + 1
         padded = compiling or not self.padding_free
         key_padding_mask = mask if padded else None
         varlen = varlen_from_mask(None if padded else mask, batch, seqlen, device)
@@ -390,7 +409,8 @@ class FastBertModel(nn.Module):
         positions = unpad_tokens(position_ids, varlen)
         tokens = unpad_tokens(input_ids if inputs_embeds is None else inputs_embeds, varlen)
         states = self.encode_tokens(tokens, positions, types, varlen, key_padding_mask,
-                                    embedded=inputs_embeds is not None, all_states=output_hidden_states)
+                                    embedded=inputs_embeds is not None, all_states=output_hidden_states,
+                                    position_count=position_count)
         states = self._restore_padding(states, varlen, key_padding_mask)
         hidden = states[-1]
         return EncoderOutput(hidden, self.pool(hidden), tuple(states) if output_hidden_states else None)
@@ -409,12 +429,13 @@ class FastBertModel(nn.Module):
 
     def encode_tokens(self, tokens: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None,
                       varlen: VarlenBatch, key_padding_mask: torch.Tensor | None, embedded: bool = False,
-                      all_states: bool = False) -> list[torch.Tensor]:
+                      all_states: bool = False, position_count: int = 0) -> list[torch.Tensor]:
         """Embeddings and the layer stack on flat tokens, reading no tensor values (CUDA-graph capturable).
 
         tokens: ids [T] (or word vectors [T, E] when ``embedded``); positions, types [T]; ``varlen`` describes
-        the packed batch, or the whole padded batch when ``key_padding_mask`` [B, S] is given. Returns the
-        hidden states [T, H]: the last only, or the embedding output and every layer's when ``all_states``."""
+        the packed batch, or the whole padded batch when ``key_padding_mask`` [B, S] is given; ``position_count``:
+        positions lie below it (rotary models; ``max_position_embeddings`` at least). Returns the hidden states
+        [T, H]: the last only, or the embedding output and every layer's when ``all_states``."""
         table = self.op_table(self.embeddings.word_embeddings)
         seeds = DropoutSeeds(True) if self.training else EVAL
         if embedded:
@@ -424,7 +445,8 @@ class FastBertModel(nn.Module):
         if self.embed_proj is not None:
             x = self.embed_proj(x)
         if self.pre_norm:
-            return self._pre_norm_stack(x, positions, varlen, key_padding_mask, table, all_states, seeds)
+            rotary = self.rotary_tables(x.device, position_count)
+            return self._pre_norm_stack(x, positions, varlen, key_padding_mask, table, all_states, seeds, rotary)
         states = [x]
         layers = self.layers._modules  # by string key: ModuleList indexing costs microseconds per layer
         for index in self.schedule:
@@ -435,11 +457,10 @@ class FastBertModel(nn.Module):
 
     def _pre_norm_stack(self, x: torch.Tensor, positions: torch.Tensor, varlen: VarlenBatch,
                         key_padding_mask: torch.Tensor | None, table, all_states: bool,
-                        seeds: DropoutSeeds = EVAL) -> list[torch.Tensor]:
+                        seeds: DropoutSeeds, rotary: dict) -> list[torch.Tensor]:
         """The pre-LN stack: each layer ends with the norm the next one starts with (the final norm after the
         last). States as transformers reports them: the embeddings, each layer's residual stream, and the last
         one after the final norm (transformers ties hidden_states[-1] to last_hidden_state)."""
-        rotary = self.rotary_tables(x.device)
         layers = self.layers._modules
         states, normed = [x], x  # the first layer's attention reads the embedding LayerNorm's output
         own = self._parameters
@@ -458,19 +479,25 @@ class FastBertModel(nn.Module):
             return states
         return [normed]
 
-    def rotary_tables(self, device: torch.device) -> dict[float, tuple[torch.Tensor, torch.Tensor]]:
-        """theta -> (cos, sin) float32 [max_position_embeddings, head_dim / 2] for every RoPE theta the layers
-        use, on ``device`` (shared, cached: `fastbert.ops.qkv_rotary.rotary_tables`)."""
+    def rotary_tables(self, device: torch.device, position_count: int = 0) -> dict[float, tuple[torch.Tensor,
+                                                                                               torch.Tensor]]:
+        """theta -> (cos, sin) float32 [P, head_dim / 2] for every RoPE theta the layers use, on ``device``
+        (shared, cached: `fastbert.ops.qkv_rotary.rotary_tables`). P is ``max_position_embeddings``, or for a
+        longer input (RoPE has no length limit) the next power of two >= ``position_count``: few sizes, so few
+        tables and few recompilations; their first rows are the shorter tables' values."""
         cache = self.__dict__.setdefault("_rotary", {})
-        tables = cache.get(device)
-        if tables is None:
+        length = self.config.max_position_embeddings
+        if position_count > length:
+            length = 1 << (position_count - 1).bit_length()
+        held = cache.get(device)
+        if held is None or held[0] < length:
             from fastbert.ops.qkv_rotary import rotary_tables
 
             cfg = self.config
             thetas = {layer.theta for layer in self.layers}
-            tables = cache[device] = {theta: rotary_tables(theta, cfg.head_dim, cfg.max_position_embeddings, device)
-                                      for theta in thetas}
-        return tables
+            held = cache[device] = (length, {theta: rotary_tables(theta, cfg.head_dim, length, device)
+                                             for theta in thetas})
+        return held[1]
 
     def op_table(self, like: torch.Tensor) -> backends.OpTable | backends.PerCallDispatch:
         """The ops for tensors like ``like`` under the current grad mode: resolved once per (device, dtype, grad

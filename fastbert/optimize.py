@@ -13,12 +13,15 @@ values. Where fastbert cannot run the model as it now is (e.g. quantized Linear 
 call, transformers' own code runs that call, with a one-time warning that says why; never stale numbers.
 
 A call takes fastbert's path when every argument is one fastbert handles (ids, masks, position ids,
-``inputs_embeds``, ``output_hidden_states``, ``return_dict``) or holds a value that asks for nothing extra
+``inputs_embeds``, ``output_hidden_states`` (a flag, or transformers 5's layer indices), ``return_dict``) or holds
+a value that asks for nothing extra
 (``None``, ``output_attentions=False``, ``use_cache=False``, loss-only keywords such as ``num_items_in_batch``).
 ``fastbert.explain(model, **call_kwargs)`` says which path a call takes and why.
 
 Training: fastbert's path also runs in training mode and under autograd (fine-tuning with the HF Trainer or a plain
-PyTorch loop), with dropout where the model's config puts it (`fastbert.model`), and gradients reaching the
+PyTorch loop), with dropout where transformers' modules apply it and at the p each of them holds at call time (an
+nn.Dropout's ``p`` and mode, as TRL's ``disable_dropout_in_model`` sets them: not the config, which the modules
+read once when they were built; `fastbert.families.Family.dropout_sites`), and gradients reaching the
 model's own parameters (the packed Q/K/V is concatenated from them under autograd). What it cannot train falls
 back with the reason in a warning: gradient checkpointing.
 
@@ -33,17 +36,19 @@ graph is right for any padding of the traced shape.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 
 import torch
 from torch import nn
 
-from fastbert import families
+from fastbert import backends, families
 from fastbert.config import FastBertConfig
 from fastbert.loading import encoder_key_map
 from fastbert.model import FastBertModel
@@ -107,6 +112,8 @@ class _Build:
     # (object, attribute, value) that transformers' modules read at run time and fastbert copied at build time
     # (LayerNorm eps, heads, attention scaling, RoBERTa's padding index, ALBERT's layer count): an edit rebuilds.
     watched: list[tuple[object, str, object]] = field(default_factory=list)
+    # Each dropout site's p, read from transformers' modules on every call (not watched: a change needs no rebuild).
+    dropout: _DropoutSites | None = None
 
     def __post_init__(self) -> None:
         # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers).
@@ -125,6 +132,61 @@ class _Build:
         if tuple(map(getattr, self.watched_objects, self.watched_names)) != self.watched_values:
             return True
         return tuple(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
+
+
+_TRAINING = operator.attrgetter("training")
+_P = operator.attrgetter("p")
+
+
+class _DropoutSites:
+    """The dropout probabilities of fastbert's encoder as transformers' modules hold them at call time: per site,
+    the module whose training mode switches it on and the getter of its p (`Family.dropout_sites`). `apply`
+    writes them into the encoder (``Embeddings.dropout`` and the layers' ``dropout`` tuples) and sets the encoder's
+    mode: training while any site drops."""
+
+    def __init__(self, fast: FastBertModel, sites: list[tuple[nn.Module, nn.Module | None, Callable | None]]):
+        # sites: (fastbert module, owner, getter) in the order of the embeddings' then each layer's sites; a site
+        # without an owner never drops
+        self.owners = [owner for _, owner, _ in sites if owner is not None]
+        self.getters = [get for _, owner, get in sites if owner is not None]
+        self.positions = [i for i, (_, owner, _) in enumerate(sites) if owner is not None]
+        self.count = len(sites)
+        self.embeddings = fast.embeddings
+        self.layers = [(layer, 1 + i * len(layer.dropout), 1 + (i + 1) * len(layer.dropout))
+                       for i, layer in enumerate(fast.layers)]
+        self.applied: tuple[float, ...] | None = None
+
+    def values(self) -> tuple[float, ...]:
+        """Every site's p now (0 where its module is in eval mode or absent)."""
+        if not any(map(_TRAINING, self.owners)):  # eval: one C-level pass, nothing else read
+            return (0.0,) * self.count
+        values = [0.0] * self.count
+        for position, owner, get in zip(self.positions, self.owners, self.getters, strict=True):
+            if owner.training:
+                values[position] = float(get(owner))
+        return tuple(values)
+
+    def apply(self, fast: FastBertModel) -> None:
+        """Write the current probabilities into ``fast`` and put it in training mode while any site drops."""
+        values = self.values()
+        if values != self.applied:
+            self.embeddings.dropout = values[0]
+            for layer, first, end in self.layers:
+                layer.dropout = values[first:end]
+            self.applied = values
+        dropping = any(values)
+        if fast.training != dropping:
+            fast.train(dropping)
+
+
+def _walk(base: nn.Module, path: str, links: dict) -> nn.Module | None:
+    """The module at ``path`` under ``base`` (None if absent), recording each link on the way."""
+    module = base
+    for part in path.split("."):
+        module = _link(links, module._modules, part)
+        if module is None:
+            return None
+    return module
 
 
 def _resolve(base: nn.Module, name: str, kind: str, links: dict) -> tuple[nn.Parameter | None, str | None]:
@@ -212,17 +274,53 @@ class _Builder:
                 fast = FastBertModel(config, backend=backend)
             self.check_shapes(fast, pairs, found)
             output_class = self.output_class()
+            dropout = self.read_dropout(config, fast)
         except _Refused as refusal:
             return self.result(None, str(refusal))
         self.share_tensors(fast, pairs, found)
         self.copy_module_settings(fast, config, attention)
-        return self.result(fast, None, output_class, _signature(type(self.base))[1])
+        build = self.result(fast, None, output_class, _signature(type(self.base))[1])
+        build.dropout = dropout
+        dropout.apply(fast)
+        return build
 
     def result(self, fast: FastBertModel | None, unsupported: str | None, output_class: type | None = None,
                inputs: tuple[str, ...] = ENCODER_INPUTS) -> _Build:
         tensors = self.tensors
         return _Build(fast, unsupported, list(self.links.values()), tensors, tuple(t.data_ptr() for t in tensors),
                       self.submodules, output_class, inputs, self.watched)
+
+    def read_dropout(self, config: FastBertConfig, fast: FastBertModel) -> _DropoutSites:
+        """Where transformers' modules apply dropout, site by site of ``fast`` (linked: a replaced dropout module
+        rebuilds; its p and mode are read on every call)."""
+        family = families.get(config.model_type)
+        sites = [(fast.embeddings, *self.dropout_source("", family.dropout_sites.get("embedding")))]
+        for index, layer in enumerate(fast.layers):
+            prefix = family.layer(config, index) + "."
+            sites += [(layer, *self.dropout_source(prefix, family.dropout_sites.get(site)))
+                      for site in layer.DROPOUT_SITES]
+        return _DropoutSites(fast, sites)
+
+    def dropout_source(self, prefix: str, spec: str | None) -> tuple[nn.Module | None, Callable | None]:
+        """(module whose mode switches the site on, getter of its p on that module) for a `Family.dropout_sites`
+        entry under ``prefix``; (None, None) where nothing is dropped."""
+        if spec is None:
+            return None, None
+        path, _, attribute = spec.partition(":")
+        owner = _walk(self.base, prefix + path, self.links)
+        if attribute:
+            modules, _, name = attribute.rpartition(".")
+            holder = _walk(owner, modules, self.links) if owner is not None and modules else owner
+            p = getattr(holder, name, None)
+            if isinstance(p, bool) or not isinstance(p, (int, float)):
+                raise _Refused(f"{prefix}{path} holds no dropout probability {attribute} (got {p!r})")
+            return owner, operator.attrgetter(attribute)
+        if owner is None or isinstance(owner, nn.Identity):
+            return None, None
+        if not isinstance(owner, nn.Dropout):
+            raise _Refused(f"{prefix}{path} is a {type(owner).__module__}.{type(owner).__qualname__}, not torch's "
+                           "nn.Dropout: fastbert cannot apply it")
+        return owner, _P
 
     def read_config(self) -> FastBertConfig:
         """fastbert's config from the model's, corrected by what transformers' modules hold: they read the config
@@ -481,6 +579,8 @@ class OptimizedState:
             if name in OFF_FLAGS and value is False:
                 continue
             return f"argument {name}={_describe(value)}"
+        if not _valid_selection(arguments.get("output_hidden_states")):
+            return f"argument output_hidden_states={_describe(arguments['output_hidden_states'])}"
         mask = arguments.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() != 2:  # transformers also takes prepared 3-D/4-D masks
             return f"a {mask.dim()}-D attention_mask (fastbert takes [batch, seq] masks)"
@@ -525,24 +625,68 @@ class OptimizedState:
         return_dict = arguments.get("return_dict")
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
-        if build.fast.training != base.training:  # dropout follows the model's mode
-            build.fast.train(base.training)
         inputs = {k: arguments.get(k) for k in build.inputs}
         out = _run_encoder(build.fast, inputs, bool(output_hidden_states))
         fields = {"last_hidden_state": out.last_hidden_state}
         if "pooler_output" in build.output_class.__dataclass_fields__:
             fields["pooler_output"] = out.pooler_output
         if output_hidden_states:
-            fields["hidden_states"] = out.hidden_states
+            fields["hidden_states"] = _selected_states(out.hidden_states, output_hidden_states)
         result = build.output_class(**fields)
         return result if return_dict else result.to_tuple()
 
 
-@torch.compiler.disable
+def _selected_states(states: tuple[torch.Tensor, ...], selection) -> tuple[torch.Tensor | None, ...]:
+    """The hidden states ``output_hidden_states`` asks for, as transformers 5 returns them: all for True; for
+    layer indices (an int or a sequence, negative from the end, out of range selecting nothing) the full-length
+    tuple with None where a state was not asked for. A transformers without indices takes any truthy value as
+    True."""
+    if selection is True or not _selects_by_index():
+        return states
+    count = len(states)
+    chosen = {i % count for i in ([selection] if isinstance(selection, int) else selection) if -count <= i < count}
+    return tuple(state if i in chosen else None for i, state in enumerate(states))
+
+
+@functools.cache
+def _selects_by_index() -> bool:
+    """Whether the installed transformers selects hidden states by index (5.x's output capturing)."""
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _valid_selection(value) -> bool:
+    """Whether ``output_hidden_states`` is a flag, a layer index or a sequence of them (what fastbert returns)."""
+    if value is None or isinstance(value, int):  # (bool is an int)
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
 def _current_outside_graph(state: OptimizedState, base: nn.Module) -> _Build:
-    """`state.current` for a compiled model: run eagerly on every call (a graph break), so a compiled model is
-    checked like an uncompiled one and a rebuild makes dynamo trace the new encoder."""
-    return state.current(base)
+    """`state.current` for a compiled model, run eagerly on every call (the one graph break; see `_eager`): a
+    compiled model is checked like an uncompiled one, a rebuild makes dynamo trace the new encoder, the dropout
+    probabilities are read from the modules, and the backends are loaded before dynamo traces the ops (an import
+    inside the graph would break it)."""
+    build = state.current(base)
+    if build.fast is not None:
+        build.dropout.apply(build.fast)
+        backends.preload(build.fast.backend, build.fast.embeddings.word_embeddings.device.type)
+    return build
+
+
+_eager_current: Callable | None = None
+
+
+def _eager(state: OptimizedState, base: nn.Module) -> _Build:
+    """`_current_outside_graph` excluded from compilation, wrapped on first use: torch.compiler.disable imports
+    torch._dynamo (about 2 s), which a model that is never compiled does not need."""
+    global _eager_current
+    if _eager_current is None:
+        _eager_current = torch.compiler.disable(_current_outside_graph)
+    return _eager_current(state, base)
 
 
 def _is_exporting() -> bool:
@@ -612,9 +756,11 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
                                "fastbert's encoder over fake tensors: call the model once (or fastbert.optimize "
                                "it again) before exporting it")
     elif torch.compiler.is_compiling():
-        build = _current_outside_graph(state, base)
+        build = _eager(state, base)
     else:
         build = state.current(base)
+        if build.fast is not None:
+            build.dropout.apply(build.fast)
     reason = state.model_reason(base, build, arguments)
     if reason is not None:
         state.warn_once(reason)

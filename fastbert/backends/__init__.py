@@ -157,7 +157,32 @@ def why_not(op: str, backend: str, *args, **kwargs) -> str | None:
     tensors = _tensors(args, kwargs)
     if not impl.has_backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return f"{backend} backend has no backward for {op} and an input requires grad"
+    if backend != "eager" and torch.compiler.is_compiling() and _dropout_p(op, args, kwargs) > 0:
+        return (f"under torch.compile dropout draws from torch's traced RNG, which only the eager {op} uses (this "
+                "backend's kernel would take a seed fixed when the graph was traced)")
     return impl.supports(*args, **kwargs)
+
+
+def _dropout_p(op: str, args: tuple, kwargs: dict) -> float:
+    """The ``dropout_p`` of a call of ``op`` (0 for an op without dropout)."""
+    index = DROPOUT_ARGUMENT.get(op)
+    if index is None:
+        return 0.0
+    return kwargs["dropout_p"] if "dropout_p" in kwargs else args[index] if len(args) > index else 0.0
+
+
+def preload(backend: str | None, device_type: str) -> None:
+    """Load, now, every backend that `choose` may try for ``backend`` on ``device_type`` (without warning: an op
+    that wants a backend that failed to load warns then). Called before torch.compile traces a model: an import
+    inside a compiled region breaks the graph."""
+    backend = requested_backend(backend)
+    if backend != "auto":
+        candidates = {backend}
+    else:
+        candidates = {*AUTO_ORDER.get(device_type, ()), *AUTO_ORDER_AUTOGRAD.get(device_type, ())}
+        candidates.update(*(orders.get(device_type, ()) for orders in AUTO_ORDER_AUTOGRAD_BY_OP.values()))
+    for name in sorted(candidates - _LOADED - set(_LOAD_ERRORS)):
+        _load(name, warn=False)
 
 
 def autograd_order(op: str, device_type: str) -> tuple[str, ...]:

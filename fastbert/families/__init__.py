@@ -30,6 +30,12 @@ PACKED_QKV_ROLE = "qkv"
 # nn.Embedding modules) and the LayerNorm after their sum ("norm"). BERT's names are the default.
 BERT_EMBEDDING_PARAMS = {"word": "embeddings.word_embeddings", "position": "embeddings.position_embeddings",
                          "token_type": "embeddings.token_type_embeddings", "norm": "embeddings.LayerNorm"}
+# The dropout sites of fastbert's encoder (`fastbert.model`) that `Family.dropout_sites` may name: "embedding" on the
+# embedding LayerNorm's output; per layer "attention" (the attention probabilities), "attention_output" and "ffn"
+# (each output projection's result, before the residual add) and "glu" (the GLU's output, before the FFN output).
+DROPOUT_SITES = ("embedding", "attention", "attention_output", "glu", "ffn")
+BERT_DROPOUT_SITES = {"embedding": "embeddings.dropout", "attention": "attention.self:dropout.p",
+                      "attention_output": "attention.output.dropout", "ffn": "output.dropout"}
 
 
 def _no_check(config: FastBertConfig, task: str) -> None:
@@ -81,6 +87,13 @@ class Family:
     final_norm: str | None = None
     # (config, task) -> raises ValueError for a head configuration the family's table cannot express.
     check_task: Callable[[FastBertConfig, str], None] = field(default=_no_check)
+    # Where transformers' modules apply dropout, by site (`DROPOUT_SITES`; a site not named has none): the
+    # embedding site's path is under the base model, the others under each layer. "a.b" names an nn.Dropout module
+    # (its p, while that module is in training mode; an nn.Identity there drops nothing); "a:b.p" the module "a"
+    # and the attribute path "b.p" that holds p, applied while "a" is in training mode (transformers passes the
+    # attention probabilities' p to its attention function this way). `fastbert.optimize` reads them on every call:
+    # the modules win over the config they were built from.
+    dropout_sites: Mapping[str, str] = field(default_factory=lambda: dict(BERT_DROPOUT_SITES))
 
 
 _REGISTRY: dict[str, Family] = {}
@@ -97,6 +110,9 @@ def register(family: Family) -> Family:
     missing = [role for role in LAYER_ROLES if role not in roles]
     if missing:
         raise ValueError(f"family {family.name!r} names no module for the layer roles {missing}")
+    unknown = sorted(set(family.dropout_sites) - set(DROPOUT_SITES))
+    if unknown:
+        raise ValueError(f"family {family.name!r} names unknown dropout sites {unknown}")
     for model_type in family.model_types:
         _REGISTRY[model_type] = family
     return family

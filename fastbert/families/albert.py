@@ -60,6 +60,9 @@ ALBERT = register(Family(
                       attn_norm="attention.LayerNorm", ffn_in="ffn", ffn_out="ffn_output",
                       ffn_norm="full_layer_layer_norm"),
     attention="attention",
+    # (AlbertLayer's own dropout module goes unused: its FFN output is not dropped)
+    dropout_sites={"embedding": "embeddings.dropout", "attention": "attention:attention_dropout.p",
+                   "attention_output": "attention.output_dropout"},
     ffn_activation="activation",
     heads=heads,
     layer_list=None,

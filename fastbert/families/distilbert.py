@@ -57,6 +57,7 @@ DISTILBERT = register(Family(
     layer_params=dict(q="attention.q_lin", k="attention.k_lin", v="attention.v_lin", attn_out="attention.out_lin",
                       attn_norm="sa_layer_norm", ffn_in="ffn.lin1", ffn_out="ffn.lin2", ffn_norm="output_layer_norm"),
     attention="attention",
+    dropout_sites={"embedding": "embeddings.dropout", "attention": "attention:dropout.p", "ffn": "ffn.dropout"},
     ffn_activation="ffn.activation",
     heads=heads,
     layer_list="transformer.layer",

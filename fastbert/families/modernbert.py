@@ -138,6 +138,9 @@ MODERNBERT = register(Family(
     layer_params=dict(qkv="attn.Wqkv", attn_out="attn.Wo", attn_norm="attn_norm", ffn_in="mlp.Wi", ffn_out="mlp.Wo",
                       ffn_norm="mlp_norm"),
     attention="attn",
+    # out_drop is an nn.Identity when the config's attention_dropout is 0; the probabilities' p is a float attribute
+    dropout_sites={"embedding": "embeddings.drop", "attention": "attn:attention_dropout",
+                   "attention_output": "attn.out_drop", "glu": "mlp.drop"},
     ffn_activation="mlp.act",
     heads=heads,
     layer_list="layers",

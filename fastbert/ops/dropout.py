@@ -8,6 +8,11 @@ Masks of different backends differ for p > 0; with p = 0 every backend computes 
 
 The model draws one seed per forward from torch's default generator (`draw_seed`), so ``torch.manual_seed`` makes a
 training run reproducible, and derives each op call's seed from it (`op_seed`).
+
+Under torch.compile a seed read from a tensor would break the graph, and a ``torch.Generator`` cannot be created
+inside one: there `keep_mask` draws from torch's default generator, which the compiler traces (and inductor
+fuses), ignoring the seed, and only the eager implementations run dropout (`fastbert.backends` declines the
+others, whose kernels would take the seed). The mask is saved by autograd rather than regenerated.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ def check_dropout(name: str, dropout_p: float, dropout_seed: int) -> None:
 
 
 def keep_mask(shape: tuple[int, ...] | torch.Size, p: float, seed: int, device: torch.device | str) -> torch.Tensor:
-    """Bool [shape]: True where an element is kept (probability 1 - p), the same for the same arguments."""
+    """Bool [shape]: True where an element is kept (probability 1 - p), the same for the same arguments (under
+    torch.compile: from torch's traced default generator, see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return torch.rand(shape, device=device) >= p
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return torch.rand(shape, generator=generator, device=device) >= p
@@ -51,9 +59,9 @@ def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     return apply_keep(x, keep_mask(x.shape, p, seed, x.device), p)
 
 
-@torch.compiler.disable  # a Python int read off a tensor: run outside a compiled graph, without dynamo's warning
 def draw_seed() -> int:
-    """A fresh base seed from torch's default CPU generator (no device synchronisation)."""
+    """A fresh base seed from torch's default CPU generator (no device synchronisation). Not called under
+    torch.compile (a Python int read off a tensor would break the graph): the model draws no seed there."""
     return int(torch.randint(0, SEED_LIMIT, (), dtype=torch.int64))
 
 

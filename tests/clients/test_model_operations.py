@@ -310,6 +310,47 @@ def test_torch_compile(family, head):
     assert rel_err(got[keep] if got.dim() > 2 else got, want[keep] if want.dim() > 2 else want) <= 1e-5
 
 
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_compiled_training_has_at_most_the_documented_graph_break(batch, p):
+    """torch._dynamo.explain on an optimized model in train mode, dropout off or on: at most the one documented
+break (the eager check that the model's tensors have not changed), whatever the family's layers. Before: the
+backend module imported inside the graph, the seed drawn outside it, a torch.Generator built in it."""
+    for family in ("bert", "modernbert"):
+        fields = ({"embedding_dropout": p, "attention_dropout": p, "mlp_dropout": p} if family == "modernbert"
+                  else {"hidden_dropout_prob": p, "attention_probs_dropout_prob": p})
+        model = fastbert.optimize(tiny_model(family, **fields)).train()
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(**batch)
+        assert explained.graph_break_count <= 1, [str(reason.reason)[:200] for reason in explained.break_reasons]
+
+
+def test_compiled_training_step_drops_out_and_trains():
+    """A compiled model in train mode: dropout on fastbert's path draws fresh masks from torch's traced RNG on every
+call (reproducible under torch.manual_seed), and the backward reaches the model's parameters; with dropout off the
+loss equals the untouched model's."""
+    torch._dynamo.reset()
+    ids, mask = padded_batch()
+    keep = mask.bool()
+    model = fastbert.optimize(tiny_model("bert", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)).train()
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.manual_seed(1)
+    first = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    second = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.manual_seed(1)
+    again = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert rel_err(first[keep], second[keep]) > 1e-3, "the same mask on every call"
+    assert torch.equal(first, again)
+    first[keep].square().sum().backward()
+    assert model.encoder.layer[0].attention.self.query.weight.grad.abs().sum() > 0
+    reference = tiny_model("bert").train()
+    for module in (*model.modules(), *reference.modules()):
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0  # (a recompilation: the graph holds p)
+    with torch.no_grad():
+        assert rel_err(compiled(input_ids=ids, attention_mask=mask).last_hidden_state[keep],
+                       reference(input_ids=ids, attention_mask=mask).last_hidden_state[keep]) <= 1e-5
+
+
 def test_compiled_model_uses_replaced_parameters(batch):
     torch._dynamo.reset()
     reference, model = pair()

@@ -19,7 +19,7 @@ from torch import nn
 import fastbert
 from fastbert.bench.recording import record_backends
 from fastbert.numerics import assert_accurate
-from tests.helpers import ARCHITECTURE_OPS, padded_batch, rel_err, tiny_config, tiny_model
+from tests.helpers import ARCHITECTURE_OPS, fused_ops, padded_batch, rel_err, tiny_config, tiny_model
 
 FAST = set(ARCHITECTURE_OPS["post"])  # the ops of BERT's layers: the tests below run BERT
 
@@ -247,3 +247,174 @@ that is not a replaced forward, so the model returns to fastbert's path."""
     actual, seen = run(model, **inputs)
     assert real_tokens_err(actual, expected, inputs["attention_mask"]) <= 1e-5
     assert set(seen) == FAST, "fastbert did not run after the hooks were removed"
+
+
+# ------------------------------------------------------------------------------ dropout as the modules hold it
+# Where each family's transformers modules apply dropout in the encoder: "path" names an nn.Dropout module (under
+# the base model, "*" for every layer index); "path:attribute" a module attribute that holds p (attention
+# probabilities: transformers passes it to the attention function, gated by the attention module's mode).
+_BERT_SITES = ["embeddings.dropout", "encoder.layer.*.attention.self:dropout.p",
+               "encoder.layer.*.attention.output.dropout", "encoder.layer.*.output.dropout"]
+DROPOUT_SITES = {
+    "bert": _BERT_SITES, "roberta": _BERT_SITES, "electra": _BERT_SITES,
+    "distilbert": ["embeddings.dropout", "transformer.layer.*.attention:dropout.p", "transformer.layer.*.ffn.dropout"],
+    "albert": ["embeddings.dropout", "encoder.albert_layer_groups.*.albert_layers.*.attention:attention_dropout.p",
+               "encoder.albert_layer_groups.*.albert_layers.*.attention.output_dropout"],
+    "modernbert": ["embeddings.drop", "layers.*.attn:attention_dropout", "layers.*.attn.out_drop", "layers.*.mlp.drop"],
+}
+# Config values that make every site an nn.Dropout (ModernBERT's out_drop is an nn.Identity at 0) at p = 0.1.
+DROPOUT_ON = {"distilbert": dict(dropout=0.1, attention_dropout=0.1),
+              "modernbert": dict(embedding_dropout=0.1, attention_dropout=0.1, mlp_dropout=0.1)}
+DROPOUT_OFF = {family: {name: 0.0 for name in on} for family, on in DROPOUT_ON.items()}
+SITE_CASES = [(family, site) for family, sites in DROPOUT_SITES.items() for site in sites]
+
+
+def _set_site(model, site: str, p: float) -> None:
+    """Set ``p`` at a `DROPOUT_SITES` site of every layer (as TRL's disable_dropout_in_model sets nn.Dropout.p)."""
+    import re
+
+    path, _, attribute = site.partition(":")
+    pattern = re.compile(re.escape(path).replace(r"\*", r"\d+"))  # "*": one layer index, not any path
+    matched = [module for name, module in model.named_modules() if pattern.fullmatch(name)]
+    assert matched, site
+    for module in matched:
+        if attribute:
+            owner, _, name = attribute.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, name, p)
+        else:
+            assert isinstance(module, nn.Dropout), (site, type(module))
+            module.p = p
+
+
+def _dropout_pair(family: str, sites: dict[str, float], config: dict):
+    """(untouched, optimized) in train mode, built with every dropout at 0.1, then each site's module set to its
+    ``sites`` value (0 where not given) and the config edited to ``config`` afterwards, on both."""
+    on = DROPOUT_ON.get(family, dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1))
+    models = []
+    for _ in range(2):
+        model = tiny_model(family, **on)
+        for site in DROPOUT_SITES[family]:
+            _set_site(model, site, sites.get(site, 0.0))
+        for name, value in config.items():
+            setattr(model.config, name, value)
+        models.append(model.train())
+    return models[0], fastbert.optimize(models[1])
+
+
+def _train_call(model, inputs):
+    with torch.no_grad(), record_backends() as seen, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model(**inputs).last_hidden_state, dict(seen)
+
+
+@pytest.mark.parametrize(("family", "site"), SITE_CASES, ids=[f"{f}-{s}" for f, s in SITE_CASES])
+def test_dropout_p_is_read_from_the_modules(family, site):
+    """Built with dropout 0.1 everywhere, then one site's module at p = 1 (everything it touches dropped:
+deterministic on both sides), the others at 0 and the config edited to 0: the training-mode outputs agree only if
+fastbert reads each site's p from transformers' module, not from the config."""
+    off = DROPOUT_OFF.get(family, dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    reference, model = _dropout_pair(family, {site: 1.0}, off)
+    inputs = batch_for(reference)
+    expected, _ = _train_call(reference, inputs)
+    actual, seen = _train_call(model, inputs)
+    assert set(seen) == set(fused_ops(reference)), "fastbert's encoder did not run"
+    keep = inputs["attention_mask"].bool()
+    assert rel_err(actual[keep], expected[keep]) <= 1e-5
+    plain, _ = _train_call(model.eval(), inputs)
+    assert rel_err(plain[keep], expected[keep]) > 1e-3, "the site dropped nothing"
+
+
+@pytest.mark.parametrize("family", list(DROPOUT_SITES))
+def test_disabled_dropout_modules_give_deterministic_training_outputs(family):
+    """TRL's disable_dropout_in_model: every nn.Dropout's p set to 0 on a model configured with dropout 0.1 (for
+ModernBERT the attention probabilities' p is a float attribute, and its config 0 here): train-mode calls equal the
+untouched model's, and each other."""
+    on = {**DROPOUT_ON["modernbert"], "attention_dropout": 0.0} if family == "modernbert" else (
+        DROPOUT_ON.get(family, dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)))
+    reference, model = tiny_model(family, **on).train(), fastbert.optimize(tiny_model(family, **on)).train()
+    for module in (*reference.modules(), *model.modules()):
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    inputs = batch_for(reference)
+    expected, _ = _train_call(reference, inputs)
+    first, seen = _train_call(model, inputs)
+    second, _ = _train_call(model, inputs)
+    assert set(seen) == set(fused_ops(reference)), "fastbert's encoder did not run"
+    keep = inputs["attention_mask"].bool()
+    assert torch.equal(first, second), "two calls differ: fastbert still drops"
+    assert rel_err(first[keep], expected[keep]) <= 1e-5
+
+
+def test_config_edited_to_no_dropout_still_drops_as_the_modules_do():
+    """The config edited to dropout 0 after loading, then optimized: transformers' nn.Dropout modules still drop
+at 0.1, and so does fastbert (two train-mode calls differ, and differ from the eval output)."""
+    model = tiny_model("bert", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.0
+    fastbert.optimize(model).train()
+    inputs = batch_for(model)
+    keep = inputs["attention_mask"].bool()
+    first, seen = _train_call(model, inputs)
+    second, _ = _train_call(model, inputs)
+    plain, _ = _train_call(model.eval(), inputs)
+    assert set(seen) == FAST
+    assert rel_err(first[keep], second[keep]) > 1e-3 and rel_err(first[keep], plain[keep]) > 1e-3
+
+
+def test_dropout_module_in_train_mode_inside_an_eval_model():
+    """Monte Carlo dropout: model.eval(), then the dropout modules switched back to train(): transformers drops
+there, and so must fastbert (one site at p = 1: deterministic on both sides)."""
+    reference, model = _dropout_pair("bert", {"embeddings.dropout": 1.0}, {})
+    inputs = batch_for(reference)
+    for module in (reference, model):
+        module.eval()
+        module.embeddings.dropout.train()
+    expected, _ = _train_call(reference, inputs)
+    actual, seen = _train_call(model, inputs)
+    keep = inputs["attention_mask"].bool()
+    assert set(seen) == FAST
+    assert rel_err(actual[keep], expected[keep]) <= 1e-5
+
+
+# ------------------------------------------------------------------------------- hidden states by layer index
+SELECTIONS = [[0, 2, -1], [0, 1], [-1], 1, (0, 1, 1, 99, -99), []]
+
+
+@pytest.mark.parametrize("family", ["bert", "albert", "modernbert"])
+@pytest.mark.parametrize("selection", SELECTIONS, ids=str)
+def test_output_hidden_states_by_index(family, selection):
+    """transformers 5 takes ``output_hidden_states`` as layer indices (an int or a list, negative from the end): it
+returns the full-length tuple with None where a state was not asked for (out-of-range indices select nothing; an
+empty list, none at all). The optimized model returns the same."""
+    reference, model = pair(family)
+    inputs = batch_for(reference)
+    expected, _ = run(reference, **inputs, output_hidden_states=selection)
+    actual, seen = run(model, **inputs, output_hidden_states=selection)
+    assert set(seen) == set(fused_ops(reference)), "fastbert's encoder did not run"
+    if expected.hidden_states is None:
+        assert actual.hidden_states is None
+        return
+    assert [h is None for h in actual.hidden_states] == [h is None for h in expected.hidden_states]
+    keep = inputs["attention_mask"].bool()
+    for got, want in zip(actual.hidden_states, expected.hidden_states, strict=True):
+        if want is not None:
+            assert rel_err(got[keep], want[keep]) <= 1e-5
+    as_tuple, _ = run(model, **inputs, output_hidden_states=selection, return_dict=False)
+    assert [h is None for h in as_tuple[-1]] == [h is None for h in expected.hidden_states]
+
+
+# --------------------------------------------------------------------------- rotary positions: no length limit
+@pytest.mark.parametrize("head", ["Model", "ForMaskedLM"])
+def test_modernbert_runs_past_max_position_embeddings(head):
+    """ModernBERT has no position table (rotary positions are computed from the position): transformers runs a
+sequence longer than max_position_embeddings, and so does the optimized model, with the same numbers."""
+    from tests.helpers import MAX_POSITIONS
+
+    reference, model = pair("modernbert", head)
+    ids, mask = padded_batch(batch=2, seqlen=MAX_POSITIONS + 24)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    expected, _ = run(reference, **inputs)
+    actual, seen = run(model, **inputs)
+    assert set(seen) == set(fused_ops(reference)), "fastbert's encoder did not run"
+    name = "last_hidden_state" if head == "Model" else "logits"
+    keep = mask.bool()
+    assert rel_err(getattr(actual, name)[keep], getattr(expected, name)[keep]) <= 1e-5
