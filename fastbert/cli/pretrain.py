@@ -17,7 +17,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Add ``pretrain`` to the ``fastbert`` parser."""
     parser = subparsers.add_parser(
         "pretrain", help="pretrain a small BERT/RoBERTa/ALBERT from scratch on CPython's docs or text files",
-        description="Pretrain a small BERT-family model from scratch: WordPiece vocabulary, masked LM + "
+        description="Pretrain a small BERT-family model from scratch: a WordPiece (bert, albert) or byte-level BPE "
+        "(roberta) vocabulary, masked LM + "
         "next-sentence (bert), masked LM only (roberta) or + sentence order (albert); checkpoints in HF format "
         "(resumable), metrics.jsonl, loss_curve.png.")
     add_data_options(parser)
@@ -47,7 +48,8 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The vocabulary and the model's size."""
-    parser.add_argument("--vocab-size", type=int, default=8000, help="WordPiece vocabulary size (default 8000)")
+    parser.add_argument("--vocab-size", type=int, default=8000,
+                        help="vocabulary size: WordPiece (bert, albert) or byte-level BPE (roberta); default 8000")
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
                         help="use this transformers tokenizer (with [PAD] [CLS] [SEP] [MASK]) instead of training one")
     parser.add_argument("--config", metavar="FILE.json", default=None,

@@ -6,20 +6,24 @@
   on the command line (a blank line ends a document). Documents are split into sentences (paragraphs, then
   ``. ! ?`` followed by a capital letter). 5 % of the documents, chosen at random, are held out whole for
   evaluation (with fewer than 20 documents: the last 5 % of the sentences of each document of 10 or more).
-- Vocabulary: WordPiece trained with the ``tokenizers`` library on the training sentences (lower-cased, BERT's
-  normaliser and pre-tokeniser), saved as a transformers fast tokenizer (``AutoTokenizer.from_pretrained`` loads it).
+- Vocabulary, trained with the ``tokenizers`` library on the training sentences and saved as a transformers fast
+  tokenizer (``AutoTokenizer.from_pretrained`` loads it): WordPiece for bert and albert (lower-cased, BERT's
+  normaliser and pre-tokeniser, ``[PAD] [UNK] [CLS] [SEP] [MASK]``); for roberta a byte-level BPE as RoBERTa's
+  (no normaliser, no lower-casing, every byte in the base alphabet so no text is unknown and
+  ``decode(encode(text)) == text``; ``<s> <pad> </s> <unk> <mask>`` with ids 0-4, as RoBERTa numbers them).
 - Objectives (``--objective``):
     - ``bert`` (default): ``[CLS] A [SEP] B [SEP]`` with segment ids, masked LM (15 %, 80/10/10) + next-sentence
       prediction, B the following segment or one from another document 50/50; ``BertForPreTraining``.
     - ``roberta``: one segment (or, with ``--pack``, consecutive sentences across documents up to the max length,
       ``[SEP]`` between documents), masked LM only, no NSP, no segment ids; ``RobertaForMaskedLM`` (RoBERTa's
-      architecture: positions offset past the padding id, one token type) over the same WordPiece vocabulary.
+      architecture: positions offset past the padding id, one token type) over a byte-level BPE vocabulary.
     - ``albert``: sentence-order prediction (two consecutive segments, in order or swapped 50/50) + masked LM;
       ``AlbertForPreTraining`` (factorised embeddings, one shared layer).
   Masks are drawn afresh every time a batch is formed (dynamic masking) for every objective, seeded by (seed,
   epoch, batch) so a resumed run sees the same masks. ``--whole-word-masking`` chooses words (a token and its
-  ``##`` continuations) instead of tokens. ``--pack`` fills sequences: for bert/albert each segment is a run of
-  consecutive sentences up to half the max length (BERT's original recipe), for roberta see above.
+  ``##`` continuations; with BPE, a token and those after it up to the next one that follows a space) instead of
+  tokens. ``--pack`` fills sequences: for bert/albert each segment is a run of consecutive sentences up to half
+  the max length (BERT's original recipe), for roberta see above.
 - The model is a transformers class built from a small default config (H=256, 4 layers, 4 heads; ``--config``
   a JSON file of config fields, or the size options), passed through `fastbert.optimize` so training runs on
   fastbert's path where it can (it says with a warning when a call runs transformers' code).
@@ -65,6 +69,8 @@ from fastbert.training.masking import (
 
 OBJECTIVES = ("bert", "roberta", "albert")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+BPE_SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # RoBERTa's, in its id order
+BYTE_LEVEL_SPACE = "\u0120"  # how byte-level BPE writes the space byte: a token that starts a word after a space
 # The small default model: a few minutes on two CPU cores teach it something.
 DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
 
@@ -95,7 +101,41 @@ def hold_out(documents: list[list[str]], fraction: float, seed: int = 0) -> tupl
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
-def train_tokenizer(documents: list[list[str]], vocab_size: int, max_length: int, lowercase: bool = True):
+def train_tokenizer(documents: list[list[str]], vocab_size: int, max_length: int, lowercase: bool = True,
+                    objective: str = "bert"):
+    """The objective's vocabulary trained on the documents' sentences: byte-level BPE for roberta
+    (`train_byte_level_bpe`), else WordPiece (`train_wordpiece`)."""
+    if objective == "roberta":
+        return train_byte_level_bpe(documents, vocab_size, max_length)
+    return train_wordpiece(documents, vocab_size, max_length, lowercase)
+
+
+def train_byte_level_bpe(documents: list[list[str]], vocab_size: int, max_length: int):
+    """RoBERTa's kind of vocabulary: a byte-level BPE trained on the documents' sentences, as a transformers fast
+    tokenizer (RobertaTokenizerFast; specials <s>=0 <pad>=1 </s>=2 <unk>=3 <mask>=4; a sequence is
+    ``<s> A </s>``, a pair ``<s> A </s></s> B </s>``). The 256 byte symbols are all in the base alphabet, so any
+    text encodes without <unk> and decodes back to itself (no clean-up of spaces before punctuation)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import RobertaTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    # <mask> takes the space before it, as RoBERTa's does, so "the <mask> is" masks the word " cat" stood for
+    specials = [*BPE_SPECIAL_TOKENS[:-1], AddedToken(BPE_SPECIAL_TOKENS[-1], lstrip=True, special=True)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator((s for doc in documents for s in doc), trainer)
+    backend.post_processor = processors.RobertaProcessing(
+        ("</s>", backend.token_to_id("</s>")), ("<s>", backend.token_to_id("<s>")), add_prefix_space=False,
+        trim_offsets=True)
+    return RobertaTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+                                add_prefix_space=False, clean_up_tokenization_spaces=False,
+                                model_max_length=max_length)
+
+
+def train_wordpiece(documents: list[list[str]], vocab_size: int, max_length: int, lowercase: bool = True):
     """A WordPiece vocabulary trained on the documents' sentences, as a transformers fast tokenizer
     (BertTokenizerFast; specials [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4; pairs get token types 0/1)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -118,11 +158,14 @@ def train_tokenizer(documents: list[list[str]], vocab_size: int, max_length: int
 
 
 def continuation_table(tokenizer) -> torch.Tensor:
-    """bool [vocab]: True for WordPiece continuation tokens (``##...``), which whole-word masking keeps with the
-    token before them."""
+    """bool [vocab]: True for the tokens whole-word masking keeps with the token before them: WordPiece's ``##...``
+    continuations; with a byte-level BPE (whose tokens that start a word after a space begin with ``Ġ``), every
+    token that does not, special tokens aside (a word is what spaces delimit, RoBERTa's whole words)."""
     table = torch.zeros(len(tokenizer), dtype=torch.bool)
+    byte_level = "<s>" in tokenizer.get_vocab() and tokenizer.cls_token == "<s>"
+    special = set(tokenizer.all_special_tokens)
     for token, index in tokenizer.get_vocab().items():
-        if token.startswith("##"):
+        if (not token.startswith(BYTE_LEVEL_SPACE) and token not in special) if byte_level else token.startswith("##"):
             table[index] = True
     return table
 
@@ -693,7 +736,8 @@ def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[st
     if settings.tokenizer is not None:
         tokenizer = load_given_tokenizer(settings.tokenizer)
     else:
-        tokenizer = train_tokenizer(train_docs, settings.vocab_size, settings.max_length)
+        tokenizer = train_tokenizer(train_docs, settings.vocab_size, settings.max_length,
+                                    objective=settings.objective)
     output_dir.mkdir(parents=True, exist_ok=True)
     saved = output_dir / "tokenizer"
     written = temporary_path(saved)

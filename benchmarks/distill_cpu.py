@@ -1,0 +1,279 @@
+"""Distillation figures for benchmarks/results/ (issue 24): three measured runs on this CPU, one JSON per part.
+
+    .venv/bin/python benchmarks/distill_cpu.py --out benchmarks/results/cpu-2core-distill --runs /tmp/distill
+    .venv/bin/python benchmarks/distill_cpu.py --out /tmp/distill-quick --runs /tmp/distill-quick-runs --quick
+    .venv/bin/python benchmarks/distill_cpu.py --out DIR --runs DIR --parts embedding    # one part
+
+1. ``mlm``: `fastbert pretrain` trains a BERT teacher; `fastbert distill` distils it into a DistilBERT student with
+   half its layers (the triple loss, the student initialised from the teacher's layers); the same student is trained
+   from scratch (random initialisation, masked-LM loss only) for the same steps on the same batches. Held-out
+   masked-LM loss and accuracy of all three on the same held-out documents and masks.
+2. ``embedding``: all-MiniLM-L6-v2 -> 3 layers on the CPython corpus; held-out mean cosine between student and
+   teacher embeddings; `fastbert finetune` topic / pair / code with the teacher and with the student (same steps,
+   data, seed); encode throughput of each (fastbert's model, mean pooling, sentences per second).
+3. ``roberta``: a short `fastbert pretrain --objective roberta` (byte-level BPE), its held-out MLM loss before and
+   after, and decode(encode(text)) == text on the held-out sentences plus non-ASCII sentences.
+
+The runs (checkpoints, models, metrics.jsonl, curves) stay under --runs; --out gets ``<part>.json`` for each part
+(figures, settings, machine, CPU flags) and the curves. Every figure written comes from the run just made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fastbert.files import write_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("mlm", "embedding", "roberta")
+# Sentences outside ASCII for the byte-level BPE round trip: accents, CJK, Cyrillic, Greek, emoji, symbols.
+NON_ASCII = ("Café, naïve façade: déjà vu in São Paulo and Zürich.", "日本語のテキストも、正しく戻ります。",
+             "Привет, мир! Это проверка.", "Ελληνικά: αβγ δεζ.", "Emoji 🙂🚀 and symbols ∑ ≤ ≠ → ✓.",
+             "Tabs\tand  double  spaces , before punctuation .", "한국어 문장과 العربية والعبرية עברית.")
+
+
+def machine() -> dict:
+    """CPU model, flags, cores, load, versions: what each result records about where it ran."""
+    import transformers
+
+    found = {"model name": "unknown", "flags": "unknown"}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key = line.split(":", 1)[0].strip()
+        if key in found and found[key] == "unknown":
+            found[key] = line.split(":", 1)[1].strip()
+    return {"cpu": found["model name"], "cpu_flags": found["flags"], "cores": os.cpu_count(),
+            "load_average": os.getloadavg(), "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "commit": commit()}
+
+
+def commit() -> str:
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
+
+
+def write_json(path: Path, record: dict) -> None:
+    write_atomic(path, (json.dumps(record, indent=2) + "\n").encode())
+
+
+def last_eval(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("eval")][-1]
+
+
+def fresh(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------ 1. mlm
+def part_mlm(runs: Path, out: Path, size: dict) -> dict:
+    """Teacher pretraining, distilled student, scratch student; held-out MLM figures of all three."""
+    from fastbert.training.distill import DistillSettings, distill
+    from fastbert.training.loop import latest_checkpoint
+    from fastbert.training.pretrain import PretrainSettings, pretrain
+
+    started = time.time()
+    teacher_run = fresh(runs / "mlm-teacher")
+    pretrain(PretrainSettings(output_dir=str(teacher_run), corpus="cpython", pack=True, hidden_size=size["hidden"],
+                              num_layers=size["teacher_layers"], num_heads=size["heads"], vocab_size=size["vocab"],
+                              max_length=size["max_length"], batch_size=32, learning_rate=1e-3,
+                              max_steps=size["teacher_steps"], save_every=0, eval_every=0, threads=2,
+                              progress=False, log_every=50))
+    teacher = latest_checkpoint(teacher_run)
+    common = dict(teacher=str(teacher), objective="mlm", corpus="cpython", pack=True, max_length=size["max_length"],
+                  batch_size=32, max_steps=size["student_steps"], save_every=0, eval_every=0, threads=2,
+                  progress=False, log_every=50, eval_sentences=size["eval"])
+    runs_done = {}
+    for name, extra in (("distilled", {}), ("scratch", {"init": "random", "alpha_ce": 0.0, "alpha_cos": 0.0})):
+        run_dir = fresh(runs / f"mlm-{name}")
+        distill(DistillSettings(output_dir=str(run_dir), **common, **extra))
+        runs_done[name] = {"eval": last_eval(run_dir), "summary": json.loads((run_dir / "summary.json").read_text()),
+                           "settings": {**common, **extra}}
+        shutil.copyfile(run_dir / "loss_curve.png", out / f"mlm-{name}-loss_curve.png")
+    distilled, scratch = runs_done["distilled"]["eval"], runs_done["scratch"]["eval"]
+    return {"teacher_checkpoint": str(teacher), "teacher_run": json.loads((teacher_run / "summary.json").read_text()),
+            "held_out": {"teacher": {"mlm_loss": distilled["eval_teacher_mlm_loss"],
+                                     "mlm_accuracy": distilled["eval_teacher_mlm_accuracy"]},
+                         "distilled": {"mlm_loss": distilled["eval_mlm_loss"],
+                                       "mlm_accuracy": distilled["eval_mlm_accuracy"]},
+                         "scratch": {"mlm_loss": scratch["eval_mlm_loss"],
+                                     "mlm_accuracy": scratch["eval_mlm_accuracy"]},
+                         "masked_tokens": distilled["eval_mlm_tokens"]},
+            "distillation_gain": {"mlm_loss": scratch["eval_mlm_loss"] - distilled["eval_mlm_loss"],
+                                  "mlm_accuracy": distilled["eval_mlm_accuracy"] - scratch["eval_mlm_accuracy"]},
+            "runs": runs_done, "size": size, "wall_s": round(time.time() - started, 1)}
+
+
+# ------------------------------------------------------------------------------------------------ 2. embedding
+def encode_throughput(model_dir: str, sentences: list[str], batch_size: int, repeats: int) -> list[float]:
+    """Sentences per second of fastbert's model of a checkpoint (tokenise, forward, mean pool, normalise), one
+    figure per pass over the sentences."""
+    import transformers
+
+    import fastbert
+    from fastbert.common.text import mean_pool
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = fastbert.from_pretrained(model_dir).eval()
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(0, len(sentences), batch_size):
+                batch = tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=128,
+                                  return_tensors="pt")
+                batch.pop("token_type_ids", None)
+                mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])
+        rates.append(len(sentences) / (time.perf_counter() - started))
+    return rates
+
+
+def part_embedding(runs: Path, out: Path, size: dict) -> dict:
+    """all-MiniLM-L6-v2 -> 3 layers; held-out cosine; finetune tasks with both; encode throughput of both."""
+    from fastbert.common.resolve import default_model_dir
+    from fastbert.training.corpus import cpython_sentences
+    from fastbert.training.distill import DistillSettings, distill
+    from fastbert.training.finetune import FinetuneSettings, finetune
+
+    started = time.time()
+    teacher = default_model_dir()
+    run_dir = fresh(runs / "embedding-student")
+    settings = dict(objective="embedding", student_layers=3, corpus="cpython", batch_size=size["batch"],
+                    max_steps=size["steps"], learning_rate=size["lr"], save_every=0, eval_every=size["eval_every"],
+                    threads=2, progress=False, log_every=25, eval_sentences=size["eval"])
+    distill(DistillSettings(output_dir=str(run_dir), **settings))
+    shutil.copyfile(run_dir / "loss_curve.png", out / "embedding-loss_curve.png")
+    student = str(run_dir / "model")
+    evals = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+             if r.get("eval")]
+    record: dict = {"teacher": teacher, "student": student, "distill_settings": settings,
+                    "held_out_cosine": {"before": evals[0]["eval_cosine"], "after": evals[-1]["eval_cosine"],
+                                        "sentences": evals[-1]["eval_sentences"],
+                                        "curve": [(r["step"], r["eval_cosine"]) for r in evals]},
+                    "distill_summary": json.loads((run_dir / "summary.json").read_text()), "finetune": {}}
+    for task in ("topic", "pair", "code"):
+        for name, model_dir in (("teacher", teacher), ("student", student)):
+            result = finetune(FinetuneSettings(task=task, output_dir=str(fresh(runs / f"ft-{task}-{name}")),
+                                               model_dir=model_dir, max_steps=size["ft_steps"], batch_size=16,
+                                               learning_rate=2e-4, eval_limit=size["ft_eval"], seed=0, device="cpu",
+                                               progress=False, log_every=20))
+            record["finetune"].setdefault(task, {})[name] = {
+                "accuracy": result["evaluation"]["accuracy"], "macro_f1": result["evaluation"]["macro_f1"],
+                "majority_baseline": result["majority_baseline"]["accuracy"], "steps": result["training"]["steps"],
+                "held_out": result["held_out"]["examples"], "seconds": result["training"]["seconds_this_run"]}
+        pair = record["finetune"][task]
+        pair["student_share_of_teacher"] = pair["student"]["accuracy"] / pair["teacher"]["accuracy"]
+    sentences = list(cpython_sentences(size["throughput_sentences"]))
+    rates: dict[str, list[float]] = {"teacher": [], "student": []}
+    for _ in range(size["throughput_rounds"]):  # alternated, so a change of load hits both
+        for name, model_dir in (("teacher", teacher), ("student", student)):
+            rates[name] += encode_throughput(model_dir, sentences, 64, 1)
+    record["throughput"] = {name: {"sentences_per_s_median": statistics.median(v), "all": v}
+                            for name, v in rates.items()}
+    record["throughput"]["speedup_median"] = (record["throughput"]["student"]["sentences_per_s_median"]
+                                              / record["throughput"]["teacher"]["sentences_per_s_median"])
+    record["throughput"]["sentences"], record["throughput"]["batch_size"] = len(sentences), 64
+    record["parameters"] = {name: parameters(model_dir) for name, model_dir in (("teacher", teacher),
+                                                                                ("student", student))}
+    record.update(size=size, wall_s=round(time.time() - started, 1))
+    return record
+
+
+def parameters(model_dir: str) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(os.path.join(model_dir, "model.safetensors")).values())
+
+
+# -------------------------------------------------------------------------------------------------- 3. roberta
+def part_roberta(runs: Path, out: Path, size: dict) -> dict:
+    """A short byte-level-BPE RoBERTa pretraining; held-out MLM loss first/last; the tokenizer's round trip."""
+    import transformers
+
+    from fastbert.training.corpus import cpython_documents
+    from fastbert.training.loop import latest_checkpoint
+    from fastbert.training.pretrain import PretrainSettings, hold_out, pretrain
+
+    started = time.time()
+    run_dir = fresh(runs / "roberta-bpe")
+    log = io.StringIO()
+    pretrain(PretrainSettings(output_dir=str(run_dir), corpus="pydoc", objective="roberta", pack=True,
+                              hidden_size=size["hidden"], num_layers=size["layers"], num_heads=size["heads"],
+                              vocab_size=size["vocab"], max_length=size["max_length"], batch_size=32,
+                              learning_rate=1e-3, max_steps=size["steps"], save_every=0,
+                              eval_every=size["eval_every"], threads=2, progress=False, log_every=50), log=log)
+    shutil.copyfile(run_dir / "loss_curve.png", out / "roberta-loss_curve.png")
+    checkpoint = latest_checkpoint(run_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = transformers.AutoModelForMaskedLM.from_pretrained(checkpoint)
+    _, held_docs = hold_out(cpython_documents("pydoc"), 0.05, 0)
+    held = [s for doc in held_docs for s in doc]
+    texts = held + list(NON_ASCII)
+    failures = [t for t in texts if tokenizer.decode(tokenizer(t)["input_ids"], skip_special_tokens=True) != t]
+    unknown = sum(tokenizer(t)["input_ids"].count(tokenizer.unk_token_id) for t in texts)
+    evals = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+             if r.get("eval")]
+    return {"tokenizer_class": type(tokenizer).__name__, "model_class": type(model).__name__,
+            "vocab_size": len(tokenizer), "specials": {t: tokenizer.convert_tokens_to_ids(t)
+                                                       for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")},
+            "held_out_mlm_loss": [(r["step"], r["eval_mlm_loss"]) for r in evals],
+            "held_out_mlm_accuracy": [(r["step"], r["eval_mlm_accuracy"]) for r in evals],
+            "round_trip": {"texts": len(texts), "held_out_sentences": len(held), "non_ascii_sentences": len(NON_ASCII),
+                           "exact": len(texts) - len(failures), "failures": failures[:10],
+                           "unknown_tokens": unknown},
+            "log_first_line": log.getvalue().splitlines()[0], "size": size, "wall_s": round(time.time() - started, 1)}
+
+
+SIZES = {
+    "full": {"mlm": dict(hidden=128, heads=2, teacher_layers=4, vocab=5000, max_length=64, teacher_steps=500,
+                         student_steps=300, eval=512),
+             "embedding": dict(batch=16, steps=300, lr=1e-4, eval_every=100, eval=512, ft_steps=40, ft_eval=500,
+                               throughput_sentences=512, throughput_rounds=3),
+             "roberta": dict(hidden=128, heads=2, layers=2, vocab=5000, max_length=64, steps=300, eval_every=100)},
+    "quick": {"mlm": dict(hidden=32, heads=2, teacher_layers=4, vocab=500, max_length=32, teacher_steps=10,
+                          student_steps=5, eval=32),
+              "embedding": dict(batch=8, steps=3, lr=1e-4, eval_every=0, eval=16, ft_steps=2, ft_eval=16,
+                                throughput_sentences=32, throughput_rounds=1),
+              "roberta": dict(hidden=32, heads=2, layers=1, vocab=500, max_length=32, steps=10, eval_every=5)},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="where the JSON figures and curves go")
+    parser.add_argument("--runs", required=True, help="where the runs (checkpoints, models) go")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a sanity run of the whole script")
+    parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    out, runs = Path(args.out), Path(args.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    runs.mkdir(parents=True, exist_ok=True)
+    sizes = SIZES["quick" if args.quick else "full"]
+    functions = {"mlm": part_mlm, "embedding": part_embedding, "roberta": part_roberta}
+    for part in args.parts:
+        began = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        record = functions[part](runs, out, sizes[part])
+        record.update(part=part, quick=args.quick, started=began, machine=machine(),
+                      ended=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+        write_json(out / f"{part}.json", record)
+        sys.stderr.write(f"distill_cpu: {part} done in {record['wall_s']} s -> {out / (part + '.json')}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""``fastbert distill``: train a smaller student from a teacher (`fastbert.training.distill`): DistilBERT's triple loss
+from a masked-LM teacher (``--objective mlm``), or a shallower sentence-embedding model from a sentence-transformers
+teacher (``--objective embedding``); checkpoints (resumable), metrics.jsonl, loss_curve.png, the student in DIR/model.
+
+The training modules (torch, transformers) are imported in `run`, so ``fastbert --help`` does not load them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from fastbert.cli import shared
+from fastbert.common.resolve import UserError
+
+OBJECTIVES = ("mlm", "embedding")  # fastbert.training.distill.OBJECTIVES, without importing torch for --help
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``distill`` to the ``fastbert`` parser."""
+    parser = subparsers.add_parser(
+        "distill", help="distil a teacher into a smaller student: DistilBERT (mlm) or a sentence-embedding model",
+        description="Distil a teacher checkpoint into a student with fewer layers, through fastbert's kernels. "
+        "mlm: a BERT/RoBERTa masked-LM teacher -> a DistilBERT student (no token types, no pooler, half the layers, "
+        "initialised from the teacher's), DistilBERT's triple loss (soft targets at temperature 2, masked LM, "
+        "cosine of hidden states: weights 5/2/1), dynamic masking, no NSP. embedding: a sentence-transformers "
+        "teacher (default the embedded all-MiniLM-L6-v2) -> the same model with N of its layers, MSE between "
+        "sentence embeddings. Checkpoints in HF format (resumable), metrics.jsonl, loss_curve.png, the final "
+        "student in DIR/model.")
+    add_run_options(parser)
+    add_loss_options(parser)
+    add_training_options(parser)
+    return parser
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """Teacher, output, objective, the student's layers and the corpus."""
+    parser.add_argument("files", nargs="*", metavar="FILE",
+                        help="text files (a blank line ends a document); default: CPython's documentation")
+    parser.add_argument("--teacher", metavar="DIR", default=None,
+                        help="the teacher checkpoint: a BERT/RoBERTa ...ForMaskedLM or ...ForPreTraining (mlm, "
+                        "required), a sentence-transformers model (embedding; default the embedded all-MiniLM-L6-v2)")
+    parser.add_argument("-o", "--output-dir", required=True, metavar="DIR",
+                        help="checkpoints, metrics, curve, and the student in DIR/model")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="mlm",
+                        help="mlm: DistilBERT's distillation (default); embedding: sentence embeddings")
+    parser.add_argument("--student-layers", type=int, default=None, metavar="N",
+                        help="layers of the student (default half the teacher's), spread over the teacher's "
+                        "depth, first and last included (12 -> 6: layers 0 2 4 7 9 11, DistilBERT's choice)")
+    parser.add_argument("--teacher-layers", default=None, metavar="I,J,...",
+                        help="the teacher layers the student starts from, instead of the spread default")
+    parser.add_argument("--init", choices=("teacher", "random"), default="teacher",
+                        help="teacher: copy the teacher's weights (default); random: a student from scratch")
+    parser.add_argument("--corpus", choices=("pydoc", "cpython"), default=None,
+                        help="without FILEs: pydoc (the reference topics; mlm default) or cpython (also the standard "
+                        "library's docstrings; embedding default)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per sequence (default 128, or the teacher's positions when fewer)")
+    parser.add_argument("--mlm-probability", type=float, default=0.15, help="mlm: share of tokens masked (0.15)")
+    parser.add_argument("--pack", action="store_true",
+                        help="mlm: fill sequences with consecutive sentences up to --max-length")
+
+
+def add_loss_options(parser: argparse.ArgumentParser) -> None:
+    """The loss's weights (defaults: DistilBERT's for mlm, MSE for embedding)."""
+    parser.add_argument("--temperature", type=float, default=None, help="mlm: softmax temperature (default 2.0)")
+    parser.add_argument("--alpha-ce", type=float, default=None, help="mlm: weight of the soft-target loss (5.0)")
+    parser.add_argument("--alpha-mlm", type=float, default=None, help="mlm: weight of the masked-LM loss (2.0)")
+    parser.add_argument("--alpha-cos", type=float, default=None,
+                        help="weight of the cosine loss: of hidden states (mlm, default 1.0) or of sentence "
+                        "embeddings (embedding, default 0)")
+    parser.add_argument("--alpha-mse", type=float, default=None,
+                        help="embedding: weight of the MSE between sentence embeddings (default 1.0)")
+
+
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """Optimisation (DistilBERT's defaults), evaluation, checkpoints, logging and where the run runs."""
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
+    parser.add_argument("--max-steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="peak learning rate (default 5e-4 for mlm, DistilBERT's; 1e-4 for embedding)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="default 5%% of --max-steps")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="default 0 (DistilBERT's)")
+    parser.add_argument("--max-grad-norm", type=float, default=5.0, help="0: no clipping (default 5.0, DistilBERT's)")
+    parser.add_argument("--held-out", type=float, default=0.05, help="share of the documents held out (0.05)")
+    parser.add_argument("--eval-sentences", type=int, default=512, help="held-out sequences evaluated (512)")
+    parser.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0: at the end)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
+    parser.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps (0: at the "
+                        "end)")
+    parser.add_argument("--log-every", type=int, default=10, help="progress line every N steps (default 10)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue the run in -o from its latest checkpoint")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--backend", default="auto", help="fastbert backend for fastbert.optimize (default auto)")
+    parser.add_argument("--no-optimize", action="store_true", help="run the plain transformers models")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="redraw the progress line in place (default: when stderr is a terminal)")
+
+
+def teacher_layers(text: str | None) -> tuple[int, ...] | None:
+    """--teacher-layers '0,2,5' as (0, 2, 5); UserError for anything else."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError as err:
+        raise UserError(f"--teacher-layers must be comma-separated layer numbers, got {text!r}") from err
+
+
+def run(args: argparse.Namespace) -> int:
+    """Distil (see `fastbert.training.distill`); a run that cannot start or continue is a UserError."""
+    shared.need_transformers("distill")
+    from fastbert.training import distill as distillation
+    from fastbert.training.loop import TrainingError
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(distillation.DistillSettings)
+             if hasattr(args, f.name)}
+    settings = distillation.DistillSettings(**{**given, "files": tuple(args.files), "optimize": not args.no_optimize,
+                                               "teacher_layers": teacher_layers(args.teacher_layers)})
+    try:
+        distillation.distill(settings)
+    except TrainingError as err:
+        raise UserError(str(err)) from err
+    return 0
