@@ -7,51 +7,91 @@
     fastbert bench [options]      end-to-end benchmark against HF eager/SDPA, torch.compile, ONNX Runtime
     fastbert finetune --task T -o DIR   fine-tune a classifier on a real labelled set built offline (held-out accuracy)
     fastbert pretrain -o DIR [FILE...]  pretrain a small BERT/RoBERTa/ALBERT from scratch (CPython's docs by default)
+    fastbert distill --teacher DIR -o DIR   distil a teacher into a smaller student (DistilBERT, or sentence embeddings)
     fastbert serve [options]      an HTTP server: embeddings, reranking or classification, batched by a token budget
 
 One module per command (`fastbert.cli.demo`, ...), each with ``add_parser(subparsers)`` and ``run(args)``; what
 several of them share is in `fastbert.cli.shared`. Errors the user can fix (a missing path, an unsupported model
 family, a device that is not there, a bad dtype) print one line, ``fastbert: error: ...``, on stderr and exit
-non-zero. transformers, onnxruntime and matplotlib are imported inside the commands, so ``fastbert --help`` stays
-fast.
+non-zero. Only the command that runs is imported: ``fastbert --help`` lists the commands from `SUMMARIES`, and
+``--help`` and ``--version`` import neither torch nor transformers (``fastbert.__version__`` comes from the
+package metadata).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from types import ModuleType
 
 from fastbert import __version__
-from fastbert.backends import BackendUnavailable
-from fastbert.cli import bench, check, demo, embed, finetune, pretrain, serve, shared
-from fastbert.common.resolve import UserError
-from fastbert.loading import CheckpointError
 
-COMMANDS = {"demo": demo, "check": check, "embed": embed, "bench": bench, "finetune": finetune, "pretrain": pretrain,
-            "serve": serve}
+# command -> its one-line summary in ``fastbert --help`` (each command module's add_parser gives the same as
+# ``help``; tests/cli checks that they agree)
+SUMMARIES = {
+    "demo": "transformers vs fastbert on 16 real sentences (the default command)",
+    "check": "compare fastbert with transformers on a checkpoint; PASS/FAIL",
+    "embed": "embed texts or a whole corpus: streaming, one output row per input row, resumable",
+    "bench": "end-to-end benchmark against transformers, torch.compile, ONNX Runtime and peers",
+    "finetune": "fine-tune a sequence/token classifier on a small real labelled set built offline",
+    "pretrain": "pretrain a small BERT/RoBERTa/ALBERT from scratch on CPython's docs or text files",
+    "distill": "distil a teacher into a smaller student: DistilBERT (mlm) or a sentence-embedding model",
+    "serve": "an embedding / rerank / classification HTTP server with token-budget dynamic batching",
+}
+COMMANDS = tuple(SUMMARIES)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every command."""
-    parser = shared.Parser(prog="fastbert", description="Fast BERT-family encoders: demo, check, embed, bench. With "
-                           "no command, runs the demo on the embedded all-MiniLM-L6-v2.")
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line on stderr (exit status 2, no usage text)."""
+
+    def error(self, message: str) -> argparse.NoReturn:  # type: ignore[override]
+        sys.stderr.write(f"fastbert: error: {message}\n")
+        sys.exit(2)
+
+
+def command_module(name: str) -> ModuleType:
+    """The module of command ``name`` (`fastbert.cli.<name>`), imported on first use."""
+    return importlib.import_module(f"fastbert.cli.{name}")
+
+
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser with the options of ``commands`` (default: every command); the other commands are
+    listed with their summary only, so that building it imports no command module."""
+    full = set(COMMANDS if commands is None else commands)
+    parser = Parser(prog="fastbert", description="Fast BERT-family encoders: demo, check, embed, bench. With "
+                    "no command, runs the demo on the embedded all-MiniLM-L6-v2.")
     parser.add_argument("--version", action="version", version=f"fastbert {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for command in COMMANDS.values():
-        command.add_parser(subparsers)
+    for name in COMMANDS:
+        if name in full:
+            command_module(name).add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=SUMMARIES[name], add_help=False)
     return parser
+
+
+def _chosen(argv: Sequence[str]) -> str:
+    """The command that ``argv`` runs: its first word that is not an option (the top-level options take no
+    value), the demo when there is none."""
+    return next((word for word in argv if not word.startswith("-")), "demo")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fastbert`` console script; returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = _chosen(argv)
+    args = build_parser([name] if name in SUMMARIES else ()).parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["demo"])
+        args = build_parser(["demo"]).parse_args(["demo"])
+    from fastbert.backends import BackendUnavailable
+    from fastbert.common.resolve import UserError
+    from fastbert.loading import CheckpointError
+
     try:
-        return COMMANDS[args.command].run(args)
+        return command_module(args.command).run(args)
     except (UserError, CheckpointError, BackendUnavailable) as err:
         sys.stderr.write(f"fastbert: error: {err}\n")
         return 1
