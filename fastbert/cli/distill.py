@@ -2,15 +2,13 @@
 from a masked-LM teacher (``--objective mlm``), or a shallower sentence-embedding model from a sentence-transformers
 teacher (``--objective embedding``); checkpoints (resumable), metrics.jsonl, loss_curve.png, the student in DIR/model.
 
-The training modules (torch, transformers) are imported in `run`, so ``fastbert --help`` does not load them."""
+Everything heavy (torch, transformers, the training modules, `fastbert.cli.shared`) is imported when the command
+runs, so building the parser (``fastbert --help``) loads none of it."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-
-from fastbert.cli import shared
-from fastbert.common.resolve import UserError
 
 OBJECTIVES = ("mlm", "embedding")  # fastbert.training.distill.OBJECTIVES, without importing torch for --help
 
@@ -100,6 +98,8 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
 
 def teacher_layers(text: str | None) -> tuple[int, ...] | None:
     """--teacher-layers '0,2,5' as (0, 2, 5); UserError for anything else."""
+    from fastbert.common.resolve import UserError
+
     if text is None:
         return None
     try:
@@ -110,6 +110,9 @@ def teacher_layers(text: str | None) -> tuple[int, ...] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Distil (see `fastbert.training.distill`); a run that cannot start or continue is a UserError."""
+    from fastbert.cli import shared
+    from fastbert.common.resolve import UserError
+
     shared.need_transformers("distill")
     from fastbert.training import distill as distillation
     from fastbert.training.loop import TrainingError
