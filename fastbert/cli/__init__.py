@@ -26,6 +26,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from types import ModuleType
+from typing import NoReturn
 
 from fastbert import __version__
 
@@ -35,7 +36,7 @@ SUMMARIES = {
     "demo": "transformers vs fastbert on 16 real sentences (the default command)",
     "check": "compare fastbert with transformers on a checkpoint; PASS/FAIL",
     "embed": "embed texts or a whole corpus: streaming, one output row per input row, resumable",
-    "bench": "end-to-end benchmark against transformers, torch.compile, ONNX Runtime and peers",
+    "bench": "end-to-end benchmark against transformers, torch.compile, ONNX Runtime",
     "finetune": "fine-tune a sequence/token classifier on a small real labelled set built offline",
     "pretrain": "pretrain a small BERT/RoBERTa/ALBERT from scratch on CPython's docs or text files",
     "distill": "distil a teacher into a smaller student: DistilBERT (mlm) or a sentence-embedding model",
@@ -47,7 +48,7 @@ COMMANDS = tuple(SUMMARIES)
 class Parser(argparse.ArgumentParser):
     """argparse, with usage errors as one line on stderr (exit status 2, no usage text)."""
 
-    def error(self, message: str) -> argparse.NoReturn:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
         sys.stderr.write(f"fastbert: error: {message}\n")
         sys.exit(2)
 
@@ -73,10 +74,10 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
-def _chosen(argv: Sequence[str]) -> str:
-    """The command that ``argv`` runs: its first word that is not an option (the top-level options take no
-    value), the demo when there is none."""
-    return next((word for word in argv if not word.startswith("-")), "demo")
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The command that ``argv`` names: its first word that is not an option (the top-level options take no
+    value); None when there is none."""
+    return next((word for word in argv if not word.startswith("-")), None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,11 +1,10 @@
-"""What several ``fastbert`` commands share: the parser that prints usage errors as one line, the model options,
-the thread option's check, loading fastbert's model, and a forward that records which backend ran each op."""
+"""What several ``fastbert`` commands share: the model options, the thread option's check, loading fastbert's model,
+and a forward that records which backend ran each op (the parser is `fastbert.cli.Parser`)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -13,14 +12,6 @@ from fastbert.backends import BACKENDS
 from fastbert.bench import peers, recording
 from fastbert.common.resolve import UserError, model_name
 from fastbert.loading import CheckpointError
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, with usage errors as one line on stderr (exit status 2, no usage text)."""
-
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        sys.stderr.write(f"fastbert: error: {message}\n")
-        sys.exit(2)
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """The `fastbert` command: each subcommand on tiny inputs, its printed output checked, and its errors (one line on
 stderr, non-zero exit, no traceback)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -136,14 +137,30 @@ def test_absent_device_error_in_a_real_process():
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_help_lists_commands_without_importing_transformers():
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
+def test_help_and_version_import_neither_torch_nor_transformers(argv):
+    """``fastbert --help`` and ``--version`` answer at once: nothing heavy is imported (torch alone takes seconds)."""
     code = ("import sys; from fastbert import cli\n"
-            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print('transformers' in sys.modules, 'onnxruntime' in sys.modules)")
+            f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print(*(name in sys.modules for name in ('torch', 'transformers', 'onnxruntime')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
-    assert "{demo,check,embed,bench,finetune,pretrain,serve}" in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "False False"
+    assert proc.returncode == 0, proc.stderr
+    if argv == ["--help"]:
+        assert "{" + ",".join(cli.COMMANDS) + "}" in proc.stdout
+        assert all(summary.split(":")[0] in " ".join(proc.stdout.split()) for summary in cli.SUMMARIES.values())
+    else:
+        assert proc.stdout.startswith("fastbert ")
+    assert proc.stdout.splitlines()[-1] == "False False False"
+
+
+def test_command_summaries_are_the_commands_own():
+    """`fastbert --help` lists each command with `cli.SUMMARIES` without importing it: the same line as the
+    command's own parser gives."""
+    full = cli.build_parser()
+    light = cli.build_parser(())
+    actions = [a for parser in (full, light) for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    own, listed = ({choice.dest: choice.help for choice in action._choices_actions} for action in actions)
+    assert own == listed == cli.SUMMARIES
 
 
 def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir, monkeypatch):
