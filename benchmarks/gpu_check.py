@@ -275,7 +275,7 @@ def real_size_cases(dry_run: bool) -> list:
 
 
 def grid_cases(dry_run: bool) -> list:
-    """tests/ops' grid (test_linear_ops, test_attention, test_embedding_layernorm), as op_checks calls."""
+    """tests/ops' grid (the linear ops, attention, embedding_layernorm), as op_checks calls."""
     from tools import op_checks
 
     dtypes = (torch.float16,) if dry_run else (torch.float16, torch.bfloat16, torch.float32)

@@ -51,7 +51,7 @@ FIELDS = {
 
 
 def save_hf_model(family: str, task: str, directory, **config_overrides):
-    """`hf_tiny.tiny_model` (seeded, every parameter perturbed) of ``task``'s class, saved (safetensors)."""
+    """`tests.helpers.tiny_model` (seeded, every parameter perturbed) of ``task``'s class, saved (safetensors)."""
     model = tiny_model(family, HF_SUFFIX.get(task, task), **config_overrides)
     model.save_pretrained(directory)
     return model

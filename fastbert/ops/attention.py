@@ -13,7 +13,7 @@ Sliding window (ModernBERT's local layers): `window` is the total width, ModernB
 (e.g. 128). A query at position i attends key j (positions within its own sequence: the packed sequence's token
 index, or the padded form's index along S) iff |i - j| <= window // 2, and the key is real. This is transformers'
 rule: ModernBertConfig.sliding_window = local_attention // 2 and `create_bidirectional_sliding_window_mask` keeps
-`abs(q_idx - kv_idx) <= sliding_window` (tests/ops/test_attention_window.py compares with it). So window 0 or 1 is each
+`abs(q_idx - kv_idx) <= sliding_window` (tests/ops/test_attention.py compares with it). So window 0 or 1 is each
 token attending to itself alone, an odd window w has width w, an even one w + 1, and a window of 2 * (S - 1) or more
 is global attention. window=None: global; otherwise an int >= 0 (ValueError else). A query whose window holds no
 real key gets zeros. Caution: packed positions count a sequence's kept tokens, so a batch with left padding or

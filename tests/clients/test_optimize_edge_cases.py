@@ -3,7 +3,7 @@ torch.func, autocast, module attributes and config edits, a pooler added later, 
 accelerate hooks. Each case gives the optimized model the same numbers as an untouched one treated the same way,
 or fastbert's path where nothing should stop it.
 
-Every test builds two identical seeded tiny models (`tests.hf_tiny.tiny_model`), optimizes one, applies the same
+Every test builds two identical seeded tiny models (`tests.helpers.tiny_model`), optimizes one, applies the same
 operation to both and compares the results of the same call under inference mode (or asserts that fastbert's ops
 ran where nothing should stop them). "fastbert ran" = `record_backends()` saw every fused op.
 """

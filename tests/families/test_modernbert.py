@@ -3,7 +3,7 @@ to it (sliding-window layers on sequences longer than the window, layer type sch
 off, classifier pooling), transformers' eager and sdpa attention, and bad input.
 
 The generic checks (every head class by from_pretrained and by optimize, the clients) cover ModernBERT through
-`tests.hf_tiny` (FAMILIES, HEADS) and `tests.test_heads` (FAMILY_TASKS)."""
+`tests.helpers` (FAMILIES, HEADS) and tests/test_heads.py (FAMILY_TASKS)."""
 
 from __future__ import annotations
 
