@@ -286,11 +286,8 @@ def teacher_config_fields(teacher_dir: str) -> dict[str, Any]:
     return read_json_file(directory / "config.json")
 
 
-def load_mlm_teacher(teacher_dir: str, device: torch.device) -> torch.nn.Module:
-    """A BERT/RoBERTa masked-LM teacher in eval mode without gradients; UserError (before anything trains) for
-    another family or a checkpoint without a masked-LM head."""
-    import transformers
-
+def check_mlm_teacher(teacher_dir: str) -> None:
+    """UserError unless the directory holds a BERT/RoBERTa checkpoint with a masked-LM head (by its config)."""
     fields = teacher_config_fields(teacher_dir)
     model_type = fields.get("model_type")
     if model_type not in MLM_TEACHER_TYPES:
@@ -301,8 +298,30 @@ def load_mlm_teacher(teacher_dir: str, device: torch.device) -> torch.nn.Module:
         raise UserError(f"--teacher {teacher_dir} has no masked-LM head (architectures: "
                         f"{', '.join(architectures) or 'none'}); the mlm objective needs a ...ForMaskedLM or "
                         "...ForPreTraining checkpoint (e.g. one `fastbert pretrain` wrote)")
-    model, info = transformers.AutoModelForMaskedLM.from_pretrained(teacher_dir, output_loading_info=True,
-                                                                    attn_implementation="eager")
+
+
+def teacher_config(teacher_dir: str):
+    """The teacher's transformers config; UserError when transformers cannot read it."""
+    import transformers
+
+    teacher_config_fields(teacher_dir)
+    try:
+        return transformers.AutoConfig.from_pretrained(teacher_dir)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"--teacher {teacher_dir}: cannot read its config ({str(err).splitlines()[0]})") from err
+
+
+def load_mlm_teacher(teacher_dir: str, device: torch.device) -> torch.nn.Module:
+    """A BERT/RoBERTa masked-LM teacher (`check_mlm_teacher` first) in eval mode without gradients; UserError for
+    weights that lack the masked-LM head or do not fit the config."""
+    import transformers
+
+    check_mlm_teacher(teacher_dir)
+    try:
+        model, info = transformers.AutoModelForMaskedLM.from_pretrained(teacher_dir, output_loading_info=True,
+                                                                        attn_implementation="eager")
+    except (OSError, ValueError, RuntimeError) as err:
+        raise UserError(f"--teacher {teacher_dir}: cannot load the model ({str(err).splitlines()[0]})") from err
     missing = [k for k in info["missing_keys"] if "position_ids" not in k]
     if missing:
         raise UserError(f"--teacher {teacher_dir}: its weights lack {', '.join(missing[:3])}"
@@ -337,7 +356,7 @@ def load_embedding_teacher(teacher_dir: str, device: torch.device) -> torch.nn.M
     teacher_config_fields(teacher_dir)
     try:
         model = transformers.AutoModel.from_pretrained(teacher_dir, attn_implementation="eager")
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RuntimeError) as err:
         raise UserError(f"--teacher {teacher_dir}: cannot load the model ({str(err).splitlines()[0]})") from err
     return freeze(model, device)
 
@@ -834,11 +853,12 @@ def sequence_length(settings: DistillSettings, teacher_config) -> int:
 def plan_mlm(settings: DistillSettings, teacher_dir: str, device: torch.device
              ) -> tuple[MlmDistillationTask, torch.nn.Module]:
     """The teacher, the DistilBERT student and the task of an mlm distillation (every check before training)."""
+    check_mlm_teacher(teacher_dir)
+    config = teacher_config(teacher_dir)
+    tokenizer = load_teacher_tokenizer(teacher_dir, config, "mlm")
+    indices = student_layer_indices(config.num_hidden_layers, settings.student_layers, settings.teacher_layers)
+    max_length = sequence_length(settings, config)
     teacher = load_mlm_teacher(teacher_dir, device)
-    tokenizer = load_teacher_tokenizer(teacher_dir, teacher.config, "mlm")
-    indices = student_layer_indices(teacher.config.num_hidden_layers, settings.student_layers,
-                                    settings.teacher_layers)
-    max_length = sequence_length(settings, teacher.config)
     torch.manual_seed(settings.seed)  # the random initialisation of what is not copied (or of everything)
     student = build_mlm_student(teacher, indices, from_teacher=settings.init == "teacher").to(device)
     # DistilBERT's tokenizer gives no token types; the student's copy of the teacher's says so
@@ -864,13 +884,14 @@ def plan_embedding(settings: DistillSettings, teacher_dir: str, device: torch.de
                    ) -> tuple[EmbeddingDistillationTask, torch.nn.Module]:
     """The teacher, the shallower student and the task of an embedding distillation (every check first)."""
     pooling, normalize, modules = sentence_transformer_modules(teacher_dir)
-    teacher = load_embedding_teacher(teacher_dir, device)
-    tokenizer = load_teacher_tokenizer(teacher_dir, teacher.config, "embedding")
-    layers = getattr(teacher.config, "num_hidden_layers", None)
+    config = teacher_config(teacher_dir)
+    tokenizer = load_teacher_tokenizer(teacher_dir, config, "embedding")
+    layers = getattr(config, "num_hidden_layers", None)
     if layers is None:
         raise UserError(f"--teacher {teacher_dir}: its config names no number of layers")
     indices = student_layer_indices(layers, settings.student_layers, settings.teacher_layers)
-    max_length = sequence_length(settings, teacher.config)
+    max_length = sequence_length(settings, config)
+    teacher = load_embedding_teacher(teacher_dir, device)
     torch.manual_seed(settings.seed)
     student = build_layer_student(teacher, indices, from_teacher=settings.init == "teacher").to(device)
     documents = read_documents(settings, "cpython")

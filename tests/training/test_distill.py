@@ -1,0 +1,424 @@
+"""fastbert distill: the triple loss against a direct computation (each term alone, with its weight), the student's
+initialisation (exactly the chosen teacher layers; a full-depth copy computes what the teacher computes), short runs
+whose loss falls and whose output loads in transformers / sentence-transformers / fastbert, the refusals before any
+training (one line each), and resume after a real SIGKILL equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from fastbert import cli  # noqa: E402
+from fastbert.common.resolve import UserError, default_model_dir  # noqa: E402
+from fastbert.training.corpus import split_sentences  # noqa: E402
+from fastbert.training.distill import (  # noqa: E402
+    DISTILBERT_LOSS,
+    DistillSettings,
+    LossWeights,
+    build_layer_student,
+    build_mlm_student,
+    distill,
+    embedding_loss,
+    student_layer_indices,
+    triple_loss,
+)
+from fastbert.training.loop import latest_checkpoint  # noqa: E402
+from fastbert.training.pretrain import train_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["--batch-size", "4", "--threads", "1", "--log-every", "1000", "--no-progress", "--eval-sentences", "16"]
+
+
+def _documents() -> list[list[str]]:
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return [split_sentences(topics[key])[:25] for key in sorted(topics)[:24] if len(split_sentences(topics[key])) >= 4]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small real text: 24 documents (so two are held out whole) of CPython's reference topics."""
+    path = tmp_path_factory.mktemp("corpus") / "docs.txt"
+    path.write_text("\n\n".join("\n".join(doc) for doc in _documents()) + "\n", encoding="utf-8")
+    return path
+
+
+def _masked_lm_teacher(objective: str, layers: int = 4, seed: int = 0, initializer_range: float = 0.02):
+    """A tiny random BertForMaskedLM (WordPiece) or RobertaForMaskedLM (byte-level BPE) and its tokenizer."""
+    tokenizer = train_tokenizer(_documents(), 300, 32, objective=objective)
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
+                  intermediate_size=32, pad_token_id=tokenizer.pad_token_id, initializer_range=initializer_range)
+    if objective == "roberta":
+        config = transformers.RobertaConfig(**fields, max_position_embeddings=32 + tokenizer.pad_token_id + 1,
+                                            type_vocab_size=1)
+        return transformers.RobertaForMaskedLM(config).eval(), tokenizer
+    return transformers.BertForMaskedLM(transformers.BertConfig(**fields, max_position_embeddings=32)).eval(), \
+        tokenizer
+
+
+@pytest.fixture(scope="module")
+def bert_teacher(tmp_path_factory) -> Path:
+    """A tiny BertForMaskedLM checkpoint with its WordPiece tokenizer; large random weights give it peaked output
+    distributions (soft targets far from uniform: something for a student to learn)."""
+    model, tokenizer = _masked_lm_teacher("bert", initializer_range=0.5)
+    path = tmp_path_factory.mktemp("teacher")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _run(args: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(args)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------- loss
+def _outputs(seed: int = 0):
+    """Teacher and student outputs of a tiny BERT teacher and its DistilBERT student on a padded, masked batch."""
+    teacher, tokenizer = _masked_lm_teacher("bert", seed=seed)
+    torch.manual_seed(seed + 1)
+    student = build_mlm_student(teacher, [0, 3], from_teacher=False).eval()
+    batch = tokenizer(["Names refer to objects.", "A class definition defines a class object."], padding=True,
+                      return_tensors="pt")
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[0, 2], labels[1, 3], labels[1, 5] = batch["input_ids"][0, 2], batch["input_ids"][1, 3], \
+        batch["input_ids"][1, 5]
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        t = teacher(**inputs, output_hidden_states=True)
+        s = student(**inputs, output_hidden_states=True)
+    return s.logits, s.hidden_states[-1], t.logits, t.hidden_states[-1], labels, batch["attention_mask"]
+
+
+def _direct_terms(s_logits, s_hidden, t_logits, t_hidden, labels, mask, temperature):
+    """The three terms written out token by token, in float64."""
+    ce, cos, real = 0.0, 0.0, 0
+    for b in range(mask.shape[0]):
+        for i in range(mask.shape[1]):
+            if not mask[b, i]:
+                continue
+            real += 1
+            p_t = torch.softmax(t_logits[b, i].double() / temperature, -1)
+            log_p_s = torch.log_softmax(s_logits[b, i].double() / temperature, -1)
+            ce += float((p_t * (p_t.log() - log_p_s)).sum())
+            a, c = s_hidden[b, i].double(), t_hidden[b, i].double()
+            cos += 1 - float(a @ c / (a.norm() * c.norm()))
+    positions = (labels != -100).nonzero().tolist()
+    mlm = sum(-float(torch.log_softmax(s_logits[b, i].double(), -1)[labels[b, i]]) for b, i in positions)
+    return {"ce_loss": ce / real * temperature ** 2, "mlm_loss": mlm / len(positions), "cos_loss": cos / real}
+
+
+@pytest.mark.parametrize("term, weights", [
+    ("ce_loss", LossWeights(temperature=2.0, alpha_ce=5.0, alpha_mlm=0.0, alpha_cos=0.0)),
+    ("ce_loss", LossWeights(temperature=1.0, alpha_ce=0.5, alpha_mlm=0.0, alpha_cos=0.0)),
+    ("mlm_loss", LossWeights(alpha_ce=0.0, alpha_mlm=2.0, alpha_cos=0.0)),
+    ("cos_loss", LossWeights(alpha_ce=0.0, alpha_mlm=0.0, alpha_cos=3.0)),
+])
+def test_each_term_of_the_triple_loss_alone(term, weights):
+    s_logits, s_hidden, t_logits, t_hidden, labels, mask = _outputs()
+    total, terms = triple_loss(s_logits, s_hidden, labels, mask, weights, t_logits, t_hidden)
+    expected = _direct_terms(s_logits, s_hidden, t_logits, t_hidden, labels, mask, weights.temperature)[term]
+    assert list(terms) == [term]
+    assert float(terms[term]) == pytest.approx(expected, rel=1e-5)
+    alpha = {"ce_loss": weights.alpha_ce, "mlm_loss": weights.alpha_mlm, "cos_loss": weights.alpha_cos}[term]
+    assert float(total) == pytest.approx(alpha * expected, rel=1e-5)
+    assert expected > 1e-3  # the student is random: a term near 0 would not test much
+
+
+def test_triple_loss_with_distilbert_weights_is_the_weighted_sum():
+    s_logits, s_hidden, t_logits, t_hidden, labels, mask = _outputs(seed=3)
+    total, terms = triple_loss(s_logits, s_hidden, labels, mask, DISTILBERT_LOSS, t_logits, t_hidden)
+    direct = _direct_terms(s_logits, s_hidden, t_logits, t_hidden, labels, mask, 2.0)
+    assert (DISTILBERT_LOSS.temperature, DISTILBERT_LOSS.alpha_ce, DISTILBERT_LOSS.alpha_mlm,
+            DISTILBERT_LOSS.alpha_cos) == (2.0, 5.0, 2.0, 1.0)
+    assert float(total) == pytest.approx(5 * direct["ce_loss"] + 2 * direct["mlm_loss"] + direct["cos_loss"],
+                                         rel=1e-5)
+    # the padded positions take no part: changing the logits there changes nothing
+    poisoned = s_logits.clone()
+    poisoned[mask == 0] = 1e4
+    assert float(triple_loss(poisoned, s_hidden, labels, mask, DISTILBERT_LOSS, t_logits, t_hidden)[0]) == \
+        pytest.approx(float(total), rel=1e-6)
+
+
+def test_embedding_loss_terms():
+    gen = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    total, terms = embedding_loss(student, teacher, LossWeights(alpha_mse=2.0, alpha_cos=0.0))
+    assert list(terms) == ["mse_loss"]
+    assert float(total) == pytest.approx(2.0 * float(((student - teacher) ** 2).mean()), rel=1e-6)
+    total, terms = embedding_loss(student, teacher, LossWeights(alpha_mse=0.0, alpha_cos=0.5))
+    direct = float((1 - (student * teacher).sum(-1) / (student.norm(dim=-1) * teacher.norm(dim=-1))).mean())
+    assert list(terms) == ["cos_loss"] and float(total) == pytest.approx(0.5 * direct, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ the student
+def test_student_layer_choice():
+    assert student_layer_indices(12) == [0, 2, 4, 7, 9, 11]  # DistilBERT's own 12 -> 6
+    assert student_layer_indices(6, 3) == [0, 3, 5]
+    assert student_layer_indices(4) == [0, 3]
+    assert student_layer_indices(6, 6) == list(range(6))
+    assert student_layer_indices(6, 1) == [5]
+    assert student_layer_indices(6, chosen=(1, 2)) == [1, 2]
+    with pytest.raises(UserError, match="cannot be deeper than its teacher"):
+        student_layer_indices(6, 7)
+    with pytest.raises(UserError, match="the teacher has layers 0 to 5"):
+        student_layer_indices(6, chosen=(0, 6))
+    with pytest.raises(UserError, match="increasing"):
+        student_layer_indices(6, chosen=(3, 1))
+
+
+@pytest.mark.parametrize("objective", ["bert", "roberta"])
+def test_distilbert_student_copies_exactly_the_chosen_layers(objective):
+    teacher, _ = _masked_lm_teacher(objective)
+    with torch.no_grad():  # non-zero biases and LayerNorm parameters, so a missed copy shows
+        for parameter in teacher.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    chosen = [1, 3]
+    student = build_mlm_student(teacher, chosen)
+    base = teacher.base_model
+    names = {"attention.q_lin": "attention.self.query", "attention.k_lin": "attention.self.key",
+             "attention.v_lin": "attention.self.value", "attention.out_lin": "attention.output.dense",
+             "sa_layer_norm": "attention.output.LayerNorm", "ffn.lin1": "intermediate.dense",
+             "ffn.lin2": "output.dense", "output_layer_norm": "output.LayerNorm"}
+    copied = 0
+    for j, i in enumerate(chosen):
+        for ours, theirs in names.items():
+            for kind in ("weight", "bias"):
+                got = student.distilbert.transformer.layer[j].get_parameter(f"{ours}.{kind}")
+                assert torch.equal(got, base.encoder.layer[i].get_parameter(f"{theirs}.{kind}")), (j, ours, kind)
+                assert not torch.equal(got, base.encoder.layer[0 if i else 1].get_parameter(f"{theirs}.{kind}"))
+                copied += 1
+    assert copied == 2 * 8 * 2
+    embeddings, ours = base.embeddings, student.distilbert.embeddings
+    offset = teacher.config.pad_token_id + 1 if objective == "roberta" else 0
+    assert torch.equal(ours.word_embeddings.weight, embeddings.word_embeddings.weight)
+    rows = ours.position_embeddings.num_embeddings
+    assert torch.equal(ours.position_embeddings.weight,
+                       embeddings.position_embeddings.weight[offset:offset + rows]
+                       + embeddings.token_type_embeddings.weight[0])
+    assert torch.equal(student.vocab_projector.bias, teacher.get_output_embeddings().bias)
+    assert student.vocab_projector.weight.data_ptr() == ours.word_embeddings.weight.data_ptr()  # tied
+
+
+@pytest.mark.parametrize("objective", ["bert", "roberta"])
+def test_a_full_depth_student_computes_what_its_teacher_computes(objective):
+    teacher, tokenizer = _masked_lm_teacher(objective, layers=3)
+    student = build_mlm_student(teacher, [0, 1, 2]).eval()
+    batch = tokenizer(["Names refer to objects.", "Café au lait, 日本"], padding=True, return_tensors="pt")
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        expected, got = teacher(**inputs).logits, student(**inputs).logits
+    real = batch["attention_mask"].bool()
+    assert torch.allclose(got[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
+def test_layer_student_keeps_the_chosen_layers_of_minilm():
+    teacher = transformers.AutoModel.from_pretrained(default_model_dir())
+    student = build_layer_student(teacher, [0, 2, 5])
+    assert student.config.num_hidden_layers == 3 and teacher.config.num_hidden_layers == 6
+    theirs, ours = teacher.state_dict(), student.state_dict()
+    for key, tensor in ours.items():
+        source = key
+        for j, i in enumerate([0, 2, 5]):
+            source = source.replace(f"encoder.layer.{j}.", f"encoder.layer.{i}.") if f"layer.{j}." in key else source
+        assert torch.equal(tensor, theirs[source]), key
+    assert not any(k.startswith("encoder.layer.3.") for k in ours)
+
+
+# ----------------------------------------------------------------------------------------------------- runs
+def test_mlm_distillation_learns_and_loads_everywhere(tmp_path, corpus, bert_teacher, capsys, one_thread):
+    import fastbert
+
+    out = tmp_path / "student"
+    code, err = _run(["distill", str(corpus), "--teacher", str(bert_teacher), "-o", str(out), "--init", "random",
+                      "--max-steps", "40", "--learning-rate", "3e-3", "--save-every", "0", "--eval-every", "0",
+                      *FAST], capsys)
+    assert code == 0, err
+    assert err.startswith("fastbert distill (mlm): teacher BertForMaskedLM (4 layers")
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in steps if not r.get("eval")]
+    assert {"ce_loss", "mlm_loss", "cos_loss"} <= set(steps[1])
+    assert sum(losses[-5:]) < 0.85 * sum(losses[:5]), losses
+    soft = [r["ce_loss"] for r in steps if not r.get("eval")]  # the student's outputs come closer to the teacher's
+    assert sum(soft[-5:]) < 0.75 * sum(soft[:5]), soft
+    assert (out / "loss_curve.png").stat().st_size > 0 and "teacher" in json.loads((out / "summary.json").read_text())
+    model_dir = out / "model"
+    assert not (model_dir / "trainer_state.pt").exists()
+    loaded = transformers.DistilBertForMaskedLM.from_pretrained(model_dir).eval()
+    assert loaded.config.n_layers == 2 and not hasattr(loaded.distilbert.embeddings, "token_type_embeddings")
+    assert type(transformers.AutoModel.from_pretrained(model_dir)).__name__ == "DistilBertModel"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    batch = tokenizer(["Names refer to objects."], return_tensors="pt")
+    assert set(batch) == {"input_ids", "attention_mask"}  # DistilBERT takes no token types
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fastbert's encoder notes that it leaves the MLM head's keys unused
+        expected = loaded.distilbert(**batch).last_hidden_state
+        got = fastbert.from_pretrained(model_dir).eval()(**batch).last_hidden_state
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _sentence_transformers_teacher(path: Path) -> Path:
+    """A tiny sentence-transformers checkpoint: a random 4-layer BertModel, mean pooling, normalised."""
+    tokenizer = train_tokenizer(_documents(), 300, 32)
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=16,
+                                                           num_hidden_layers=4, num_attention_heads=2,
+                                                           intermediate_size=32, max_position_embeddings=32))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 16, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+         "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32, "do_lower_case": False}))
+    return path
+
+
+def test_embedding_distillation_learns_and_loads_in_sentence_transformers(tmp_path, corpus, capsys, one_thread):
+    teacher = _sentence_transformers_teacher(tmp_path / "teacher")
+    out = tmp_path / "student"
+    code, err = _run(["distill", str(corpus), "--objective", "embedding", "--teacher", str(teacher), "-o", str(out),
+                      "--student-layers", "2", "--init", "random", "--max-steps", "40", "--learning-rate", "3e-3",
+                      "--alpha-cos", "1", "--save-every", "0", "--eval-every", "0", *FAST], capsys)
+    assert code == 0, err
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("eval")]
+    assert evals[-1]["eval_cosine"] > evals[0]["eval_cosine"] + 0.1, evals
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.SentenceTransformer(str(out / "model"), device="cpu")
+    texts = ["Names refer to objects.", "A class definition defines a class object."]
+    got = torch.as_tensor(model.encode(texts))
+    assert got.shape == (2, 16) and torch.allclose(got.norm(dim=-1), torch.ones(2), atol=1e-5)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out / "model")
+    student = transformers.AutoModel.from_pretrained(out / "model").eval()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = student(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    expected = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert student.config.num_hidden_layers == 2
+
+
+def test_distill_runs_from_python(tmp_path, corpus, bert_teacher, one_thread):
+    log = io.StringIO()
+    settings = DistillSettings(output_dir=str(tmp_path / "run"), teacher=str(bert_teacher), files=(str(corpus),),
+                               batch_size=4, max_steps=2, save_every=0, eval_sentences=8, progress=False)
+    result = distill(settings, log=log)
+    assert result.step == 2 and result.checkpoint == latest_checkpoint(tmp_path / "run")
+    lines = log.getvalue().splitlines()
+    assert "teacher layers 0,3" in lines[0] and "eval_teacher_mlm_loss" in lines[-1]
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def _mismatched_teacher(path: Path, bert_teacher: Path) -> Path:
+    """The tiny teacher with another model's tokenizer (all-MiniLM-L6-v2's 30,522 tokens for its 300 rows)."""
+    import shutil
+
+    shutil.copytree(bert_teacher, path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        (path / name).unlink(missing_ok=True)
+    transformers.AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--teacher", "{minilm}"], "has no masked-LM head (architectures: BertModel)"),
+    (["--teacher", "{bert}", "--student-layers", "5"], "a student cannot be deeper than its teacher (4 layers)"),
+    (["--objective", "embedding", "--student-layers", "7"], "a student cannot be deeper than its teacher (6 layers)"),
+    (["--teacher", "{mismatch}"], "tokenizer/model mismatch: the tokenizer has"),
+    (["--objective", "embedding", "--teacher", "{bert}"], "is not a sentence-transformers checkpoint"),
+    ([], "--objective mlm needs --teacher DIR"),
+    (["--teacher", "{tmp}/nothing"], "is not a directory"),
+    (["--teacher", "{bert}", "--max-length", "64"], "--max-length 64: the teacher has 32 positions"),
+    (["--teacher", "{bert}", "--alpha-mse", "1"], "--alpha-mse is not a term of the mlm objective"),
+    (["--teacher", "{bert}", "--teacher-layers", "0,x"], "--teacher-layers must be comma-separated"),
+    (["--objective", "bert"], "invalid choice: 'bert'"),
+])
+def test_bad_input_is_one_line_before_training(tmp_path, bert_teacher, capsys, args, message):
+    places = {"{minilm}": default_model_dir(), "{bert}": str(bert_teacher), "{tmp}": str(tmp_path)}
+    if "{mismatch}" in args:
+        places["{mismatch}"] = str(_mismatched_teacher(tmp_path / "mismatch", bert_teacher))
+
+    def fill(text: str) -> str:
+        for key, value in places.items():
+            text = text.replace(key, value)
+        return text
+
+    code, err = _run(["distill", "-o", str(tmp_path / "out"), *map(fill, args)], capsys)
+    assert code != 0
+    assert err.count("\n") == 1 and err.startswith("fastbert: error: "), err
+    assert fill(message) in err
+    assert not (tmp_path / "out").exists() or latest_checkpoint(tmp_path / "out") is None
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+@pytest.mark.slow  # two fresh processes, ~10 s each here just to import torch and transformers
+def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, corpus, bert_teacher, capsys, one_thread):
+    from safetensors.torch import load_file
+
+    steps = "30"
+    common = ["distill", str(corpus), "--teacher", str(bert_teacher), "--max-steps", steps, "--save-every", "3",
+              "--eval-every", "0", "--seed", "5", *FAST]
+    whole = tmp_path / "whole"
+    code, err = _run([*common, "-o", str(whole)], capsys)
+    assert code == 0, err
+
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "fastbert.cli", *common, "-o", str(killed)]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while latest_checkpoint(killed) is None and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    process.stderr.close()
+    interrupted_at = latest_checkpoint(killed)
+    assert interrupted_at is not None and interrupted_at.name < f"checkpoint-{int(steps):07d}"
+
+    resumed = subprocess.run([*command, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from {interrupted_at}" in resumed.stderr
+    final_whole = load_file(latest_checkpoint(whole) / "model.safetensors")
+    final_resumed = load_file(latest_checkpoint(killed) / "model.safetensors")
+    assert final_whole.keys() == final_resumed.keys()
+    for key, tensor in final_whole.items():
+        assert torch.equal(tensor, final_resumed[key]), key
+    losses = [json.loads(line).get("loss") for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    resumed_losses = [json.loads(line).get("loss") for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert resumed_losses == losses
+
+    code, err = _run([*common, "-o", str(killed), "--resume", "--alpha-ce", "1"], capsys)
+    assert code == 1 and "--resume: the settings differ" in err and "alpha_ce" in err
