@@ -28,9 +28,11 @@ from fastbert.training.pretrain import (  # noqa: E402
     DataOptions,
     PretrainingData,
     PretrainSettings,
+    continuation_table,
     hold_out,
     mask_whole_words,
     pretrain,
+    train_tokenizer,
 )
 
 PAD, UNK, CLS, SEP, MASK, VOCAB = 0, 1, 2, 3, 4, 1000
@@ -176,6 +178,42 @@ def test_whole_word_masking_keeps_words_together():
     assert not chosen[special].any() and torch.equal(labels[chosen], ids[chosen])
 
 
+ROUND_TRIP = ["Names refer to objects.", "Café, naïve façade: déjà vu in Zürich.", "日本語のテキスト、正しく戻ります。",
+              "Привет, мир!", "Emoji 🙂🚀 and ∑ ≤ ≠ →.", "Tabs\tand  double  spaces , before punctuation .",
+              "  leading and trailing spaces  "]
+
+
+def test_roberta_vocabulary_is_a_byte_level_bpe_that_round_trips(tmp_path, corpus):
+    documents = file_documents([str(corpus)])
+    train_tokenizer(documents, 400, 64, objective="roberta").save_pretrained(tmp_path / "bpe")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "bpe")
+    assert "RobertaTokenizer" in type(tokenizer).__name__ and tokenizer.is_fast
+    assert [tokenizer.convert_tokens_to_ids(t) for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")] == [0, 1, 2, 3, 4]
+    assert (tokenizer.cls_token, tokenizer.sep_token, tokenizer.pad_token) == ("<s>", "</s>", "<pad>")
+    assert not any(token.startswith("##") for token in tokenizer.get_vocab())
+    held = [s for doc in documents[-3:] for s in doc]
+    for text in held + ROUND_TRIP:
+        ids = tokenizer(text)["input_ids"]
+        assert ids[0] == 0 and ids[-1] == 2 and tokenizer.unk_token_id not in ids, text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer.tokenize("the <mask> is")[1] != "\u0120"  # <mask> takes the space before it
+    # whole words for BPE: a token continues the word before it unless it follows a space (a sentence's first word
+    # continues <s>, which masking never chooses, so the word's tokens still share one draw)
+    table = continuation_table(tokenizer)
+    pieces = tokenizer.tokenize("Namespaces refer to it")
+    assert len(pieces) > 4 and [bool(table[tokenizer.convert_tokens_to_ids(t)]) for t in pieces] == \
+        [not t.startswith("\u0120") for t in pieces]
+    assert not table[:5].any()
+
+
+def test_bert_and_albert_keep_wordpiece(corpus):
+    tokenizer = train_tokenizer(file_documents([str(corpus)]), 400, 64)
+    assert type(tokenizer).__name__.startswith("BertTokenizer") and tokenizer.cls_token == "[CLS]"
+    assert any(token.startswith("##") for token in tokenizer.get_vocab())
+    assert tokenizer.decode(tokenizer("Names refer to objects.")["input_ids"], skip_special_tokens=True) == \
+        "names refer to objects."  # lower-cased: WordPiece does not round-trip, which is why roberta has BPE
+
+
 def test_packing():
     docs = [[[10 + d] * 5 for _ in range(9)] for d in range(4)]  # 4 documents of 9 sentences of 5 tokens
     bert = _data(docs, max_length=27, pack=True)  # segments of up to (27 - 3) // 2 = 12 tokens: two sentences
@@ -256,6 +294,9 @@ def test_other_objectives(tmp_path, corpus, capsys, one_thread, objective, model
     assert last["step"] == 3 and "mlm_loss" in last and (pair is None or pair in last)
     assert "nsp_accuracy" not in last
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    if objective == "roberta":  # byte-level BPE, and the masked-LM auto class takes the checkpoint
+        assert "RobertaTokenizer" in type(tokenizer).__name__ and tokenizer.mask_token == "<mask>"
+        assert type(transformers.AutoModelForMaskedLM.from_pretrained(checkpoint)).__name__ == model_class
     batch = tokenizer(["Names refer to objects."], return_tensors="pt")
     batch.pop("token_type_ids", None)  # a RoBERTa (BPE) tokenizer gives none
     with torch.no_grad():
