@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             stream.close()
         output.close(stats)  # stats None: the run stopped early (a sharded run stays resumable)
     if error is not None:
+        if output.rows_done == 0:
+            raise UserError(f"{error} (nothing was written)")
         raise UserError(f"{error} ({output.rows_done:,} rows before it were written to {output.describe()} and are "
                         "valid)")
     write_summary(stats, initial, embedder, output, time.perf_counter() - started)
@@ -203,12 +205,11 @@ def open_output(args: argparse.Namespace, embedder, output_format: str, window_r
 def write_summary(stats, initial, embedder, output, elapsed: float) -> None:
     """The truncation warning and the run's summary line, on stderr."""
     if stats.truncated:
-        lines = ", ".join(str(n) for n in stats.truncated_lines) + (", ..." if stats.truncated > 10 else "")
         limit = embedder.settings()["max_length"]
         sys.stderr.write(f"fastbert: warning: {stats.truncated:,} texts were longer than {limit} tokens and were "
-                         f"truncated (lines {lines}); --max-length sets the limit\n")
+                         f"truncated ({embedding.truncation_note(stats)}); --max-length sets the limit\n")
     before = initial or embedding.EmbedStats()
-    this_run = f" ({stats.rows - before.rows:,} this run)" if initial is not None else ""
+    this_run = f" ({stats.rows - before.rows:,} this run, {before.rows:,} before)" if initial is not None else ""
     sys.stderr.write(f"fastbert embed: {stats.rows:,} rows{this_run} -> {output.describe()}: {stats.embedded:,} "
                      f"embedded, {stats.null_rows:,} null (blank), {stats.truncated:,} truncated; {stats.tokens:,} "
                      f"tokens; this run {elapsed:.1f} s ({(stats.embedded - before.embedded) / elapsed:,.0f} "

@@ -17,10 +17,10 @@ from fastbert.embedding.formats import FORMATS
 from fastbert.embedding.outputs import MANIFEST, FileOutput, ShardedOutput, read_output
 from fastbert.embedding.pipeline import Progress, run, skip_rows
 from fastbert.embedding.reading import InputError, Row, open_input, read_rows
-from fastbert.embedding.stats import EmbedStats
+from fastbert.embedding.stats import EmbedStats, truncation_note
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS", "FORMATS", "MANIFEST", "POOLINGS", "EmbedStats", "Embedder", "FileOutput", "InputError",
     "NonFiniteEmbedding", "Progress", "Row", "ShardedOutput", "default_max_length", "open_input", "read_output",
-    "read_rows", "run", "sentence_transformers_head", "skip_rows", "token_budget_batches", "windows",
+    "read_rows", "run", "sentence_transformers_head", "skip_rows", "token_budget_batches", "truncation_note", "windows",
 ]

@@ -7,7 +7,7 @@ normalises, and returns one row per text (NaN for a blank text) with the counts 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -170,12 +170,14 @@ class Embedder:
                 pooled = mean_pool(hidden, inputs["attention_mask"], normalize=self.normalize)
         return pooled.cpu()
 
-    def embed(self, texts: Sequence[str | None], lines: Sequence[int] | None = None) -> tuple[np.ndarray, EmbedStats]:
+    def embed(self, texts: Sequence[str | None], lines: Sequence[int] | None = None,
+              on_batch: Callable[[int, int], None] | None = None) -> tuple[np.ndarray, EmbedStats]:
         """Embeddings [len(texts), H] float32 in the order given; a None text gives a row of NaN (a null result).
         ``lines`` (the texts' line numbers) name truncated texts in the stats and rows in errors. A real text whose
-        embedding is not finite (an overflow in float16, say) raises `InputError` naming its lines."""
+        embedding is not finite (an overflow in float16, say) raises `InputError` naming its lines. ``on_batch``:
+        called after each batch with its texts and tokens (a progress line)."""
         try:
-            embeddings, stats, per_row = self.embed_rows(texts)
+            embeddings, stats, per_row = self.embed_rows(texts, on_batch)
         except NonFiniteEmbedding as err:
             named = [lines[i] if lines is not None else i + 1 for i in err.rows]
             raise InputError(f"line{'s' if len(named) > 1 else ''} {', '.join(map(str, named[:10]))}: the embedding "
@@ -184,7 +186,8 @@ class Embedder:
         stats.truncated_lines = [(lines[i] if lines is not None else int(i) + 1) for i in cut[:TRUNCATED_LINES_KEPT]]
         return embeddings, stats
 
-    def embed_rows(self, texts: Sequence[str | None]) -> tuple[np.ndarray, EmbedStats, dict[str, np.ndarray]]:
+    def embed_rows(self, texts: Sequence[str | None], on_batch: Callable[[int, int], None] | None = None
+                   ) -> tuple[np.ndarray, EmbedStats, dict[str, np.ndarray]]:
         """`embed`, plus per row: ``tokens`` (int64, 0 for a null row) and ``truncated`` (bool)."""
         stats = EmbedStats(rows=len(texts))
         out = np.full((len(texts), self.dimension), np.nan, dtype=np.float32)
@@ -198,6 +201,8 @@ class Embedder:
         for batch in self.batches(lengths):
             out[[present[i] for i in batch]] = self.embed_batch([token_lists[i] for i in batch]).numpy()
             stats.batches += 1
+            if on_batch is not None:
+                on_batch(len(batch), sum(lengths[i] for i in batch))
         bad = [i for i in present if not np.isfinite(out[i]).all()]
         if bad:  # a NaN would read as a null row, and NaN/Inf is not JSON: never write one as an embedding
             raise NonFiniteEmbedding(bad)

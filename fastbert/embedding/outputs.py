@@ -109,6 +109,7 @@ class ShardedOutput:
             self._refuse_an_existing_run()
             self.manifest = {"version": MANIFEST_VERSION, "settings": self.settings, "shards": [], "stats": {},
                              "complete": False}
+        self.created = not self.directory.exists()  # close() removes it again if the run wrote nothing
         self.directory.mkdir(parents=True, exist_ok=True)
         for leftover in self.directory.iterdir():
             if is_temporary(leftover):  # a write cut short by a kill
@@ -156,8 +157,14 @@ class ShardedOutput:
         self._save_manifest()
 
     def close(self, stats: EmbedStats | None = None) -> None:
-        """Mark the run complete with its final ``stats``; None (the run stopped early): leave it resumable."""
+        """Mark the run complete with its final ``stats``; None (the run stopped early): leave it resumable, or,
+        when it wrote nothing into the directory it created, remove that (an empty folder is no run to resume)."""
         if stats is None:
+            if self.created and not self.manifest["shards"]:
+                try:
+                    self.directory.rmdir()
+                except OSError:  # something else was put there meanwhile: not ours to remove
+                    pass
             return
         self.manifest["stats"] = stats.counts()
         self.manifest["complete"] = True

@@ -3,6 +3,7 @@ line. Memory is bounded by the window (``window_rows`` texts and their embedding
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ class Progress:
                  initial: EmbedStats | None = None):
         self.stream = stream or sys.stderr
         # a resumed run: rates and the ETA count this run's work only
-        self.initial = initial or EmbedStats()
+        self.initial = initial.copy() if initial is not None else EmbedStats()
         self.enabled, self.total_bytes = enabled, total_bytes
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = 0.25 if self.tty else log_every
@@ -85,6 +86,24 @@ def cut_at_first_blank(window: list[Row]) -> tuple[list[Row], InputError | None]
     return window, None
 
 
+def embed_window(embedder: Any, window: list[Row], total: EmbedStats, progress: Progress | None,
+                 bytes_read: Callable[[], int]) -> tuple[Any, EmbedStats]:
+    """One window's embeddings and counts. With a progress line and an embedder that reports its batches
+    (``embed(..., on_batch=callback(texts, tokens))``, as `fastbert.embedding.Embedder` does) the line moves batch
+    by batch: a window of 2,048 rows takes tens of seconds on a CPU, too long to show nothing."""
+    texts, lines = [r.text for r in window], [r.line for r in window]
+    if progress is None or "on_batch" not in inspect.signature(embedder.embed).parameters:
+        return embedder.embed(texts, lines)
+    partial = total.copy()
+
+    def on_batch(embedded: int, tokens: int) -> None:
+        partial.rows, partial.embedded, partial.tokens = (partial.rows + embedded, partial.embedded + embedded,
+                                                          partial.tokens + tokens)
+        progress.update(partial, bytes_read())
+
+    return embedder.embed(texts, lines, on_batch=on_batch)
+
+
 def run(embedder: Any, rows: Iterator[Row], output: Any, window_rows: int = 2048, progress: Progress | None = None,
         bytes_read: Callable[[], int] = lambda: 0, blank: str = "null",
         initial: EmbedStats | None = None) -> EmbedStats:
@@ -94,14 +113,14 @@ def run(embedder: Any, rows: Iterator[Row], output: Any, window_rows: int = 2048
     before them are written; they are raised after. ``initial``: the counts of a resumed run's earlier part."""
     if window_rows < 1:
         raise UserError("--window-rows must be >= 1")
-    total = initial or EmbedStats()
+    total = initial.copy() if initial is not None else EmbedStats()
     pending_error: InputError | None = None
     for window, error in windows(rows, window_rows):
         if blank == "error":
             window, blank_error = cut_at_first_blank(window)
             error = blank_error or error
         if window:
-            embeddings, stats = embedder.embed([r.text for r in window], [r.line for r in window])
+            embeddings, stats = embed_window(embedder, window, total, progress, bytes_read)
             total.add(stats)
             output.write([r.id for r in window], embeddings, total)
             if progress is not None:

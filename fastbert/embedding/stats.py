@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,11 +28,26 @@ class EmbedStats:
         room = max(0, TRUNCATED_LINES_KEPT - len(self.truncated_lines))
         self.truncated_lines.extend(other.truncated_lines[:room])
 
+    def copy(self) -> EmbedStats:
+        """An independent copy (a run adds to its own total, never to the counts it started from)."""
+        return dataclasses.replace(self, truncated_lines=list(self.truncated_lines))
+
     def counts(self) -> dict[str, Any]:
-        """The counts as a dict, without the truncated lines (what a manifest records)."""
-        return {k: v for k, v in asdict(self).items() if k != "truncated_lines"}
+        """The counts and the kept truncated lines as a dict (what a manifest records: a resumed run's warning
+        still names the lines of the earlier part)."""
+        return asdict(self)
 
     @classmethod
     def from_counts(cls, counts: dict[str, Any]) -> EmbedStats:
         """The stats of `counts`' dict (keys it does not know are ignored)."""
         return cls(**{k: v for k, v in counts.items() if k in cls.__dataclass_fields__})
+
+
+def truncation_note(stats: EmbedStats) -> str:
+    """The truncated texts' line numbers for the warning: all of them, or the kept ones and how many more there
+    are (a manifest of an older fastbert recorded none)."""
+    listed = stats.truncated_lines[:stats.truncated]
+    if not listed:
+        return "their lines were not recorded"
+    omitted = stats.truncated - len(listed)
+    return "lines " + ", ".join(str(n) for n in listed) + (f" and {omitted:,} more" if omitted > 0 else "")

@@ -149,3 +149,26 @@ def test_resume_refuses_other_settings_and_an_existing_run(tiny_dir, tmp_path, w
     proc = embed_cli("-i", str(source), "--model", tiny_dir, "--output-dir", str(out), "--resume", "--pooling", "cls",
                      check=False)
     assert proc.returncode == 1 and "pooling was 'mean', now 'cls'" in proc.stderr
+
+
+def test_a_resumed_run_reports_this_run_and_every_truncated_line(tiny_dir, tmp_path, write_lines, embed_cli):
+    texts = ["one", "long " * 50, "three", "four", "five", "six", "seven", "long " * 60, "nine"]
+    good = [json.dumps({"text": t}) for t in texts]
+    source = write_lines(tmp_path / "in.jsonl", good[:6] + ['{"txt": "a broken row"}'])
+    args = ["-i", str(source), "--model", tiny_dir, "--output-dir", str(tmp_path / "run"), "--window-rows", "4",
+            "--max-length", "16"]
+    stopped = embed_cli(*args, check=False)
+    assert stopped.returncode == 1 and "6 rows before it were written" in stopped.stderr
+    write_lines(source, good)  # the input mended: resume after its 6 rows
+    resumed = embed_cli(*args, "--resume")
+    assert "9 rows (3 this run, 6 before)" in resumed.stderr, resumed.stderr
+    assert "2 texts were longer than 16 tokens and were truncated (lines 2, 8)" in resumed.stderr
+    assert " 0 texts/s" not in resumed.stderr.replace(",", "")
+
+
+def test_an_error_before_any_row_leaves_no_empty_directory_nor_names_one(tiny_dir, tmp_path, write_lines, embed_cli):
+    source = write_lines(tmp_path / "in.jsonl", ['{"txt": "no text field"}'])
+    out = tmp_path / "run"
+    proc = embed_cli("-i", str(source), "--model", tiny_dir, "--output-dir", str(out), check=False)
+    assert proc.returncode == 1 and "in.jsonl:1" in proc.stderr and "nothing was written" in proc.stderr
+    assert "0 shards" not in proc.stderr and not out.exists()

@@ -5,6 +5,7 @@ same numbers on a Ray cluster."""
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from fastbert import cli
-from fastbert.embedding import EmbedStats, InputError, Progress, Row, run, skip_rows
+from fastbert.embedding import EmbedStats, InputError, Progress, Row, run, skip_rows, truncation_note
 from fastbert.embedding.pipeline import cut_at_first_blank
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +77,50 @@ def test_run_continues_the_counts_of_a_resumed_run_and_skip_rows_checks_the_inpu
     assert (stats.rows, stats.embedded) == (3, 3)
     with pytest.raises(Exception, match="fewer rows than the 5 already written"):
         skip_rows(_rows(["a"]), 5)
+
+
+def test_a_resumed_run_counts_this_run_apart_from_the_earlier_part():
+    earlier = EmbedStats(rows=2, embedded=2, tokens=20)
+    stream = io.StringIO()
+    progress = Progress(total_bytes=None, enabled=True, stream=stream, initial=earlier)
+    stats = run(CountingEmbedder(), _rows(["a", "b", "c"]), ListOutput(), window_rows=2, progress=progress,
+                initial=earlier)
+    assert (stats.rows, stats.embedded) == (5, 5)
+    assert (earlier.rows, earlier.embedded) == (2, 2)  # the earlier part's counts, not the running total
+    rates = [int(rate.replace(",", "")) for rate in re.findall(r"([\d,]+) texts/s", stream.getvalue())]
+    assert rates and rates[-1] > 0
+
+
+class BatchReportingEmbedder(CountingEmbedder):
+    """Reports each text as a batch done, and records what the progress stream held by then."""
+
+    def __init__(self, stream):
+        self.stream, self.seen_after_first_batch = stream, None
+
+    def embed(self, texts, lines, on_batch=None):
+        for index in range(len(texts)):
+            on_batch(1, 3)
+            if index == 0:
+                self.seen_after_first_batch = self.stream.getvalue()
+        return super().embed(texts, lines)
+
+
+def test_the_progress_line_appears_after_the_first_batch_not_the_first_window():
+    stream = io.StringIO()
+    embedder = BatchReportingEmbedder(stream)
+    progress = Progress(total_bytes=None, enabled=True, stream=stream, log_every=3600)
+    stats = run(embedder, _rows(["a", "b", "c", "d"]), ListOutput(), window_rows=4, progress=progress)
+    assert "fastbert embed: 1 rows" in embedder.seen_after_first_batch
+    assert stats.rows == 4 and stream.getvalue().splitlines()[-1].startswith("fastbert embed: 4 rows")
+
+
+def test_the_truncation_note_names_every_counted_line_or_how_many_it_leaves_out():
+    assert truncation_note(EmbedStats(truncated=2, truncated_lines=[3, 9])) == "lines 3, 9"
+    assert truncation_note(EmbedStats(truncated=12, truncated_lines=list(range(1, 11)))) == \
+        "lines 1, 2, 3, 4, 5, 6, 7, 8, 9, 10 and 2 more"
+    assert truncation_note(EmbedStats(truncated=4)) == "their lines were not recorded"
+    kept = EmbedStats.from_counts(EmbedStats(truncated=1, truncated_lines=[7]).counts())
+    assert kept.truncated_lines == [7]  # a manifest keeps them, so a resumed run can still name them
 
 
 def test_progress_line_shows_rows_rates_and_the_fraction_read():
