@@ -9,7 +9,7 @@ import torch
 
 from fastbert.bench import peers, report, timing
 from fastbert.cli import shared
-from fastbert.common.resolve import resolve_device, resolve_dtype, resolve_model
+from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
 from fastbert.common.text import SENTENCES, TextEncoder, mean_pool
 
 HEADERS = ("implementation", "median ms", "speed-up", "max abs err (real tokens)", "min cosine of sentence embeddings")
@@ -27,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Print the comparison table and the backends fastbert's ops ran on."""
+    if args.repeats < 1:  # checked before any model loads: a median of no calls is no number
+        raise UserError("--repeats must be >= 1")
     model_dir, config = resolve_model(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give --output or --output-dir, not both")
     if args.resume and args.output_dir is None:
         raise UserError("--resume continues an --output-dir run; give --output-dir")
+    if args.window_rows is not None and args.window_rows < 1:  # 0 would otherwise read as "not given"
+        raise UserError("--window-rows must be >= 1")
     output_format = output_format_of(args)
     embedder, window_rows = build_embedder(args)
     if args.similarity:

@@ -114,7 +114,10 @@ def _no_weights_model(tmp_path):
     (["bench", "--peers", "tensorrt", "--no-write"], "unknown peer"),
     (["embed", "hello", "--backend", "tpu"], "invalid choice"),
     (["bench", "--repeats"], "expected one argument"),
-], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "bad-peer", "bad-backend", "usage"])
+    (["demo", "--repeats", "0"], "--repeats must be >= 1"),
+    (["embed", "hello", "--window-rows", "0"], "--window-rows must be >= 1"),
+], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "bad-peer", "bad-backend", "usage",
+        "demo-no-repeats", "embed-no-window"])
 def test_errors_are_one_line(capsys, tmp_path, argv, message):
     argv = [_unsupported_model(tmp_path) if a == "UNSUPPORTED" else _no_weights_model(tmp_path)
             if a == "NO_WEIGHTS" else a for a in argv]
