@@ -646,6 +646,7 @@ def pretrain(settings: PretrainSettings, log=None) -> TrainResult | None:
     check_output_dir(settings)
     overrides = model_overrides(settings)
     _quiet_transformers()
+    check_model_config(settings, overrides)
     documents = read_corpus(settings)
     train_docs, held_docs = hold_out(documents, settings.held_out, settings.seed)
     tokenizer = distributed_tokenizer(settings, train_docs)
@@ -803,6 +804,31 @@ def build_data(settings: PretrainSettings, tokenizer, train_docs: list[list[str]
     if len(held_docs) >= 2 or (held_docs and settings.objective != "bert"):
         held_out = PretrainingData(tokenize_documents(tokenizer, held_docs), options, **special)
     return data, held_out
+
+
+class VocabularyShape:
+    """What `build_config` reads of a tokenizer, before there is one: its size and special ids (as the tokenizer
+    `train_tokenizer` makes for the objective numbers them)."""
+
+    def __init__(self, objective: str, size: int):
+        self.size = size
+        self.pad_token_id, self.cls_token_id, self.sep_token_id = (1, 0, 2) if objective == "roberta" else (0, 2, 3)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def check_model_config(settings: PretrainSettings, overrides: dict[str, Any]) -> None:
+    """UserError for config fields transformers refuses, found before the corpus is read and the tokenizer trained
+    and written (minutes of work, and a file left behind): the model is built on the meta device (no memory, no
+    initialisation) with a stand-in for the tokenizer."""
+    try:
+        config = build_config(settings.objective, VocabularyShape(settings.objective, settings.vocab_size),
+                              settings.max_length, overrides)
+        with torch.device("meta"):
+            build_model(settings.objective, config)
+    except (TypeError, ValueError, KeyError) as err:
+        raise UserError(f"model config: {err}") from err
 
 
 def build_pretraining_model(settings: PretrainSettings, tokenizer, overrides: dict[str, Any],

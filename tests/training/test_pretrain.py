@@ -395,3 +395,13 @@ def test_cli_errors_are_one_line(tmp_path, capsys, args, message):
     assert code != 0
     assert err.count("\n") == 1 and err.startswith("fastbert: error: ")
     assert message.replace("{tmp}", str(tmp_path)) in err
+
+
+def test_an_invalid_model_config_fails_before_a_tokenizer_is_trained_or_written(tmp_path, corpus, capsys):
+    config = tmp_path / "bad.json"
+    config.write_text(json.dumps({"num_attention_heads": 3}))  # H=16 is no multiple of 3 heads
+    out = tmp_path / "run"
+    sizes = TINY[:TINY.index("--num-heads")] + TINY[TINY.index("--num-heads") + 2:]  # the heads from --config
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "1", *sizes, "--config", str(config)], capsys)
+    assert code == 1 and err.count("\n") == 1 and err.startswith("fastbert: error: model config:"), err
+    assert "Training the tokenizer" not in err and not out.exists()
