@@ -55,6 +55,32 @@ def version_tuple(text: str | None) -> tuple[int, ...]:
     return tuple(parts)
 
 
+# A machine counts as busy when the 1-minute load average is over this fraction of its cores: other work then
+# takes cores the timed threads wait for (seen: 3-30x slower numbers, and a ranking inverted, on 2 shared cores).
+BUSY_LOAD_FRACTION = 0.5
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS keeps none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def busy_warning(threads: int, cores: int | None = None, load: float | None = None) -> str | None:
+    """A one-line warning when other work competes with a benchmark of ``threads`` threads: the load is over
+    `BUSY_LOAD_FRACTION` of the cores, or the threads exceed the idle cores by more than half a core; else None.
+    ``load``: the 1-minute load average (default: `load_average`)."""
+    cores = cores or os.cpu_count() or 1
+    load = load_average() if load is None else load
+    if load is None:
+        return None
+    idle = max(cores - load, 0.0)
+    if load <= BUSY_LOAD_FRACTION * cores and threads <= idle + 0.5:
+        return None
+    return (f"fastbert: warning: the machine is busy (1-minute load average {load:.1f} on {cores} cores, about "
+            f"{idle:.1f} idle, for {threads} threads): timings can come out several times slower and rankings "
+            "inverted; rerun when it is idle, or with --threads at most the idle cores")
+
+
 def machine_info(device: torch.device | str) -> dict[str, Any]:
     """Machine tag, CPU/GPU, core count, load, library versions and the date, for a results file."""
     device = torch.device(device)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastbert import cli
-from fastbert.bench import peers
+from fastbert.bench import machine, peers
 from fastbert.bench.machine import machine_tag
 from fastbert.cli import check
 from tests.helpers import tiny_model
@@ -169,8 +169,10 @@ def test_command_summaries_are_the_commands_own():
 def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir, monkeypatch):
     # Without --out, as a newcomer runs it: a new git-ignored folder, never the committed benchmarks/results/.
     monkeypatch.chdir(tmp_path)
-    code, out, _ = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8")
+    monkeypatch.setattr(machine, "load_average", lambda: 64.0)  # a busy machine
+    code, out, err = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8")
     assert code == 0
+    assert [line for line in err.splitlines() if line.startswith("fastbert: warning: the machine is busy")]
     assert not (tmp_path / "benchmarks").exists()
     (out_dir,) = (tmp_path / "bench-results").glob(f"{machine_tag('cpu')}-e2e-*")
     assert f"results written to {out_dir.relative_to(tmp_path)}/: e2e.json, e2e.md" in out

@@ -1,0 +1,16 @@
+"""fastbert.bench.machine: the warning that other work on the machine skews the timings."""
+
+from fastbert.bench import machine
+
+
+def test_busy_warning_when_the_load_is_high_or_the_threads_exceed_the_idle_cores(monkeypatch):
+    assert machine.busy_warning(threads=2, cores=2, load=0.2) is None
+    assert machine.busy_warning(threads=1, cores=2, load=0.9) is None
+    high = machine.busy_warning(threads=1, cores=2, load=1.5)
+    assert high.startswith("fastbert: warning: ") and "load average 1.5 on 2 cores" in high and "\n" not in high
+    assert machine.busy_warning(threads=8, cores=16, load=9.0) is not None  # over half the cores busy
+    assert machine.busy_warning(threads=4, cores=4, load=1.2) is not None  # 4 threads, under 3 cores idle
+    monkeypatch.setattr(machine, "load_average", lambda: 3.0)
+    assert "load average 3.0" in machine.busy_warning(threads=2, cores=2)
+    monkeypatch.setattr(machine, "load_average", lambda: None)  # an OS without one: no warning
+    assert machine.busy_warning(threads=2, cores=2) is None
