@@ -3,16 +3,49 @@
 # then fastbert itself (editable; builds the C++ extension fastbert._C) with its test and benchmark extras.
 # Idempotent: when .venv already holds all of that, current with this checkout, a second run only checks (a few
 # seconds) and installs nothing; otherwise it says why and installs.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+# Long steps print a line every HEARTBEAT_S seconds (default 15) with the time so far, and how long they took.
+# Sourced (`source scripts/setup.sh`, as its tests do), it only defines its functions.
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
 EXTRAS=dev,bench,embed,ray,serve
+HEARTBEAT_S=${HEARTBEAT_S:-15}
 
-pip_install() {  # quiet on success, the whole log on failure
-  local log
+elapsed_since() {  # "4m07s" since the bash time $1 (SECONDS)
+  local s=$((SECONDS - $1))
+  printf '%dm%02ds' $((s / 60)) $((s % 60))
+}
+
+# Runs "${@:2}" with a line every HEARTBEAT_S seconds while it runs, then one with how long it took; returns its
+# exit status. pip prints nothing for minutes while it compiles fastbert._C, which reads as a hang.
+with_heartbeat() {
+  local label=$1 started=$SECONDS pid status=0
+  shift
+  "$@" &
+  pid=$!
+  local next=$((SECONDS + HEARTBEAT_S))
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 0.2
+    if ((SECONDS >= next)) && kill -0 "$pid" 2>/dev/null; then
+      echo "fastbert setup: still $label ($(elapsed_since "$started") elapsed)" >&2
+      next=$((next + HEARTBEAT_S))
+    fi
+  done
+  wait "$pid" || status=$?
+  echo "fastbert setup: $label took $(elapsed_since "$started")" >&2
+  return "$status"
+}
+
+logged() {  # logged LOG CMD...: CMD's output into LOG
+  local log=$1
+  shift
+  "$@" >"$log" 2>&1
+}
+
+pip_install() {  # pip_install LABEL ARGS...: a heartbeat while it runs, else quiet on success; the log on failure
+  local label=$1 log
+  shift
   log=$(mktemp)
-  if ! .venv/bin/python -m pip install --disable-pip-version-check "$@" >"$log" 2>&1; then
+  if ! with_heartbeat "$label" logged "$log" .venv/bin/python -m pip install --disable-pip-version-check "$@"; then
     grep -v "is ignored" "$log" >&2
     echo "fastbert setup: pip install $* failed" >&2
     exit 1
@@ -108,6 +141,12 @@ print(f"torch {torch}; fastbert editable from this checkout with {','.join(extra
 EOF
 }
 
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then  # sourced: the functions only
+  return 0
+fi
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+SETUP_STARTED=$SECONDS
 if reason=$(venv_is_current); then
   echo "fastbert setup: .venv is current, nothing to install: $reason" >&2
 else
@@ -117,11 +156,12 @@ else
     "$PYTHON" -m venv .venv
   fi
   echo "fastbert setup: installing torch==$TORCH_VERSION and build tools" >&2
-  pip_install "torch==$TORCH_VERSION" setuptools wheel ninja pybind11
-  echo "fastbert setup: installing fastbert (editable, building fastbert._C) with its $EXTRAS extras" >&2
-  pip_install --no-build-isolation -e ".[$EXTRAS]"
+  pip_install "installing torch" "torch==$TORCH_VERSION" setuptools wheel ninja pybind11
+  echo "fastbert setup: installing fastbert (editable, building fastbert._C: minutes on 2 cores) with its" \
+    "$EXTRAS extras" >&2
+  pip_install "installing fastbert and building fastbert._C" --no-build-isolation -e ".[$EXTRAS]"
 fi
 .venv/bin/python -W "ignore:fastbert:UserWarning" -c "import torch, fastbert; print(f'fastbert setup: torch {torch.__version__}; backends: ' \
 + fastbert.backends.describe_available())" >&2
-echo "fastbert setup: done. Commands are in .venv/bin: run 'source .venv/bin/activate' to use fastbert, pytest" \
+echo "fastbert setup: done in $(elapsed_since "$SETUP_STARTED"). Commands are in .venv/bin: run 'source .venv/bin/activate' to use fastbert, pytest" \
   "and python bare, or call .venv/bin/fastbert etc." >&2
