@@ -46,6 +46,14 @@ def test_embeddings_come_back_in_input_order_and_do_not_depend_on_the_batch(tiny
     assert stats.batches > 1
 
 
+def test_embed_reports_each_batch_as_it_is_done(tiny_dir, sentences):
+    embedder = Embedder(tiny_dir, max_batch_size=8)
+    reported = []
+    _, stats = embedder.embed(sentences[:20] + [None], on_batch=lambda texts, tokens: reported.append((texts, tokens)))
+    assert len(reported) == stats.batches == 3
+    assert sum(texts for texts, _ in reported) == 20 and sum(tokens for _, tokens in reported) == stats.tokens
+
+
 def test_long_texts_are_truncated_and_counted(tiny_dir):
     embedder = Embedder(tiny_dir, max_length=16)
     long_text = " ".join(["word"] * 50)
