@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fastbert.bench.costs import batch_flops
-from fastbert.bench.machine import machine_info
+from fastbert.bench.machine import busy_warning, machine_info
 from fastbert.bench.peers import PEERS, PeerUnavailable, build_peer, load_hf_model
 from fastbert.bench.recording import backend_availability, backends_used, record_backends
 from fastbert.bench.timing import measure_peak_flops, percentile, synchronize, time_ms
@@ -106,6 +106,9 @@ def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     model_dir, config = resolve_model(settings.model_dir)
     workloads, names = _checked_workloads(settings, config)
+    busy = busy_warning(torch.get_num_threads())
+    if busy is not None and progress:  # after the settings' checks: an error stays the one line printed
+        print(busy, file=sys.stderr)
     device, dtype = settings.device, settings.dtype
     peak_size = 512 if settings.quick else (8192 if device.type == "cuda" else 2048)
     peaks = [measure_peak_flops(device, dtype, size=peak_size)] if settings.peak_flops is None else []

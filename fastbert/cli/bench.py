@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-from fastbert.bench import e2e, machine, peers, report
+from fastbert.bench import e2e, peers, report
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
 
@@ -48,9 +47,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print its summary and table, and write the result files unless --no-write."""
     settings = bench_settings(args)
-    warning = machine.busy_warning(settings.threads or torch.get_num_threads())
-    if warning is not None:
-        print(warning, file=sys.stderr)
     results = e2e.run_e2e(settings, progress=True)
     for line in report.summary_lines(results):
         print(line)
