@@ -13,6 +13,8 @@
    data, seed); encode throughput of each (fastbert's model, mean pooling, sentences per second).
 3. ``roberta``: a short `fastbert pretrain --objective roberta` (byte-level BPE), its held-out MLM loss before and
    after, and decode(encode(text)) == text on the held-out sentences plus non-ASCII sentences.
+4. ``mlm-ablation`` (not in the default parts; after ``mlm``): the triple loss on a randomly initialised student,
+   to separate what the copied layers give from what the loss gives.
 
 The runs (checkpoints, models, metrics.jsonl, curves) stay under --runs; --out gets ``<part>.json`` for each part
 (figures, settings, machine, CPU flags) and the curves. Every figure written comes from the run just made.
@@ -37,7 +39,7 @@ import torch
 from fastbert.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("mlm", "embedding", "roberta")
+PARTS = ("mlm", "embedding", "roberta", "mlm-ablation")
 # Sentences outside ASCII for the byte-level BPE round trip: accents, CJK, Cyrillic, Greek, emoji, symbols.
 NON_ASCII = ("Café, naïve façade: déjà vu in São Paulo and Zürich.", "日本語のテキストも、正しく戻ります。",
              "Привет, мир! Это проверка.", "Ελληνικά: αβγ δεζ.", "Emoji 🙂🚀 and symbols ∑ ≤ ≠ → ✓.",
@@ -116,6 +118,24 @@ def part_mlm(runs: Path, out: Path, size: dict) -> dict:
             "distillation_gain": {"mlm_loss": scratch["eval_mlm_loss"] - distilled["eval_mlm_loss"],
                                   "mlm_accuracy": distilled["eval_mlm_accuracy"] - scratch["eval_mlm_accuracy"]},
             "runs": runs_done, "size": size, "wall_s": round(time.time() - started, 1)}
+
+
+def part_mlm_ablation(runs: Path, out: Path, size: dict) -> dict:
+    """The triple loss on a randomly initialised student (the teacher of part 1, its settings otherwise): how much
+    of part 1's gain comes from the loss alone, without the copied layers. Needs part 1's runs under --runs."""
+    from fastbert.training.distill import DistillSettings, distill
+
+    started = time.time()
+    settings = json.loads((out / "mlm.json").read_text())["runs"]["distilled"]["settings"]
+    run_dir = fresh(runs / "mlm-random-init-triple-loss")
+    distill(DistillSettings(output_dir=str(run_dir), **settings, init="random"))
+    shutil.copyfile(run_dir / "loss_curve.png", out / "mlm-ablation-loss_curve.png")
+    found = last_eval(run_dir)
+    return {"settings": {**settings, "init": "random"},
+            "held_out": {"mlm_loss": found["eval_mlm_loss"], "mlm_accuracy": found["eval_mlm_accuracy"],
+                         "masked_tokens": found["eval_mlm_tokens"]},
+            "summary": json.loads((run_dir / "summary.json").read_text()), "size": size,
+            "wall_s": round(time.time() - started, 1)}
 
 
 # ------------------------------------------------------------------------------------------------ 2. embedding
@@ -243,12 +263,14 @@ SIZES = {
                          student_steps=300, eval=512),
              "embedding": dict(batch=16, steps=300, lr=1e-4, eval_every=100, eval=512, ft_steps=40, ft_eval=500,
                                throughput_sentences=512, throughput_rounds=3),
-             "roberta": dict(hidden=128, heads=2, layers=2, vocab=5000, max_length=64, steps=300, eval_every=100)},
+             "roberta": dict(hidden=128, heads=2, layers=2, vocab=5000, max_length=64, steps=300, eval_every=100),
+             "mlm-ablation": {}},
     "quick": {"mlm": dict(hidden=32, heads=2, teacher_layers=4, vocab=500, max_length=32, teacher_steps=10,
                           student_steps=5, eval=32),
               "embedding": dict(batch=8, steps=3, lr=1e-4, eval_every=0, eval=16, ft_steps=2, ft_eval=16,
                                 throughput_sentences=32, throughput_rounds=1),
-              "roberta": dict(hidden=32, heads=2, layers=1, vocab=500, max_length=32, steps=10, eval_every=5)},
+              "roberta": dict(hidden=32, heads=2, layers=1, vocab=500, max_length=32, steps=10, eval_every=5),
+              "mlm-ablation": {}},
 }
 
 
@@ -257,14 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="where the JSON figures and curves go")
     parser.add_argument("--runs", required=True, help="where the runs (checkpoints, models) go")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a sanity run of the whole script")
-    parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS[:3]),
+                        help="default: mlm embedding roberta; mlm-ablation reuses mlm's teacher and settings")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
     runs.mkdir(parents=True, exist_ok=True)
     sizes = SIZES["quick" if args.quick else "full"]
-    functions = {"mlm": part_mlm, "embedding": part_embedding, "roberta": part_roberta}
+    functions = {"mlm": part_mlm, "embedding": part_embedding, "roberta": part_roberta,
+                 "mlm-ablation": part_mlm_ablation}
     for part in args.parts:
         began = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         record = functions[part](runs, out, sizes[part])
