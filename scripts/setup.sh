@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up fastbert in ./.venv: PyTorch 2.13.0 (CPU build; pinned, since an open range pulls a multi-GB CUDA build),
-# then fastbert itself (editable; builds the C++ extension fastbert._C) with its test and benchmark extras.
+# then fastbert itself (editable; builds the C++ extension fastbert._C) with the extras in EXTRAS (tests, benchmarks,
+# embed, ray, serve).
 # Idempotent: when .venv already holds all of that, current with this checkout, a second run only checks (a few
 # seconds) and installs nothing; otherwise it says why and installs.
 # Long steps print a line every HEARTBEAT_S seconds (default 15) with the time so far, and how long they took.
