@@ -87,10 +87,12 @@ def cut_at_first_blank(window: list[Row]) -> tuple[list[Row], InputError | None]
 
 
 def embed_window(embedder: Any, window: list[Row], total: EmbedStats, progress: Progress | None,
-                 bytes_read: Callable[[], int]) -> tuple[Any, EmbedStats]:
+                 span: tuple[int, int]) -> tuple[Any, EmbedStats]:
     """One window's embeddings and counts. With a progress line and an embedder that reports its batches
     (``embed(..., on_batch=callback(texts, tokens))``, as `fastbert.embedding.Embedder` does) the line moves batch
-    by batch: a window of 2,048 rows takes tens of seconds on a CPU, too long to show nothing."""
+    by batch: a window of 2,048 rows takes tens of seconds on a CPU, too long to show nothing. ``span``: the input's
+    bytes read before and after the window; the line shows the part of it as far as the rows embedded (the window
+    is read whole before its first batch)."""
     texts, lines = [r.text for r in window], [r.line for r in window]
     if progress is None or "on_batch" not in inspect.signature(embedder.embed).parameters:
         return embedder.embed(texts, lines)
@@ -99,7 +101,8 @@ def embed_window(embedder: Any, window: list[Row], total: EmbedStats, progress: 
     def on_batch(embedded: int, tokens: int) -> None:
         partial.rows, partial.embedded, partial.tokens = (partial.rows + embedded, partial.embedded + embedded,
                                                           partial.tokens + tokens)
-        progress.update(partial, bytes_read())
+        done = partial.rows - total.rows
+        progress.update(partial, span[0] + (span[1] - span[0]) * done // len(window))
 
     return embedder.embed(texts, lines, on_batch=on_batch)
 
@@ -115,16 +118,19 @@ def run(embedder: Any, rows: Iterator[Row], output: Any, window_rows: int = 2048
         raise UserError("--window-rows must be >= 1")
     total = initial.copy() if initial is not None else EmbedStats()
     pending_error: InputError | None = None
+    read_before = bytes_read()  # where the first window starts (after the rows a resumed run skipped)
     for window, error in windows(rows, window_rows):
+        read_after = bytes_read()
         if blank == "error":
             window, blank_error = cut_at_first_blank(window)
             error = blank_error or error
         if window:
-            embeddings, stats = embed_window(embedder, window, total, progress, bytes_read)
+            embeddings, stats = embed_window(embedder, window, total, progress, (read_before, read_after))
             total.add(stats)
             output.write([r.id for r in window], embeddings, total)
             if progress is not None:
                 progress.update(total, bytes_read())
+        read_before = read_after
         if error is not None:
             pending_error = error
             break

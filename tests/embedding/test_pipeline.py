@@ -108,10 +108,20 @@ class BatchReportingEmbedder(CountingEmbedder):
 def test_the_progress_line_appears_after_the_first_batch_not_the_first_window():
     stream = io.StringIO()
     embedder = BatchReportingEmbedder(stream)
-    progress = Progress(total_bytes=None, enabled=True, stream=stream, log_every=3600)
-    stats = run(embedder, _rows(["a", "b", "c", "d"]), ListOutput(), window_rows=4, progress=progress)
-    assert "fastbert embed: 1 rows" in embedder.seen_after_first_batch
-    assert stats.rows == 4 and stream.getvalue().splitlines()[-1].startswith("fastbert embed: 4 rows")
+    progress = Progress(total_bytes=100, enabled=True, stream=stream, log_every=3600)
+    read = [0]
+
+    def rows():  # 25 bytes a row; the window is read whole before its first batch
+        for row in _rows(["a", "b", "c", "d"]):
+            read[0] += 25
+            yield row
+
+    stats = run(embedder, rows(), ListOutput(), window_rows=4, progress=progress, bytes_read=lambda: read[0])
+    # the fraction is that of the rows embedded, not of the bytes read ahead: 1 of the window's 4 rows
+    assert "fastbert embed: [######..................]  25%  1 rows" in embedder.seen_after_first_batch
+    assert "ETA" in embedder.seen_after_first_batch
+    assert stats.rows == 4
+    assert stream.getvalue().splitlines()[-1].startswith("fastbert embed: [" + "#" * 24 + "] 100%  4 rows")
 
 
 def test_the_truncation_note_names_every_counted_line_or_how_many_it_leaves_out():
