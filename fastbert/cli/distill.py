@@ -108,6 +108,17 @@ def teacher_layers(text: str | None) -> tuple[int, ...] | None:
         raise UserError(f"--teacher-layers must be comma-separated layer numbers, got {text!r}") from err
 
 
+def settings_of(args: argparse.Namespace):
+    """The run's `fastbert.training.distill.DistillSettings` from the parsed options (each option is the field of
+    the same name; --no-optimize is ``optimize``, --teacher-layers a tuple)."""
+    from fastbert.training import distill as distillation
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(distillation.DistillSettings)
+             if hasattr(args, f.name)}
+    return distillation.DistillSettings(**{**given, "files": tuple(args.files), "optimize": not args.no_optimize,
+                                           "teacher_layers": teacher_layers(args.teacher_layers)})
+
+
 def run(args: argparse.Namespace) -> int:
     """Distil (see `fastbert.training.distill`); a run that cannot start or continue is a UserError."""
     from fastbert.cli import shared
@@ -117,10 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from fastbert.training import distill as distillation
     from fastbert.training.loop import TrainingError
 
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(distillation.DistillSettings)
-             if hasattr(args, f.name)}
-    settings = distillation.DistillSettings(**{**given, "files": tuple(args.files), "optimize": not args.no_optimize,
-                                               "teacher_layers": teacher_layers(args.teacher_layers)})
+    settings = settings_of(args)
     try:
         distillation.distill(settings)
     except TrainingError as err:

@@ -382,6 +382,25 @@ def test_bad_input_is_one_line_before_training(tmp_path, bert_teacher, capsys, a
     assert not (tmp_path / "out").exists() or latest_checkpoint(tmp_path / "out") is None
 
 
+def test_every_option_reaches_the_settings():
+    import dataclasses
+
+    from fastbert.cli import distill as distill_command
+
+    args = cli.build_parser(["distill"]).parse_args(["distill", "a.txt", "-o", "out", "--teacher-layers", "0,2",
+                                                     "--no-optimize", "--alpha-ce", "3"])
+    settings = distill_command.settings_of(args)
+    fields = {f.name for f in dataclasses.fields(settings)}
+    for option, value in vars(args).items():
+        if option == "command":
+            continue
+        field = {"no_optimize": "optimize"}.get(option, option)
+        assert field in fields, option
+        expected = {"no_optimize": False, "files": ("a.txt",), "teacher_layers": (0, 2)}.get(option, value)
+        assert getattr(settings, field) == expected, option
+    assert settings.alpha_ce == 3.0 and settings.loss_weights().alpha_ce == 3.0
+
+
 # ---------------------------------------------------------------------------------------------------- resume
 @pytest.mark.slow  # two fresh processes, ~10 s each here just to import torch and transformers
 def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, corpus, bert_teacher, capsys, one_thread):
