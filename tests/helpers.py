@@ -9,6 +9,7 @@
   attention checks that take a backend and a device (padding poison, sliding windows);
 - the inputs of a head model's forward (`optimize_inputs`);
 - the client tests' texts, seeded models and the check that fastbert's path really ran (`run_both`).
+- the training tests' kill-and-resume run (`kill_and_resume`) and its comparison with an uninterrupted one.
 
 transformers is imported inside the functions that use it: importing this module does not load it.
 """
@@ -18,9 +19,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -920,3 +927,47 @@ def split_records(records: list[dict], numeric: Sequence[str]) -> tuple[list[dic
     exact = [{k: v for k, v in r.items() if k not in numeric} for r in records]
     values = [float(r[k]) for r in records for k in numeric]
     return exact, values
+
+
+def kill_and_resume(command: list[str], output_dir: Path, steps: int, wait_s: float) -> Path:
+    """Run ``command`` (a ``python -m fastbert.cli`` training run writing to ``output_dir``) from the repository root,
+    SIGKILL it as soon as it has written a checkpoint (waiting at most ``wait_s`` seconds), check that it died
+    before step ``steps``, then run it again with ``--resume`` and check that it resumed from that checkpoint, which
+    is returned."""
+    from fastbert.training.loop import latest_checkpoint
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    process = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + wait_s
+    while latest_checkpoint(output_dir) is None and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, process.stderr.read().decode()[-2000:]
+    process.stderr.close()
+    interrupted_at = latest_checkpoint(output_dir)
+    assert interrupted_at is not None and interrupted_at.name < f"checkpoint-{steps:07d}"
+
+    resumed = subprocess.run([*command, "--resume"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from {interrupted_at}" in resumed.stderr
+    return interrupted_at
+
+
+def assert_same_final_weights(whole: Path, resumed: Path) -> None:
+    """The latest checkpoints of two training runs (``output_dir``) hold exactly the same tensors."""
+    from safetensors.torch import load_file
+
+    from fastbert.training.loop import latest_checkpoint
+
+    final_whole = load_file(latest_checkpoint(whole) / "model.safetensors")
+    final_resumed = load_file(latest_checkpoint(resumed) / "model.safetensors")
+    assert final_whole.keys() == final_resumed.keys()
+    for key, tensor in final_whole.items():
+        assert torch.equal(tensor, final_resumed[key]), key
+
+
+def logged_losses(output_dir: Path) -> list[float | None]:
+    """The ``loss`` of each record of a training run's metrics.jsonl (None for a record without one)."""
+    return [json.loads(line).get("loss") for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

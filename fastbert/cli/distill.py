@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from fastbert.cli import run_options
+
 OBJECTIVES = ("mlm", "embedding")  # fastbert.training.distill.OBJECTIVES, without importing torch for --help
 
 
@@ -81,20 +83,11 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-grad-norm", type=float, default=5.0, help="0: no clipping (default 5.0, DistilBERT's)")
     parser.add_argument("--held-out", type=float, default=0.05, help="share of the documents held out (0.05)")
     parser.add_argument("--eval-sentences", type=int, default=512, help="held-out sequences evaluated (512)")
-    parser.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (0: at the end)")
-    parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
-    parser.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps (0: at the "
-                        "end)")
-    parser.add_argument("--log-every", type=int, default=10, help="progress line every N steps (default 10)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--resume", action="store_true", help="continue the run in -o from its latest checkpoint")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    parser.add_argument("--backend", default="auto", help="fastbert backend for fastbert.optimize (default auto)")
-    parser.add_argument("--no-optimize", action="store_true", help="run the plain transformers models")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="redraw the progress line in place (default: when stderr is a terminal)")
-
+    run_options.add_loop_options(parser, helps={
+        "--save-every": "checkpoint every N steps (0: at the end)",
+        "--eval-every": "held-out evaluation every N steps (0: at the end)",
+        "--resume": "continue the run in -o from its latest checkpoint",
+        "--no-optimize": "run the plain transformers models"})
 
 def teacher_layers(text: str | None) -> tuple[int, ...] | None:
     """--teacher-layers '0,2,5' as (0, 2, 5); UserError for anything else."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from fastbert.cli import shared
+from fastbert.cli import run_options, shared
 from fastbert.common.resolve import UserError
 from fastbert.training import pretrain as pretraining
 from fastbert.training.corpus import CORPORA
@@ -71,22 +71,7 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--held-out", type=float, default=0.05,
                         help="share of the documents held out for evaluation (default 0.05; with fewer than 20 "
                         "documents, the share of each document's last sentences)")
-    parser.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (default 200; "
-                        "0: only at the end)")
-    parser.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept (default 2)")
-    parser.add_argument("--eval-every", type=int, default=200, help="held-out evaluation every N steps "
-                        "(default 200; 0: only at the end)")
-    parser.add_argument("--log-every", type=int, default=10, help="progress line every N steps (default 10)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --output-dir from its latest checkpoint (same settings)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    parser.add_argument("--backend", default="auto", help="fastbert backend for fastbert.optimize (default auto)")
-    parser.add_argument("--no-optimize", action="store_true", help="train the plain transformers model")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="redraw the progress line in place (default: when stderr is a terminal)")
-
+    run_options.add_loop_options(parser)
 
 def settings_of(args: argparse.Namespace) -> pretraining.PretrainSettings:
     """The run's settings from the parsed options (each option is the settings field of the same name)."""

@@ -66,6 +66,7 @@ from fastbert.training.pretrain import (
     tokenize_documents,
     vocab_fingerprint,
 )
+from fastbert.training.settings import RunSettings
 
 OBJECTIVES = ("mlm", "embedding")
 MLM_TEACHER_TYPES = ("bert", "roberta")
@@ -666,7 +667,7 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 # ----------------------------------------------------------------------------------------------------- run
 @dataclass
-class DistillSettings:
+class DistillSettings(RunSettings):
     """One distillation run (the options of ``fastbert distill``; see the module docstring)."""
 
     output_dir: str
@@ -693,17 +694,6 @@ class DistillSettings:
     max_grad_norm: float = 5.0  # DistilBERT's
     held_out: float = 0.05
     eval_sentences: int = 512
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    eval_every: int = 200
-    log_every: int = 10
-    seed: int = 0
-    resume: bool = False
-    threads: int | None = None
-    device: str = "cpu"
-    backend: str = "auto"
-    optimize: bool = True
-    progress: bool | None = None
 
     def check(self) -> None:
         """UserError naming the first setting that cannot run (by its command-line option)."""
@@ -731,8 +721,7 @@ class DistillSettings:
             raise UserError("every --alpha-* is 0: there is no loss to train on")
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise UserError(f"--learning-rate must be > 0, got {self.learning_rate}")
-        if self.threads is not None and self.threads < 1:
-            raise UserError("--threads must be >= 1")
+        super().check()  # the run options: --threads
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.max_steps:
             raise UserError("--warmup-steps must be between 0 and --max-steps")
 

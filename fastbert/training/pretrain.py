@@ -66,6 +66,7 @@ from fastbert.training.masking import (
     next_sentence_pairs,
     sentence_order_pairs,
 )
+from fastbert.training.settings import RunSettings
 
 OBJECTIVES = ("bert", "roberta", "albert")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -558,7 +559,7 @@ def plot_curve(records: list[dict[str, Any]], path: Path, objective: str) -> Non
 
 # ----------------------------------------------------------------------------------------------------- run
 @dataclass
-class PretrainSettings:
+class PretrainSettings(RunSettings):
     """One pretraining run (the options of ``fastbert pretrain``; see the module docstring)."""
 
     output_dir: str
@@ -583,17 +584,6 @@ class PretrainSettings:
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     held_out: float = 0.05
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    eval_every: int = 200
-    log_every: int = 10
-    seed: int = 0
-    resume: bool = False
-    threads: int | None = None
-    device: str = "cpu"
-    backend: str = "auto"
-    optimize: bool = True
-    progress: bool | None = None
 
     def check(self) -> None:
         """UserError naming the first setting that cannot run (by its command-line option)."""
@@ -610,8 +600,7 @@ class PretrainSettings:
             raise UserError(f"--held-out must be in [0, 0.5), got {self.held_out}")
         if self.learning_rate <= 0:
             raise UserError(f"--learning-rate must be > 0, got {self.learning_rate}")
-        if self.threads is not None and self.threads < 1:
-            raise UserError("--threads must be >= 1")
+        super().check()  # the run options: --threads
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.max_steps:
             raise UserError("--warmup-steps must be between 0 and --max-steps")
 
