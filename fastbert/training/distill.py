@@ -100,6 +100,12 @@ _LAYER_KEY = re.compile(r"(^|\.)layer\.(\d+)\.")
 
 
 # ---------------------------------------------------------------------------------------------------- losses
+def at_least_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32, or as it is when wider: the losses reduce over the vocabulary in fp32 at least, and a
+    float64 check of the formula stays in float64."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
 def triple_loss(student_logits: torch.Tensor, student_hidden: torch.Tensor, labels: torch.Tensor,
                 attention_mask: torch.Tensor, weights: LossWeights, teacher_logits: torch.Tensor | None = None,
                 teacher_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -115,15 +121,16 @@ def triple_loss(student_logits: torch.Tensor, student_hidden: torch.Tensor, labe
     terms: dict[str, torch.Tensor] = {}
     if weights.alpha_ce:
         temperature = weights.temperature
-        log_student = F.log_softmax(student_logits[real].float() / temperature, dim=-1)
-        soft_targets = F.softmax(teacher_logits[real].float() / temperature, dim=-1)
+        log_student = F.log_softmax(at_least_fp32(student_logits[real]) / temperature, dim=-1)
+        soft_targets = F.softmax(at_least_fp32(teacher_logits[real]) / temperature, dim=-1)
         terms["ce_loss"] = F.kl_div(log_student, soft_targets, reduction="batchmean") * temperature ** 2
     if weights.alpha_mlm:
         masked = labels != IGNORE_INDEX
-        terms["mlm_loss"] = (F.cross_entropy(student_logits[masked].float(), labels[masked]) if masked.any()
+        terms["mlm_loss"] = (F.cross_entropy(at_least_fp32(student_logits[masked]), labels[masked]) if masked.any()
                              else zero)
     if weights.alpha_cos:
-        cosine = F.cosine_similarity(student_hidden[real].float(), teacher_hidden[real].float(), dim=-1)
+        student_real, teacher_real = at_least_fp32(student_hidden[real]), at_least_fp32(teacher_hidden[real])
+        cosine = F.cosine_similarity(student_real, teacher_real, dim=-1)
         terms["cos_loss"] = (1.0 - cosine).mean()
     alphas = {"ce_loss": weights.alpha_ce, "mlm_loss": weights.alpha_mlm, "cos_loss": weights.alpha_cos}
     total = sum((alphas[name] * value for name, value in terms.items()), zero)
@@ -136,9 +143,10 @@ def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, weights: LossWe
     {"mse_loss", "cos_loss"} unweighted, each only when its weight is not 0)."""
     terms: dict[str, torch.Tensor] = {}
     if weights.alpha_mse:
-        terms["mse_loss"] = F.mse_loss(student.float(), teacher.float())
+        terms["mse_loss"] = F.mse_loss(at_least_fp32(student), at_least_fp32(teacher))
     if weights.alpha_cos:
-        terms["cos_loss"] = (1.0 - F.cosine_similarity(student.float(), teacher.float(), dim=-1)).mean()
+        cosine = F.cosine_similarity(at_least_fp32(student), at_least_fp32(teacher), dim=-1)
+        terms["cos_loss"] = (1.0 - cosine).mean()
     alphas = {"mse_loss": weights.alpha_mse, "cos_loss": weights.alpha_cos}
     total = sum((alphas[name] * value for name, value in terms.items()), student.sum() * 0.0)
     return total, terms

@@ -137,8 +137,9 @@ def _direct_terms(s_logits, s_hidden, t_logits, t_hidden, labels, mask, temperat
     ("cos_loss", LossWeights(alpha_ce=0.0, alpha_mlm=0.0, alpha_cos=3.0)),
 ])
 def test_each_term_of_the_triple_loss_alone(term, weights):
-    s_logits, s_hidden, t_logits, t_hidden, labels, mask = _outputs()
-    total, terms = triple_loss(s_logits, s_hidden, labels, mask, weights, t_logits, t_hidden)
+    s_logits, s_hidden, t_logits, t_hidden, labels, mask = (t.double() if t.is_floating_point() else t
+                                                            for t in _outputs())
+    total, terms = triple_loss(s_logits, s_hidden, labels, mask, weights, t_logits, t_hidden)  # in float64
     expected = _direct_terms(s_logits, s_hidden, t_logits, t_hidden, labels, mask, weights.temperature)[term]
     assert list(terms) == [term]
     assert float(terms[term]) == pytest.approx(expected, rel=1e-5)
@@ -148,7 +149,8 @@ def test_each_term_of_the_triple_loss_alone(term, weights):
 
 
 def test_triple_loss_with_distilbert_weights_is_the_weighted_sum():
-    s_logits, s_hidden, t_logits, t_hidden, labels, mask = _outputs(seed=3)
+    s_logits, s_hidden, t_logits, t_hidden, labels, mask = (t.double() if t.is_floating_point() else t
+                                                            for t in _outputs(seed=3))
     total, terms = triple_loss(s_logits, s_hidden, labels, mask, DISTILBERT_LOSS, t_logits, t_hidden)
     direct = _direct_terms(s_logits, s_hidden, t_logits, t_hidden, labels, mask, 2.0)
     assert (DISTILBERT_LOSS.temperature, DISTILBERT_LOSS.alpha_ce, DISTILBERT_LOSS.alpha_mlm,
