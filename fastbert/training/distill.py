@@ -483,13 +483,7 @@ class MlmDistillationTask(DistillationTask):
                  held_out: PretrainingData | None, eval_examples: int = 512):
         super().__init__(teacher, tokenizer, weights, settings)
         self.data = data
-        self.eval_batches: list[dict[str, torch.Tensor]] = []
-        if held_out is not None:
-            examples = held_out.examples(epoch=0)[:eval_examples]
-            size = held_out.options.batch_size
-            generator = torch.Generator().manual_seed(held_out.options.seed + 1)
-            self.eval_batches = [held_out.collate(examples[i:i + size], generator)
-                                 for i in range(0, len(examples), size)]
+        self.eval_batches = held_out.evaluation_batches(eval_examples) if held_out is not None else []
 
     def batches(self, epoch: int) -> Sequence[dict[str, torch.Tensor]]:
         """The epoch's masked batches."""

@@ -321,6 +321,14 @@ class PretrainingData:
         """The batches of an epoch (the last, incomplete one dropped unless it is the only one)."""
         return _EpochBatches(self, epoch, self.examples(epoch))
 
+    def evaluation_batches(self, limit: int) -> list[dict[str, torch.Tensor]]:
+        """Up to ``limit`` examples of epoch 0 as batches masked once, with a generator of their own: a held-out
+        evaluation sees the same masks at every checkpoint."""
+        examples = self.examples(epoch=0)[:limit]
+        size = self.options.batch_size
+        generator = torch.Generator().manual_seed(self.options.seed + 1)
+        return [self.collate(examples[i:i + size], generator) for i in range(0, len(examples), size)]
+
 
 def _padded(examples: Sequence[dict[str, Any]], key: str, fill: int) -> torch.Tensor:
     """[examples, longest input]: each example's ``key`` list, padded with ``fill``."""
@@ -422,13 +430,7 @@ class PretrainingTask(TrainingTask):
                  held_out: PretrainingData | None = None, eval_examples: int = 512):
         self.data, self.tokenizer, self._settings = data, tokenizer, settings
         self.objective = data.options.objective
-        self.eval_batches: list[dict[str, torch.Tensor]] = []
-        if held_out is not None:
-            examples = held_out.examples(epoch=0)[:eval_examples]
-            size = held_out.options.batch_size
-            generator = torch.Generator().manual_seed(held_out.options.seed + 1)
-            self.eval_batches = [held_out.collate(examples[i:i + size], generator)
-                                 for i in range(0, len(examples), size)]
+        self.eval_batches = held_out.evaluation_batches(eval_examples) if held_out is not None else []
 
     def batches(self, epoch: int) -> Sequence[dict[str, torch.Tensor]]:
         """The epoch's batches (see `PretrainingData.epoch_batches`)."""
