@@ -402,10 +402,19 @@ def machine(args: argparse.Namespace) -> dict:
     return info
 
 
+def machine_lines(machine: dict) -> list[str]:
+    """Where and when the figures were measured: CPU and its vector flags, versions, date, commit."""
+    vector_flags = [f for f in machine.get("cpu_flags", []) if f.startswith(("avx", "amx", "fma"))]
+    versions = ", ".join(f"{name} {version}" for name, version in machine.get("versions", {}).items())
+    return [f"Machine: {machine['cpu']}, {machine['cpu_cores']} cores, server threads {machine['server_threads']}; "
+            f"CPU flags: {' '.join(vector_flags) or 'none of avx/amx/fma'}; GPU: {machine.get('gpu') or 'none'}",
+            f"Date: {machine.get('date')}; Python {machine.get('python')}; {versions}; "
+            f"commit {machine['git_commit'][:12]}"]
+
+
 def markdown(results: dict) -> str:
     lines = ["# fastbert serve: load benchmark", "", f"Command: `{results['command']}`", "",
-             f"Machine: {results['machine']['cpu']}, {results['machine']['cpu_cores']} cores, server threads "
-             f"{results['machine']['server_threads']}; commit {results['machine']['git_commit'][:12]}", "",
+             *machine_lines(results["machine"]), "",
              "| server | load | requests | statuses | texts/s | tokens/s | p50 | p90 | p99 |", "|" + "---|" * 9]
     for name, server in results["servers"].items():
         loads = [(f"closed c={c['concurrency']}", c) for c in server["closed_loop"]]
