@@ -1,4 +1,4 @@
-"""One dispatch for every fused op: backends ``eager`` | ``triton`` | ``cpp``.
+"""One dispatch for every fused op: backends ``eager`` | ``triton`` | ``cpp`` | ``vendor``.
 
 Each backend registers, per op, an implementation and a ``supports`` check that returns ``None`` when it can run
 the given inputs and otherwise the reason it cannot. ``backend="auto"`` walks the preference list for the inputs'
@@ -32,20 +32,21 @@ from dataclasses import dataclass
 
 import torch
 
-BACKENDS = ("eager", "triton", "cpp")
+BACKENDS = ("eager", "triton", "cpp", "vendor")
 # Preference of `auto` by device type. Triton on CPU only runs under TRITON_INTERPRET=1, which is far too slow to
 # be picked automatically, so `auto` never takes it for CPU tensors.
-AUTO_ORDER = {"cuda": ("triton", "eager"), "cpu": ("cpp", "eager")}
+AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": ("cpp", "eager")}
 # Under autograd (grad mode on and an input that requires grad). The cpp backward of most ops is the spec's formula
 # in PyTorch ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256, one thread, 2-core
 # VM) measured a step at 288 ms through cpp vs 220 ms through eager, so `auto` trains those through eager on CPU;
 # backend="cpp" still trains through cpp.
-AUTO_ORDER_AUTOGRAD = {"cuda": ("triton", "eager"), "cpu": ("eager",)}
+AUTO_ORDER_AUTOGRAD = {"cuda": ("triton", "vendor", "eager"), "cpu": ("eager",)}
 # Per-op exceptions to AUTO_ORDER_AUTOGRAD: op -> {device type: order}. Attention on CPU trains through cpp, whose
 # forward and backward are C++ kernels that follow each sequence's real length (eager pads the packed batch to the
 # longest sequence for SDPA and its autograd); measured with `benchmarks/train_step_cpu.py` (README, Backends).
 AUTO_ORDER_AUTOGRAD_BY_OP = {"attention": {"cpu": ("cpp", "eager")}}
-_BACKEND_MODULES = {"triton": "fastbert.backends.triton", "cpp": "fastbert.backends.cpp"}
+_BACKEND_MODULES = {"triton": "fastbert.backends.triton", "cpp": "fastbert.backends.cpp",
+                    "vendor": "fastbert.backends.vendor"}
 
 
 class BackendUnavailable(RuntimeError):

@@ -101,11 +101,13 @@ def test_describe_available_gives_the_reasons_for_failures(monkeypatch):
     backends.available()  # cpp_backend imported and recorded before its extension is taken away
     monkeypatch.setattr(cpp_backend, "EXTENSION_ERROR", "the C++ extension fastbert._C is not built (gone)")
     monkeypatch.setattr(backends, "_LOADED", {"eager", "cpp"})
-    monkeypatch.setattr(backends, "_LOAD_ERRORS", {
-        "triton": "triton backend failed to load: ModuleNotFoundError: No module named 'triton'"})
+    missing = "ModuleNotFoundError: No module named 'triton'"
+    monkeypatch.setattr(backends, "_LOAD_ERRORS", {"triton": f"triton backend failed to load: {missing}",
+                                                   "vendor": f"vendor backend failed to load: {missing}"})
     assert backends.describe_available() == (
-        "eager loaded; triton not loaded (ModuleNotFoundError: No module named 'triton'); "
-        "cpp not usable (the C++ extension fastbert._C is not built (gone))")
+        f"eager loaded; triton not loaded ({missing}); "
+        "cpp not usable (the C++ extension fastbert._C is not built (gone)); "
+        f"vendor not loaded ({missing})")
 
 
 def test_a_backend_that_fails_to_load_warns_once_when_an_op_wants_it(monkeypatch):
