@@ -1,12 +1,21 @@
-"""The ``vendor`` backend: each GEMM-bearing op's GEMM through torch (cuBLAS/cuBLASLt on CUDA), then one Triton
-kernel for the rest of the op (bias + activation, bias + residual + LayerNorm, rotary, GLU). It runs where the
-triton backend runs (CUDA, or CPU tensors under TRITON_INTERPRET=1). Implementations are registered per op below."""
+"""The ``vendor`` backend: each GEMM-bearing op's GEMM (with its bias) through torch (cuBLAS/cuBLASLt on CUDA), then
+one Triton kernel for the rest of the op (activation, residual + LayerNorm, rotary, GLU): one extra pass over the
+GEMM's output instead of fastbert's own Triton GEMM (`fastbert.kernels.vendor`, `fastbert.kernels.epilogues`).
+It runs where the triton backend runs (CUDA, or CPU tensors under TRITON_INTERPRET=1) and declines dropout
+(the triton backend fuses it). ``auto`` tries it on CUDA after triton.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from fastbert import backends
+from fastbert.kernels import vendor
 from fastbert.kernels.common import INTERPRETER
+from fastbert.ops.spec import SPECS
+
+for op, fn in vendor.IMPLEMENTATIONS.items():
+    backends.register(op, "vendor", fn, supports=vendor.SUPPORTS[op], has_backward=SPECS[op].has_backward)
 
 
 def describe() -> str:
