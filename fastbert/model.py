@@ -394,6 +394,12 @@ class FastBertModel(nn.Module):
         # model skips the value checks and runs the padded form with a key padding mask instead. torch.jit.trace
         # takes the padded form too: a traced graph of the padding-free form would bake in the example's lengths.
         compiling = torch.compiler.is_compiling() or torch.jit.is_tracing()
+        graphs = None if compiling else self.__dict__.get("cuda_graphs")
+        if graphs is not None:  # `fastbert.cuda_graphs.PackedCudaGraphs`: a replayed graph, or None for this path
+            replayed = graphs.run(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                                  output_hidden_states)
+            if replayed is not None:
+                return replayed
         mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
         position_ids, token_type_ids = self._complete_ids(input_ids, token_type_ids, position_ids, batch, seqlen,
                                                           device)
