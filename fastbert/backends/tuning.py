@@ -1,0 +1,345 @@
+"""``auto`` by measurement: time each backend that can run an op call, keep the fastest, remember it.
+
+A choice is made per *shape class* (`shape_class`): the op, the dtypes, grad mode, the threads torch uses on CPU,
+and the arguments' sizes with every size that follows the batch (rows, sequence lengths, batch) rounded up to a
+power of two; feature widths and strings (the activation) stay exact, dropout counts as on or off. All layers of a
+model share one class per op site, so a model measures each op a few times on its first batch and never again.
+
+Measuring (`measure`) calls each candidate once to warm up (Triton compiles there), then up to `ROUNDS`
+interleaved rounds (at least `MIN_ROUNDS`, more while within `BUDGET_S`), and keeps each candidate's fastest round:
+load on a shared machine only ever adds time. It forks the RNG (CPU and the tensors' CUDA devices) so dropout
+draws are what they would have been, never writes the inputs, and under autograd times forward + backward with a
+fixed gradient on detached copies of the inputs, so no ``.grad`` appears on the caller's tensors. It never runs
+while torch.compile traces, while a CUDA graph is captured, or on tensor subclasses (fake tensors): the caller
+uses a known choice or the static order.
+
+Choices persist in one JSON file per environment key (`environment_key`: the device's name, the CUDA runtime and
+driver or the CPU model and its vector flags, and the torch, triton and fastbert versions) under `cache_dir`
+(``FASTBERT_CACHE_DIR``, default ``~/.cache/fastbert``; the files are in its ``tuning/``). A file is rewritten
+atomically (`fastbert.files.write_atomic`) after merging, under an exclusive lock, what other processes wrote;
+one that cannot be read or parsed is ignored with one warning. ``FASTBERT_TUNE=0`` turns measuring off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import re
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from fastbert.files import write_atomic
+
+ROUNDS = 7  # timed rounds per candidate after the warm-up call, while within BUDGET_S
+MIN_ROUNDS = 3  # at least, whatever the time: a round can land on a moment the machine is busy
+BUDGET_S = 0.5  # per shape class: first use stays well under a second or two
+FILE_SCHEMA = "fastbert-tuning/1"
+# CPU flags that change which kernels are fast (the cpp backend's ISA, BLAS paths).
+CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+_OFF = ("0", "false", "no", "off")
+_enabled = os.environ.get("FASTBERT_TUNE", "1").strip().lower() not in _OFF
+_LOCK = threading.Lock()
+_STORE: dict[Path, dict[str, Entry]] = {}  # file -> shape class -> entry: the process's table
+_WARNED: set[Path] = set()
+
+
+@dataclass
+class Entry:
+    """One measured choice: the backend, each candidate's fastest round in ms, rounds, when (UTC)."""
+
+    choice: str
+    times_ms: dict[str, float]
+    rounds: int
+    measured: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+
+    def to_json(self) -> dict:
+        return {"choice": self.choice, "times_ms": self.times_ms, "rounds": self.rounds, "measured": self.measured}
+
+
+def enabled() -> bool:
+    """Whether ``auto`` measures (``FASTBERT_TUNE``, read at import; `set_enabled` changes it)."""
+    return _enabled
+
+
+def read_environment() -> None:
+    """Read ``FASTBERT_TUNE`` again (``0``, ``false``, ``no``, ``off``: measuring off)."""
+    set_enabled(os.environ.get("FASTBERT_TUNE", "1").strip().lower() not in _OFF)
+
+
+def set_enabled(value: bool) -> None:
+    global _enabled
+    _enabled = bool(value)
+
+
+def cache_dir() -> Path:
+    """The cache directory: ``FASTBERT_CACHE_DIR``, else ``$XDG_CACHE_HOME/fastbert``, else ``~/.cache/fastbert``;
+    the tuning files are in its ``tuning/``."""
+    named = os.environ.get("FASTBERT_CACHE_DIR")
+    if named:
+        return Path(named).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastbert"
+
+
+def tuning_dir() -> Path:
+    return cache_dir() / "tuning"
+
+
+# ------------------------------------------------------------------------------------------------ shape classes
+def bucket(n: int) -> int:
+    """The next power of two >= n (0 for 0)."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+def _describe(value, is_dropout: bool) -> str:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.dim() >= 2:
+            return "x".join([*(str(bucket(d)) for d in value.shape[:-1]), str(value.shape[-1])])
+        if value.is_floating_point():
+            return "x".join(str(d) for d in value.shape)
+        return "i" + "x".join(str(bucket(d)) for d in value.shape)
+    if value is None:
+        return "-"
+    if is_dropout:
+        return "dropout" if value > 0 else "no-dropout"
+    if isinstance(value, bool) or isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return f"~{bucket(value)}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_describe(v, False) for v in value) + "]"
+    return "."  # other floats (eps, scale) do not change which kernel is fast
+
+
+def shape_class(args: tuple, kwargs: dict, dropout_index: int | None) -> str:
+    """The class of a call: ``<dtype> <grad|no-grad> [t<threads>] <argument sizes>`` (see the module's doc)."""
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    floats = [t for t in tensors if t.is_floating_point()]
+    dtype = str(floats[0].dtype).removeprefix("torch.") if floats else "-"
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    device = tensors[0].device.type if tensors else "cpu"
+    threads = f" t{torch.get_num_threads()}" if device == "cpu" else ""
+    # The argument after dropout_p is its seed, different at every step: not part of the class.
+    seed = None if dropout_index is None else dropout_index + 1
+    parts = ["." if i == seed else _describe(v, i == dropout_index) for i, v in enumerate(args)]
+    parts += [f"{k}={'.' if k == 'dropout_seed' else _describe(v, k == 'dropout_p')}"
+              for k, v in sorted(kwargs.items())]
+    return f"{dtype} {'grad' if grad else 'no-grad'}{threads} " + ",".join(parts)
+
+
+# -------------------------------------------------------------------------------------------- environment key
+def _cpu() -> str:
+    name, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                if flags and name:
+                    break
+    return f"{name} [{' '.join(f for f in CPU_FLAGS if f in flags)}]"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment_key(device: torch.device) -> dict[str, str | None]:
+    """What a measurement depends on besides the call: the device, its driver or CPU, the library versions."""
+    key = {"device": device.type, "torch": torch.__version__, "triton": _version("triton"),
+           "fastbert": _version("fastbert")}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        driver = getattr(torch._C, "_cuda_getDriverVersion", None)
+        key.update(name=torch.cuda.get_device_name(index), cuda_runtime=torch.version.cuda,
+                   cuda_driver=str(driver()) if driver is not None else None)
+    else:
+        key.update(name=_cpu())
+    return key
+
+
+_KEY_FILES: dict[tuple[str, int | None, Path], tuple[Path, dict]] = {}
+
+
+def key_file(device: torch.device) -> tuple[Path, dict]:
+    """(the JSON file of ``device``'s environment key under `tuning_dir`, the key)."""
+    directory = tuning_dir()
+    found = _KEY_FILES.get((device.type, device.index, directory))
+    if found is None:
+        key = environment_key(device)
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        name = str(key["name"]).split(" [")[0]  # the CPU's name without its flags
+        slug = re.sub(r"[^a-z0-9]+", "-", f"{device.type} {name}".lower()).strip("-")[:40]
+        found = _KEY_FILES[(device.type, device.index, directory)] = (directory / f"{slug}-{digest}.json", key)
+    return found
+
+
+# ------------------------------------------------------------------------------------------------------ storage
+def _warn_once(path: Path, why: str) -> None:
+    if path not in _WARNED:
+        _WARNED.add(path)
+        warnings.warn(f"fastbert: tuning cache {path} ignored ({why}); measuring again", stacklevel=5)
+
+
+def _read(path: Path) -> dict[str, Entry]:
+    """The entries of one file ({} when absent; a file that cannot be read or parsed warns once)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return {cls: Entry(**value) for cls, value in raw["entries"].items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        _warn_once(path, f"{type(err).__name__}: {err}")
+        return {}
+
+
+def entries(device: torch.device) -> dict[str, Entry]:
+    """The process's table for ``device`` (read from disk on first use)."""
+    path, _ = key_file(device)
+    with _LOCK:
+        table = _STORE.get(path)
+        if table is None:
+            table = _STORE[path] = _read(path)
+        return table
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock between processes on ``path``'s file (fcntl where there is one)."""
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): the atomic rename still keeps each file whole
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def record(device: torch.device, cls: str, entry: Entry) -> None:
+    """Keep ``entry`` for ``cls`` in the process's table and in the device's file (merged with what is on disk:
+    another process may have written since; a directory that cannot be written warns once and is skipped)."""
+    path, key = key_file(device)
+    with _LOCK:
+        _STORE.setdefault(path, {})[cls] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with _file_lock(path):
+                merged = {**_read(path), **_STORE[path]}
+                _STORE[path].update(merged)
+                document = {"schema": FILE_SCHEMA, "key": key,
+                            "entries": {c: e.to_json() for c, e in sorted(merged.items())}}
+                write_atomic(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
+        except OSError as err:
+            _warn_once(path, f"cannot write: {err}")
+
+
+def forget() -> None:
+    """Drop the process's table (the files stay): the next lookup reads them again."""
+    with _LOCK:
+        _STORE.clear()
+        _KEY_FILES.clear()
+
+
+def clear() -> list[Path]:
+    """Remove every tuning file under `tuning_dir` (and the process's table); returns the files removed."""
+    forget()
+    directory = tuning_dir()
+    removed = []
+    for path in sorted(directory.glob("*.json*")) if directory.is_dir() else []:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            if path.suffix == ".json":
+                removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------- measuring
+def can_measure(tensors: list[torch.Tensor]) -> bool:
+    """Whether timing runs may happen now: not while torch.compile traces or torch.jit traces, not during CUDA
+    graph capture, only on plain tensors."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
+        return False
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return [o for o in items if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Under autograd: the arguments with every tensor that requires grad replaced by a detached leaf (same
+    storage, never written) that requires grad; those leaves."""
+    if not torch.is_grad_enabled():
+        return args, kwargs, []
+    leaves: list[torch.Tensor] = []
+
+    def swap(value):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            leaves.append(value.detach().requires_grad_(True))
+            return leaves[-1]
+        return value
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}, leaves
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], sync: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    outputs = _outputs(out) if leaves else []
+    if outputs:
+        torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True)
+    sync()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple[dict[str, float], int]:
+    """Time each candidate on the call (see the module's doc): ({backend: fastest round in ms}, rounds)."""
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    cuda = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    sync = (lambda: [torch.cuda.synchronize(i) for i in cuda]) if cuda else (lambda: None)
+    args, kwargs, leaves = _prepare(args, kwargs)
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    with torch.random.fork_rng(devices=cuda):
+        sync()
+        for fn in candidates.values():
+            _call(fn, args, kwargs, leaves, sync)
+        start = time.perf_counter()
+        rounds = 0
+        while rounds < ROUNDS and (rounds < MIN_ROUNDS or time.perf_counter() - start < BUDGET_S):
+            names = list(candidates)
+            names = names[rounds % len(names):] + names[:rounds % len(names)]  # rotated order
+            for name in names:
+                times[name].append(_call(candidates[name], args, kwargs, leaves, sync))
+            rounds += 1
+    return {name: min(values) for name, values in times.items()}, rounds
+
+
+def pick(times: dict[str, float]) -> str:
+    """The fastest candidate (ties: the first, i.e. the static order's)."""
+    return min(times, key=lambda name: (times[name], list(times).index(name)))
