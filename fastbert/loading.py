@@ -16,6 +16,7 @@ import torch
 
 from fastbert import families
 from fastbert.config import FastBertConfig
+from fastbert.cuda_graphs import enable_on_cuda
 from fastbert.heads import build_task_model, head_key_map, redundant_checkpoint_keys
 from fastbert.model import FastBertModel
 
@@ -137,6 +138,7 @@ def from_pretrained(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     backend: str = "auto",
+    cuda_graphs: bool = True,
 ) -> torch.nn.Module:
     """Build fastbert's model from an HF checkpoint directory (config.json + model.safetensors or
     pytorch_model.bin), offline and without transformers.
@@ -145,6 +147,10 @@ def from_pretrained(
     missing, or tensors of the wrong shape, raise `CheckpointError`; checkpoint keys fastbert does not use are
     reported in a warning and in ``model.loading_info``; head keys that are missing (a base checkpoint loaded for
     fine-tuning) are initialised randomly and reported the same way.
+
+    cuda_graphs: with ``device`` a CUDA device, inference calls (eval mode, grad mode off: under
+    ``torch.inference_mode()``) replay CUDA graphs of the packed encoder, one per bucket of shapes
+    (`fastbert.cuda_graphs`); False launches every op. On CPU it does nothing.
     """
     directory = Path(path)
     config, source = _read_checkpoint(directory)
@@ -167,6 +173,8 @@ def from_pretrained(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     model.to(device=device, dtype=dtype)
+    if cuda_graphs:
+        enable_on_cuda(model)
     return model.eval()
 
 

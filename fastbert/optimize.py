@@ -50,6 +50,7 @@ from torch import nn
 
 from fastbert import backends, families
 from fastbert.config import FastBertConfig
+from fastbert.cuda_graphs import enable_on_cuda
 from fastbert.loading import encoder_key_map
 from fastbert.model import FastBertModel
 
@@ -536,12 +537,13 @@ def _replaced_forward(module: nn.Module) -> bool:
 
 
 class OptimizedState:
-    """What `optimize` attaches to a transformers base model (as ``_fastbert``): the requested backend and a
-    cache of fastbert's encoder over the model's tensors. Copies and pickles carry the request, not the cache:
-    the copy builds its own from its own tensors on its first call."""
+    """What `optimize` attaches to a transformers base model (as ``_fastbert``): the requested backend, whether
+    inference on CUDA replays CUDA graphs, and a cache of fastbert's encoder over the model's tensors. Copies and
+    pickles carry the request, not the cache: the copy builds its own from its own tensors on its first call."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, cuda_graphs: bool = True):
         self.backend = backend
+        self.cuda_graphs = cuda_graphs
         self._reset()
 
     def _reset(self) -> None:
@@ -550,10 +552,11 @@ class OptimizedState:
         self.lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"backend": self.backend}
+        return {"backend": self.backend, "cuda_graphs": self.cuda_graphs}
 
     def __setstate__(self, state: dict) -> None:
         self.backend = state["backend"]
+        self.cuda_graphs = state.get("cuda_graphs", True)
         self._reset()
 
     def current(self, base: nn.Module) -> _Build:
@@ -563,7 +566,10 @@ class OptimizedState:
             with self.lock:  # one rebuild when threads share a model
                 build = self.build
                 if build is None or build.stale():
-                    build = self.build = _build(base, self.backend)
+                    build = _build(base, self.backend)
+                    if self.cuda_graphs and build.fast is not None:
+                        enable_on_cuda(build.fast)  # (a move to another device rebuilds: this runs again)
+                    self.build = build
         return build
 
     def call_reason(self, base: nn.Module, arguments: dict | None) -> str | None:
@@ -803,10 +809,13 @@ def _bases(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.base_model is m]
 
 
-def optimize(model: nn.Module, backend: str = "auto") -> nn.Module:
+def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True) -> nn.Module:
     """Speed up a transformers model of the BERT family (any head class), or a sentence-transformers model
     wrapping one, in place; returns the same object. Calling it again re-checks the model and may change the
     backend.
+
+    cuda_graphs: inference calls on CUDA (eval mode, grad mode off) replay CUDA graphs of the packed encoder, one
+    per bucket of shapes (`fastbert.cuda_graphs`); False launches every op. On CPU it does nothing.
 
     Raises ValueError when the model holds no supported encoder, or one configured in a way fastbert cannot run
     (decoder, cross-attention, relative position embeddings).
@@ -819,8 +828,8 @@ def optimize(model: nn.Module, backend: str = "auto") -> nn.Module:
     for base in targets:
         state = base.__dict__.get("_fastbert")
         if state is None:
-            state = base._fastbert = OptimizedState(backend)
-        state.backend = backend
+            state = base._fastbert = OptimizedState(backend, cuda_graphs)
+        state.backend, state.cuda_graphs = backend, cuda_graphs
         state.build = None
         if not isinstance(base.__dict__.get("forward"), OptimizedForward):
             base.forward = OptimizedForward(base)
