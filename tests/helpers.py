@@ -290,8 +290,8 @@ def on_device(args: tuple, device=DEVICE) -> tuple:
 
 def for_backend(backend: str, args: tuple) -> tuple:
     """``args`` where ``backend`` runs: the triton kernels on the test device (a GPU, or the interpreter on CPU),
-    cpp and eager on CPU."""
-    return on_device(args) if backend == "triton" else args
+    cpp and eager on CPU; vendor (torch's GEMM + a Triton epilogue) where triton runs."""
+    return on_device(args) if backend in ("triton", "vendor") else args
 
 
 def frozen_tables(op: str, args: tuple) -> tuple:
@@ -310,6 +310,16 @@ LOW_PRECISION_GRAD_CASES = [
     pytest.param("triton", torch.bfloat16, 33, id="triton-bf16", marks=pytest.mark.interpreter),
 ]
 OPCHECK_BACKENDS = ["cpp", pytest.param("triton", marks=pytest.mark.interpreter)]
+# The GEMM-bearing ops' lists (every token op but embedding_layernorm): the same plus the vendor backend, whose
+# epilogue kernel is cheap under the interpreter (its GEMM is torch's): one row count unmarked, the rest marked.
+GEMM_FP32_GRAD_CASES = FP32_GRAD_CASES + [
+    pytest.param("vendor", 7, id="vendor-rows7"),
+    *(pytest.param("vendor", rows, id=f"vendor-rows{rows}", marks=pytest.mark.interpreter) for rows in (1, 130))]
+GEMM_LOW_PRECISION_GRAD_CASES = LOW_PRECISION_GRAD_CASES + [
+    pytest.param("vendor", torch.float16, 33, id="vendor-fp16", marks=pytest.mark.interpreter),
+    pytest.param("vendor", torch.bfloat16, 33, id="vendor-bf16", marks=pytest.mark.interpreter),
+]
+GEMM_OPCHECK_BACKENDS = [*OPCHECK_BACKENDS, pytest.param("vendor", marks=pytest.mark.interpreter)]
 
 
 def opcheck_with_grad(op: str, backend: str, variant: str) -> None:
@@ -544,7 +554,7 @@ def torch_op_args(op: str, args: tuple) -> tuple:
     if op == "qkv_rotary":
         x, weight, bias, heads, positions, cos, sin = args
         return x, weight, bias, positions, cos, sin, heads
-    schema = getattr(torch.ops.fastbert, f"cpp_{op}").default._schema
+    schema = torch._C.parse_schema(f"fastbert::{op}{SPECS[op].schema}")  # the spec's: whichever backends loaded
     return (*args, *(argument.default_value for argument in schema.arguments[len(args):]))
 
 

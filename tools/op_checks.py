@@ -1,5 +1,6 @@
-"""Accuracy checks of the triton backend's ops at any shape and dtype: each builds random inputs (strided views
-where asked, as models pass them), runs the op on the triton backend and on the eager one (plain PyTorch, the
+"""Accuracy checks of the triton backend's ops at any shape and dtype (the GEMM-bearing ones also of the vendor
+backend, torch's GEMM + a Triton epilogue: ``backend="vendor"``): each builds random inputs (strided views
+where asked, as models pass them), runs the op on that backend and on the eager one (plain PyTorch, the
 yardstick) in the tested dtype and on eager in fp64 (the reference), and applies `fastbert.numerics`' rule.
 
 tests/ops call them on small grids (CPU: the Triton interpreter), benchmarks/gpu_check.py at BERT-base/large
@@ -42,23 +43,23 @@ def _weight(out_features: int, in_features: int, dtype, transposed: bool) -> tor
 
 
 # ----------------------------------------------------------------------------------------------------- GEMM ops
-def check_linear_activation(rows, hidden, dtype, activation, strided):
+def check_linear_activation(rows, hidden, dtype, activation, strided, backend="triton"):
     inner = 4 * hidden
     x = _maybe_strided(rows, hidden, dtype, strided)
     weight, bias = _weight(inner, hidden, dtype, strided), rand(inner, dtype=dtype, scale=0.5)
-    fast = ops.linear_activation(x, weight, bias, activation, backend="triton")
+    fast = ops.linear_activation(x, weight, bias, activation, backend=backend)
     plain = ops.linear_activation(x, weight, bias, activation, backend="eager")
     reference = ops.linear_activation(x.double(), weight.double(), bias.double(), activation, backend="eager")
     _require(fast.is_contiguous(), "linear_activation: the output is not contiguous")
-    assert_accurate(fast, plain, reference, f"linear_activation {activation}")
+    assert_accurate(fast, plain, reference, f"{backend} linear_activation {activation}")
 
 
-def check_qkv_projection(rows, hidden, heads, dtype, strided, leading=()):
+def check_qkv_projection(rows, hidden, heads, dtype, strided, leading=(), backend="triton"):
     x = _maybe_strided(rows, hidden, dtype, strided)
     if leading:
         x = x.reshape(*leading, hidden)
     weight, bias = _weight(3 * hidden, hidden, dtype, strided), rand(3 * hidden, dtype=dtype, scale=0.5)
-    fast = ops.qkv_projection(x, weight, bias, heads, backend="triton")
+    fast = ops.qkv_projection(x, weight, bias, heads, backend=backend)
     plain = ops.qkv_projection(x, weight, bias, heads, backend="eager")
     reference = ops.qkv_projection(x.double(), weight.double(), bias.double(), heads, backend="eager")
     base = fast[0].untyped_storage().data_ptr()
@@ -66,10 +67,11 @@ def check_qkv_projection(rows, hidden, heads, dtype, strided, leading=()):
         expected = (*x.shape[:-1], heads, hidden // heads)
         _require(f.shape == expected, f"qkv_projection {name}: shape {tuple(f.shape)} != {expected}")
         _require(f.untyped_storage().data_ptr() == base, "q, k, v must be views of one buffer (no copies)")
-        assert_accurate(f, p, r, f"qkv_projection {name}")
+        assert_accurate(f, p, r, f"{backend} qkv_projection {name}")
 
 
-def check_linear_residual_layernorm(rows, hidden, dtype, strided, with_bias=True, with_ln_bias=True, inner=None):
+def check_linear_residual_layernorm(rows, hidden, dtype, strided, with_bias=True, with_ln_bias=True, inner=None,
+                                    backend="triton"):
     """inner: K (default 4 x hidden); with_ln_bias False: LayerNorm without shift."""
     inner = 4 * hidden if inner is None else inner
     x = _maybe_strided(rows, inner, dtype, strided)
@@ -79,14 +81,14 @@ def check_linear_residual_layernorm(rows, hidden, dtype, strided, with_bias=True
     ln_weight = rand(hidden, dtype=dtype).abs() + 0.5
     ln_bias = rand(hidden, dtype=dtype, scale=0.2) if with_ln_bias else None
     args = (x, weight, bias, residual, ln_weight, ln_bias, 1e-12)
-    fast = ops.linear_residual_layernorm(*args, backend="triton")
+    fast = ops.linear_residual_layernorm(*args, backend=backend)
     plain = ops.linear_residual_layernorm(*args, backend="eager")
     reference = ops.linear_residual_layernorm(*(a.double() if isinstance(a, torch.Tensor) else a for a in args),
                                               backend="eager")
-    assert_accurate(fast, plain, reference, "linear_residual_layernorm")
+    assert_accurate(fast, plain, reference, f"{backend} linear_residual_layernorm")
 
 
-def check_linear_glu(rows, hidden, inner, dtype, activation, strided, with_bias=True, leading=()):
+def check_linear_glu(rows, hidden, inner, dtype, activation, strided, with_bias=True, leading=(), backend="triton"):
     """act(x W_in^T + b_in) * (x W_gate^T + b_gate) with weight [2 inner, hidden] (ModernBERT's Wi); strided: x a
     column slice and the weight a transposed view; leading: x reshaped to [*leading, hidden]."""
     x = _maybe_strided(rows, hidden, dtype, strided)
@@ -94,15 +96,16 @@ def check_linear_glu(rows, hidden, inner, dtype, activation, strided, with_bias=
         x = x.reshape(*leading, hidden)
     weight = _weight(2 * inner, hidden, dtype, strided)
     bias = rand(2 * inner, dtype=dtype, scale=0.5) if with_bias else None
-    fast = ops.linear_glu(x, weight, bias, activation, backend="triton")
+    fast = ops.linear_glu(x, weight, bias, activation, backend=backend)
     plain = ops.linear_glu(x, weight, bias, activation, backend="eager")
     reference = ops.linear_glu(x.double(), weight.double(), None if bias is None else bias.double(), activation,
                                backend="eager")
     _require(fast.is_contiguous(), "linear_glu: the output is not contiguous")
-    assert_accurate(fast, plain, reference, f"linear_glu {activation} rows{rows} H{hidden} I{inner}")
+    assert_accurate(fast, plain, reference, f"{backend} linear_glu {activation} rows{rows} H{hidden} I{inner}")
 
 
-def check_linear_residual_prenorm(rows, hidden, inner, dtype, strided, with_bias=True, with_ln_bias=True):
+def check_linear_residual_prenorm(rows, hidden, inner, dtype, strided, with_bias=True, with_ln_bias=True,
+                                  backend="triton"):
     """(x W^T + b + residual, its LayerNorm) with x [rows, inner], W [hidden, inner]; both outputs checked, and
     normed must be the LayerNorm of summed as returned."""
     x = _maybe_strided(rows, inner, dtype, strided)
@@ -112,11 +115,11 @@ def check_linear_residual_prenorm(rows, hidden, inner, dtype, strided, with_bias
     ln_weight = rand(hidden, dtype=dtype).abs() + 0.5
     ln_bias = rand(hidden, dtype=dtype, scale=0.2) if with_ln_bias else None
     args = (x, weight, bias, residual, ln_weight, ln_bias, 1e-5)
-    summed, normed = ops.linear_residual_prenorm(*args, backend="triton")
+    summed, normed = ops.linear_residual_prenorm(*args, backend=backend)
     plain = ops.linear_residual_prenorm(*args, backend="eager")
     reference = ops.linear_residual_prenorm(*(a.double() if isinstance(a, torch.Tensor) else a for a in args),
                                             backend="eager")
-    what = f"linear_residual_prenorm rows{rows} N{hidden} K{inner}"
+    what = f"{backend} linear_residual_prenorm rows{rows} N{hidden} K{inner}"
     _require(summed.is_contiguous() and normed.is_contiguous(), f"{what}: the outputs are not contiguous")
     assert_accurate(summed, plain[0], reference[0], f"{what} summed")
     assert_accurate(normed, plain[1], reference[1], f"{what} normed")
@@ -138,7 +141,7 @@ def packed_positions(tokens: int) -> torch.Tensor:
 
 
 def check_qkv_rotary(rows, heads, head_dim, dtype, strided=False, with_bias=True, leading=None,
-                     position_dtype=torch.int64, theta=160000.0):
+                     position_dtype=torch.int64, theta=160000.0, backend="triton"):
     """ModernBERT's QKV projection + rotary on q and k, positions restarting per packed sequence; strided: x a
     column slice, the weight a transposed view; leading: x and positions reshaped to [*leading, ...]."""
     hidden = heads * head_dim
@@ -149,7 +152,7 @@ def check_qkv_rotary(rows, heads, head_dim, dtype, strided=False, with_bias=True
     if leading is not None:
         x, positions = x.reshape(*leading, hidden), positions.reshape(leading)
     cos, sin = ops.rotary_tables(theta, head_dim, max(rows, 256), DEVICE)
-    fast = ops.qkv_rotary(x, weight, bias, heads, positions, cos, sin, backend="triton")
+    fast = ops.qkv_rotary(x, weight, bias, heads, positions, cos, sin, backend=backend)
     plain = ops.qkv_rotary(x, weight, bias, heads, positions, cos, sin, backend="eager")
     reference = ops.qkv_rotary_reference(x.double(), weight.double(), None if bias is None else bias.double(), heads,
                                          positions, cos, sin)
@@ -158,7 +161,7 @@ def check_qkv_rotary(rows, heads, head_dim, dtype, strided=False, with_bias=True
         expected = (*x.shape[:-1], heads, head_dim)
         _require(f.shape == expected, f"qkv_rotary {name}: shape {tuple(f.shape)} != {expected}")
         _require(f.untyped_storage().data_ptr() == base, "qkv_rotary: q, k, v must be views of one buffer")
-        assert_accurate(f, p, r, f"qkv_rotary {name} rows{rows} heads{heads} d{head_dim}")
+        assert_accurate(f, p, r, f"{backend} qkv_rotary {name} rows{rows} heads{heads} d{head_dim}")
 
 
 # ----------------------------------------------------------------------------------------- embedding_layernorm

@@ -17,10 +17,10 @@ from tests.helpers import (
     CPP_DTYPES,
     CPP_WIDTHS,
     DEVICE,
-    FP32_GRAD_CASES,
+    GEMM_FP32_GRAD_CASES,
+    GEMM_LOW_PRECISION_GRAD_CASES,
+    GEMM_OPCHECK_BACKENDS,
     HALF_DTYPES,
-    LOW_PRECISION_GRAD_CASES,
-    OPCHECK_BACKENDS,
     as_fp64,
     assert_accurate,
     assert_accurate_fp64,
@@ -123,12 +123,12 @@ def test_activation_from_hf_refuses_other_functions():
 
 # ------------------------------------------------------------------------------------------------ backward
 @pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", FP32_GRAD_CASES)
+@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
 def test_grads_match_eager_fp32(backend, rows, variant):
     check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
 
 
-@pytest.mark.parametrize("backend, dtype, rows", LOW_PRECISION_GRAD_CASES)
+@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
 def test_grads_low_precision(backend, dtype, rows):
     check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
 
@@ -183,6 +183,6 @@ def test_gradcheck_other_activations(activation):
 
 # ------------------------------------------------------------------------------------------------- opcheck
 @pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+@pytest.mark.parametrize("backend", GEMM_OPCHECK_BACKENDS)
 def test_opcheck_with_grad(backend, variant):
     opcheck_with_grad(OP, backend, variant)

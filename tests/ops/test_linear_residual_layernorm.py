@@ -17,11 +17,11 @@ from tests.helpers import (
     ALL_DTYPES,
     CPP_DTYPES,
     CPP_WIDTHS,
-    FP32_GRAD_CASES,
+    GEMM_FP32_GRAD_CASES,
+    GEMM_LOW_PRECISION_GRAD_CASES,
+    GEMM_OPCHECK_BACKENDS,
     HALF_DTYPES,
     IN_FEATURES,
-    LOW_PRECISION_GRAD_CASES,
-    OPCHECK_BACKENDS,
     OUT_FEATURES,
     OpsSeen,
     as_fp64,
@@ -114,12 +114,12 @@ def test_cpp_op_rejects_bad_shapes():
 
 # ------------------------------------------------------------------------------------------------ backward
 @pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", FP32_GRAD_CASES)
+@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
 def test_grads_match_eager_fp32(backend, rows, variant):
     check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
 
 
-@pytest.mark.parametrize("backend, dtype, rows", LOW_PRECISION_GRAD_CASES)
+@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
 def test_grads_low_precision(backend, dtype, rows):
     check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
 
@@ -234,7 +234,7 @@ def test_triton_keep_rate_through_its_gemm_mask():
 
 # ------------------------------------------------------------------------------------------------- opcheck
 @pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+@pytest.mark.parametrize("backend", GEMM_OPCHECK_BACKENDS)
 def test_opcheck_with_grad(backend, variant):
     opcheck_with_grad(OP, backend, variant)
 

@@ -20,10 +20,10 @@ from tests.helpers import (
     CPP_DTYPES,
     CPP_WIDTHS,
     DEVICE,
-    FP32_GRAD_CASES,
+    GEMM_FP32_GRAD_CASES,
+    GEMM_LOW_PRECISION_GRAD_CASES,
+    GEMM_OPCHECK_BACKENDS,
     HALF_DTYPES,
-    LOW_PRECISION_GRAD_CASES,
-    OPCHECK_BACKENDS,
     assert_accurate,
     assert_accurate_fp64,
     check_grads,
@@ -167,12 +167,12 @@ def test_layer_norm_fp32_without_bias_is_the_unshifted_layernorm():
 
 # ------------------------------------------------------------------------------------------------ backward
 @pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", FP32_GRAD_CASES)
+@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
 def test_grads_match_eager_fp32(backend, rows, variant):
     check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
 
 
-@pytest.mark.parametrize("backend, dtype, rows", LOW_PRECISION_GRAD_CASES)
+@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
 def test_grads_low_precision(backend, dtype, rows):
     check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
 
@@ -248,7 +248,7 @@ def test_triton_keep_rate_and_scaling(p):
 
 # ------------------------------------------------------------------------------------------------- opcheck
 @pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
+@pytest.mark.parametrize("backend", GEMM_OPCHECK_BACKENDS)
 def test_opcheck_with_grad(backend, variant):
     opcheck_with_grad(OP, backend, variant)
 

@@ -14,8 +14,8 @@ from tests.helpers import (
     ALL_DTYPES,
     CPP_DTYPES,
     CPP_WIDTHS,
-    FP32_GRAD_CASES,
-    LOW_PRECISION_GRAD_CASES,
+    GEMM_FP32_GRAD_CASES,
+    GEMM_LOW_PRECISION_GRAD_CASES,
     assert_accurate_fp64,
     check_grads,
     cpp_linear_inputs,
@@ -68,12 +68,12 @@ def test_cpp_one_head(width, dtype):
 
 # ------------------------------------------------------------------------------------------------ backward
 @pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", FP32_GRAD_CASES)
+@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
 def test_grads_match_eager_fp32(backend, rows, variant):
     check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
 
 
-@pytest.mark.parametrize("backend, dtype, rows", LOW_PRECISION_GRAD_CASES)
+@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
 def test_grads_low_precision(backend, dtype, rows):
     check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
 
