@@ -45,12 +45,13 @@ class Embedder:
     texts are sorted by length first, so padding is small); default `DEFAULT_BATCH_TOKENS` of the device, at least
     max_length. max_batch_size caps the texts per batch.
     load_model False (a Ray driver): read the checkpoint's settings and width only, the actors hold the models; the
-    device may then be one only the actors have."""
+    device may then be one only the actors have. cuda_graphs: on CUDA, batches replay CUDA graphs of the packed
+    encoder (`fastbert.cuda_graphs`); False launches every op; nothing on CPU."""
 
     def __init__(self, model_dir: str | None = None, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, backend: str = "auto", pooling: str | None = None,
                  normalize: bool | None = None, max_length: int | None = None, max_batch_tokens: int | None = None,
-                 max_batch_size: int | None = None, load_model: bool = True):
+                 max_batch_size: int | None = None, load_model: bool = True, cuda_graphs: bool = True):
         from fastbert.common.resolve import resolve_dtype, resolve_model
 
         self.model_dir, self.config = resolve_model(model_dir)
@@ -66,6 +67,7 @@ class Embedder:
         self.max_batch_size = max_batch_size
         self.dimension = self.config.hidden_size
         self.uses_token_types = bool(self.config.type_vocab_size)
+        self.cuda_graphs = cuda_graphs
         self.model = self._load_model(backend) if load_model else None
         self._load_tokenizer()
 
@@ -110,7 +112,7 @@ class Embedder:
 
         try:
             return fastbert.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
-                                            backend=backend).eval()
+                                            backend=backend, cuda_graphs=self.cuda_graphs).eval()
         except ValueError as err:  # CheckpointError, an unsupported family
             raise UserError(f"{self.model_dir}: {err}") from err
 
