@@ -82,6 +82,7 @@ from .common import (
     dot_precision,
     first_reason,
     float_reason,
+    launch,
 )
 
 __all__ = ["attention", "attention_reference", "supports"]
@@ -602,7 +603,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch
     if not INTERPRETER and meta["BLOCK_M"] == 128 and triton.cdiv(longest, 128) * batch * heads < _sm_count(q.device):
         meta["BLOCK_M"] = 64  # small batches: more, shorter programs to occupy the SMs
     grid = (triton.cdiv(longest, meta["BLOCK_M"]), batch, heads)
-    _attention_kernel[grid](
+    launch(_attention_kernel, grid,
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(),
         cu_seqlens.contiguous() if packed else q4, q4 if mask is None else mask, *mask_strides,  # q4: unread
         q4.shape[1], head_dim, scale * LOG2E, 0 if window_half is None else window_half,
@@ -636,10 +637,10 @@ def _launch_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         dropout_threshold=_threshold(dropout_p), dropout_scale=keep_scale(dropout_p), dropout_seed=dropout_seed,
         PACKED=packed, HAS_MASK=mask is not None, WINDOW=window_half is not None, DROPOUT=dropout_p > 0,
         INPUT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype))
-    _attention_backward_dq_kernel[(triton.cdiv(longest, dq_meta["BLOCK_M"]), batch, heads)](
+    launch(_attention_backward_dq_kernel, (triton.cdiv(longest, dq_meta["BLOCK_M"]), batch, heads),
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(), g4, *g4.stride(),
         dq4, *dq4.stride(), lse, delta, **shared, **dq_meta)
-    _attention_backward_dkdv_kernel[(triton.cdiv(longest, dkdv_meta["BLOCK_N"]), batch, heads)](
+    launch(_attention_backward_dkdv_kernel, (triton.cdiv(longest, dkdv_meta["BLOCK_N"]), batch, heads),
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), g4, *g4.stride(),
         dk4, *dk4.stride(), dv4, *dv4.stride(), lse, delta, **shared, **dkdv_meta)
     return dq, dk, dv

@@ -1,6 +1,7 @@
-"""Shared pieces of the triton backend: where it can run, dtype checks, the meta-parameter policy, and the pieces of
-the backward and dropout kernels (the Philox keep mask, LayerNorm's backward on a tile, the second stage of the
-two-stage fp32 reductions, the backward launchers' torch ops).
+"""Shared pieces of the triton backend: where it can run, dtype checks, the meta-parameter policy, the cached
+launcher every kernel is launched through (`launch`), and the pieces of the backward and dropout kernels (the Philox
+keep mask, LayerNorm's backward on a tile, the second stage of the two-stage fp32 reductions, the backward
+launchers' torch ops).
 
 Triton kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter. Whether the interpreter is on
 is decided by triton when a kernel is decorated (``TRITON_INTERPRET=1`` must be in the environment before
@@ -8,6 +9,10 @@ is decided by triton when a kernel is decorated (``TRITON_INTERPRET=1`` must be 
 """
 
 from __future__ import annotations
+
+import inspect
+import os
+import re
 
 import torch
 import triton
@@ -235,8 +240,8 @@ def column_sum(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if width == 0:
         return out
     block_n = 256 if INTERPRETER else 64
-    _column_sum_kernel[(triton.cdiv(width, block_n),)](partial, out, parts, width, BLOCK_P=32, BLOCK_N=block_n,
-                                                        num_warps=4)
+    launch(_column_sum_kernel, (triton.cdiv(width, block_n),), partial, out, parts, width, BLOCK_P=32,
+           BLOCK_N=block_n, num_warps=4)
     return out
 
 
@@ -259,3 +264,209 @@ def define_kernel_op(name: str, schema: str, impl, fake):
         op = torch.library.custom_op(f"fastbert::{name}", impl, mutates_args=(), schema=schema)
         op.register_fake(fake)
     return getattr(torch.ops.fastbert, name)
+
+
+# ------------------------------------------------------------------------------------------------ cached launches
+def cached_launch_enabled(environ=os.environ) -> bool:
+    """FASTBERT_CACHED_LAUNCH: unset or 1 replays compiled kernels; 0 (false, no, off) launches through triton."""
+    return environ.get("FASTBERT_CACHED_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+CACHED_LAUNCH: bool = cached_launch_enabled()
+"""Whether `launch` replays compiled kernels (FASTBERT_CACHED_LAUNCH=0: every launch goes through triton's own
+``kernel[grid](...)``). Read at import."""
+
+# The launch `launch` replays: what JITFunction.run does with the kernel it compiled or found (triton 3.6 and 3.9
+# alike: the compiled kernel's run(grid, stream, function, packed metadata, launch metadata, hooks, *all arguments
+# in parameter order, constexprs included)).
+_TRITON_LAUNCH = re.compile(
+    r"kernel\.run\(\s*grid_0,\s*grid_1,\s*grid_2,\s*stream,\s*kernel\.function,\s*kernel\.packed_metadata,\s*"
+    r"launch_metadata,\s*knobs\.runtime\.launch_enter_hook,\s*knobs\.runtime\.launch_exit_hook,\s*"
+    r"\*bound_args\.values\(\)\s*\)")
+_MAX_ENTRIES = 4096  # per kernel; past it new specialisations launch through triton (keys are bounded in practice)
+
+
+def launch_layout_reason() -> str | None:
+    """Why the installed triton does not launch the way `launch` replays (the call in JITFunction.run, the
+    returned compiled kernel, the autotuner's best_config), or None when it does."""
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    try:
+        run, tuner = inspect.getsource(JITFunction.run), inspect.getsource(Autotuner.run)
+        compiled = inspect.getsource(CompiledKernel)
+    except (OSError, TypeError) as err:
+        return f"triton {triton.__version__}: its sources cannot be read ({err})"
+    missing = [what for what, ok in (
+        ("JITFunction.run launching kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, "
+         "kernel.packed_metadata, launch_metadata, enter_hook, exit_hook, *bound_args.values())",
+         _TRITON_LAUNCH.search(run)),
+        ("JITFunction.run returning the compiled kernel", re.search(r"\n\s*return kernel\s*\n", run)),
+        ("Autotuner.run setting self.best_config and launching config.all_kwargs()",
+         "self.best_config = config" in tuner and "config.all_kwargs()" in tuner),
+        ("CompiledKernel.packed_metadata and launch_metadata",
+         "self.packed_metadata" in compiled and "def launch_metadata" in compiled)) if not ok]
+    return f"triton {triton.__version__}: unknown launch layout, missing {'; '.join(missing)}" if missing else None
+
+
+LAUNCH_LAYOUT_REASON: str | None = launch_layout_reason()
+"""None when the installed triton launches as `launch` expects; checked at import on every machine (the tests
+read it under the interpreter too)."""
+
+if CACHED_LAUNCH and not INTERPRETER and LAUNCH_LAYOUT_REASON is not None:
+    raise RuntimeError(f"fastbert.kernels: {LAUNCH_LAYOUT_REASON}. The cached launcher would replay a launch this "
+                       "triton does not make; set FASTBERT_CACHED_LAUNCH=0 to launch through triton's own path")
+
+# Under the interpreter there is nothing compiled to replay: every launch is triton's own kernel[grid](...).
+_CACHING: bool = CACHED_LAUNCH and not INTERPRETER
+_current_device = None  # triton's driver functions, bound on the first cached launch (a GPU is needed)
+_current_stream = None
+_UNSET = object()
+
+
+class KernelInfo:
+    """What `launch` needs about one kernel (a JITFunction or an Autotuner over one), computed once: the runtime
+    parameters (all before the constexprs, so that a launch's arguments are its runtime arguments followed by a
+    tail fixed per specialisation), the constexprs' defaults, the autotuner's key positions, and its entries: key
+    -> (compiled kernel, constexpr tail, meta for the grid), or None for a specialisation launched through triton."""
+
+    __slots__ = ("runtime_names", "runtime_count", "constexprs", "tune_positions", "autotuner", "reason", "entries")
+
+    def __init__(self, kernel):
+        self.entries: dict = {}
+        self.autotuner = getattr(kernel, "configs", None) is not None and hasattr(kernel, "keys")
+        jit = kernel.fn if self.autotuner else kernel
+        params = getattr(jit, "params", None)
+        self.reason = None if params is not None else f"{type(jit).__name__} is not a JITFunction"
+        params = params or []
+        runtime = [p.name for p in params if not p.is_constexpr]
+        constexprs = [p.name for p in params if p.is_constexpr]
+        if runtime != [p.name for p in params[:len(runtime)]]:
+            self.reason = "a constexpr parameter comes before a runtime one"
+        defaults = {name: p.default for name, p in jit.signature.parameters.items()} if params else {}
+        self.runtime_names, self.runtime_count = tuple(runtime), len(runtime)
+        self.constexprs = tuple((name, defaults.get(name, inspect.Parameter.empty)) for name in constexprs)
+        keys = list(kernel.keys) if self.autotuner else []
+        self.tune_positions = tuple(runtime.index(k) for k in keys if k in runtime)
+
+
+_INFOS: dict = {}
+
+
+def arg_key(arg) -> object:
+    """What triton's specialisation of one runtime argument depends on, or finer: a tensor's dtype and 16-byte
+    alignment; an int's being 1, its divisibility by 16 and whether it fits int32 / int64; the type of a float,
+    bool or None. Raises TypeError for anything else (`launch` then leaves the call to triton)."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, not arg.data_ptr() & 15
+    kind = type(arg)
+    if kind is int:
+        return arg == 1, not arg & 15, -0x80000000 <= arg <= 0x7FFFFFFF, -(1 << 63) <= arg < (1 << 63)
+    if kind is float or kind is bool or arg is None:
+        return kind
+    raise TypeError(f"no launch key for an argument of type {kind.__name__}")
+
+
+def launch_key(info: KernelInfo, device, args: tuple, kwargs: dict) -> tuple:
+    """The cache key of one launch: the device, the keyword arguments (constexprs and options such as num_warps,
+    by name and value), each runtime argument's `arg_key` and the values of the autotuner's key arguments."""
+    return (device, tuple(kwargs.items()), *[arg_key(a) for a in args], *[args[i] for i in info.tune_positions])
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``. The first launch of a specialisation (`launch_key`) goes through triton
+    (compiling or autotuning as it does) and keeps the compiled kernel; later ones launch it directly on the current
+    stream, skipping triton's argument binding, cache-key string and launch-metadata building. Runtime arguments
+    may be positional or by keyword, constexprs and options by keyword. ``grid`` is a tuple, or a callable that
+    reads only constexprs and options from its argument. Plain triton launches under the interpreter, with
+    FASTBERT_CACHED_LAUNCH=0 and for kernels or arguments the cache cannot key (`arg_key`)."""
+    if not _CACHING:
+        return kernel[grid](*args, **kwargs)
+    info = _INFOS.get(kernel) or _INFOS.setdefault(kernel, KernelInfo(kernel))
+    if info.reason is not None:
+        return kernel[grid](*args, **kwargs)
+    if len(args) != info.runtime_count:
+        positional = _as_positional(info, args, kwargs)
+        if positional is None:
+            return kernel[grid](*args, **kwargs)
+        args, kwargs = positional
+    device = _current_device() if _current_device is not None else _bind_driver()
+    try:
+        key = launch_key(info, device, args, kwargs)
+        entry = info.entries.get(key, _UNSET)
+    except TypeError:  # an argument without a key, or an unhashable keyword value
+        return kernel[grid](*args, **kwargs)
+    if entry is _UNSET:
+        return _first_launch(info, kernel, key, grid, args, kwargs)
+    if entry is None:
+        return kernel[grid](*args, **kwargs)
+    compiled, tail, meta = entry
+    if callable(grid):
+        grid = grid(meta)
+    stream = _current_stream(device)
+    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):  # a profiler's hooks: as triton does
+        metadata = compiled.launch_metadata(grid, stream, *args, *tail)
+    else:
+        metadata = enter = leave = None
+    size = len(grid)
+    compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, stream, compiled.function,
+                 compiled.packed_metadata, metadata, enter, leave, *args, *tail)
+    return compiled
+
+
+def _as_positional(info: KernelInfo, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """(every runtime argument in parameter order, the other keywords) for a call that gives some runtime
+    arguments by keyword; None when one is missing (a default) or a constexpr is positional."""
+    names = info.runtime_names[len(args):]
+    if len(args) > info.runtime_count or any(name not in kwargs for name in names):
+        return None
+    return (*args, *[kwargs[name] for name in names]), {k: v for k, v in kwargs.items() if k not in names}
+
+
+def _bind_driver():
+    """Bind triton's current-device and current-stream functions (its driver is set up by now); the device."""
+    global _current_device, _current_stream
+    from triton.runtime.driver import driver
+
+    _current_device, _current_stream = driver.active.get_current_device, driver.active.get_current_stream
+    return _current_device()
+
+
+def _first_launch(info: KernelInfo, kernel, key: tuple, grid, args: tuple, kwargs: dict):
+    """Launch through triton and keep what it compiled for ``key``, when the replay is known to be the same launch:
+    a compiled kernel came back, the grid callable gives the same grid from the constexprs alone, and the chosen
+    autotuner config has no pre-hook. Otherwise the key is kept as None (always triton's path)."""
+    compiled = kernel[grid](*args, **kwargs)
+    meta = dict(kwargs)
+    if info.autotuner:
+        config = kernel.best_config
+        meta.update(config.all_kwargs())
+        replayable = config.pre_hook is None
+    else:
+        replayable = True
+    tail = tuple(meta.get(name, default) for name, default in info.constexprs)
+    replayable = replayable and inspect.Parameter.empty not in tail and all(
+        hasattr(compiled, name) for name in ("run", "function", "packed_metadata", "launch_metadata"))
+    if replayable and callable(grid):
+        try:
+            names = (*info.runtime_names, *(name for name, _ in info.constexprs))
+            bound = dict(zip(names, (*args, *tail), strict=True))
+            replayable = tuple(grid(meta)) == tuple(grid({**meta, **bound}))
+        except (KeyError, TypeError):
+            replayable = False
+    if len(info.entries) < _MAX_ENTRIES:
+        info.entries[key] = (compiled, tail, meta) if replayable else None
+    return compiled
+
+
+def launch_cache_info() -> dict[str, dict]:
+    """Per kernel launched through `launch`: its cached specialisations, those left to triton, and why the kernel
+    is not cached at all (None: it is)."""
+    out = {}
+    for kernel, info in _INFOS.items():
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+        out[name] = {"cached": sum(e is not None for e in info.entries.values()),
+                     "left_to_triton": sum(e is None for e in info.entries.values()), "reason": info.reason}
+    return out

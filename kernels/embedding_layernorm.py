@@ -37,6 +37,7 @@ from .common import (
     dropout_reason,
     first_reason,
     float_reason,
+    launch,
     layernorm_backward_tile,
     layernorm_tile,
     reduction_programs,
@@ -211,7 +212,7 @@ def _launch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, token_ty
     weight = weight.contiguous()
     bias = bias.contiguous() if has_bias else weight
     per_program = rows_per_program(width)
-    _embedding_layernorm_kernel[(triton.cdiv(rows, per_program),)](
+    launch(_embedding_layernorm_kernel, (triton.cdiv(rows, per_program),),
         *gather, weight, bias, out, rows, width, eps, *dropout_args(dropout_p, dropout_seed),
         **flags, HAS_BIAS=has_bias, DROPOUT=dropout_p > 0, ROWS=per_program, BLOCK_E=row_block(width),
         num_warps=row_warps(width, per_program))
@@ -238,7 +239,7 @@ def _backward_impl(input_ids, position_ids, token_type_ids, word_embeddings, pos
     partial = torch.empty((programs, 2 * width), dtype=torch.float32, device=grad.device)
     gather, flags = _kernel_inputs(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
                                    token_type_embeddings)
-    _embedding_layernorm_backward_kernel[(programs,)](
+    launch(_embedding_layernorm_backward_kernel, (programs,),
         *gather, weight.contiguous(), grad_rows, grad_rows.stride(0), grad_rows.stride(1), grad_sum, partial,
         rows, width, eps, *dropout_args(dropout_p, dropout_seed),
         **flags, DROPOUT=dropout_p > 0, ROWS=per_program, BLOCK_E=row_block(width),

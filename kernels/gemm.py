@@ -27,7 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRETER, cast_rtne, column_sum, dot_in_fp32, dot_precision, dropout_args, dropout_keep
+from .common import (
+    INTERPRETER,
+    cast_rtne,
+    column_sum,
+    dot_in_fp32,
+    dot_precision,
+    dropout_args,
+    dropout_keep,
+    launch,
+)
 
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
 
@@ -182,6 +191,11 @@ GPU_CONFIGS = [
     tile_config(64, 64, 64, 4, 4),
     tile_config(32, 64, 128, 4, 4),
     tile_config(16, 64, 128, 4, 4),
+    # small M (1..8 sequences of 128 tokens): narrow tiles multiply the programs, so that N = 768 fills the GPU's
+    # SMs (at 128 x 128, M = 128 gives 6 programs for 132 SMs; at 32 x 32, 96)
+    tile_config(64, 32, 128, 4, 4),
+    tile_config(32, 32, 128, 4, 4),
+    tile_config(16, 32, 256, 3, 4),
 ]
 # fp32 (IEEE, no tensor cores): the dot runs on FMA units with its operands in registers, so large tiles take
 # BLOCK_K = 32 (at 64 the 128-wide tiles spill kilobytes).
@@ -192,6 +206,7 @@ FP32_CONFIGS = [
     tile_config(64, 64, 64, 4, 4),
     tile_config(32, 64, 128, 4, 4),
     tile_config(16, 64, 128, 4, 4),
+    tile_config(32, 32, 64, 4, 4),
 ]
 
 
@@ -240,9 +255,19 @@ def launch_meta(config: triton.Config) -> dict:
     return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+def fits_m(config: triton.Config, m_bucket: int) -> bool:
+    """Whether the autotuner times ``config`` for token counts of this power-of-two bucket: no tile taller than M
+    (its rows would be padding), and none thinner than M / 64 (their programs would reread the weight dozens of
+    times where a taller tile already fills the GPU)."""
+    block_m = config.kwargs["BLOCK_M"]
+    return block_m <= max(16, m_bucket) and block_m * 64 >= m_bucket
+
+
 def _prune_by_dtype(configs, named_args, **kwargs):
     heavy = bool(kwargs.get("DROPOUT") or kwargs.get("GRAD_ACTIVATION"))
-    return keep_configs(configs, gpu_configs(named_args["x_ptr"].dtype, heavy))
+    kept = keep_configs(configs, gpu_configs(named_args["x_ptr"].dtype, heavy))
+    by_m = [c for c in kept if fits_m(c, named_args["m_bucket"])]
+    return by_m or kept
 
 
 _ALL_CONFIGS = unique_configs(GPU_CONFIGS + FP32_CONFIGS + GPU_HEAVY_CONFIGS + FP32_HEAVY_CONFIGS)
@@ -256,15 +281,19 @@ def table_config(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False
     """One config per M range, for GPUs when autotuning is switched off (FASTBERT_TRITON_AUTOTUNE=0: tests and
     correctness checks, where tuning every shape would cost minutes of compiles); ``heavy``: for the dropout or
     backward epilogue (`gpu_configs`)."""
+    # Sized so that the narrowest BERT GEMM (N = 768) has about a wave of programs on a 132-SM GPU: M = 128 at
+    # 32 x 64 tiles gives 48, M = 512 at 64 x 64 gives 96, M = 2048 at 128 x 64 gives 192.
     fp32 = dtype == torch.float32
     if m <= 32:
+        return tile_config(16, 64, 128, 4, 4)
+    if m <= 128:
         return tile_config(32, 64, 128, 4, 4)
     if heavy and fp32:
         return tile_config(64, 64, 32, 4, 4)
-    if heavy:
-        return tile_config(64, 64, 64, 4, 4) if m <= 256 else tile_config(128, 128, 64, 4, 8)
-    if m <= 256:
-        return tile_config(64, 64, 64, 4, 4) if fp32 else tile_config(64, 128, 64, 4, 4)
+    if m <= 512 or (heavy and m <= 2048):
+        return tile_config(64, 64, 64, 4, 4)
+    if m <= 2048 and not heavy:
+        return tile_config(128, 64, 32, 4, 4) if fp32 else tile_config(128, 64, 64, 4, 4)
     return tile_config(128, 128, 32, 4, 8) if fp32 else tile_config(128, 128, 64, 4, 8)
 
 
@@ -326,9 +355,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
 
     if INTERPRETER or not autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
         meta = interpreter_config(m) if INTERPRETER else table_meta(m, x.dtype, dropout or grad is not None)
-        _linear_kernel[grid(meta)](*args, **flags, **meta)
+        launch(_linear_kernel, grid(meta), *args, **flags, **meta)
     else:
-        _autotuned[grid](*args, **flags)
+        launch(_autotuned, grid, *args, **flags)
     return out
 
 

@@ -21,7 +21,16 @@ import triton.language as tl
 from fastbert.ops.linear_activation import ACTIVATIONS, SPEC, linear_activation_reference
 
 from . import gemm
-from .common import INTERPRETER, cast_rtne, column_sum, define_kernel_op, device_reason, first_reason, float_reason
+from .common import (
+    INTERPRETER,
+    cast_rtne,
+    column_sum,
+    define_kernel_op,
+    device_reason,
+    first_reason,
+    float_reason,
+    launch,
+)
 
 __all__ = ["linear_activation", "linear_activation_reference", "supports"]
 
@@ -62,7 +71,7 @@ def _relu_grad(grad: torch.Tensor, out: torch.Tensor, bias_dtype: torch.dtype | 
     block_m, block_n = (64, 256) if INTERPRETER else (32, 128)
     partial = torch.empty((triton.cdiv(rows, block_m), width), dtype=torch.float32, device=out.device)
     if rows and width:
-        _relu_grad_kernel[(triton.cdiv(rows, block_m), triton.cdiv(width, block_n))](
+        launch(_relu_grad_kernel, (triton.cdiv(rows, block_m), triton.cdiv(width, block_n)),
             grad, out, grad_pre, partial, rows, width, grad.stride(0), grad.stride(1), out.stride(0), out.stride(1),
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     bias_grad = None

@@ -23,7 +23,7 @@ import triton.language as tl
 from fastbert.ops.linear_glu import SPEC, linear_glu_reference
 
 from . import gemm
-from .common import INTERPRETER, cast_rtne, dot_in_fp32, dot_precision
+from .common import INTERPRETER, cast_rtne, dot_in_fp32, dot_precision, launch
 from .gemm import activate, tile_config
 
 # The same limits as linear_activation (float tensors on one CUDA device, a known activation, K > 0): its check.
@@ -168,9 +168,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
 
     if INTERPRETER or not gemm.autotune_enabled():
         meta = gemm.interpreter_config(m) if INTERPRETER else gemm.launch_meta(table_config(m, x.dtype))
-        _linear_glu_kernel[grid(meta)](*args, **flags, **meta)
+        launch(_linear_glu_kernel, grid(meta), *args, **flags, **meta)
     else:
-        _autotuned[grid](*args, **flags)
+        launch(_autotuned, grid, *args, **flags)
     return out.view(*x.shape[:-1], inner)
 
 

@@ -46,6 +46,7 @@ from .common import (
     dropout_reason,
     first_reason,
     float_reason,
+    launch,
     layernorm_backward_tile,
     layernorm_tile,
     reduction_programs,
@@ -154,7 +155,7 @@ def layernorm_rows(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, bia
     has_bias = bias is not None
     bias = bias.contiguous() if has_bias else weight  # a placeholder the kernel never reads without HAS_BIAS
     per_program = rows_per_program(width)
-    _layernorm_rows_kernel[(triton.cdiv(rows, per_program),)](
+    launch(_layernorm_rows_kernel, (triton.cdiv(rows, per_program),),
         x, out, weight, bias, rows, width, x.stride(0), out.stride(0), eps, HAS_BIAS=has_bias, ROWS=per_program,
         BLOCK_N=row_block(width), num_warps=row_warps(width, per_program))
     return out
@@ -184,7 +185,7 @@ def layernorm_rows_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.T
     if rows == 0:
         return grad_x, grad_dropped, torch.zeros((3, width), dtype=torch.float32, device=x.device)
     extra = extra_grad if extra_grad is not None else grad
-    _layernorm_rows_backward_kernel[(programs,)](
+    launch(_layernorm_rows_backward_kernel, (programs,),
         x, grad, extra, weight.contiguous(), grad_x, grad_dropped if dropout else grad_x, partial, rows, width,
         x.stride(0), grad.stride(0), grad.stride(1), extra.stride(0), extra.stride(1), eps,
         *dropout_args(dropout_p, dropout_seed),

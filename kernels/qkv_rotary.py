@@ -27,7 +27,16 @@ import triton.language as tl
 from fastbert.ops.qkv_rotary import SPEC, qkv_rotary_reference, split_packed
 
 from . import gemm
-from .common import INTERPRETER, cast_rtne, device_reason, dot_in_fp32, dot_precision, first_reason, float_reason
+from .common import (
+    INTERPRETER,
+    cast_rtne,
+    device_reason,
+    dot_in_fp32,
+    dot_precision,
+    first_reason,
+    float_reason,
+    launch,
+)
 
 __all__ = ["qkv_rotary", "qkv_rotary_reference", "supports"]
 
@@ -191,9 +200,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, po
 
     if INTERPRETER or not gemm.autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
         meta = interpreter_meta(m) if INTERPRETER else table_meta(m, x.dtype)
-        _qkv_rotary_kernel[grid(meta)](*args, **flags, **meta)
+        launch(_qkv_rotary_kernel, grid(meta), *args, **flags, **meta)
     else:
-        _autotuned[grid](*args, **flags)
+        launch(_autotuned, grid, *args, **flags)
     return out.view(*x.shape[:-1], n)
 
 
