@@ -1,0 +1,263 @@
+"""`auto` by measurement (fastbert.backends.tuning): a deliberately slow implementation loses whichever backend it
+is, a forced backend is never measured, the on-disk cache (re-read without measuring, keyed by versions, a corrupt
+file ignored, concurrent writers), the RNG and the inputs untouched by measuring, no measuring under compile.
+
+tests/conftest.py turns measuring off for the session; the `measuring` fixture turns it on with a cache directory
+of the test's own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+from fastbert import backends, ops
+from fastbert.backends import tuning
+from tests.helpers import attention_args, padded_batch, tiny_model
+
+OP = "linear_activation"
+DELAY_S = 0.02  # far above the op's own time at these sizes, even on a loaded machine
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """Measuring on, the tuning cache in tmp_path; the process's table forgotten before and after. One thread: two
+    OpenMP threads on two busy cores stall a tiny backward for tens of ms, near DELAY_S."""
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    tuning.forget()
+    backends.set_measuring(True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tmp_path
+    torch.set_num_threads(threads)
+    backends.set_measuring(False)
+    tuning.forget()
+
+
+def _args(rows: int = 7, grad: bool = False) -> tuple:
+    x, w, b = torch.randn(rows, 16), torch.randn(24, 16, requires_grad=grad), torch.randn(24)
+    return x, w, b, "gelu"
+
+
+def _install(monkeypatch, slow: str | dict) -> dict[str, int]:
+    """Make `OP`'s cpp and eager backends both the eager function, the one named ``slow`` sleeping DELAY_S first
+    (``slow`` may map backends to a predicate of x: sleep when it holds); returns the count of calls per backend."""
+    slow_when = slow if isinstance(slow, dict) else {slow: lambda x: True}
+    eager = backends.implementations(OP)["eager"].fn
+    calls = {"cpp": 0, "eager": 0}
+
+    def implementation(name):
+        def run(x, *rest, **kwargs):
+            calls[name] += 1
+            if name in slow_when and slow_when[name](x):
+                time.sleep(DELAY_S)
+            return eager(x, *rest, **kwargs)
+        return backends.OpImpl(run, lambda *a, **k: None, has_backward=True)
+
+    backends.available()
+    monkeypatch.setattr(backends, "_LOADED", backends._LOADED | {"cpp"})
+    for name in calls:
+        monkeypatch.setitem(backends._REGISTRY[OP], name, implementation(name))
+    return calls
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("slow", ["cpp", "eager"])
+def test_the_fast_implementation_is_chosen_whichever_is_slow(measuring, monkeypatch, slow, grad):
+    _install(monkeypatch, slow)
+    args = _args(grad=grad)
+    decision = backends.decide(OP, "auto", args, {})
+    fast = "eager" if slow == "cpp" else "cpp"
+    assert (decision.backend, decision.how) == (fast, "measured")
+    assert decision.times_ms[slow] >= DELAY_S * 1e3 and decision.times_ms[slow] > decision.times_ms[fast]
+    assert "measured slower" in decision.skipped[slow]
+    assert decision.shape_class.startswith(f"{OP} float32 {'grad' if grad else 'no-grad'}")
+    explained = backends.explain(OP, *args)
+    assert explained.startswith(f"{OP}: {fast} (measured earlier: {fast} ") and f"{slow} " in explained
+    assert args[1].grad is None  # measuring under autograd leaves no gradient on the caller's tensors
+
+
+def test_a_forced_backend_wins_and_is_not_measured(measuring, monkeypatch):
+    calls = _install(monkeypatch, "cpp")
+    assert backends.decide(OP, "cpp", _args(), {}).how == "forced"
+    assert calls == {"cpp": 0, "eager": 0}
+    assert backends.explain(OP, *_args(), backend="cpp") == f"{OP}: cpp"
+    assert not list(measuring.rglob("*.json"))
+
+
+def test_measuring_off_is_the_static_order(measuring, monkeypatch):
+    calls = _install(monkeypatch, "cpp")
+    backends.set_measuring(False)
+    decision = backends.decide(OP, "auto", _args(), {})
+    assert (decision.backend, decision.how) == ("cpp", "static order: measuring off")
+    assert calls == {"cpp": 0, "eager": 0}
+    monkeypatch.setenv("FASTBERT_TUNE", "1")
+    backends.read_environment()
+    assert backends.decide(OP, "auto", _args(), {}).backend == "eager"
+    monkeypatch.setenv("FASTBERT_TUNE", "0")
+    backends.read_environment()
+    assert not tuning.enabled()
+
+
+def test_the_cache_is_reread_without_measuring(measuring, monkeypatch):
+    calls = _install(monkeypatch, "cpp")
+    first = backends.decide(OP, "auto", _args(), {})
+    files = list((measuring / "tuning").glob("*.json"))
+    assert len(files) == 1
+    stored = json.loads(files[0].read_text())
+    assert stored["key"]["torch"] == torch.__version__ and stored["key"]["device"] == "cpu"
+    assert stored["entries"][first.shape_class]["choice"] == "eager"
+    tuning.forget()  # a fresh process's table
+    before = dict(calls)
+    again = backends.decide(OP, "auto", _args(5), {})  # 5 rows: the same class as 7 (rounded up to 8)
+    assert (again.backend, again.how, again.times_ms) == ("eager", "cache", first.times_ms)
+    assert calls == before
+    assert backends.decide(OP, "auto", _args(130), {}).how == "measured"  # another row class
+    assert len(json.loads(files[0].read_text())["entries"]) == 2
+
+
+def test_a_changed_version_is_a_new_file(measuring, monkeypatch):
+    calls = _install(monkeypatch, "cpp")
+    backends.decide(OP, "auto", _args(), {})
+    real = torch.__version__
+    monkeypatch.setattr(torch, "__version__", "0.0.1+another")
+    tuning.forget()
+    before = dict(calls)
+    assert backends.decide(OP, "auto", _args(), {}).how == "measured"
+    assert calls["eager"] > before["eager"]
+    keys = sorted(json.loads(p.read_text())["key"]["torch"] for p in (measuring / "tuning").glob("*.json"))
+    assert keys == sorted(["0.0.1+another", real])
+
+
+def test_a_corrupt_file_is_ignored_with_one_warning(measuring, monkeypatch):
+    _install(monkeypatch, "cpp")
+    path, _ = tuning.key_file(torch.device("cpu"))
+    path.parent.mkdir(parents=True)
+    path.write_text('{"entries": {"half a')
+    monkeypatch.setattr(tuning, "_WARNED", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert backends.decide(OP, "auto", _args(), {}).how == "measured"
+        assert backends.decide(OP, "auto", _args(130), {}).how == "measured"
+    assert [str(w.message) for w in caught if "tuning cache" in str(w.message)] == [
+        f"fastbert: tuning cache {path} ignored (JSONDecodeError: Unterminated string starting at: line 1 column "
+        "14 (char 13)); measuring again"]
+    assert len(json.loads(path.read_text())["entries"]) == 2  # rewritten whole
+
+
+def test_measuring_leaves_the_rng_and_the_inputs_as_they_were(measuring):
+    q, k, v, *rest = attention_args("packed", [5, 3, 1], window=None)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    copies = [t.detach().clone() for t in (q, k, v)]
+    torch.manual_seed(3)
+    state = torch.random.get_rng_state()
+    decision = backends.decide("attention", "auto", (q, k, v, *rest, 0.1, 7), {})
+    if backends.available()["cpp"] is None:
+        assert decision.how == "measured" and set(decision.times_ms) == {"cpp", "eager"}
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(t, c) and t.grad is None for t, c in zip((q, k, v), copies, strict=True))
+
+
+def test_no_measuring_under_compile(measuring, monkeypatch):
+    calls = _install(monkeypatch, "cpp")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    decision = backends.decide(OP, "auto", _args(), {})
+    assert decision.how == "static order: not measured under torch.compile"
+    assert calls == {"cpp": 0, "eager": 0}
+
+
+def test_no_measuring_while_torch_compile_traces(measuring):
+    """A real trace (dynamo, no code generation): the op runs, nothing is measured or written."""
+    x, w, b, activation = _args()
+    compiled = torch.compile(lambda x: ops.linear_activation(x, w, b, activation), backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), ops.linear_activation_reference(x, w, b, activation))
+    assert not list(measuring.rglob("*.json"))
+
+
+def test_a_table_resolves_each_shape_class_once(measuring, monkeypatch):
+    """cpp slow on many rows, eager slow on few: a measured table takes each where it is fast, per row class."""
+    calls = _install(monkeypatch, {"cpp": lambda x: x.shape[0] > 64, "eager": lambda x: x.shape[0] <= 64})
+    table = backends.OpTable("auto")
+    small, large = _args(7), _args(130)
+    table.linear_activation(*small)
+    table.linear_activation(*large)
+    assert {c: d.backend for c, d in table.decisions[OP].items()} == {
+        f"{OP} float32 no-grad t{torch.get_num_threads()} 8x16,32x16,24,gelu": "cpp",
+        f"{OP} float32 no-grad t{torch.get_num_threads()} 256x16,32x16,24,gelu": "eager"}
+    before = sum(calls.values())
+    for args in (small, large, _args(200)):  # 200 rows: the class of 130, resolved from the cache in memory
+        table.linear_activation(*args)
+    assert sum(calls.values()) - before == 3  # one call each: nothing measured again
+
+
+def test_a_model_measures_each_op_once_and_explains_the_times(measuring, tmp_path):
+    import fastbert
+
+    tiny_model("bert", num_hidden_layers=3).save_pretrained(tmp_path / "model")
+    model = fastbert.from_pretrained(tmp_path / "model")
+    measured = []
+    original = tuning.measure
+
+    def counting(candidates, args, kwargs):
+        measured.append(1)
+        return original(candidates, args, kwargs)
+
+    ids, mask = padded_batch(3, 9)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tuning, "measure", counting)
+        model(ids, mask)
+        first = len(measured)
+        model(ids, mask)
+        assert len(measured) == first
+    explained = backends.explain(model)
+    sites = sum(len(classes) for table in model._op_tables.values() for classes in table.decisions.values())
+    assert first == explained.count("(measured: ") == sites
+    assert 4 <= sites <= 6  # embedding, qkv, attention, two linear_residual_layernorm widths, activation: not x3
+    assert "static order" not in explained
+
+
+def test_concurrent_writers_keep_every_entry(measuring):
+    """Two processes record 30 classes each into the same file at the same moment: it stays valid JSON with all
+    60 (each write merges what the other wrote, under the lock)."""
+    script = ("import os, sys, time, torch\nfrom fastbert.backends import tuning\n"
+              "open(sys.argv[2] + '.ready', 'w').close()\n"
+              "while not os.path.exists(sys.argv[3]): time.sleep(0.01)\n"
+              "for i in range(30):\n"
+              "    entry = tuning.Entry('eager', {'eager': 1.0}, 1)\n"
+              "    tuning.record(torch.device('cpu'), f'w{sys.argv[1]} c{i}', entry)\n")
+    go = measuring / "go"
+    workers = [subprocess.Popen([sys.executable, "-c", script, str(n), str(measuring / f"w{n}"), str(go)])
+               for n in range(2)]
+    deadline = time.monotonic() + 120
+    while not all((measuring / f"w{n}.ready").exists() for n in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    go.touch()
+    assert [w.wait(timeout=120) for w in workers] == [0, 0]
+    files = list((measuring / "tuning").glob("*.json"))
+    assert len(files) == 1
+    assert len(json.loads(files[0].read_text())["entries"]) == 60
+
+
+def test_clear_removes_the_files(measuring, monkeypatch):
+    _install(monkeypatch, "cpp")
+    backends.decide(OP, "auto", _args(), {})
+    removed = tuning.clear()
+    assert [p.suffix for p in removed] == [".json"] and not removed[0].exists()
+    assert backends.decide(OP, "auto", _args(), {}).how == "measured"
+
+
+def test_shape_class_rounds_rows_and_keeps_widths():
+    x, w, b, act = _args(130)
+    cls = tuning.shape_class((x, w, b, act), {}, None)
+    assert cls.endswith(" 256x16,32x16,24,gelu") and cls.startswith("float32 no-grad")
+    assert tuning.shape_class((x[:129], w, b, act), {}, None) == cls
+    assert tuning.shape_class((x[:128], w, b, act), {}, None) != cls
+    assert [tuning.bucket(n) for n in (0, 1, 7, 8, 130, 768)] == [0, 1, 8, 8, 256, 1024]
+    with_seed = tuning.shape_class((x, 0.1, 12345), {}, 1)
+    assert with_seed == tuning.shape_class((x, 0.2, 999), {}, 1) != tuning.shape_class((x, 0.0, 999), {}, 1)
