@@ -140,8 +140,18 @@ def _require_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def elementwise_block() -> int:
-    """Elements per program of the elementwise kernels: large under the interpreter (its cost is per program)."""
+    """Elements per program of the activation kernel: large under the interpreter (its cost is per program)."""
     return 1 << 14 if INTERPRETER else 1024
+
+
+def glu_blocks() -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the GLU kernel (4 warps): 16 values per thread and tensor on a GPU."""
+    return (64, 256) if INTERPRETER else (16, 128)
+
+
+def rotary_blocks(pairs: int) -> tuple[int, int]:
+    """(ROWS, BLOCK_P) of the rotary kernel (4 warps) for rows of ``pairs`` column pairs of q and k."""
+    return (16, min(row_block(pairs), 1024)) if INTERPRETER else (4, min(row_block(pairs), 256))
 
 
 def activate_rows(y: torch.Tensor, activation: str) -> torch.Tensor:
@@ -191,7 +201,7 @@ def glu_rows(projected: torch.Tensor, activation: str) -> torch.Tensor:
     inner = width // 2
     out = torch.empty((rows, inner), dtype=projected.dtype, device=projected.device)
     if rows and inner:
-        block_m, block_n = (64, 256) if INTERPRETER else (16, 128)
+        block_m, block_n = glu_blocks()
         _glu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(inner, block_n))](
             projected, out, rows, inner, ACTIVATION=ACTIVATION_CODES[activation], BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=4)
@@ -212,8 +222,7 @@ def rotary_rows(packed: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         raise ValueError("rotary_rows: cos/sin need unit column strides and one row stride")
     pairs = num_heads * 2 * half
     if rows:
-        per_program = 16 if INTERPRETER else 4
-        block_p = min(row_block(pairs), 1024 if INTERPRETER else 256)
+        per_program, block_p = rotary_blocks(pairs)
         _rotary_kernel[(triton.cdiv(rows, per_program), triton.cdiv(pairs, block_p))](
             packed, positions.reshape(-1).contiguous(), cos, sin, rows, width, pairs, cos.shape[0], cos.stride(0),
             HALF=half, ROWS=per_program, BLOCK_P=block_p, num_warps=4)
