@@ -325,9 +325,9 @@ class PackedCudaGraphs:
             if self.watch is None:
                 self.watch = _ParameterWatch(model)
             unchanged, adopted = self.watch.check()
-            if adopted:
+            if adopted:  # the graphs read the parameters' old storage
                 self.graphs.clear()
-            if not unchanged:
+            elif not unchanged:
                 return None
             entry = self._entry(bucket, input_ids.device)
             entry.inputs.fill(model, input_ids, token_type_ids, varlen)
