@@ -1,9 +1,11 @@
 """``auto`` by measurement: time each backend that can run an op call, keep the fastest, remember it.
 
 A choice is made per *shape class* (`shape_class`): the op, the dtypes, grad mode, the threads torch uses on CPU,
-and the arguments' sizes with every size that follows the batch (rows, sequence lengths, batch) rounded up to a
-power of two; feature widths and strings (the activation) stay exact, dropout counts as on or off. All layers of a
-model share one class per op site, so a model measures each op a few times on its first batch and never again.
+and the arguments' sizes with every size that follows the batch (the rows of the activations, which share the first
+one's, integer tensors such as cu_seqlens and masks, integers such as max_seqlen) rounded up to a power of two;
+weights, feature widths and strings (the activation) stay exact, dropout counts as on or off (its seed not at
+all). All layers of a model share one class per op site, so a model measures each op a few times on its first
+batch and never again.
 
 Measuring (`measure`) calls each candidate once to warm up (Triton compiles there), then up to `ROUNDS`
 interleaved rounds (at least `MIN_ROUNDS`, more while within `BUDGET_S`), and keeps each candidate's fastest round:
@@ -103,11 +105,11 @@ def bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
 
 
-def _describe(value, is_dropout: bool) -> str:
+def _describe(value, is_dropout: bool, rows: int | None = None) -> str:
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.dim() >= 2:
+        if value.is_floating_point() and value.dim() >= 2 and value.shape[0] == rows:  # activations: rows vary
             return "x".join([*(str(bucket(d)) for d in value.shape[:-1]), str(value.shape[-1])])
-        if value.is_floating_point():
+        if value.is_floating_point():  # weights, biases, tables
             return "x".join(str(d) for d in value.shape)
         return "i" + "x".join(str(bucket(d)) for d in value.shape)
     if value is None:
@@ -133,8 +135,9 @@ def shape_class(args: tuple, kwargs: dict, dropout_index: int | None) -> str:
     threads = f" t{torch.get_num_threads()}" if device == "cpu" else ""
     # The argument after dropout_p is its seed, different at every step: not part of the class.
     seed = None if dropout_index is None else dropout_index + 1
-    parts = ["." if i == seed else _describe(v, i == dropout_index) for i, v in enumerate(args)]
-    parts += [f"{k}={'.' if k == 'dropout_seed' else _describe(v, k == 'dropout_p')}"
+    rows = floats[0].shape[0] if floats and floats[0].dim() else None  # the first activation's rows
+    parts = ["." if i == seed else _describe(v, i == dropout_index, rows) for i, v in enumerate(args)]
+    parts += [f"{k}={'.' if k == 'dropout_seed' else _describe(v, k == 'dropout_p', rows)}"
               for k, v in sorted(kwargs.items())]
     return f"{dtype} {'grad' if grad else 'no-grad'}{threads} " + ",".join(parts)
 

@@ -9,6 +9,7 @@
     fastbert pretrain -o DIR [FILE...]  pretrain a small BERT/RoBERTa/ALBERT from scratch (CPython's docs by default)
     fastbert distill --teacher DIR -o DIR   distil a teacher into a smaller student (DistilBERT, or sentence embeddings)
     fastbert serve [options]      an HTTP server: embeddings, reranking or classification, batched by a token budget
+    fastbert tune [options]       measure the fastest backend per op and shape ahead of time (the tuning cache)
 
 One module per command (`fastbert.cli.demo`, ...), each with ``add_parser(subparsers)`` and ``run(args)``; what
 several of them share is in `fastbert.cli.shared`. Errors the user can fix (a missing path, an unsupported model
@@ -41,6 +42,7 @@ SUMMARIES = {
     "pretrain": "pretrain a small BERT/RoBERTa/ALBERT from scratch on CPython's docs or text files",
     "distill": "distil a teacher into a smaller student: DistilBERT (mlm) or a sentence-embedding model",
     "serve": "an embedding / rerank / classification HTTP server with token-budget dynamic batching",
+    "tune": "measure which backend is fastest per op and shape; fill the tuning cache",
 }
 COMMANDS = tuple(SUMMARIES)
 

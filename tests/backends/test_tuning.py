@@ -188,8 +188,8 @@ def test_a_table_resolves_each_shape_class_once(measuring, monkeypatch):
     table.linear_activation(*small)
     table.linear_activation(*large)
     assert {c: d.backend for c, d in table.decisions[OP].items()} == {
-        f"{OP} float32 no-grad t{torch.get_num_threads()} 8x16,32x16,24,gelu": "cpp",
-        f"{OP} float32 no-grad t{torch.get_num_threads()} 256x16,32x16,24,gelu": "eager"}
+        f"{OP} float32 no-grad t{torch.get_num_threads()} 8x16,24x16,24,gelu": "cpp",
+        f"{OP} float32 no-grad t{torch.get_num_threads()} 256x16,24x16,24,gelu": "eager"}
     before = sum(calls.values())
     for args in (small, large, _args(200)):  # 200 rows: the class of 130, resolved from the cache in memory
         table.linear_activation(*args)
@@ -255,7 +255,7 @@ def test_clear_removes_the_files(measuring, monkeypatch):
 def test_shape_class_rounds_rows_and_keeps_widths():
     x, w, b, act = _args(130)
     cls = tuning.shape_class((x, w, b, act), {}, None)
-    assert cls.endswith(" 256x16,32x16,24,gelu") and cls.startswith("float32 no-grad")
+    assert cls.endswith(" 256x16,24x16,24,gelu") and cls.startswith("float32 no-grad")
     assert tuning.shape_class((x[:129], w, b, act), {}, None) == cls
     assert tuning.shape_class((x[:128], w, b, act), {}, None) != cls
     assert [tuning.bucket(n) for n in (0, 1, 7, 8, 130, 768)] == [0, 1, 8, 8, 256, 1024]

@@ -1,0 +1,99 @@
+"""``fastbert tune``: fill the tuning cache ahead of time. Runs representative forwards (and training steps with
+--training) of a model at the given shapes with measuring on, so that ``auto`` has timed every op and shape class
+those shapes reach (`fastbert.backends.tuning`); prints each choice with its times and where the cache lives.
+``--clear`` empties the cache instead."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from fastbert import backends
+from fastbert.backends import tuning
+from fastbert.bench import report
+from fastbert.bench.workloads import make_workloads
+from fastbert.cli import shared
+from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``tune`` to the ``fastbert`` parser."""
+    parser = subparsers.add_parser("tune", help="measure which backend is fastest per op and shape; fill the "
+                                   "tuning cache")
+    parser.add_argument("--model", metavar="PATH", default=None,
+                        help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
+    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16; default: float32 on CPU, "
+                        "float16 on CUDA")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, metavar="N",
+                        help="batch sizes (default: 1 8 on CPU, 1 32 128 on CUDA, as fastbert bench)")
+    parser.add_argument("--seq", type=int, nargs="+", default=None, metavar="N",
+                        help="sequence lengths (default: 128 on CPU, 128 512 on CUDA)")
+    parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
+                        help="also variable-length batches, lengths uniform in [seq/8, seq] (default: on)")
+    parser.add_argument("--training", action="store_true",
+                        help="also training steps (train() mode with dropout, forward + backward)")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's); the "
+                        "choices are kept per thread count")
+    parser.add_argument("--clear", action="store_true", help="remove every tuning file from the cache and stop")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure (or --clear), then print the choices, their times and the cache file."""
+    if args.clear:
+        removed = tuning.clear()
+        print(f"removed {len(removed)} tuning file(s) from {tuning.tuning_dir()}")
+        return 0
+    if backends.requested_backend("auto") != "auto":
+        raise UserError(f"FASTBERT_BACKEND={backends.requested_backend('auto')} forces a backend: nothing to measure")
+    model_dir, config = resolve_model(args.model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    cuda = device.type == "cuda"
+    batches, seqs = args.batch or ([1, 32, 128] if cuda else [1, 8]), args.seq or ([128, 512] if cuda else [128])
+    if any(v < 1 for v in batches + seqs):
+        raise UserError("--batch and --seq values must be positive")
+    longest = config.max_position_embeddings - (config.position_offset or 0)
+    if max(seqs) > longest:
+        raise UserError(f"--seq {max(seqs)} exceeds the model's {longest} positions")
+    shared.set_threads(args.threads)
+    backends.set_measuring(True)  # the command's purpose, even where FASTBERT_TUNE=0 turns it off for programs
+    model = shared.load_fastbert(model_dir, dtype, device, "auto")
+    print(f"fastbert tune: {shared.model_line(model_dir, config, device, dtype)}, {torch.get_num_threads()} "
+          f"thread(s)")
+    path, _ = tuning.key_file(device)
+    cached = set(tuning.entries(device))
+    for index, workload in enumerate(make_workloads(batches, seqs, args.varlen)):
+        batch = workload.inputs(config, device, index)
+        with torch.inference_mode():
+            model.eval()(**batch)
+        if args.training:
+            model.train()(**batch).last_hidden_state.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+        print(f"  {workload.name}: done", flush=True)
+    rows = choice_rows(backends.model_decisions(model), cached)
+    print()
+    print(report.format_table(("op", "shape class", "backend", "times (fastest round)", "source"), rows))
+    print(f"\ncache: {path} ({len(tuning.entries(device))} shape classes; FASTBERT_CACHE_DIR moves it, "
+          "`fastbert tune --clear` empties it)")
+    return 0
+
+
+def choice_rows(decisions: list, cached: set[str]) -> list[list[str]]:
+    """One row per op and shape class: the choice, the times behind it, and whether this run measured it."""
+    rows, seen = [], set()
+    for op, decision in decisions:
+        key = (op, decision.shape_class)
+        if key in seen:
+            continue
+        seen.add(key)
+        if decision.times_ms:
+            times = ", ".join(f"{b} {ms:.3g} ms" for b, ms in sorted(decision.times_ms.items(), key=lambda i: i[1]))
+            source = "cache" if decision.shape_class in cached else "measured now"
+            shape = decision.shape_class.removeprefix(op.split()[0] + " ")
+        else:
+            times, source, shape = "-", decision.how, "-"
+        rows.append([op, shape, decision.backend, times, source])
+    return rows
