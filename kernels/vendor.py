@@ -12,10 +12,11 @@ rest, one extra pass over the [M, N] output:
 | qkv_rotary | x @ W^T + b | q and k rotated in place |
 
 The torch ops are ``torch.ops.fastbert.vendor_<op>``, declared from the ops' specs (schema and fake once), so
-``torch.compile`` traces them; their backward is the spec's formula in PyTorch ops (cuBLAS matmuls), except that
-linear_residual_layernorm under autograd runs linear_residual_prenorm's op and returns its LayerNorm, as the
-triton backend does: the same output bit for bit, and a backward that reads the saved sum instead of recomputing
-the GEMM.
+``torch.compile`` traces them; their backward is the spec's formula in PyTorch ops (cuBLAS matmuls), except
+linear_residual_prenorm's: the triton backend's LayerNorm backward row kernel on the saved sum
+(`linear_residual_layernorm.layernorm_rows_backward_op`), then cuBLAS matmuls. linear_residual_layernorm under
+autograd runs linear_residual_prenorm's op and returns its LayerNorm, as the triton backend does: the same output
+bit for bit, and a backward that reads the saved sum instead of recomputing the GEMM.
 
 Dropout is declined (``supports`` says so for dropout_p > 0): the spec's backward regenerates torch's keep mask
 (`fastbert.ops.dropout.keep_mask`), which a Triton kernel cannot draw, and applying it in torch would add a pass;
@@ -40,6 +41,7 @@ from fastbert.ops.qkv_rotary import split_packed
 
 from . import epilogues
 from .common import device_reason, first_reason, float_reason
+from .linear_residual_layernorm import layernorm_rows_backward_op, linear_layernorm_input_grads
 
 __all__ = ["IMPLEMENTATIONS", "SUPPORTS"]
 
@@ -95,15 +97,41 @@ def _refuse_dropout(op: str, dropout_p: float) -> None:
         raise ValueError(f"fastbert vendor {op}: dropout is not fused by this backend (dropout_p = {dropout_p})")
 
 
-# torch.ops.fastbert.vendor_<op>: schema, fake and backward from each op's spec.
+# ------------------------------------------------------------------------------------------------------ autograd
+def _prenorm_setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed = inputs
+    ctx.eps = eps
+    ctx.has_ln_bias = ln_bias is not None
+    ctx.residual_shape = residual.shape
+    ctx.save_for_backward(x, weight, bias, ln_weight, output[0])  # summed: the LayerNorm's input
+    ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not a zero tensor to read
+
+
+def _prenorm_backward(ctx, grad_summed, grad_normed):
+    """The triton backend's LayerNorm backward row kernel on the saved sum (fp32 statistics and two-stage fp32
+    column sums), summed's own gradient added in the same pass; then the matmuls. No dropout here (declined)."""
+    x, weight, bias, ln_weight, summed = ctx.saved_tensors
+    width = weight.shape[0]
+    if grad_normed is None:
+        grad_normed = torch.zeros_like(summed)
+    grad_total, _, sums = layernorm_rows_backward_op(
+        summed.view(-1, width), grad_normed.reshape(-1, width), ln_weight, ctx.eps,
+        None if grad_summed is None else grad_summed.reshape(-1, width), 0.0, 0, summed.dtype)
+    return linear_layernorm_input_grads(ctx, grad_total, grad_total, sums, x, weight, bias, ctx.residual_shape,
+                                        ln_weight.dtype)
+
+
+# torch.ops.fastbert.vendor_<op>: schema and fake from each op's spec; the backward the spec's formula (PyTorch
+# ops), prenorm's the Triton LayerNorm backward above.
 _OPS = {spec.name: spec.define("vendor_", impl) for spec, impl in (
     (QKV_PROJECTION, _qkv_projection),
     (LINEAR_ACTIVATION, _linear_activation),
     (LINEAR_RESIDUAL_LAYERNORM, _linear_residual_layernorm),
-    (LINEAR_RESIDUAL_PRENORM, _linear_residual_prenorm),
     (LINEAR_GLU, _linear_glu),
     (QKV_ROTARY, _qkv_rotary),
 )}
+_OPS["linear_residual_prenorm"] = LINEAR_RESIDUAL_PRENORM.define(
+    "vendor_", _linear_residual_prenorm, setup_context=_prenorm_setup_context, backward=_prenorm_backward)
 
 
 # ---------------------------------------------------------------------------------------------- backend functions

@@ -127,6 +127,23 @@ def test_post_ln_under_autograd_runs_the_prenorm_op():
         assert torch.equal(out.detach(), ops.linear_residual_layernorm(*args, backend="vendor"))
 
 
+@pytest.mark.parametrize("used", [0, 1], ids=["summed-only", "normed-only"])
+def test_prenorm_backward_runs_the_triton_layernorm_backward(used):
+    """One output unused (its gradient None): the LayerNorm backward kernel still gives eager's gradients."""
+    args = ln_op_args("linear_residual_prenorm", 13, 48, torch.float32)
+    leaves = [a for a in args if isinstance(a, torch.Tensor)]
+    weights = torch.randn(13, 48, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with OpsSeen() as seen:
+        fast = torch.autograd.grad((ops.linear_residual_prenorm(*args, backend="vendor")[used] * weights).sum(),
+                                   leaves)
+    assert "fastbert::triton_layernorm_rows_backward" in seen.names, seen.names
+    plain = torch.autograd.grad((ops.linear_residual_prenorm(*args, backend="eager")[used] * weights).sum(), leaves,
+                                allow_unused=True)  # summed alone does not reach the LayerNorm's parameters
+    for index, (f, p) in enumerate(zip(fast, plain, strict=True)):
+        expected = torch.zeros_like(f) if p is None else p
+        torch.testing.assert_close(f, expected, rtol=1e-5, atol=1e-5, msg=f"gradient of argument {index}")
+
+
 # ------------------------------------------------------------------------------------------------ supports
 def test_dropout_is_declined_with_the_reason():
     args = ln_op_args("linear_residual_layernorm", 5, 16, torch.float16)
