@@ -19,6 +19,7 @@ from fastbert.config import FastBertConfig
 from fastbert.cuda_graphs import enable_on_cuda
 from fastbert.heads import build_task_model, head_key_map, redundant_checkpoint_keys
 from fastbert.model import FastBertModel
+from fastbert.quantization import precision_for, quantize_int8
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Non-persistent buffers that older checkpoints saved; they carry no weights.
@@ -148,6 +149,10 @@ def from_pretrained(
     reported in a warning and in ``model.loading_info``; head keys that are missing (a base checkpoint loaded for
     fine-tuning) are initialised randomly and reported the same way.
 
+    dtype: a torch dtype or its name (None: float32); "int8": the encoder's GEMMs int8 for CPU inference
+    (`fastbert.quantization.quantize_int8`); "auto": bfloat16 on a CPU that computes it natively (AMX, AVX-512
+    BF16), float32 on other CPUs, float16 on CUDA, the choice and its reason warned once.
+
     cuda_graphs: with ``device`` a CUDA device, inference calls (eval mode, grad mode off: under
     ``torch.inference_mode()``) replay CUDA graphs of the packed encoder, one per bucket of shapes
     (`fastbert.cuda_graphs`); False launches every op. On CPU it does nothing.
@@ -170,9 +175,14 @@ def from_pretrained(
     _initialise_missing(model, state, config.extra.get("initializer_range", 0.02))
     model.loading_info = {"unexpected_keys": extra, "missing_head_keys": missing_head}
     _warn_about_keys(directory, task, extra, missing_head)
+    quantize = False
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+        name, _ = precision_for(dtype, device or "cpu")
+        quantize = name == "int8"
+        dtype = torch.float32 if quantize else getattr(torch, name)
     model.to(device=device, dtype=dtype)
+    if quantize:
+        quantize_int8(model)
     if cuda_graphs:
         enable_on_cuda(model)
     return model.eval()

@@ -1,0 +1,273 @@
+"""int8 dynamic quantization of fastbert's encoder for CPU inference, and the CPU's precision features.
+
+`quantize_int8(model)` replaces, in every post-LN layer of every `FastBertModel` inside ``model``, the four GEMMs
+(packed Q/K/V, attention output, FFN in, FFN out) by int8 ones: the weights int8 per output channel (symmetric,
+scale = max |row| / 127), the activations quantized at run time per token. The GEMM is FBGEMM's dynamic int8
+linear (``torch.ops.quantized.linear_dynamic``: uint8 activations x int8 weights -> int32, VNNI on AVX-512 VNNI
+CPUs), chosen by ``benchmarks/int8_gemm_cpu.py`` (results in ``benchmarks/results/cpu-2core-int8/``). That kernel
+quantizes its input with one scale per call; fastbert gives each token its own scale by dividing each row by its
+absolute maximum before the call and multiplying the row back after it (the bias added then), which is exact
+algebra (the GEMM is linear per row), costs two elementwise passes and keeps per-tensor activation scales -- what
+made ONNX Runtime's int8 inaccurate -- out. Attention stays in fp32 on the model's own backend; LayerNorm,
+the activation, embeddings, pooler and task heads stay fp32.
+
+Inference only: a quantized layer raises in training mode or when its input requires grad. CPU only: FBGEMM has no
+CUDA kernels, so a model on CUDA is refused. Without AVX-512 VNNI / AVX-VNNI / AMX-INT8, FBGEMM multiplies with
+``vpmaddubsw``, whose int16 pair sums saturate for 8-bit activations: there the activations are quantized to 7
+bits (FBGEMM's ``reduce_range``), which costs accuracy (checked in ``tests/test_quantization.py``).
+
+`cpu_flags` and `auto_cpu_dtype` read the CPU's features for ``dtype="auto"``: bfloat16 where the CPU computes it
+natively (AMX or AVX-512 BF16), float32 elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert.model import EVAL, DropoutSeeds, FastBertModel, PostNormLayer, attend
+from fastbert.ops.linear_activation import apply_activation
+from fastbert.ops.padding import VarlenBatch
+
+# The CPU features fastbert's precision choices depend on (names as /proc/cpuinfo spells them).
+PRECISION_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "amx_tile", "avx512_bf16")
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products accumulated in int32
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # native bfloat16 arithmetic
+
+
+@functools.cache
+def _read_flags(path: str) -> tuple[str, ...]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return tuple(sorted(set(line.split(":", 1)[1].split())))
+    except OSError:
+        pass
+    return ()
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The CPU's features among `PRECISION_FLAGS` (empty where /proc/cpuinfo cannot be read)."""
+    present = set(_read_flags(path))
+    return tuple(flag for flag in PRECISION_FLAGS if flag in present)
+
+
+def auto_cpu_dtype(flags: tuple[str, ...] | None = None) -> tuple[torch.dtype, str]:
+    """(dtype, reason) for ``dtype="auto"`` on CPU: bfloat16 where the CPU has AMX or AVX-512 BF16, else float32.
+    torch's own ``mkldnn._is_mkldnn_bf16_supported()`` is not used: it is true on any AVX-512 CPU, where bfloat16
+    is emulated and slower than float32."""
+    flags = cpu_flags() if flags is None else flags
+    native = [flag for flag in BF16_FLAGS if flag in flags]
+    if native:
+        return torch.bfloat16, f"bfloat16: the CPU computes it natively ({', '.join(native)})"
+    return torch.float32, "float32: the CPU has no native bfloat16 (neither AMX nor AVX-512 BF16)"
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def announce_once(message: str) -> None:
+    """A one-time warning per distinct message (the dtype chosen for "auto" and why)."""
+    if message not in _ANNOUNCED:
+        _ANNOUNCED.add(message)
+        warnings.warn(f"fastbert: {message}", stacklevel=3)
+
+
+def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], fp32 scale [N]): ``weight`` [N, K] quantized symmetrically per output channel (row),
+    ``weight ~= q * scale[:, None]``; an all-zero row gets scale 1."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def reduce_range(flags: tuple[str, ...] | None = None) -> bool:
+    """Whether FBGEMM needs 7-bit activations here: a CPU without int8 dot products into int32 (VNNI, AMX)."""
+    flags = cpu_flags() if flags is None else flags
+    return not any(flag in flags for flag in INT8_DOT_FLAGS)
+
+
+@functools.cache
+def _fused_steps() -> bool:
+    """Whether the C++ extension has the fused per-token steps (``csrc/int8.cpp``); torch ops otherwise."""
+    try:
+        importlib.import_module("fastbert.backends.cpp")  # loads fastbert._C after declaring the specs' ops
+        return hasattr(torch.ops.fastbert, "cpp_int8_unit_rows") and hasattr(torch.ops.fastbert, "cpp_int8_rescale")
+    except Exception:  # noqa: BLE001 - no extension: the same steps in torch ops
+        return False
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W^T + b with W int8 per output channel and x int8 per token at run time (FBGEMM's kernel; see the
+    module's doc). x: fp32 [T, K] -> fp32 [T, N]. ``reduce_range``: 7-bit activations (CPUs without VNNI)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool = False):
+        super().__init__()
+        q, scale = int8_weight(weight)
+        with warnings.catch_warnings():  # (torch deprecates quantized tensors; FBGEMM's prepack still takes one)
+            warnings.simplefilter("ignore")
+            qweight = torch._make_per_channel_quantized_tensor(q, scale.double(),
+                                                               torch.zeros_like(scale, dtype=torch.long), 0)
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # (FBGEMM's packed layout; bias added after)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_sum", (q.float() * scale[:, None]).sum(dim=1))  # the quantized W's row sums
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.reduce_range = reduce_range
+
+    def scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(G, low, spread): G = ((x - low) / spread) @ W^T on rows mapped onto [0, 1] by their own minimum
+        ``low`` and range ``spread`` (FBGEMM then quantizes them with scale 1/255: 8 bits per token), so that
+        x @ W^T = spread * G + low * (the quantized W's row sums)."""
+        if _fused_steps():
+            unit, low, spread = torch.ops.fastbert.cpp_int8_unit_rows(x)
+        else:
+            low, high = torch.aminmax(x, dim=-1, keepdim=True)
+            spread = (high - low).clamp_min_(1e-30)
+            unit = (x - low).div_(spread)
+        return torch.ops.quantized.linear_dynamic(unit, self.packed, self.reduce_range), low, spread
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        """x [T, K] -> x @ W^T (+ b) [T, N]."""
+        g, low, spread = self.scaled(x)
+        bias = self.bias if with_bias else None
+        if _fused_steps():
+            return torch.ops.fastbert.cpp_int8_rescale(g, low, spread, self.weight_sum, bias)
+        out = g.mul_(spread).add_(low * self.weight_sum)
+        return out if bias is None else out.add_(bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel weights, " \
+               f"per-token int8 activations{' (7-bit: no VNNI)' if self.reduce_range else ''}"
+
+
+class Int8PostNormLayer(nn.Module):
+    """`PostNormLayer` with its four GEMMs in int8 (`Int8Linear`), for inference; attention through the model's op
+    table, LayerNorm (fp32 statistics) and the activation in fp32."""
+
+    DROPOUT_SITES = PostNormLayer.DROPOUT_SITES
+
+    def __init__(self, layer: PostNormLayer, reduce_range: bool = False):
+        super().__init__()
+        self.num_heads, self.scale, self.activation, self.eps = layer.num_heads, layer.scale, layer.activation, \
+            layer.eps
+        self.dropout = layer.dropout  # read by `fastbert.optimize`'s dropout sites; unused: inference only
+        qkv_weight, qkv_bias = layer.packed_qkv(torch.float32)
+        self.qkv = Int8Linear(qkv_weight, qkv_bias, reduce_range)
+        self.attn_out = Int8Linear(layer.attn_out_weight, layer.attn_out_bias, reduce_range)
+        self.ffn_in = Int8Linear(layer.ffn_in_weight, layer.ffn_in_bias, reduce_range)
+        self.ffn_out = Int8Linear(layer.ffn_out_weight, layer.ffn_out_bias, reduce_range)
+        for name in ("attn_norm_weight", "attn_norm_bias", "ffn_norm_weight", "ffn_norm_bias"):
+            self.register_buffer(name, getattr(layer, name).detach().float().clone())
+
+    def forward(self, x: torch.Tensor, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None, table,
+                seeds: DropoutSeeds = EVAL) -> torch.Tensor:
+        """As `PostNormLayer.forward` (same arguments), without dropout and without gradients."""
+        if self.training or (torch.is_grad_enabled() and x.requires_grad):
+            raise RuntimeError("fastbert: an int8-quantized model is for inference only (no training, no gradients):"
+                               " call model.eval() and run it under torch.no_grad() or torch.inference_mode(), or "
+                               "train the float model")
+        if x.dtype != torch.float32:
+            raise TypeError(f"fastbert: an int8-quantized layer takes float32 activations, got {x.dtype}")
+        tokens = x.shape[0]
+        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, -1).unbind(1)
+        context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, None, (0.0, 0))
+        x = _bias_residual_layernorm(self.attn_out(context, with_bias=False), self.attn_out.bias, x,
+                                     self.attn_norm_weight, self.attn_norm_bias, self.eps)
+        inner = _bias_activation(self.ffn_in(x, with_bias=False), self.ffn_in.bias, self.activation)
+        return _bias_residual_layernorm(self.ffn_out(inner, with_bias=False), self.ffn_out.bias, x,
+                                        self.ffn_norm_weight, self.ffn_norm_bias, self.eps)
+
+
+def _bias_activation(y: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(y + bias): the C++ extension's fused kernel where it has the activation, else torch ops."""
+    if _fused_steps() and activation in ("gelu", "gelu_tanh", "relu"):
+        return torch.ops.fastbert.cpp_bias_activation(y, bias, activation)
+    return apply_activation(y if bias is None else y.add_(bias), activation)
+
+
+def _bias_residual_layernorm(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                             weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm(y + bias + residual) with fp32 statistics: one C++ pass, else torch ops."""
+    if _fused_steps() and ln_bias is not None:
+        return torch.ops.fastbert.cpp_bias_residual_layernorm(y, bias, residual, weight, ln_bias, eps)
+    summed = y.add_(residual) if bias is None else y.add_(residual).add_(bias)
+    return F.layer_norm(summed, summed.shape[-1:], weight, ln_bias, eps)
+
+
+def int8_unavailable(device: torch.device | str = "cpu") -> str | None:
+    """Why int8 inference cannot run here (device, torch build), or None."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return (f"int8 quantization runs on CPU only (FBGEMM's int8 kernels); the model is on {device.type}: use "
+                "float16/bfloat16 on a GPU")
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return (f"this torch build ({torch.__version__}) has no FBGEMM quantized engine (engines: "
+                f"{torch.backends.quantized.supported_engines})")
+    return None
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether ``model`` holds an int8-quantized layer."""
+    return any(isinstance(m, Int8PostNormLayer) for m in model.modules())
+
+
+def quantize_int8(model: nn.Module, flags: tuple[str, ...] | None = None, freeze: bool = True) -> nn.Module:
+    """Quantize, in place, the GEMMs of every `FastBertModel` inside ``model`` (a fastbert model, task model, or
+    the encoder `fastbert.optimize` built) to int8 for CPU inference; returns ``model`` in eval mode with its
+    remaining float parameters frozen (``freeze``; `fastbert.optimize` leaves the transformers model's own
+    parameters as they are). ``flags``: the CPU's features (default: `cpu_flags`). Raises ValueError for
+    a model that is not float32 on CPU or has pre-LN layers (ModernBERT: not supported)."""
+    encoders = [m for m in model.modules() if isinstance(m, FastBertModel)]
+    if not encoders:
+        raise ValueError(f"fastbert: int8 quantization needs a fastbert model; {type(model).__name__} holds none")
+    weight = encoders[0].embeddings.word_embeddings
+    reason = int8_unavailable(weight.device)
+    if reason is not None:
+        raise ValueError(f"fastbert: {reason}")
+    if weight.dtype != torch.float32:
+        raise ValueError(f"fastbert: int8 quantization starts from a float32 model, got {weight.dtype}")
+    narrow = reduce_range(flags)
+    for encoder in encoders:
+        if encoder.pre_norm:
+            raise ValueError(f"fastbert: int8 quantization covers post-LN families; {encoder.config.model_type} "
+                             "(pre-LN) is not supported: use float32 or bfloat16")
+        for index, layer in enumerate(encoder.layers):
+            if isinstance(layer, PostNormLayer):
+                encoder.layers[index] = Int8PostNormLayer(layer, narrow)
+    if freeze:
+        model.requires_grad_(False)
+    return model.eval()
+
+
+PRECISIONS = ("auto", "float32", "float16", "bfloat16", "int8")
+
+
+def precision_for(name: str | torch.dtype | None, device: torch.device | str) -> tuple[str, str | None]:
+    """A requested precision resolved for ``device``: (one of float32, float16, bfloat16, int8; the reason when
+    it was chosen for "auto", else None). "auto": on CPU bfloat16 where the CPU computes it natively, else float32
+    (`auto_cpu_dtype`), announced once as a warning; on CUDA float16. None keeps float32. ValueError for a name
+    outside `PRECISIONS`, or int8 where it cannot run (`int8_unavailable`)."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    name = name or "float32"
+    if name not in PRECISIONS:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(PRECISIONS)}")
+    if name == "int8":
+        reason = int8_unavailable(device)
+        if reason is not None:
+            raise ValueError(f"dtype int8: {reason}")
+    if name != "auto":
+        return name, None
+    if torch.device(device).type == "cuda":
+        return "float16", "float16 on CUDA"
+    dtype, reason = auto_cpu_dtype()
+    announce_once(f"dtype auto on CPU: {reason}; --dtype / dtype= overrides")
+    return str(dtype).removeprefix("torch."), reason
