@@ -70,6 +70,13 @@ def add_loss_options(parser: argparse.ArgumentParser) -> None:
                         "embeddings (embedding, default 0)")
     parser.add_argument("--alpha-mse", type=float, default=None,
                         help="embedding: weight of the MSE between sentence embeddings (default 1.0)")
+    parser.add_argument("--alpha-hidden", type=float, default=None,
+                        help="embedding: weight of the cosine loss between the last hidden states, token by token, "
+                        "[CLS] included (what a fine-tuned classifier reads; default 0)")
+    parser.add_argument("--pairs", type=float, default=0.0, metavar="FRACTION",
+                        help="embedding: share of each batch that is sentence pairs (two segments: a sentence and the "
+                        "next one, or half the time a sentence of another document), as pair tasks read them "
+                        "(default 0)")
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:

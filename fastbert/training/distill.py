@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -82,6 +83,7 @@ class LossWeights:
     alpha_mlm: float = 2.0
     alpha_cos: float = 1.0
     alpha_mse: float = 0.0
+    alpha_hidden: float = 0.0
 
 
 # DistilBERT's triple loss as its authors trained it: temperature 2.0 (the default of their train.py), alpha_ce 5.0,
@@ -129,25 +131,39 @@ def triple_loss(student_logits: torch.Tensor, student_hidden: torch.Tensor, labe
         terms["mlm_loss"] = (F.cross_entropy(at_least_fp32(student_logits[masked]), labels[masked]) if masked.any()
                              else zero)
     if weights.alpha_cos:
-        student_real, teacher_real = at_least_fp32(student_hidden[real]), at_least_fp32(teacher_hidden[real])
-        cosine = F.cosine_similarity(student_real, teacher_real, dim=-1)
-        terms["cos_loss"] = (1.0 - cosine).mean()
+        terms["cos_loss"] = hidden_cosine_loss(student_hidden, teacher_hidden, attention_mask)
     alphas = {"ce_loss": weights.alpha_ce, "mlm_loss": weights.alpha_mlm, "cos_loss": weights.alpha_cos}
     total = sum((alphas[name] * value for name, value in terms.items()), zero)
     return total, terms
 
 
-def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, weights: LossWeights
+def hidden_cosine_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, attention_mask: torch.Tensor
+                       ) -> torch.Tensor:
+    """Mean over the real (non-padding) tokens of ``1 - cos(student hidden state, teacher hidden state)``."""
+    real = attention_mask.bool()
+    cosine = F.cosine_similarity(at_least_fp32(student_hidden[real]), at_least_fp32(teacher_hidden[real]), dim=-1)
+    return (1.0 - cosine).mean()
+
+
+def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, weights: LossWeights,
+                   hidden: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sentence-embedding distillation loss of one batch [B, H]: (``alpha_mse * MSE + alpha_cos * (1 - cos)``,
-    {"mse_loss", "cos_loss"} unweighted, each only when its weight is not 0)."""
+    """Sentence-embedding distillation loss of one batch [B, H]: ``alpha_mse * MSE + alpha_cos * (1 - cos)`` of the
+    embeddings, plus ``alpha_hidden`` times `hidden_cosine_loss` of ``hidden`` = (student's last hidden states,
+    teacher's, attention mask), every token's, [CLS] included: what a classifier's pooler reads, which mean pooling
+    alone does not pin down. Returns (total, {"mse_loss", "cos_loss", "hidden_loss"} unweighted, each only when its
+    weight is not 0)."""
     terms: dict[str, torch.Tensor] = {}
     if weights.alpha_mse:
         terms["mse_loss"] = F.mse_loss(at_least_fp32(student), at_least_fp32(teacher))
     if weights.alpha_cos:
         cosine = F.cosine_similarity(at_least_fp32(student), at_least_fp32(teacher), dim=-1)
         terms["cos_loss"] = (1.0 - cosine).mean()
-    alphas = {"mse_loss": weights.alpha_mse, "cos_loss": weights.alpha_cos}
+    if weights.alpha_hidden:
+        if hidden is None:
+            raise ValueError("alpha_hidden needs the hidden states")
+        terms["hidden_loss"] = hidden_cosine_loss(*hidden)
+    alphas = {"mse_loss": weights.alpha_mse, "cos_loss": weights.alpha_cos, "hidden_loss": weights.alpha_hidden}
     total = sum((alphas[name] * value for name, value in terms.items()), student.sum() * 0.0)
     return total, terms
 
@@ -402,18 +418,30 @@ def load_teacher_tokenizer(teacher_dir: str, config, objective: str):
 
 
 # ------------------------------------------------------------------------------------------------------ data
+def sentence_pairs(documents: Sequence[Sequence[str]]) -> list[tuple[int, str, str]]:
+    """(document index, sentence, the next sentence of the same document) for every consecutive pair."""
+    return [(index, first, second) for index, doc in enumerate(documents)
+            for first, second in itertools.pairwise(doc)]
+
+
 class SentenceBatches(Sequence):
-    """An epoch's batches of sentences for the embedding objective: the training sentences shuffled from (seed,
-    epoch), tokenised on access (padded to the batch's longest, cut at ``max_length``); the last incomplete batch is
-    dropped unless it is the only one."""
+    """An epoch's batches for the embedding objective: the training sentences shuffled from (seed, epoch), tokenised
+    on access (padded to the batch's longest, cut at ``max_length``); the last incomplete batch is dropped unless it
+    is the only one. With ``pairs`` > 0 that share of each batch (rounded) is sentence pairs as a pair classifier
+    reads them (two segments, token types 0 and 1): a sentence and the next one of its document, or, half of the
+    time, a sentence of another document, drawn from (seed, epoch, batch index); the rest single sentences."""
 
     def __init__(self, sentences: list[str], tokenizer, batch_size: int, max_length: int, seed: int, epoch: int,
-                 token_types: bool):
+                 token_types: bool, pairs: float = 0.0, pair_sources: Sequence[tuple[int, str, str]] = ()):
         self.tokenizer, self.batch_size, self.max_length, self.token_types = tokenizer, batch_size, max_length, \
             token_types
-        self.sentences = list(sentences)
+        self.seed, self.epoch, self.sentences, self.pair_sources = seed, epoch, list(sentences), list(pair_sources)
         random.Random(f"distill/{seed}/{epoch}").shuffle(self.sentences)
-        self.count = max(len(self.sentences) // batch_size, 1 if self.sentences else 0)
+        random.Random(f"distill-pairs/{seed}/{epoch}").shuffle(self.pair_sources)
+        self.pair_count = round(pairs * batch_size) if self.pair_sources else 0
+        singles = batch_size - self.pair_count
+        units = len(self.sentences) // singles if singles else len(self.pair_sources) // batch_size
+        self.count = max(units, 1 if self.sentences or self.pair_sources else 0)
 
     def __len__(self) -> int:
         return self.count
@@ -421,17 +449,36 @@ class SentenceBatches(Sequence):
     def __getitem__(self, index):  # type: ignore[override]
         if not 0 <= index < self.count:
             raise IndexError(index)
-        chunk = self.sentences[index * self.batch_size:(index + 1) * self.batch_size]
-        return encode_sentences(self.tokenizer, chunk, self.max_length, self.token_types)
+        singles = self.batch_size - self.pair_count
+        chunk = self.sentences[index * singles:(index + 1) * singles]
+        rng = random.Random(f"distill-partners/{self.seed}/{self.epoch}/{index}")
+        pairs = []
+        for k in range(index * self.pair_count, (index + 1) * self.pair_count):
+            document, first, second = self.pair_sources[k % len(self.pair_sources)]
+            if rng.random() < 0.5:
+                other = self.pair_sources[rng.randrange(len(self.pair_sources))]
+                second = other[2] if other[0] != document else second  # same document: keep the true next one
+            pairs.append((first, second))
+        return encode_sentences(self.tokenizer, chunk, self.max_length, self.token_types, pairs)
 
 
-def encode_sentences(tokenizer, sentences: Sequence[str], max_length: int, token_types: bool
-                     ) -> dict[str, torch.Tensor]:
-    """input_ids and attention_mask (and zero token_type_ids when the model has token types) of a batch."""
-    encoded = tokenizer(list(sentences), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+def encode_sentences(tokenizer, sentences: Sequence[str], max_length: int, token_types: bool,
+                     pairs: Sequence[tuple[str, str]] = ()) -> dict[str, torch.Tensor]:
+    """input_ids and attention_mask (and token_type_ids when the model has token types) of a batch: the single
+    sentences, then the pairs (segments A and B, token types 0 and 1), all padded to the longest."""
+    parts = []
+    if sentences:
+        parts.append(tokenizer(list(sentences), truncation=True, max_length=max_length))
+    if pairs:
+        parts.append(tokenizer([a for a, _ in pairs], [b for _, b in pairs], truncation=True, max_length=max_length))
+    rows = [(ids, part.get("token_type_ids", [[0] * len(x) for x in part["input_ids"]])[i])
+            for part in parts for i, ids in enumerate(part["input_ids"])]
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id
+    batch = {"input_ids": torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in rows]),
+             "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in rows])}
     if token_types:
-        batch["token_type_ids"] = torch.zeros_like(encoded["input_ids"])
+        batch["token_type_ids"] = torch.tensor([types + [0] * (width - len(types)) for _, types in rows])
     return batch
 
 
@@ -547,9 +594,11 @@ class EmbeddingDistillationTask(DistillationTask):
 
     def __init__(self, teacher, tokenizer, weights, settings, *, sentences: list[str], held_out: list[str],
                  pooling: str, normalize: bool, batch_size: int, max_length: int, seed: int, extra_files: Path,
-                 modules: list[dict[str, Any]]):
+                 modules: list[dict[str, Any]], pairs: float = 0.0,
+                 pair_sources: Sequence[tuple[int, str, str]] = ()):
         super().__init__(teacher, tokenizer, weights, settings, extra_files, modules)
         self.sentences, self.pooling, self.normalize = sentences, pooling, normalize
+        self.pairs, self.pair_sources = pairs, list(pair_sources)
         self.batch_size, self.max_length, self.seed = batch_size, max_length, seed
         self.token_types = bool(getattr(teacher.config, "type_vocab_size", 0))
         self.eval_batches = [encode_sentences(tokenizer, held_out[i:i + batch_size], max_length, self.token_types)
@@ -559,11 +608,14 @@ class EmbeddingDistillationTask(DistillationTask):
     def batches(self, epoch: int) -> Sequence[dict[str, torch.Tensor]]:
         """The epoch's sentence batches."""
         return SentenceBatches(self.sentences, self.tokenizer, self.batch_size, self.max_length, self.seed, epoch,
-                               self.token_types)
+                               self.token_types, self.pairs, self.pair_sources)
 
     def embed(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sentence embeddings [B, H] as the checkpoint's sentence-transformers modules make them."""
-        hidden = model(**batch).last_hidden_state
+        return self.pool(model(**batch).last_hidden_state, batch)
+
+    def pool(self, hidden: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The sentence embeddings [B, H] of last hidden states [B, S, H] (pooled, normalised as the checkpoint)."""
         if self.pooling == "cls":
             pooled = hidden[:, 0].float()
             return F.normalize(pooled, p=2, dim=1) if self.normalize else pooled
@@ -572,9 +624,12 @@ class EmbeddingDistillationTask(DistillationTask):
     def compute(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
         """The embedding loss of one batch against the teacher's embeddings of the same sentences."""
         with torch.no_grad():
-            target = self.embed(self.teacher, batch)
-        student = self.embed(model, batch)
-        loss, terms = embedding_loss(student, target, self.weights)
+            teacher_hidden = self.teacher(**batch).last_hidden_state
+            target = self.pool(teacher_hidden, batch)
+        student_hidden = model(**batch).last_hidden_state
+        student = self.pool(student_hidden, batch)
+        loss, terms = embedding_loss(student, target, self.weights,
+                                     (student_hidden, teacher_hidden, batch["attention_mask"]))
         metrics = {name: float(value.detach()) for name, value in terms.items()}
         metrics["cosine"] = float(F.cosine_similarity(student.detach(), target, dim=-1).mean())
         return StepOutput(loss, metrics, int(batch["attention_mask"].sum()))
@@ -604,7 +659,7 @@ def summarize(records: list[dict[str, Any]], teacher: dict[str, float] | None = 
     summary: dict[str, Any] = {"steps": steps[-1]["step"] if steps else 0,
                                "tokens": sum(r["tokens"] for r in steps),
                                "elapsed_s": steps[-1]["elapsed_s"] if steps else 0.0}
-    for key in ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "mlm_accuracy", "cosine"):
+    for key in ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "hidden_loss", "mlm_accuracy", "cosine"):
         values = [r[key] for r in steps if key in r]
         if values:
             summary[f"train_{key}_first_{len(values[:window])}_steps"] = sum(values[:window]) / len(values[:window])
@@ -632,7 +687,7 @@ def plot_distillation_curve(records: list[dict[str, Any]], path: Path, objective
     window = max(1, min(50, len(steps) // 20))
     figure, axis = plt.subplots(figsize=(8, 4.5))
     x = [r["step"] for r in steps]
-    for key in ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss"):
+    for key in ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "hidden_loss"):
         if key in steps[0]:
             axis.plot(x, _moving_average([r[key] for r in steps], window), label=f"train {key} (mean of {window})")
     axis.set_xlabel("step")
@@ -685,6 +740,8 @@ class DistillSettings(RunSettings):
     alpha_mlm: float | None = None
     alpha_cos: float | None = None
     alpha_mse: float | None = None
+    alpha_hidden: float | None = None
+    pairs: float = 0.0  # embedding: the share of each batch that is sentence pairs (`SentenceBatches`)
     mlm_probability: float = 0.15
     pack: bool = False
     max_length: int | None = None  # None: 128, or the teacher's positions when it has fewer
@@ -716,10 +773,14 @@ class DistillSettings(RunSettings):
         if not 0 <= self.held_out < 0.5:
             raise UserError(f"--held-out must be in [0, 0.5), got {self.held_out}")
         weights = self.loss_weights()
-        if weights.temperature <= 0 or min(weights.alpha_ce, weights.alpha_mlm, weights.alpha_cos,
-                                           weights.alpha_mse) < 0:
+        alphas = (weights.alpha_ce, weights.alpha_mlm, weights.alpha_cos, weights.alpha_mse, weights.alpha_hidden)
+        if weights.temperature <= 0 or min(alphas) < 0:
             raise UserError("--temperature must be > 0 and every --alpha-* >= 0")
-        if not any((weights.alpha_ce, weights.alpha_mlm, weights.alpha_cos, weights.alpha_mse)):
+        if not 0 <= self.pairs <= 1:
+            raise UserError(f"--pairs must be between 0 and 1, got {self.pairs}")
+        if self.pairs and self.objective != "embedding":
+            raise UserError("--pairs is an option of the embedding objective")
+        if not any(alphas):
             raise UserError("every --alpha-* is 0: there is no loss to train on")
         if self.learning_rate is not None and self.learning_rate <= 0:
             raise UserError(f"--learning-rate must be > 0, got {self.learning_rate}")
@@ -732,8 +793,8 @@ class DistillSettings(RunSettings):
         (mlm: ce, mlm, cos; embedding: mse, cos)."""
         base = DISTILBERT_LOSS if self.objective == "mlm" else EMBEDDING_LOSS
         given = {"temperature": self.temperature, "alpha_ce": self.alpha_ce, "alpha_mlm": self.alpha_mlm,
-                 "alpha_cos": self.alpha_cos, "alpha_mse": self.alpha_mse}
-        unused = ("alpha_mse",) if self.objective == "mlm" else ("temperature", "alpha_ce", "alpha_mlm")
+                 "alpha_cos": self.alpha_cos, "alpha_mse": self.alpha_mse, "alpha_hidden": self.alpha_hidden}
+        unused = ("alpha_mse", "alpha_hidden") if self.objective == "mlm" else ("temperature", "alpha_ce", "alpha_mlm")
         for name in unused:
             if given[name] is not None:
                 raise UserError(f"--{name.replace('_', '-')} is not a term of the {self.objective} objective")
@@ -890,11 +951,12 @@ def plan_embedding(settings: DistillSettings, teacher_dir: str, device: torch.de
     held = [s for doc in held_docs for s in doc]
     held = random.Random(f"held-out-sentences/{settings.seed}").sample(held, min(len(held), settings.eval_sentences))
     run = common_settings(settings, teacher_dir, documents, tokenizer, student, indices)
-    run.update(pooling=pooling, normalize=normalize, max_length=max_length)
+    run.update(pooling=pooling, normalize=normalize, max_length=max_length, pairs=settings.pairs)
     task = EmbeddingDistillationTask(
         teacher, tokenizer, settings.loss_weights(), run, sentences=[s for doc in train_docs for s in doc],
         held_out=held, pooling=pooling, normalize=normalize, batch_size=settings.batch_size,
-        max_length=max_length, seed=settings.seed, extra_files=Path(teacher_dir), modules=modules)
+        max_length=max_length, seed=settings.seed, extra_files=Path(teacher_dir), modules=modules,
+        pairs=settings.pairs, pair_sources=sentence_pairs(train_docs) if settings.pairs else ())
     return task, student
 
 

@@ -25,10 +25,12 @@ from fastbert.training.distill import (  # noqa: E402
     DISTILBERT_LOSS,
     DistillSettings,
     LossWeights,
+    SentenceBatches,
     build_layer_student,
     build_mlm_student,
     distill,
     embedding_loss,
+    sentence_pairs,
     student_layer_indices,
     triple_loss,
 )
@@ -175,6 +177,73 @@ def test_embedding_loss_terms():
     assert list(terms) == ["cos_loss"] and float(total) == pytest.approx(0.5 * direct, rel=1e-6)
 
 
+@pytest.mark.parametrize("hidden_size", [1, 7, 384])
+def test_hidden_state_term_of_the_embedding_loss(hidden_size):
+    gen = torch.Generator().manual_seed(hidden_size)
+    s_hidden, t_hidden = (torch.randn(3, 5, hidden_size, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    student, teacher = s_hidden.mean(1), t_hidden.mean(1)
+    weights = LossWeights(alpha_mse=1.0, alpha_cos=0.0, alpha_hidden=0.25)
+    total, terms = embedding_loss(student, teacher, weights, (s_hidden, t_hidden, mask))
+    real = [(b, i) for b in range(3) for i in range(5) if mask[b, i]]
+    direct = sum(1 - float(s_hidden[b, i] @ t_hidden[b, i] / (s_hidden[b, i].norm() * t_hidden[b, i].norm()))
+                 for b, i in real) / len(real)
+    assert list(terms) == ["mse_loss", "hidden_loss"]
+    assert float(terms["hidden_loss"]) == pytest.approx(direct, rel=1e-9)
+    assert float(total) == pytest.approx(float(((student - teacher) ** 2).mean()) + 0.25 * direct, rel=1e-9)
+    poisoned = s_hidden.clone()
+    poisoned[mask == 0] = 1e4  # padding takes no part
+    assert float(embedding_loss(student, teacher, weights, (poisoned, t_hidden, mask))[1]["hidden_loss"]) == \
+        pytest.approx(direct, rel=1e-9)
+    with pytest.raises(ValueError, match="needs the hidden states"):
+        embedding_loss(student, teacher, weights)
+
+
+@pytest.mark.parametrize("batch_size, share, pair_rows", [(1, 0.0, 0), (7, 0.5, 4), (8, 0.5, 4), (7, 1.0, 7)])
+def test_sentence_batches_mix_single_sentences_and_pairs(batch_size, share, pair_rows):
+    documents = _documents()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    sentences = [s for doc in documents for s in doc]
+    sources = sentence_pairs(documents)
+    assert len(sources) == sum(len(doc) - 1 for doc in documents)
+    assert all(documents[d][documents[d].index(a) + 1] == b for d, a, b in sources[:50])
+    epoch = SentenceBatches(sentences, tokenizer, batch_size, 32, seed=0, epoch=1, token_types=True, pairs=share,
+                            pair_sources=sources)
+    singles = batch_size - pair_rows
+    assert len(epoch) == (len(sentences) // singles if singles else len(sources) // batch_size)
+    decoded = {}
+    for _, a, b in sources:
+        for text in (a, b):
+            decoded.setdefault(text, tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    follows = others = 0
+    for index in (0, 1, len(epoch) - 1):
+        batch = epoch[index]
+        assert batch["input_ids"].shape[0] == batch_size
+        is_pair = (batch["token_type_ids"] == 1).any(dim=1)
+        assert is_pair.tolist() == [False] * singles + [True] * pair_rows
+        for row in range(singles, batch_size):  # [CLS] A [SEP] B [SEP], each segment cut from its end if too long
+            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+            separator = ids.index(tokenizer.sep_token_id)
+            first, second = tokenizer.decode(ids[1:separator]), tokenizer.decode(ids[separator + 1:-1])
+            assert batch["token_type_ids"][row][:separator + 1].eq(0).all()
+            assert batch["token_type_ids"][row][separator + 1:len(ids)].eq(1).all()
+            anchors = [(a, b) for _, a, b in sources if decoded[a].startswith(first)]
+            assert anchors, first
+            if any(decoded[b].startswith(second) for _, b in anchors):
+                follows += 1
+            else:  # a partner from another document
+                others += 1
+                assert any(decoded[b].startswith(second) for _, _, b in sources), second
+        again = SentenceBatches(sentences, tokenizer, batch_size, 32, seed=0, epoch=1, token_types=True,
+                                pairs=share, pair_sources=sources)[index]
+        assert all(torch.equal(batch[k], again[k]) for k in batch)  # (seed, epoch, index) decides: exact resume
+    if pair_rows >= 4:
+        assert follows and others  # both kinds of pair occur
+    other = SentenceBatches(sentences, tokenizer, batch_size, 32, seed=0, epoch=2, token_types=True, pairs=share,
+                            pair_sources=sources)[0]
+    assert not torch.equal(other["input_ids"], epoch[0]["input_ids"])
+
+
 # ------------------------------------------------------------------------------------------------ the student
 def test_student_layer_choice():
     assert student_layer_indices(12) == [0, 2, 4, 7, 9, 11]  # DistilBERT's own 12 -> 6
@@ -302,15 +371,25 @@ def _sentence_transformers_teacher(path: Path) -> Path:
     return path
 
 
-def test_embedding_distillation_learns_and_loads_in_sentence_transformers(tmp_path, corpus, capsys, one_thread):
+@pytest.mark.parametrize("extra", [[], ["--pairs", "0.5", "--alpha-hidden", "1"]])
+def test_embedding_distillation_learns_and_loads_in_sentence_transformers(tmp_path, corpus, capsys, one_thread,
+                                                                          extra):
     teacher = _sentence_transformers_teacher(tmp_path / "teacher")
     out = tmp_path / "student"
     code, err = _run(["distill", str(corpus), "--objective", "embedding", "--teacher", str(teacher), "-o", str(out),
                       "--student-layers", "2", "--init", "random", "--max-steps", "40", "--learning-rate", "3e-3",
-                      "--alpha-cos", "1", "--save-every", "0", "--eval-every", "0", *FAST], capsys)
+                      "--alpha-cos", "1", "--save-every", "0", "--eval-every", "0", *FAST, *extra], capsys)
     assert code == 0, err
-    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("eval")]
+    records = list(map(json.loads, (out / "metrics.jsonl").read_text().splitlines()))
+    evals = [r for r in records if r.get("eval")]
     assert evals[-1]["eval_cosine"] > evals[0]["eval_cosine"] + 0.1, evals
+    steps = [r for r in records if not r.get("eval")]
+    if extra:  # the hidden-state term is trained on, and falls
+        assert steps[-1]["hidden_loss"] < steps[0]["hidden_loss"] - 0.1, (steps[0], steps[-1])
+        assert "alpha_hidden 1" in err and json.loads((out / "summary.json").read_text())[
+            "train_hidden_loss_last_40_steps"] > 0
+    else:
+        assert "hidden_loss" not in steps[-1]
     sentence_transformers = pytest.importorskip("sentence_transformers")
     model = sentence_transformers.SentenceTransformer(str(out / "model"), device="cpu")
     texts = ["Names refer to objects.", "A class definition defines a class object."]
@@ -361,6 +440,10 @@ def _mismatched_teacher(path: Path, bert_teacher: Path) -> Path:
     (["--teacher", "{bert}", "--alpha-mse", "1"], "--alpha-mse is not a term of the mlm objective"),
     (["--teacher", "{bert}", "--teacher-layers", "0,x"], "--teacher-layers must be comma-separated"),
     (["--objective", "bert"], "invalid choice: 'bert'"),
+    (["--teacher", "{bert}", "--alpha-hidden", "1"], "--alpha-hidden is not a term of the mlm objective"),
+    (["--teacher", "{bert}", "--pairs", "0.5"], "--pairs is an option of the embedding objective"),
+    (["--objective", "embedding", "--pairs", "1.5"], "--pairs must be between 0 and 1, got 1.5"),
+    (["--objective", "embedding", "--alpha-hidden", "-1"], "every --alpha-* >= 0"),
 ])
 def test_bad_input_is_one_line_before_training(tmp_path, bert_teacher, capsys, args, message):
     places = {"{minilm}": default_model_dir(), "{bert}": str(bert_teacher), "{tmp}": str(tmp_path)}
@@ -396,6 +479,9 @@ def test_every_option_reaches_the_settings():
         expected = {"no_optimize": False, "files": ("a.txt",), "teacher_layers": (0, 2)}.get(option, value)
         assert getattr(settings, field) == expected, option
     assert settings.alpha_ce == 3.0 and settings.loss_weights().alpha_ce == 3.0
+    embedding = distill_command.settings_of(cli.build_parser(["distill"]).parse_args(
+        ["distill", "-o", "out", "--objective", "embedding", "--pairs", "0.25", "--alpha-hidden", "2"]))
+    assert embedding.pairs == 0.25 and embedding.loss_weights().alpha_hidden == 2.0
 
 
 # ---------------------------------------------------------------------------------------------------- resume
