@@ -19,7 +19,9 @@ from fastbert.bench.workloads import Workload
 from fastbert.common.resolve import dtype_name
 from fastbert.config import FastBertConfig
 
-PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime", "fastbert-optimize")
+# fastbert-static: fastbert's own model with `auto` by its static order (measuring off), against fastbert's `auto`
+# measured (`fastbert.backends.tuning`) in the same run.
+PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime", "fastbert-optimize", "fastbert-static")
 DEFAULT_PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime")
 
 
@@ -89,6 +91,16 @@ def build_peer(name: str, model_dir: str, config: FastBertConfig, dtype: torch.d
     if name == "fastbert":
         model = load_fastbert(model_dir, dtype, device, backend)
         return (lambda inputs: model(**inputs).last_hidden_state), [f"from_pretrained(backend={backend!r})"]
+    if name == "fastbert-static":
+        from fastbert import backends
+
+        model = load_fastbert(model_dir, dtype, device, backend)
+
+        def static(inputs: dict) -> torch.Tensor:
+            with backends.measuring(False):  # its op tables resolve by the static order and keep that
+                return model(**inputs).last_hidden_state
+
+        return static, [f"from_pretrained(backend={backend!r}), auto by the static order (measuring off)"]
     try:
         import transformers  # noqa: F401
     except ImportError as err:
