@@ -53,6 +53,7 @@ from fastbert.config import FastBertConfig
 from fastbert.cuda_graphs import enable_on_cuda
 from fastbert.loading import encoder_key_map
 from fastbert.model import FastBertModel
+from fastbert.quantization import int8_unavailable, quantize_int8
 
 ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
 OUTPUT_OPTIONS = ("output_hidden_states", "return_dict")
@@ -541,9 +542,10 @@ class OptimizedState:
     inference on CUDA replays CUDA graphs, and a cache of fastbert's encoder over the model's tensors. Copies and
     pickles carry the request, not the cache: the copy builds its own from its own tensors on its first call."""
 
-    def __init__(self, backend: str, cuda_graphs: bool = True):
+    def __init__(self, backend: str, cuda_graphs: bool = True, dtype: str | None = None):
         self.backend = backend
         self.cuda_graphs = cuda_graphs
+        self.dtype = dtype  # "int8": the encoder's GEMMs quantized (`fastbert.quantization`), else None
         self._reset()
 
     def _reset(self) -> None:
@@ -552,11 +554,12 @@ class OptimizedState:
         self.lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"backend": self.backend, "cuda_graphs": self.cuda_graphs}
+        return {"backend": self.backend, "cuda_graphs": self.cuda_graphs, "dtype": self.dtype}
 
     def __setstate__(self, state: dict) -> None:
         self.backend = state["backend"]
         self.cuda_graphs = state.get("cuda_graphs", True)
+        self.dtype = state.get("dtype")
         self._reset()
 
     def current(self, base: nn.Module) -> _Build:
@@ -569,6 +572,8 @@ class OptimizedState:
                     build = _build(base, self.backend)
                     if self.cuda_graphs and build.fast is not None:
                         enable_on_cuda(build.fast)  # (a move to another device rebuilds: this runs again)
+                    if self.dtype == "int8" and build.fast is not None:
+                        _quantize(build)
                     self.build = build
         return build
 
@@ -632,7 +637,14 @@ class OptimizedState:
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
         inputs = {k: arguments.get(k) for k in build.inputs}
-        out = _run_encoder(build.fast, inputs, bool(output_hidden_states))
+        if self.dtype == "int8":  # inference only: the int8 GEMMs have no gradient
+            if base.training:
+                raise RuntimeError("fastbert: a model optimized with dtype='int8' is for inference only: call "
+                                   "model.eval(), or fastbert.optimize(model) without dtype to train it")
+            with torch.no_grad():
+                out = _run_encoder(build.fast, inputs, bool(output_hidden_states))
+        else:
+            out = _run_encoder(build.fast, inputs, bool(output_hidden_states))
         fields = {"last_hidden_state": out.last_hidden_state}
         if "pooler_output" in build.output_class.__dataclass_fields__:
             fields["pooler_output"] = out.pooler_output
@@ -809,7 +821,16 @@ def _bases(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, PreTrainedModel) and m.base_model is m]
 
 
-def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True) -> nn.Module:
+def _quantize(build: _Build) -> None:
+    """The build's encoder with int8 GEMMs; where that cannot run (the model moved to CUDA or to another dtype),
+    the reason makes calls take transformers' code."""
+    try:
+        quantize_int8(build.fast, freeze=False)
+    except ValueError as err:
+        build.unsupported = str(err)
+
+
+def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, dtype: str | None = None) -> nn.Module:
     """Speed up a transformers model of the BERT family (any head class), or a sentence-transformers model
     wrapping one, in place; returns the same object. Calling it again re-checks the model and may change the
     backend.
@@ -817,19 +838,30 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True) 
     cuda_graphs: inference calls on CUDA (eval mode, grad mode off) replay CUDA graphs of the packed encoder, one
     per bucket of shapes (`fastbert.cuda_graphs`); False launches every op. On CPU it does nothing.
 
+    dtype: None (the model's own), or "int8": the encoder's GEMMs run int8 (weights per output channel,
+    activations per token: `fastbert.quantization`), for inference on CPU of a float32 model (ValueError on CUDA;
+    a call in training mode raises). The transformers model keeps its float weights; the int8 copies are extra.
+
     Raises ValueError when the model holds no supported encoder, or one configured in a way fastbert cannot run
     (decoder, cross-attention, relative position embeddings).
     """
     targets = _bases(model)
     if not targets:
         raise ValueError(f"fastbert.optimize: found no transformers model inside {type(model).__name__}")
+    if dtype not in (None, "int8"):
+        raise ValueError(f"fastbert.optimize: dtype must be None or 'int8', got {dtype!r} (cast the model with "
+                         "model.to(dtype) for float16/bfloat16)")
     for base in targets:
         FastBertConfig.from_hf_dict(base.config.to_dict())  # raises for unsupported model types and configurations
+        weight = next(base.parameters())
+        if dtype == "int8" and (int8_unavailable(weight.device) or weight.dtype != torch.float32):
+            raise ValueError(f"fastbert.optimize(dtype='int8'): "
+                             f"{int8_unavailable(weight.device) or f'the model must be float32, got {weight.dtype}'}")
     for base in targets:
         state = base.__dict__.get("_fastbert")
         if state is None:
-            state = base._fastbert = OptimizedState(backend, cuda_graphs)
-        state.backend, state.cuda_graphs = backend, cuda_graphs
+            state = base._fastbert = OptimizedState(backend, cuda_graphs, dtype)
+        state.backend, state.cuda_graphs, state.dtype = backend, cuda_graphs, dtype
         state.build = None
         if not isinstance(base.__dict__.get("forward"), OptimizedForward):
             base.forward = OptimizedForward(base)
