@@ -41,6 +41,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -275,6 +276,7 @@ class PackedCudaGraphs:
         self.pool = None
         self.lock = threading.Lock()
         self.watch: _ParameterWatch | None = None  # made at the first call
+        self.failed: str | None = None  # why a capture failed: the runner is off
         self.captures = self.replays = 0
 
     def __getstate__(self) -> dict:  # copies and pickles carry the settings, never graphs
@@ -288,6 +290,8 @@ class PackedCudaGraphs:
                        position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                        output_hidden_states: bool = False) -> str | None:
         """Why a call runs the normal path whatever its shape; None when a bucket may take it."""
+        if self.failed:
+            return self.failed
         if input_ids is None or inputs_embeds is not None:
             return "inputs_embeds"
         if output_hidden_states or position_ids is not None:
@@ -331,7 +335,8 @@ class PackedCudaGraphs:
                 return None
             entry = self._entry(bucket, input_ids.device)
             entry.inputs.fill(model, input_ids, token_type_ids, varlen)
-            self._replay(entry)
+            if not self._replay(entry):
+                return None
             return unpack_outputs(model, entry.hidden, varlen)
 
     def _entry(self, bucket: Bucket, device: torch.device) -> _Graph:
@@ -344,15 +349,24 @@ class PackedCudaGraphs:
         self.graphs[bucket] = entry
         return entry
 
-    def _replay(self, entry: _Graph) -> None:
+    def _replay(self, entry: _Graph) -> bool:
+        """Run the entry's forward (capturing it first); False when the capture failed (the runner then stays off:
+        an op of the model's backends that cannot be captured, a warning says which)."""
         if not self.capture:
             entry.hidden = encode_packed(self.model, entry.inputs)
             self.replays += 1
-            return
+            return True
         if entry.graph is None:
-            self._capture(entry)
+            try:
+                self._capture(entry)
+            except RuntimeError as err:
+                self.failed = f"a CUDA graph capture failed ({str(err).splitlines()[0][:200]})"
+                self.graphs.clear()
+                warnings.warn(f"fastbert: {self.failed}; running without CUDA graphs", stacklevel=4)
+                return False
         entry.graph.replay()
         self.replays += 1
+        return True
 
     def _capture(self, entry: _Graph) -> None:
         """Capture the entry's forward (its inputs already hold a batch): two warm-up runs on a side stream first
@@ -366,7 +380,8 @@ class PackedCudaGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread's CUDA calls (a data loader copying the next batch) do not break the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             entry.hidden = encode_packed(self.model, entry.inputs)
         entry.graph = graph
         entry.keep = dict(self.model.__dict__.get("_rotary", {}))  # the tables it reads outlive a replacement
