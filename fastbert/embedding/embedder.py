@@ -59,7 +59,9 @@ class Embedder:
         self.device = self._device(device, load_model)
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).replace("torch.", "")
-        self.dtype = resolve_dtype(dtype or "float32", self.device)
+        # "int8" (CPU: int8 GEMMs) or a float dtype's name; "auto" resolved here (`fastbert.quantization`)
+        self.precision = self._precision(dtype)
+        self.dtype = resolve_dtype("float32" if self.precision == "int8" else self.precision, self.device)
         self.max_length = self._max_length(max_length)
         self.max_batch_tokens = self._max_batch_tokens(max_batch_tokens)
         if max_batch_size is not None and max_batch_size < 1:
@@ -82,6 +84,14 @@ class Embedder:
         if pooling not in POOLINGS:
             raise UserError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
         return pooling, normalize
+
+    def _precision(self, dtype: str | None) -> str:
+        from fastbert.quantization import precision_for
+
+        try:
+            return precision_for(dtype or "float32", self.device)[0]
+        except ValueError as err:
+            raise UserError(str(err)) from err
 
     @staticmethod
     def _device(device: str | torch.device | None, load_model: bool) -> torch.device:
@@ -111,7 +121,8 @@ class Embedder:
         import fastbert
 
         try:
-            return fastbert.from_pretrained(self.model_dir, dtype=self.dtype, device=self.device,
+            dtype = "int8" if self.precision == "int8" else self.dtype
+            return fastbert.from_pretrained(self.model_dir, dtype=dtype, device=self.device,
                                             backend=backend, cuda_graphs=self.cuda_graphs).eval()
         except ValueError as err:  # CheckpointError, an unsupported family
             raise UserError(f"{self.model_dir}: {err}") from err
@@ -216,5 +227,5 @@ class Embedder:
     def settings(self) -> dict:
         """What determines the numbers written (a resumed run must match them)."""
         return {"model_dir": os.path.realpath(self.model_dir), "model_config": config_digest(self.model_dir),
-                "dtype": str(self.dtype).replace("torch.", ""), "pooling": self.pooling,
+                "dtype": self.precision, "pooling": self.pooling,
                 "normalize": self.normalize, "max_length": self.max_length}
