@@ -8,9 +8,11 @@
    half its layers (the triple loss, the student initialised from the teacher's layers); the same student is trained
    from scratch (random initialisation, masked-LM loss only) for the same steps on the same batches. Held-out
    masked-LM loss and accuracy of all three on the same held-out documents and masks.
-2. ``embedding``: all-MiniLM-L6-v2 -> 3 layers on the CPython corpus; held-out mean cosine between student and
+2. ``embedding``: all-MiniLM-L6-v2 -> 3 layers on the CPython corpus (MSE + cosine of the embeddings, cosine of the
+   hidden states token by token, half of each batch sentence pairs); held-out mean cosine between student and
    teacher embeddings; `fastbert finetune` topic / pair / code with the teacher and with the student (same steps,
-   data, seed); encode throughput of each (fastbert's model, mean pooling, sentences per second).
+   data, seed); encode throughput of each as `fastbert embed` encodes (`fastbert.embedding.Embedder`), teacher and
+   student interleaved chunk by chunk, and where each one's time goes (tokenisation, embeddings, layers, the rest).
 3. ``roberta``: a short `fastbert pretrain --objective roberta` (byte-level BPE), its held-out MLM loss before and
    after, and decode(encode(text)) == text on the held-out sentences plus non-ASCII sentences.
 4. ``mlm-ablation`` (not in the default parts; after ``mlm``): the triple loss on a randomly initialised student,
@@ -139,33 +141,73 @@ def part_mlm_ablation(runs: Path, out: Path, size: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ 2. embedding
-def encode_throughput(model_dir: str, sentences: list[str], batch_size: int, repeats: int) -> list[float]:
-    """Sentences per second of fastbert's model of a checkpoint (tokenise, forward, mean pool, normalise), one
-    figure per pass over the sentences."""
-    import transformers
+def encode_throughput(models: dict[str, str], sentences: list[str], rounds: int, chunk: int = 256) -> dict:
+    """Encode throughput of each checkpoint as `fastbert embed` encodes (`fastbert.embedding.Embedder`: its
+    tokenizer, length-sorted token-budget batches, the padding-free encoder, pooling and normalisation as the
+    checkpoint declares), interleaved: every round walks the sentences in chunks of ``chunk`` (one ``embed`` call
+    each, as one window of `fastbert embed`) and encodes each chunk with every model in turn, the order reversed
+    from chunk to chunk, so a change of the machine's load hits all of them alike. Returns per model the seconds
+    and sentences per second of each round, and their totals."""
+    from fastbert.embedding import Embedder
 
-    import fastbert
-    from fastbert.common.text import mean_pool
+    embedders = {name: Embedder(model_dir, device="cpu") for name, model_dir in models.items()}
+    for embedder in embedders.values():
+        embedder.embed(sentences[:chunk])  # warm-up: first-call costs are not throughput
+    seconds = {name: [0.0] * rounds for name in models}
+    names = list(models)
+    for round_ in range(rounds):
+        for index, start in enumerate(range(0, len(sentences), chunk)):
+            for name in names if index % 2 == 0 else names[::-1]:
+                began = time.perf_counter()
+                embedders[name].embed(sentences[start:start + chunk])
+                seconds[name][round_] += time.perf_counter() - began
+    return {name: {"seconds_per_round": values, "sentences_per_s": [len(sentences) / v for v in values],
+                   "sentences_per_s_total": rounds * len(sentences) / sum(values)}
+            for name, values in seconds.items()}
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = fastbert.from_pretrained(model_dir).eval()
-    rates = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        with torch.inference_mode():
-            for i in range(0, len(sentences), batch_size):
-                batch = tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=128,
-                                  return_tensors="pt")
-                batch.pop("token_type_ids", None)
-                mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])
-        rates.append(len(sentences) / (time.perf_counter() - started))
-    return rates
+
+def fixed_costs(model_dir: str, sentences: list[str]) -> dict:
+    """Where one model's encode time goes in one `Embedder` pass over ``sentences`` (seconds): tokenisation; in
+    the model's forward, the embedding layer, the encoder layers and the rest (packing the padded batch into
+    sequences and back); outside the forward (building the padded batch, pooling, normalising)."""
+    from fastbert.embedding import Embedder
+
+    embedder = Embedder(model_dir, device="cpu")
+    embedder.embed(sentences[:64])
+    found = dict.fromkeys(("tokenize", "embed_batches", "forward", "embeddings", "layers"), 0.0)
+    began = time.perf_counter()
+    token_lists, _ = embedder.tokenize(sentences)
+    found["tokenize"] = time.perf_counter() - began
+    clock: dict[object, float] = {}
+
+    def timed(module: torch.nn.Module, name: str) -> list:
+        def before(*_):
+            clock[module] = time.perf_counter()
+
+        def after(*_):
+            found[name] += time.perf_counter() - clock[module]
+        return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+    model = embedder.model
+    handles = timed(model, "forward") + timed(model.embeddings, "embeddings")
+    for layer in model.layers:
+        handles += timed(layer, "layers")
+    for batch in embedder.batches([len(t) for t in token_lists]):
+        began = time.perf_counter()
+        embedder.embed_batch([token_lists[i] for i in batch])
+        found["embed_batches"] += time.perf_counter() - began
+    for handle in handles:
+        handle.remove()
+    found["forward_other"] = found["forward"] - found["embeddings"] - found["layers"]
+    found["outside_forward"] = found["embed_batches"] - found["forward"]
+    found["total"] = found["tokenize"] + found["embed_batches"]
+    found["tokens"] = sum(len(t) for t in token_lists)
+    return found
 
 
 def part_embedding(runs: Path, out: Path, size: dict) -> dict:
     """all-MiniLM-L6-v2 -> 3 layers; held-out cosine; finetune tasks with both; encode throughput of both."""
     from fastbert.common.resolve import default_model_dir
-    from fastbert.training.corpus import cpython_sentences
     from fastbert.training.distill import DistillSettings, distill
     from fastbert.training.finetune import FinetuneSettings, finetune
 
@@ -174,7 +216,8 @@ def part_embedding(runs: Path, out: Path, size: dict) -> dict:
     run_dir = fresh(runs / "embedding-student")
     settings = dict(objective="embedding", student_layers=3, corpus="cpython", batch_size=size["batch"],
                     max_steps=size["steps"], learning_rate=size["lr"], save_every=0, eval_every=size["eval_every"],
-                    threads=2, progress=False, log_every=25, eval_sentences=size["eval"])
+                    threads=2, progress=False, log_every=25, eval_sentences=size["eval"], alpha_cos=size["alpha_cos"],
+                    alpha_hidden=size["alpha_hidden"], pairs=size["pairs"])
     distill(DistillSettings(output_dir=str(run_dir), **settings))
     shutil.copyfile(run_dir / "loss_curve.png", out / "embedding-loss_curve.png")
     student = str(run_dir / "model")
@@ -197,20 +240,28 @@ def part_embedding(runs: Path, out: Path, size: dict) -> dict:
                 "held_out": result["held_out"]["examples"], "seconds": result["training"]["seconds_this_run"]}
         pair = record["finetune"][task]
         pair["student_share_of_teacher"] = pair["student"]["accuracy"] / pair["teacher"]["accuracy"]
-    sentences = list(cpython_sentences(size["throughput_sentences"]))
-    rates: dict[str, list[float]] = {"teacher": [], "student": []}
-    for _ in range(size["throughput_rounds"]):  # alternated, so a change of load hits both
-        for name, model_dir in (("teacher", teacher), ("student", student)):
-            rates[name] += encode_throughput(model_dir, sentences, 64, 1)
-    record["throughput"] = {name: {"sentences_per_s_median": statistics.median(v), "all": v}
-                            for name, v in rates.items()}
-    record["throughput"]["speedup_median"] = (record["throughput"]["student"]["sentences_per_s_median"]
-                                              / record["throughput"]["teacher"]["sentences_per_s_median"])
-    record["throughput"]["sentences"], record["throughput"]["batch_size"] = len(sentences), 64
+    record["throughput"] = throughput_record(teacher, student, size)
     record["parameters"] = {name: parameters(model_dir) for name, model_dir in (("teacher", teacher),
                                                                                 ("student", student))}
     record.update(size=size, wall_s=round(time.time() - started, 1))
     return record
+
+
+def throughput_record(teacher: str, student: str, size: dict) -> dict:
+    """`encode_throughput` of teacher and student, interleaved, on the first sentences of the CPython corpus, their
+    ratio, and `fixed_costs` of each."""
+    from fastbert.training.corpus import cpython_sentences
+
+    sentences = list(cpython_sentences(size["throughput_sentences"]))
+    found = encode_throughput({"teacher": teacher, "student": student}, sentences, size["throughput_rounds"])
+    t, s = found["teacher"], found["student"]
+    found["speedup"] = s["sentences_per_s_total"] / t["sentences_per_s_total"]
+    found["speedup_per_round"] = [a / b for a, b in zip(t["seconds_per_round"], s["seconds_per_round"], strict=True)]
+    found["speedup_median_round"] = statistics.median(found["speedup_per_round"])
+    found["sentences"], found["rounds"] = len(sentences), size["throughput_rounds"]
+    found["fixed_costs"] = {name: fixed_costs(model_dir, sentences) for name, model_dir in (("teacher", teacher),
+                                                                                           ("student", student))}
+    return found
 
 
 def parameters(model_dir: str) -> int:
@@ -262,13 +313,15 @@ SIZES = {
     "full": {"mlm": dict(hidden=128, heads=2, teacher_layers=4, vocab=5000, max_length=64, teacher_steps=500,
                          student_steps=300, eval=512),
              "embedding": dict(batch=16, steps=300, lr=1e-4, eval_every=100, eval=512, ft_steps=40, ft_eval=500,
-                               throughput_sentences=512, throughput_rounds=3),
+                               throughput_sentences=2048, throughput_rounds=3, alpha_cos=1.0, alpha_hidden=1.0,
+                               pairs=0.5),
              "roberta": dict(hidden=128, heads=2, layers=2, vocab=5000, max_length=64, steps=300, eval_every=100),
              "mlm-ablation": {}},
     "quick": {"mlm": dict(hidden=32, heads=2, teacher_layers=4, vocab=500, max_length=32, teacher_steps=10,
                           student_steps=5, eval=32),
               "embedding": dict(batch=8, steps=3, lr=1e-4, eval_every=0, eval=16, ft_steps=2, ft_eval=16,
-                                throughput_sentences=32, throughput_rounds=1),
+                                throughput_sentences=32, throughput_rounds=1, alpha_cos=1.0, alpha_hidden=1.0,
+                                pairs=0.5),
               "roberta": dict(hidden=32, heads=2, layers=1, vocab=500, max_length=32, steps=10, eval_every=5),
               "mlm-ablation": {}},
 }
