@@ -352,9 +352,12 @@ class PackedCudaGraphs:
 
     def _drop_all(self) -> None:
         """Free every graph, and take a new pool for the next capture: PyTorch does not let a capture share a pool
-        whose graphs are all gone (the reason a new graph is captured before the least recent one is dropped)."""
+        whose graphs are all gone (the reason a new graph is captured before the least recent one is dropped). The
+        old pool's memory goes back to the device only through the allocator's cache: emptied here (a rare event)."""
         self.graphs.clear()
-        self.pool = None
+        if self.pool is not None:
+            self.pool = None
+            torch.cuda.empty_cache()
 
     def _replay(self, entry: _Graph) -> bool:
         """Run the entry's forward (capturing it first); False when the capture failed (the runner then stays off:
