@@ -10,7 +10,9 @@ is decided by triton when a kernel is decorated (``TRITON_INTERPRET=1`` must be 
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 import os
 import re
 
@@ -323,6 +325,10 @@ _CACHING: bool = CACHED_LAUNCH and not INTERPRETER
 _current_device = None  # triton's driver functions, bound on the first cached launch (a GPU is needed)
 _current_stream = None
 _UNSET = object()
+_Tensor = torch.Tensor
+_data_ptr = torch.Tensor.data_ptr
+_dtype_of = operator.attrgetter("dtype")
+_RUNTIME_KNOBS = triton.knobs.runtime  # the launch hooks (a profiler's) are read from it on every launch
 
 
 class KernelInfo:
@@ -331,9 +337,11 @@ class KernelInfo:
     tail fixed per specialisation), the constexprs' defaults, the autotuner's key positions, and its entries: key
     -> (compiled kernel, constexpr tail, meta for the grid), or None for a specialisation launched through triton."""
 
-    __slots__ = ("runtime_names", "runtime_count", "constexprs", "tune_positions", "autotuner", "reason", "entries")
+    __slots__ = ("kernel", "runtime_names", "runtime_count", "constexprs", "tune_positions", "autotuner", "reason",
+                 "entries", "types", "tensors", "ints", "fifteens", "ones")
 
     def __init__(self, kernel):
+        self.kernel = kernel  # held: its id, the key of `_INFOS`, is not reused while it is there
         self.entries: dict = {}
         self.autotuner = getattr(kernel, "configs", None) is not None and hasattr(kernel, "keys")
         jit = kernel.fn if self.autotuner else kernel
@@ -349,9 +357,27 @@ class KernelInfo:
         self.constexprs = tuple((name, defaults.get(name, inspect.Parameter.empty)) for name in constexprs)
         keys = list(kernel.keys) if self.autotuner else []
         self.tune_positions = tuple(runtime.index(k) for k in keys if k in runtime)
+        self.types: tuple | None = None  # the runtime arguments' types at the first launch (`learn_types`)
+
+    def learn_types(self, args: tuple) -> None:
+        """Take the types of ``args`` as this kernel's: later launches with these types get `launch_key`'s fast
+        key, computed by C-level loops (positions of the tensors and ints picked out once, here)."""
+        self.types = tuple(map(type, args))
+        if not all(issubclass(t, _Tensor) or t in (int, float, bool, type(None)) for t in self.types):
+            self.types = ()  # matches no launch: every launch takes the per-argument key
+        self.tensors = _picker([i for i, t in enumerate(self.types) if issubclass(t, _Tensor)])
+        ints = [i for i, t in enumerate(self.types) if t is int]
+        self.ints, self.fifteens, self.ones = _picker(ints), (15,) * len(ints), (1,) * len(ints)
 
 
-_INFOS: dict = {}
+def _picker(positions: list[int]):
+    """args -> the tuple of args at ``positions`` (operator.itemgetter, which returns a bare item for one)."""
+    if len(positions) > 1:
+        return operator.itemgetter(*positions)
+    return (lambda args: (args[positions[0]],)) if positions else (lambda args: ())
+
+
+_INFOS: dict[int, KernelInfo] = {}  # by id: JITFunction's own hash is the hash of its source's cache key
 
 
 def arg_key(arg) -> object:
@@ -362,7 +388,7 @@ def arg_key(arg) -> object:
         return arg.dtype, not arg.data_ptr() & 15
     kind = type(arg)
     if kind is int:
-        return arg == 1, not arg & 15, -0x80000000 <= arg <= 0x7FFFFFFF, -(1 << 63) <= arg < (1 << 63)
+        return arg == 1, not arg & 15, -0x80000000 <= arg <= 0x7FFFFFFF, arg <= 0x7FFFFFFFFFFFFFFF
     if kind is float or kind is bool or arg is None:
         return kind
     raise TypeError(f"no launch key for an argument of type {kind.__name__}")
@@ -370,8 +396,19 @@ def arg_key(arg) -> object:
 
 def launch_key(info: KernelInfo, device, args: tuple, kwargs: dict) -> tuple:
     """The cache key of one launch: the device, the keyword arguments (constexprs and options such as num_warps,
-    by name and value), each runtime argument's `arg_key` and the values of the autotuner's key arguments."""
-    return (device, tuple(kwargs.items()), *[arg_key(a) for a in args], *[args[i] for i in info.tune_positions])
+    names then values), what triton's specialisation of each runtime argument depends on, and the values of the
+    autotuner's key arguments. Fast key, when the arguments have the kernel's types (`KernelInfo.learn_types`),
+    every tensor is 16-byte aligned and every int fits int32: the tensors' dtypes and each int's divisibility by 16
+    and equality to 1, by C-level loops. Otherwise each argument's `arg_key` (the two kinds never compare equal)."""
+    if tuple(map(type, args)) == info.types:
+        tensors, ints = info.tensors(args), info.ints(args)
+        if not functools.reduce(operator.or_, map(_data_ptr, tensors), 0) & 15 and (
+                not ints or (min(ints) >= -0x80000000 and max(ints) <= 0x7FFFFFFF)):
+            key = (device, True, len(kwargs), *kwargs, *kwargs.values(), *map(_dtype_of, tensors),
+                   *map(operator.not_, map(operator.and_, ints, info.fifteens)), *map(operator.eq, ints, info.ones))
+            return (*key, *[args[i] for i in info.tune_positions]) if info.tune_positions else key
+    key = (device, False, len(kwargs), *kwargs, *kwargs.values(), *map(arg_key, args))
+    return (*key, *[args[i] for i in info.tune_positions]) if info.tune_positions else key
 
 
 def launch(kernel, grid, *args, **kwargs):
@@ -383,7 +420,7 @@ def launch(kernel, grid, *args, **kwargs):
     FASTBERT_CACHED_LAUNCH=0 and for kernels or arguments the cache cannot key (`arg_key`)."""
     if not _CACHING:
         return kernel[grid](*args, **kwargs)
-    info = _INFOS.get(kernel) or _INFOS.setdefault(kernel, KernelInfo(kernel))
+    info = _INFOS.get(id(kernel)) or _INFOS.setdefault(id(kernel), KernelInfo(kernel))
     if info.reason is not None:
         return kernel[grid](*args, **kwargs)
     if len(args) != info.runtime_count:
@@ -392,6 +429,8 @@ def launch(kernel, grid, *args, **kwargs):
             return kernel[grid](*args, **kwargs)
         args, kwargs = positional
     device = _current_device() if _current_device is not None else _bind_driver()
+    if info.types is None:
+        info.learn_types(args)
     try:
         key = launch_key(info, device, args, kwargs)
         entry = info.entries.get(key, _UNSET)
@@ -405,7 +444,7 @@ def launch(kernel, grid, *args, **kwargs):
     if callable(grid):
         grid = grid(meta)
     stream = _current_stream(device)
-    enter, leave = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+    enter, leave = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
     if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):  # a profiler's hooks: as triton does
         metadata = compiled.launch_metadata(grid, stream, *args, *tail)
     else:
@@ -465,8 +504,8 @@ def launch_cache_info() -> dict[str, dict]:
     """Per kernel launched through `launch`: its cached specialisations, those left to triton, and why the kernel
     is not cached at all (None: it is)."""
     out = {}
-    for kernel, info in _INFOS.items():
-        name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+    for info in _INFOS.values():
+        name = getattr(getattr(info.kernel, "fn", info.kernel), "__name__", repr(info.kernel))
         out[name] = {"cached": sum(e is not None for e in info.entries.values()),
                      "left_to_triton": sum(e is None for e in info.entries.values()), "reason": info.reason}
     return out

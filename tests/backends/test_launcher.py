@@ -105,6 +105,29 @@ def test_arg_key_refines_triton_specialisation():
                 assert _triton_specialisation(a) == _triton_specialisation(b), (a, b)
 
 
+def _pair(x_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+    pass
+
+
+def test_launch_key_refines_triton_specialisation():
+    """The same over launch keys, fast (the kernel's argument types, aligned tensors, int32 ints) and per argument:
+    every group of argument pairs with one key has one triton specialisation."""
+    info = common.KernelInfo(JITFunction(_pair))
+    info.learn_types((tensor(), 7))
+    tensors = [a for a in _samples() if isinstance(a, torch.Tensor)]
+    others = [a for a in _samples() if not isinstance(a, torch.Tensor)]
+    groups: dict = {}
+    kinds = set()
+    for x in tensors:
+        for n in others:
+            key = common.launch_key(info, 0, (x, n), {"BLOCK": 16})
+            kinds.add(key[1])
+            groups.setdefault(key, set()).add((_triton_specialisation(x), _triton_specialisation(n)))
+    assert kinds == {True, False}  # both keys were exercised
+    assert all(len(specialisations) == 1 for specialisations in groups.values())
+    assert len(groups) >= 20
+
+
 def test_arg_key_separates_dtypes_alignments_and_ints():
     key = common.arg_key
     assert key(tensor(torch.float16)) == key(tensor(torch.float16, 8))  # 16-byte aligned both
