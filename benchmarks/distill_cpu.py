@@ -25,8 +25,10 @@ The runs (checkpoints, models, metrics.jsonl, curves) stay under --runs; --out g
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import io
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -42,6 +44,7 @@ from fastbert.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("mlm", "embedding", "roberta", "mlm-ablation")
+FINETUNE_TASKS = ("topic", "pair", "code")
 # Sentences outside ASCII for the byte-level BPE round trip: accents, CJK, Cyrillic, Greek, emoji, symbols.
 NON_ASCII = ("Café, naïve façade: déjà vu in São Paulo and Zürich.", "日本語のテキストも、正しく戻ります。",
              "Привет, мир! Это проверка.", "Ελληνικά: αβγ δεζ.", "Emoji 🙂🚀 and symbols ∑ ≤ ≠ → ✓.",
@@ -209,8 +212,6 @@ def part_embedding(runs: Path, out: Path, size: dict) -> dict:
     """all-MiniLM-L6-v2 -> 3 layers; held-out cosine; finetune tasks with both; encode throughput of both."""
     from fastbert.common.resolve import default_model_dir
     from fastbert.training.distill import DistillSettings, distill
-    from fastbert.training.finetune import FinetuneSettings, finetune
-
     started = time.time()
     teacher = default_model_dir()
     run_dir = fresh(runs / "embedding-student")
@@ -218,8 +219,14 @@ def part_embedding(runs: Path, out: Path, size: dict) -> dict:
                     max_steps=size["steps"], learning_rate=size["lr"], save_every=0, eval_every=size["eval_every"],
                     threads=2, progress=False, log_every=25, eval_sentences=size["eval"], alpha_cos=size["alpha_cos"],
                     alpha_hidden=size["alpha_hidden"], pairs=size["pairs"])
-    distill(DistillSettings(output_dir=str(run_dir), **settings))
-    shutil.copyfile(run_dir / "loss_curve.png", out / "embedding-loss_curve.png")
+    # the teacher's fine-tunes do not depend on the student: they run in another process during the distillation
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        teacher_runs = pool.submit(finetune_all, "teacher", teacher, runs, size)
+        distill(DistillSettings(output_dir=str(run_dir), **settings))
+        shutil.copyfile(run_dir / "loss_curve.png", out / "embedding-loss_curve.png")
+        student_runs = finetune_all("student", str(run_dir / "model"), runs, size)
+        found = {"teacher": teacher_runs.result(), "student": student_runs}
     student = str(run_dir / "model")
     evals = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
              if r.get("eval")]
@@ -228,16 +235,9 @@ def part_embedding(runs: Path, out: Path, size: dict) -> dict:
                                         "sentences": evals[-1]["eval_sentences"],
                                         "curve": [(r["step"], r["eval_cosine"]) for r in evals]},
                     "distill_summary": json.loads((run_dir / "summary.json").read_text()), "finetune": {}}
-    for task in ("topic", "pair", "code"):
-        for name, model_dir in (("teacher", teacher), ("student", student)):
-            result = finetune(FinetuneSettings(task=task, output_dir=str(fresh(runs / f"ft-{task}-{name}")),
-                                               model_dir=model_dir, max_steps=size["ft_steps"], batch_size=16,
-                                               learning_rate=2e-4, eval_limit=size["ft_eval"], seed=0, device="cpu",
-                                               progress=False, log_every=20))
-            record["finetune"].setdefault(task, {})[name] = {
-                "accuracy": result["evaluation"]["accuracy"], "macro_f1": result["evaluation"]["macro_f1"],
-                "majority_baseline": result["majority_baseline"]["accuracy"], "steps": result["training"]["steps"],
-                "held_out": result["held_out"]["examples"], "seconds": result["training"]["seconds_this_run"]}
+    for task in FINETUNE_TASKS:
+        for name in ("teacher", "student"):
+            record["finetune"].setdefault(task, {})[name] = found[name][task]
         pair = record["finetune"][task]
         pair["student_share_of_teacher"] = pair["student"]["accuracy"] / pair["teacher"]["accuracy"]
     record["throughput"] = throughput_record(teacher, student, size)
@@ -245,6 +245,24 @@ def part_embedding(runs: Path, out: Path, size: dict) -> dict:
                                                                                 ("student", student))}
     record.update(size=size, wall_s=round(time.time() - started, 1))
     return record
+
+
+def finetune_all(name: str, model_dir: str, runs: Path, size: dict) -> dict:
+    """`fastbert finetune` of one model on each task (same data, steps, seed for teacher and student)."""
+    from fastbert.training.finetune import FinetuneSettings, finetune
+
+    torch.set_num_threads(2)
+    found = {}
+    for task in FINETUNE_TASKS:
+        result = finetune(FinetuneSettings(task=task, output_dir=str(fresh(runs / f"ft-{task}-{name}")),
+                                           model_dir=model_dir, max_steps=size["ft_steps"], batch_size=16,
+                                           learning_rate=2e-4, eval_limit=size["ft_eval"], seed=0, device="cpu",
+                                           progress=False, log_every=20))
+        found[task] = {"accuracy": result["evaluation"]["accuracy"], "macro_f1": result["evaluation"]["macro_f1"],
+                       "majority_baseline": result["majority_baseline"]["accuracy"],
+                       "steps": result["training"]["steps"], "held_out": result["held_out"]["examples"],
+                       "seconds": result["training"]["seconds_this_run"]}
+    return found
 
 
 def throughput_record(teacher: str, student: str, size: dict) -> dict:
@@ -312,7 +330,7 @@ def part_roberta(runs: Path, out: Path, size: dict) -> dict:
 SIZES = {
     "full": {"mlm": dict(hidden=128, heads=2, teacher_layers=4, vocab=5000, max_length=64, teacher_steps=500,
                          student_steps=300, eval=512),
-             "embedding": dict(batch=16, steps=300, lr=1e-4, eval_every=100, eval=512, ft_steps=40, ft_eval=500,
+             "embedding": dict(batch=16, steps=200, lr=1e-4, eval_every=100, eval=512, ft_steps=40, ft_eval=500,
                                throughput_sentences=2048, throughput_rounds=3, alpha_cos=1.0, alpha_hidden=1.0,
                                pairs=0.5),
              "roberta": dict(hidden=128, heads=2, layers=2, vocab=5000, max_length=64, steps=300, eval_every=100),
