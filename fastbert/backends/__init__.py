@@ -307,13 +307,16 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
             return _static(op, device_type, tensors, args, kwargs, "static order: cannot measure now (CUDA graph "
                            "capture, tracing or a tensor subclass) and nothing cached")
         times, rounds = tuning.measure({name: _REGISTRY[op][name].fn for name in candidates}, args, kwargs)
-        entry = tuning.Entry(tuning.pick(times), times, rounds)
+        preferred = _static(op, device_type, tensors, args, kwargs, "").backend
+        entry = tuning.Entry(tuning.pick(times, preferred), times, rounds)
         tuning.record(device, shape_class, entry)
         how = "measured"
     best = entry.times_ms[entry.choice]
     for name, ms in entry.times_ms.items():
         if name != entry.choice:
-            skipped[name] = f"measured slower: {ms:.3g} ms vs {best:.3g} ms"
+            skipped[name] = (f"measured slower: {ms:.3g} ms vs {best:.3g} ms" if ms >= best else
+                             f"measured {ms:.3g} ms vs {best:.3g} ms: not {tuning.MARGIN:.0%} faster than the "
+                             "static order's choice")
     return Decision(entry.choice, skipped, how, dict(entry.times_ms), shape_class)
 
 
@@ -427,7 +430,7 @@ def explain(op, *args, backend: str | None = "auto", **kwargs) -> str:
     decision = decide(op, backend, args, kwargs)
     how = decision.describe()
     others = "; ".join(f"{name}: {reason}" for name, reason in decision.skipped.items()
-                       if not reason.startswith("measured slower"))
+                       if not reason.startswith("measured"))
     return (f"{op}: {decision.backend}" + (f" ({how})" if how else "")
             + (f" (not used: {others})" if others else ""))
 

@@ -9,11 +9,11 @@ batch and never again.
 
 Measuring (`measure`) calls each candidate once to warm up (Triton compiles there), then up to `ROUNDS`
 interleaved rounds (at least `MIN_ROUNDS`, more while within `BUDGET_S`), and keeps each candidate's fastest round:
-load on a shared machine only ever adds time. It forks the RNG (CPU and the tensors' CUDA devices) so dropout
-draws are what they would have been, never writes the inputs, and under autograd times forward + backward with a
-fixed gradient on detached copies of the inputs, so no ``.grad`` appears on the caller's tensors. It never runs
-while torch.compile traces, while a CUDA graph is captured, or on tensor subclasses (fake tensors): the caller
-uses a known choice or the static order.
+load on a shared machine only ever adds time. The static order's choice stays unless another is `MARGIN` faster.
+It forks the RNG (CPU and the tensors' CUDA devices) so dropout draws are what they would have been, never writes
+the inputs, and under autograd times forward + backward with a fixed gradient on detached copies of the inputs, so
+no ``.grad`` appears on the caller's tensors. It never runs while torch.compile traces, while a CUDA graph is
+captured, or on tensor subclasses (fake tensors): the caller uses a known choice or the static order.
 
 Choices persist in one JSON file per environment key (`environment_key`: the device's name, the CUDA runtime and
 driver or the CPU model and its vector flags, and the torch, triton and fastbert versions) under `cache_dir`
@@ -46,6 +46,9 @@ from fastbert.files import write_atomic
 ROUNDS = 7  # timed rounds per candidate after the warm-up call, while within BUDGET_S
 MIN_ROUNDS = 3  # at least, whatever the time: a round can land on a moment the machine is busy
 BUDGET_S = 0.5  # per shape class: first use stays well under a second or two
+# Another backend replaces the static order's choice only when it is more than this much faster: kernels that share
+# their GEMM differ by a few percent, less than rounds scatter on a busy machine, and a flip on noise would stick.
+MARGIN = 0.05
 FILE_SCHEMA = "fastbert-tuning/1"
 # CPU flags that change which kernels are fast (the cpp backend's ISA, BLAS paths).
 CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -343,6 +346,10 @@ def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple
     return {name: min(values) for name, values in times.items()}, rounds
 
 
-def pick(times: dict[str, float]) -> str:
-    """The fastest candidate (ties: the first, i.e. the static order's)."""
-    return min(times, key=lambda name: (times[name], list(times).index(name)))
+def pick(times: dict[str, float], preferred: str | None = None) -> str:
+    """The fastest candidate, except that ``preferred`` (the static order's choice) stays unless another is more
+    than `MARGIN` faster."""
+    fastest = min(times, key=lambda name: (times[name], list(times).index(name)))
+    if preferred in times and times[preferred] <= times[fastest] * (1 + MARGIN):
+        return preferred
+    return fastest

@@ -261,3 +261,11 @@ def test_shape_class_rounds_rows_and_keeps_widths():
     assert [tuning.bucket(n) for n in (0, 1, 7, 8, 130, 768)] == [0, 1, 8, 8, 256, 1024]
     with_seed = tuning.shape_class((x, 0.1, 12345), {}, 1)
     assert with_seed == tuning.shape_class((x, 0.2, 999), {}, 1) != tuning.shape_class((x, 0.0, 999), {}, 1)
+
+
+def test_the_static_orders_choice_stays_unless_another_is_clearly_faster():
+    margin = tuning.MARGIN
+    assert tuning.pick({"cpp": 1.0, "eager": 1.0 / (1 + margin / 2)}, preferred="cpp") == "cpp"
+    assert tuning.pick({"cpp": 1.0, "eager": 1.0 / (1 + 2 * margin)}, preferred="cpp") == "eager"
+    assert tuning.pick({"cpp": 1.0, "eager": 1.0 / (1 + margin / 2)}) == "eager"  # no preference: the fastest
+    assert tuning.pick({"cpp": 1.0, "eager": 1.0 / (1 + margin / 2)}, preferred="vendor") == "eager"
