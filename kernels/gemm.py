@@ -30,12 +30,14 @@ import triton.language as tl
 from .common import (
     INTERPRETER,
     cast_rtne,
+    cdiv,
     column_sum,
     dot_in_fp32,
     dot_precision,
     dropout_args,
     dropout_keep,
     launch,
+    next_power_of_2,
 )
 
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
@@ -344,14 +346,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
             out.stride(0), out.stride(1), grad.stride(0) if grad is not None else 0,
             grad.stride(1) if grad is not None else 0,
             *dropout_args(dropout_p, dropout_seed),
-            triton.next_power_of_2(m))
+            next_power_of_2(m))
     flags = {"HAS_BIAS": bias is not None, "HAS_RESIDUAL": residual is not None,
              "ACTIVATION": ACTIVATION_CODES[activation], "DROPOUT": dropout, "GRAD_ACTIVATION": grad is not None,
              "PARTIAL_BLOCK_M": MIN_BLOCK_M,
              "INPUT_PRECISION": dot_precision(x.dtype), "DOT_IN_FP32": dot_in_fp32(x.dtype)}
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)
 
     if INTERPRETER or not autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
         meta = interpreter_config(m) if INTERPRETER else table_meta(m, x.dtype, dropout or grad is not None)
