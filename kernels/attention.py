@@ -76,6 +76,7 @@ from fastbert.ops.dropout import keep_scale
 from .common import (
     INTERPRETER,
     cast_rtne,
+    cdiv,
     define_kernel_op,
     device_reason,
     dot_in_fp32,
@@ -83,6 +84,7 @@ from .common import (
     first_reason,
     float_reason,
     launch,
+    next_power_of_2,
 )
 
 __all__ = ["attention", "attention_reference", "supports"]
@@ -480,8 +482,8 @@ def _meta(head_dim: int, max_seqlen: int, dtype: torch.dtype, window: bool = Fal
     their rows' windows (a block of BLOCK_M rows walks BLOCK_M + window keys for about window useful ones).
     Dropout's Philox state (four uint32 words per element of the [BLOCK_M, BLOCK_N] tile) made fp16/bf16 spill at
     BLOCK_M = 128 or 4 warps: with dropout they run 64 queries on 8 warps."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    fit = max(16, triton.next_power_of_2(max_seqlen))
+    block_d = max(16, next_power_of_2(head_dim))
+    fit = max(16, next_power_of_2(max_seqlen))
     if INTERPRETER:
         return {"BLOCK_M": min(64, fit), "BLOCK_N": min(64, fit), "BLOCK_D": block_d}
     meta = _global_meta(block_d, fit, dtype)
@@ -513,8 +515,8 @@ def _backward_meta(head_dim: int, max_seqlen: int, dtype: torch.dtype, heavy: bo
     4 warps up to D = 64 and 8 above or with a window or dropout (``heavy``: the band mask and the Philox words of
     the score tile), which spilled at 64 x 64 (with those, dk/dv streams 16 queries at D = 128 and keeps 16 keys
     at D = 256); fp32 32 x 16 (IEEE dots with operands in registers), and D = 256 halves the resident rows."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    fit = max(16, triton.next_power_of_2(max_seqlen))
+    block_d = max(16, next_power_of_2(head_dim))
+    fit = max(16, next_power_of_2(max_seqlen))
     if INTERPRETER:
         resident, streamed, extra = min(64, fit), min(64, fit), {}
     elif dtype == torch.float32:
@@ -600,9 +602,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch
     q4, k4, v4, o4 = _as_4d(packed, q, k, v, out)
     heads, head_dim = q.shape[-2], q.shape[-1]
     meta = _meta(head_dim, longest, q.dtype, window=window_half is not None, dropout=dropout_p > 0)
-    if not INTERPRETER and meta["BLOCK_M"] == 128 and triton.cdiv(longest, 128) * batch * heads < _sm_count(q.device):
+    if not INTERPRETER and meta["BLOCK_M"] == 128 and cdiv(longest, 128) * batch * heads < _sm_count(q.device):
         meta["BLOCK_M"] = 64  # small batches: more, shorter programs to occupy the SMs
-    grid = (triton.cdiv(longest, meta["BLOCK_M"]), batch, heads)
+    grid = (cdiv(longest, meta["BLOCK_M"]), batch, heads)
     launch(_attention_kernel, grid,
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(),
         cu_seqlens.contiguous() if packed else q4, q4 if mask is None else mask, *mask_strides,  # q4: unread
@@ -637,10 +639,10 @@ def _launch_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         dropout_threshold=_threshold(dropout_p), dropout_scale=keep_scale(dropout_p), dropout_seed=dropout_seed,
         PACKED=packed, HAS_MASK=mask is not None, WINDOW=window_half is not None, DROPOUT=dropout_p > 0,
         INPUT_PRECISION=dot_precision(q.dtype), DOT_IN_FP32=dot_in_fp32(q.dtype))
-    launch(_attention_backward_dq_kernel, (triton.cdiv(longest, dq_meta["BLOCK_M"]), batch, heads),
+    launch(_attention_backward_dq_kernel, (cdiv(longest, dq_meta["BLOCK_M"]), batch, heads),
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), o4, *o4.stride(), g4, *g4.stride(),
         dq4, *dq4.stride(), lse, delta, **shared, **dq_meta)
-    launch(_attention_backward_dkdv_kernel, (triton.cdiv(longest, dkdv_meta["BLOCK_N"]), batch, heads),
+    launch(_attention_backward_dkdv_kernel, (cdiv(longest, dkdv_meta["BLOCK_N"]), batch, heads),
         q4, *q4.stride(), k4, *k4.stride(), v4, *v4.stride(), g4, *g4.stride(),
         dk4, *dk4.stride(), dv4, *dv4.stride(), lse, delta, **shared, **dkdv_meta)
     return dq, dk, dv

@@ -29,6 +29,7 @@ from .common import (
     backward_row_warps,
     backward_rows_per_program,
     cast_rtne,
+    cdiv,
     column_sum,
     define_kernel_op,
     device_reason,
@@ -212,7 +213,7 @@ def _launch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, token_ty
     weight = weight.contiguous()
     bias = bias.contiguous() if has_bias else weight
     per_program = rows_per_program(width)
-    launch(_embedding_layernorm_kernel, (triton.cdiv(rows, per_program),),
+    launch(_embedding_layernorm_kernel, (cdiv(rows, per_program),),
         *gather, weight, bias, out, rows, width, eps, *dropout_args(dropout_p, dropout_seed),
         **flags, HAS_BIAS=has_bias, DROPOUT=dropout_p > 0, ROWS=per_program, BLOCK_E=row_block(width),
         num_warps=row_warps(width, per_program))
@@ -235,7 +236,7 @@ def _backward_impl(input_ids, position_ids, token_type_ids, word_embeddings, pos
     if rows == 0:
         return grad_sum, torch.zeros((2, width), dtype=torch.float32, device=grad.device)
     per_program = backward_rows_per_program(width)
-    programs = reduction_programs(triton.cdiv(rows, per_program), grad.device)
+    programs = reduction_programs(cdiv(rows, per_program), grad.device)
     partial = torch.empty((programs, 2 * width), dtype=torch.float32, device=grad.device)
     gather, flags = _kernel_inputs(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
                                    token_type_embeddings)

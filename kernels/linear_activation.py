@@ -24,6 +24,7 @@ from . import gemm
 from .common import (
     INTERPRETER,
     cast_rtne,
+    cdiv,
     column_sum,
     define_kernel_op,
     device_reason,
@@ -69,9 +70,9 @@ def _relu_grad(grad: torch.Tensor, out: torch.Tensor, bias_dtype: torch.dtype | 
     rows, width = out.shape
     grad_pre = torch.empty((rows, width), dtype=out.dtype, device=out.device)
     block_m, block_n = (64, 256) if INTERPRETER else (32, 128)
-    partial = torch.empty((triton.cdiv(rows, block_m), width), dtype=torch.float32, device=out.device)
+    partial = torch.empty((cdiv(rows, block_m), width), dtype=torch.float32, device=out.device)
     if rows and width:
-        launch(_relu_grad_kernel, (triton.cdiv(rows, block_m), triton.cdiv(width, block_n)),
+        launch(_relu_grad_kernel, (cdiv(rows, block_m), cdiv(width, block_n)),
             grad, out, grad_pre, partial, rows, width, grad.stride(0), grad.stride(1), out.stride(0), out.stride(1),
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     bias_grad = None

@@ -23,7 +23,15 @@ import triton.language as tl
 from fastbert.ops.linear_glu import SPEC, linear_glu_reference
 
 from . import gemm
-from .common import INTERPRETER, cast_rtne, dot_in_fp32, dot_precision, launch
+from .common import (
+    INTERPRETER,
+    cast_rtne,
+    cdiv,
+    dot_in_fp32,
+    dot_precision,
+    launch,
+    next_power_of_2,
+)
 from .gemm import activate, tile_config
 
 # The same limits as linear_activation (float tensors on one CUDA device, a known activation, K > 0): its check.
@@ -159,12 +167,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
     bias = bias.contiguous() if bias is not None else None  # the epilogue reads it with unit stride
     args = (rows, weight, bias if bias is not None else out, out, m, inner, k,
             rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-            triton.next_power_of_2(m))
+            next_power_of_2(m))
     flags = {"HAS_BIAS": bias is not None, "ACTIVATION": gemm.ACTIVATION_CODES[activation],
              "INPUT_PRECISION": dot_precision(x.dtype), "DOT_IN_FP32": dot_in_fp32(x.dtype)}
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(inner, meta["BLOCK_N"]),)
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(inner, meta["BLOCK_N"]),)
 
     if INTERPRETER or not gemm.autotune_enabled():
         meta = gemm.interpreter_config(m) if INTERPRETER else gemm.launch_meta(table_config(m, x.dtype))

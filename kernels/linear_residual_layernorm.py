@@ -38,6 +38,7 @@ from .common import (
     backward_row_warps,
     backward_rows_per_program,
     cast_rtne,
+    cdiv,
     column_sum,
     define_kernel_op,
     device_reason,
@@ -155,7 +156,7 @@ def layernorm_rows(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, bia
     has_bias = bias is not None
     bias = bias.contiguous() if has_bias else weight  # a placeholder the kernel never reads without HAS_BIAS
     per_program = rows_per_program(width)
-    launch(_layernorm_rows_kernel, (triton.cdiv(rows, per_program),),
+    launch(_layernorm_rows_kernel, (cdiv(rows, per_program),),
         x, out, weight, bias, rows, width, x.stride(0), out.stride(0), eps, HAS_BIAS=has_bias, ROWS=per_program,
         BLOCK_N=row_block(width), num_warps=row_warps(width, per_program))
     return out
@@ -180,7 +181,7 @@ def layernorm_rows_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.T
     grad_x = torch.empty((rows, width), dtype=grad_x_dtype or x.dtype, device=x.device)
     grad_dropped = torch.empty((rows, width), dtype=x.dtype, device=x.device) if dropout else None
     per_program = backward_rows_per_program(width)
-    programs = reduction_programs(triton.cdiv(rows, per_program), x.device)
+    programs = reduction_programs(cdiv(rows, per_program), x.device)
     partial = torch.empty((programs, 3 * width), dtype=torch.float32, device=x.device)
     if rows == 0:
         return grad_x, grad_dropped, torch.zeros((3, width), dtype=torch.float32, device=x.device)

@@ -30,12 +30,14 @@ from . import gemm
 from .common import (
     INTERPRETER,
     cast_rtne,
+    cdiv,
     device_reason,
     dot_in_fp32,
     dot_precision,
     first_reason,
     float_reason,
     launch,
+    next_power_of_2,
 )
 
 __all__ = ["qkv_rotary", "qkv_rotary_reference", "supports"]
@@ -191,12 +193,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, po
     bias = bias.contiguous() if bias is not None else None  # the epilogue reads it with unit stride
     args = (rows, weight, bias if bias is not None else out, positions, cos, sin, out, m, n, k,
             2 * num_heads * head_dim, cos.shape[0], rows.stride(0), rows.stride(1), weight.stride(0),
-            weight.stride(1), cos.stride(0), out.stride(0), out.stride(1), triton.next_power_of_2(m))
+            weight.stride(1), cos.stride(0), out.stride(0), out.stride(1), next_power_of_2(m))
     flags = {"HALF": head_dim // 2, "HAS_BIAS": bias is not None, "INPUT_PRECISION": dot_precision(x.dtype),
              "DOT_IN_FP32": dot_in_fp32(x.dtype)}
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n // 2, meta["BLOCK_C"]),)
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n // 2, meta["BLOCK_C"]),)
 
     if INTERPRETER or not gemm.autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
         meta = interpreter_meta(m) if INTERPRETER else table_meta(m, x.dtype)

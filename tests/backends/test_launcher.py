@@ -328,3 +328,11 @@ def test_cached_launch_equals_plain_launch_on_cuda(monkeypatch):
     plain = run()
     for a, b_ in zip(replayed, plain, strict=True):
         assert torch.equal(a, b_)
+
+
+def test_host_cdiv_and_next_power_of_2_match_triton():
+    """The launchers' host helpers (triton's own are ConstexprFunctions, ~30x slower a call) give triton's values."""
+    for n in [*range(0, 300), 767, 768, 769, 1023, 1024, 1025, 4095, 2**20 + 1]:
+        assert common.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 7, 16, 64, 130):
+            assert common.cdiv(n, d) == triton.cdiv(n, d), (n, d)
