@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from fastbert.quantization import cpu_flags
+
 
 def _cpu_name() -> str:
     try:
@@ -96,8 +98,11 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
         "platform": platform.platform(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "versions": {name: package_version(name) for name in ("torch", "transformers", "triton", "onnxruntime", "onnx",
-                                                       "tokenizers", "fastbert")},
+                                                       "openvino", "tokenizers", "fastbert")},
     }
+    if device.type == "cpu":  # the features each precision's speed depends on (VNNI, AMX, AVX-512 BF16)
+        info["cpu_flags"] = list(cpu_flags())
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda
     return info

@@ -21,7 +21,8 @@ from fastbert.config import FastBertConfig
 
 # fastbert-static: fastbert's own model with `auto` by its static order (measuring off), against fastbert's `auto`
 # measured (`fastbert.backends.tuning`) in the same run.
-PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime", "fastbert-optimize", "fastbert-static")
+PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime", "onnxruntime-int8", "openvino", "openvino-default",
+         "fastbert-optimize", "fastbert-static", "fastbert-int8", "fastbert-bf16")
 DEFAULT_PEERS = ("hf-eager", "hf-sdpa", "compile", "onnxruntime")
 
 
@@ -108,6 +109,8 @@ def build_peer(name: str, model_dir: str, config: FastBertConfig, dtype: torch.d
     if name in ("hf-eager", "hf-sdpa"):
         model = load_hf_model(model_dir, name.split("-")[1], dtype, device)
         return (lambda inputs: model(**inputs).last_hidden_state), [f"AutoModel(attn_implementation={name[3:]!r})"]
+    if name in ("fastbert-int8", "fastbert-bf16"):
+        return fastbert_precision_peer(name, model_dir, device, backend)
     if name == "fastbert-optimize":
         import fastbert
 
@@ -125,15 +128,78 @@ def build_peer(name: str, model_dir: str, config: FastBertConfig, dtype: torch.d
             "torch.compile(AutoModel sdpa, dynamic=False); compile time excluded (warm-up)"]
     if name == "onnxruntime":
         return onnxruntime_runner(model_dir, config, dtype, device, workdir, optimize=not quick)
+    if name == "onnxruntime-int8":
+        return onnxruntime_runner(model_dir, config, dtype, device, workdir, opt_level=None, quantize=True)
+    if name in ("openvino", "openvino-default"):
+        return openvino_runner(model_dir, config, device, workdir, "f32" if name == "openvino" else None)
     raise PeerUnavailable(f"unknown peer {name!r}; known: {', '.join(PEERS)}")
 
 
+def fastbert_precision_peer(name: str, model_dir: str, device: torch.device,
+                            backend: str) -> tuple[Callable[[dict], torch.Tensor], list[str]]:
+    """fastbert int8 (`fastbert.quantization`) or bfloat16 from_pretrained; bfloat16 on a CPU only where the CPU
+    computes it natively (AMX, AVX-512 BF16): elsewhere it is emulated, slower than float32, and not what anyone
+    would run, so the peer is "not available" with that reason."""
+    from fastbert.quantization import auto_cpu_dtype, int8_unavailable
+
+    if name == "fastbert-int8":
+        reason = int8_unavailable(device)
+        if reason:
+            raise PeerUnavailable(reason)
+        model = load_fastbert(model_dir, "int8", device, backend)
+        return (lambda inputs: model(**inputs).last_hidden_state), [
+            f"from_pretrained(dtype='int8', backend={backend!r})"]
+    if device.type == "cpu":
+        dtype, reason = auto_cpu_dtype()
+        if dtype != torch.bfloat16:
+            raise PeerUnavailable(f"bfloat16 would be emulated on this CPU, slower than float32 ({reason})")
+    model = load_fastbert(model_dir, torch.bfloat16, device, backend)
+    return (lambda inputs: model(**inputs).last_hidden_state.float()), [
+        f"from_pretrained(dtype=bfloat16, backend={backend!r})"]
+
+
+def openvino_runner(model_dir: str, config: FastBertConfig, device: torch.device, workdir: str,
+                    precision: str | None) -> tuple[Callable[[dict], torch.Tensor], list[str]]:
+    """The plain ONNX export (`export_onnx`, no ONNX Runtime fusion: its contrib ops are not standard ONNX) compiled
+    by OpenVINO for its CPU plugin with torch's thread count; ``precision`` "f32" pins float32
+    (INFERENCE_PRECISION_HINT), None keeps OpenVINO's default (bf16 on CPUs with AMX/AVX-512 BF16, else f32)."""
+    if device.type != "cpu":
+        raise PeerUnavailable("OpenVINO is benchmarked on CPU only")
+    try:
+        import openvino as ov
+    except ImportError as err:
+        raise PeerUnavailable(f"openvino is not installed ({err})") from err
+    try:
+        path, notes = export_onnx(model_dir, config, torch.float32, device, workdir, optimize=False)
+    except Exception as err:  # noqa: BLE001 - export failures become the peer's reason
+        raise PeerUnavailable(f"ONNX export failed: {type(err).__name__}: {str(err)[:160]}") from err
+    properties = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY"}
+    if precision is not None:
+        properties["INFERENCE_PRECISION_HINT"] = precision
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(path), "CPU", properties)
+    request = compiled.create_infer_request()
+    names = [port.get_any_name() for port in compiled.inputs]
+    chosen = compiled.get_property("INFERENCE_PRECISION_HINT")
+    chosen = chosen.get_type_name() if hasattr(chosen, "get_type_name") else chosen  # an ov.Type: 'f32', 'bf16'
+    notes.append(f"openvino {ov.__version__} CPU plugin, {torch.get_num_threads()} threads, LATENCY hint, inference "
+                 f"precision {chosen} ({'pinned' if precision else 'its default'})")
+
+    def run(inputs: dict) -> torch.Tensor:
+        result = request.infer({n: inputs[n].cpu().numpy() for n in names})
+        return torch.from_numpy(result[compiled.outputs[0]].copy()).to(device)
+
+    return run, notes
+
+
 def onnxruntime_runner(model_dir: str, config: FastBertConfig, dtype: torch.dtype, device: torch.device,
-                       workdir: str, optimize: bool = True, opt_level: int | None = 0,
-                       spinning: bool = False) -> tuple[Callable[[dict], torch.Tensor], list[str]]:
+                       workdir: str, optimize: bool = True, opt_level: int | None = 0, spinning: bool = False,
+                       quantize: bool = False) -> tuple[Callable[[dict], torch.Tensor], list[str]]:
     """The checkpoint exported to ONNX (`export_onnx`) in an ONNX Runtime session with as many intra-op threads as
     torch uses on CPU: a callable inputs -> last_hidden_state, plus notes. ``spinning``: let idle worker threads
-    spin between calls (ONNX Runtime's default; off here unless asked). Raises PeerUnavailable when it cannot run."""
+    spin between calls (ONNX Runtime's default; off here unless asked). ``quantize``: the (BERT-optimized) graph
+    through ``onnxruntime.quantization.quantize_dynamic`` with its defaults (int8 weights per tensor, uint8
+    activations with one dynamic scale per tensor). Raises PeerUnavailable when it cannot run."""
     try:
         import onnxruntime as ort
     except ImportError as err:
@@ -153,6 +219,8 @@ def onnxruntime_runner(model_dir: str, config: FastBertConfig, dtype: torch.dtyp
         path, notes = export_onnx(model_dir, config, dtype, device, workdir, optimize, opt_level)
     except Exception as err:  # noqa: BLE001 - export failures become the peer's reason
         raise PeerUnavailable(f"ONNX export failed: {type(err).__name__}: {str(err)[:160]}") from err
+    if quantize:
+        path = _ort_quantized(path, workdir, notes)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if not spinning:
@@ -171,6 +239,24 @@ def onnxruntime_runner(model_dir: str, config: FastBertConfig, dtype: torch.dtyp
         return torch.from_numpy(session.run(None, feed)[0]).to(device)
 
     return run, notes
+
+
+def _ort_quantized(path: str, workdir: str, notes: list[str]) -> str:
+    """ONNX Runtime's dynamic int8 quantization of the graph at ``path`` (its defaults), the new path."""
+    try:
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantized = os.path.join(workdir, "model_int8.onnx")
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # (shape inference cannot type the optimizer's fused ops' outputs: they are float)
+            quantize_dynamic(path, quantized, weight_type=QuantType.QInt8,
+                             extra_options={"DefaultTensorType": 1})  # onnx.TensorProto.FLOAT
+    except Exception as err:  # noqa: BLE001 - a quantizer failure is the peer's reason
+        raise PeerUnavailable(f"onnxruntime quantize_dynamic failed: {type(err).__name__}: {str(err)[:160]}") from err
+    notes.append("onnxruntime.quantization.quantize_dynamic(weight_type=QInt8, per_channel=False): int8 weights per "
+                 "tensor, uint8 activations per tensor")
+    return quantized
 
 
 def load_hf_model(model_dir: str, attn: str = "eager", dtype: torch.dtype = torch.float32,

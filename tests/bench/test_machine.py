@@ -14,3 +14,11 @@ def test_busy_warning_when_the_load_is_high_or_the_threads_exceed_the_idle_cores
     assert "load average 3.0" in machine.busy_warning(threads=2, cores=2)
     monkeypatch.setattr(machine, "load_average", lambda: None)  # an OS without one: no warning
     assert machine.busy_warning(threads=2, cores=2) is None
+
+
+def test_cpu_results_name_the_cpu_flags():
+    from fastbert.quantization import cpu_flags
+
+    info = machine.machine_info("cpu")
+    assert info["cpu_flags"] == list(cpu_flags()) and info["torch_cpu_capability"]
+    assert "openvino" in info["versions"]
