@@ -28,6 +28,7 @@ cheap; a backend that fails to load is remembered with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -82,6 +83,7 @@ _OBSERVERS: list[Callable[[str, str], None]] = []
 _GENERATION = 0
 _ENV_BACKEND = os.environ.get("FASTBERT_BACKEND", "auto") or "auto"  # read once: see `read_environment`
 _WARNED: set[str] = set()
+_DECIDED: dict[tuple, Decision] = {}  # `_call_key` -> measured decision (cleared with each generation)
 
 
 def register(op: str, backend: str, fn: Callable, supports: Callable[..., str | None] | None = None,
@@ -149,6 +151,7 @@ def measuring(enabled: bool) -> Iterator[None]:
 def _bump() -> None:
     global _GENERATION
     _GENERATION += 1
+    _DECIDED.clear()
 
 
 def generation() -> int:
@@ -262,7 +265,44 @@ def decide(op: str, backend: str | None, args: tuple, kwargs: dict, measure: boo
         return _static(op, device_type, tensors, args, kwargs, "static order: measuring off")
     if torch.compiler.is_compiling():  # no file reads or timing inside a traced graph
         return _static(op, device_type, tensors, args, kwargs, "static order: not measured under torch.compile")
-    return _measured(op, device_type, tensors, args, kwargs)
+    try:
+        key = _call_key(op, args, kwargs)
+        known = _DECIDED.get(key)
+    except TypeError:  # an unhashable argument: decide without the memo
+        key = known = None
+    if known is not None:
+        return known
+    decision = _measured(op, device_type, tensors, args, kwargs)
+    if key is not None and not decision.how.startswith("static"):
+        if len(_DECIDED) > 4096:
+            _DECIDED.clear()
+        _DECIDED[key] = dataclasses.replace(decision, how="cache") if decision.how == "measured" else decision
+    return decision
+
+
+def _call_key(op: str, args: tuple, kwargs: dict) -> tuple:
+    """What a measured decision depends on, cheaply: per argument its shape, dtype, device and whether it requires
+    grad (tensors), on/off (dropout_p), nothing (the dropout seed) or the value; grad mode, threads, the cache's
+    `tuning.state`. The memo of `dispatch` users, who decide at every call."""
+    index = DROPOUT_ARGUMENT.get(op, -2)
+    parts = [op, torch.is_grad_enabled(), torch.get_num_threads(), tuning.state()]
+    for i, value in enumerate(args):
+        parts.append(_fingerprint(value, i == index, i == index + 1))
+    for name, value in kwargs.items():
+        parts.append((name, _fingerprint(value, name == "dropout_p", name == "dropout_seed")))
+    return tuple(parts)
+
+
+def _fingerprint(value, dropout: bool, seed: bool):
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.dtype, value.device, value.requires_grad
+    if seed:
+        return None
+    if dropout:
+        return value > 0
+    if isinstance(value, (list, tuple)):
+        return tuple(_fingerprint(v, False, False) for v in value)
+    return value
 
 
 def _static(op: str, device_type: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict,

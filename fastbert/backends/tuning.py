@@ -181,19 +181,26 @@ def environment_key(device: torch.device) -> dict[str, str | None]:
     return key
 
 
-_KEY_FILES: dict[tuple[str, int | None, Path], tuple[Path, dict]] = {}
+_KEY_FILES: dict[tuple, tuple[Path, dict]] = {}
+_epoch = 0  # moves on whenever the process's table is dropped (`forget`)
+
+
+def state() -> tuple:
+    """What the choices the process holds depend on besides the call: the cache's location (the variables that
+    name it) and the table's epoch. Cheap: read on every measured dispatch."""
+    return _epoch, os.environ.get("FASTBERT_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME")
 
 
 def key_file(device: torch.device) -> tuple[Path, dict]:
     """(the JSON file of ``device``'s environment key under `tuning_dir`, the key)."""
-    directory = tuning_dir()
-    found = _KEY_FILES.get((device.type, device.index, directory))
+    where = (device.type, device.index, state())
+    found = _KEY_FILES.get(where)
     if found is None:
         key = environment_key(device)
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         name = str(key["name"]).split(" [")[0]  # the CPU's name without its flags
         slug = re.sub(r"[^a-z0-9]+", "-", f"{device.type} {name}".lower()).strip("-")[:40]
-        found = _KEY_FILES[(device.type, device.index, directory)] = (directory / f"{slug}-{digest}.json", key)
+        found = _KEY_FILES[where] = (tuning_dir() / f"{slug}-{digest}.json", key)
     return found
 
 
@@ -262,9 +269,11 @@ def record(device: torch.device, cls: str, entry: Entry) -> None:
 
 def forget() -> None:
     """Drop the process's table (the files stay): the next lookup reads them again."""
+    global _epoch
     with _LOCK:
         _STORE.clear()
         _KEY_FILES.clear()
+        _epoch += 1
 
 
 def clear() -> list[Path]:

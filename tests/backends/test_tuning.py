@@ -269,3 +269,21 @@ def test_the_static_orders_choice_stays_unless_another_is_clearly_faster():
     assert tuning.pick({"cpp": 1.0, "eager": 1.0 / (1 + 2 * margin)}, preferred="cpp") == "eager"
     assert tuning.pick({"cpp": 1.0, "eager": 1.0 / (1 + margin / 2)}) == "eager"  # no preference: the fastest
     assert tuning.pick({"cpp": 1.0, "eager": 1.0 / (1 + margin / 2)}, preferred="vendor") == "eager"
+
+
+def test_dispatch_measures_a_call_once_and_remembers_it(measuring, monkeypatch):
+    """The functional entries decide at every call: the first measures, the rest find the decision (also for
+    dropout calls whose seed changes every step)."""
+    calls = _install(monkeypatch, "cpp")
+    args = _args(9)
+    for _ in range(4):
+        ops.linear_activation(*args)
+    assert calls["eager"] > 4 and calls["cpp"] >= 1
+    before = dict(calls)
+    for _ in range(5):
+        ops.linear_activation(*args)
+    assert calls == {"cpp": before["cpp"], "eager": before["eager"] + 5}
+    assert backends.decide(OP, "auto", args, {}).how == "cache"
+    q, k, v, *rest = attention_args("packed", [5, 3], window=None)
+    keys = {backends._call_key("attention", (q, k, v, *rest, 0.1, seed), {}) for seed in range(3)}
+    assert len(keys) == 1
