@@ -336,7 +336,8 @@ def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], s
 def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple[dict[str, float], int]:
     """Time each candidate on the call (see the module's doc): ({backend: fastest round in ms}, rounds)."""
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    cuda = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
+                   for t in tensors if t.is_cuda})
     sync = (lambda: [torch.cuda.synchronize(i) for i in cuda]) if cuda else (lambda: None)
     args, kwargs, leaves = _prepare(args, kwargs)
     times: dict[str, list[float]] = {name: [] for name in candidates}
