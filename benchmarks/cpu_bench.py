@@ -1,15 +1,22 @@
-"""CPU inference benchmark of all-MiniLM-L6-v2 (float32): HF eager, HF SDPA, ONNX Runtime (BERT graph optimizer)
-and fastbert's cpp backend (from_pretrained and optimize), one run side by side.
+"""CPU inference benchmark of all-MiniLM-L6-v2: HF eager, HF SDPA, ONNX Runtime (BERT graph optimizer) and fastbert's
+cpp backend (from_pretrained and optimize) in float32, and the other precisions side by side: ONNX Runtime int8
+(``quantize_dynamic`` of its BERT-optimized graph), OpenVINO float32 (pinned) and at its default precision
+(bfloat16 on CPUs with AMX / AVX-512 BF16), fastbert int8 (`fastbert.quantization`) and fastbert bfloat16 (only
+where the CPU computes bfloat16 natively: elsewhere it is recorded "not available" with the reason).
 
 Cases: ``8x128`` (batch 8 x 128 tokens, no padding) and ``varlen32`` (batch 32, lengths spread evenly over
 8..128, padded to 128; every runner gets the same padded batch + attention mask, fastbert removes padding itself).
 Timing rounds are interleaved (per round, every runner makes one untimed call then two timed ones, back to back;
 the order rotates each round) so that background load drifts and other runtimes' spinning threads hit all alike;
-the figures are the median and the minimum over all timed calls. Outputs are checked against HF eager at real positions.
+the figures are the median and the minimum over all timed calls. Outputs are checked against HF eager at real positions,
+and each runner's mean-pooled, normalised sentence embeddings of 200 CPython-docs sentences (`fastbert.training.corpus`)
+against HF eager float32's: the worst cosine. Every result names the CPU's flags (VNNI, AMX, AVX-512 BF16).
 The runners, the inputs, the timer, the machine facts and the tables are `fastbert.bench`'s. ONNX Runtime keeps its
 own defaults here (its BERT optimizer's default level, idle threads spinning): the untimed call absorbs the spinning.
 
     .venv/bin/python benchmarks/cpu_bench.py --threads 2 --rounds 15 --out benchmarks/results/cpu-2core
+    .venv/bin/python benchmarks/cpu_bench.py --threads 2 --rounds 15 --cases 8x128 \
+        --out benchmarks/results/cpu-2core-int8
 
 Writes <name>.json and <name>.md (default results.*) into --out. Not a test: targets are ratios measured in the
 same run.
@@ -33,9 +40,11 @@ from fastbert.bench.timing import time_ms
 from fastbert.bench.workloads import Workload
 from fastbert.common.resolve import model_name, resolve_model
 from fastbert.config import FastBertConfig
+from fastbert.quantization import PRECISION_FLAGS
 
 TARGETS = {  # case -> [(runner, peer, minimum speed-up of runner over peer)]
-    "8x128": [("fastbert (from_pretrained)", "HF eager", 1.5), ("fastbert (from_pretrained)", "ONNX Runtime", 1.0)],
+    "8x128": [("fastbert (from_pretrained)", "HF eager", 1.5), ("fastbert (from_pretrained)", "ONNX Runtime", 1.0),
+              ("fastbert int8", "ONNX Runtime int8", 1.0), ("fastbert int8", "fastbert (from_pretrained)", 1.5)],
     "varlen32": [("fastbert (from_pretrained)", "ONNX Runtime", 2.0)],
 }
 CPU = torch.device("cpu")
@@ -50,9 +59,17 @@ def make_case(name: str) -> Workload:
 
 
 # ----------------------------------------------------------------------------------------------------- runners
-def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort: bool):
-    """Runner name -> callable inputs -> last_hidden_state, and notes on how each runs; float32, torch's threads."""
-    runners, notes = {}, {}
+# label -> peer of the other precisions (`fastbert.bench.peers`); one that cannot run here is recorded with why
+PRECISION_PEERS = {"ONNX Runtime int8": "onnxruntime-int8", "OpenVINO fp32": "openvino",
+                   "OpenVINO default": "openvino-default", "fastbert int8": "fastbert-int8",
+                   "fastbert bf16": "fastbert-bf16"}
+
+
+def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort: bool,
+                  precisions: bool = True):
+    """Runner name -> callable inputs -> last_hidden_state, notes on how each runs, and {label: why not} for the
+    peers that cannot run here; torch's threads."""
+    runners, notes, unavailable = {}, {}, {}
 
     def add(label: str, peer: str) -> None:
         runners[label], notes[label] = peers.build_peer(peer, model_dir, config, torch.float32, CPU, "cpp",
@@ -66,7 +83,36 @@ def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort
     add("fastbert (from_pretrained)", "fastbert")
     add("fastbert (optimize)", "fastbert-optimize")
     notes["fastbert"] = {"backend": "cpp", "compiled_capability": cpp_backend.compiled_capability()}
-    return runners, notes
+    for label, peer in PRECISION_PEERS.items() if precisions else ():
+        if skip_ort and peer.startswith("onnxruntime"):
+            continue
+        try:
+            add(label, peer)
+        except peers.PeerUnavailable as err:
+            unavailable[label] = str(err)
+    return runners, notes, unavailable
+
+
+def corpus_cosines(runners: dict, model_dir: str, count: int = 200, batch: int = 40) -> dict[str, float]:
+    """Each runner's worst cosine to HF eager float32 over ``count`` CPython-docs sentences: mean pooling over the
+    real tokens, L2-normalised (sentence-transformers' all-MiniLM-L6-v2 head)."""
+    from transformers import AutoTokenizer
+
+    from fastbert.training.corpus import cpython_sentences
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = list(cpython_sentences(count))
+    pooled: dict[str, list[torch.Tensor]] = {name: [] for name in runners}
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch):
+            inputs = dict(tokenizer(texts[start:start + batch], padding=True, truncation=True, max_length=128,
+                                    return_tensors="pt"))
+            mask = inputs["attention_mask"][..., None].float()
+            for name, run in runners.items():
+                hidden = run(inputs).float()
+                pooled[name].append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1))
+    reference = torch.cat(pooled["HF eager"])
+    return {name: round(float((torch.cat(p) * reference).sum(-1).min()), 6) for name, p in pooled.items()}
 
 
 # ----------------------------------------------------------------------------------------------------- timing
@@ -103,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--cases", nargs="+", default=list(TARGETS))
     parser.add_argument("--skip-ort", action="store_true")
+    parser.add_argument("--no-precisions", action="store_true",
+                        help="float32 runners only (no int8, bfloat16, OpenVINO)")
     parser.add_argument("--out", default=None, help="directory for <name>.json / <name>.md")
     parser.add_argument("--name", default="results", help="file name stem inside --out")
     args = parser.parse_args(argv)
@@ -111,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     model_dir, config = resolve_model(args.model_dir)
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as workdir:
-        runners, notes = build_runners(model_dir, config, workdir, args.skip_ort)
+        runners, notes, unavailable = build_runners(model_dir, config, workdir, args.skip_ort,
+                                                    not args.no_precisions)
+        for label, reason in unavailable.items():
+            print(f"  {label}: not available: {reason}")
+        cosines = corpus_cosines(runners, model_dir)
         cases = {}
         for case in args.cases:
             workload = make_case(case)
@@ -128,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if case not in cases:
             continue
         for runner, peer, needed in checks:
-            if peer not in cases[case]["runners"]:
+            if peer not in cases[case]["runners"] or runner not in cases[case]["runners"]:
                 continue
             speedup = cases[case]["runners"][peer]["median_ms"] / cases[case]["runners"][runner]["median_ms"]
             targets.append({"case": case, "runner": runner, "peer": peer, "needed": needed,
@@ -136,24 +188,32 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(CPU)
     machine.update(threads=args.threads, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
-    report = interleaved_report(machine, f"{model_name(model_dir)} ({config.family}), float32", args.rounds, cases,
-                                targets, notes=notes)
+    report = interleaved_report(machine, f"{model_name(model_dir)} ({config.family})", args.rounds, cases,
+                                targets, notes=notes, worst_cosine_vs_hf_fp32=cosines, not_available=unavailable)
     write_interleaved(report, markdown(report), args.out, args.name)
     return 0
 
 
 def markdown(report: dict) -> str:
     lines = interleaved_markdown(
-        report, "CPU benchmark: all-MiniLM-L6-v2, float32",
+        report, "CPU benchmark: all-MiniLM-L6-v2 (float32, and int8 / bfloat16 / OpenVINO peers)",
         f"(torch.set_num_threads, ORT intra_op_num_threads), torch CPU capability "
         f"{report['machine']['torch_cpu_capability']}; load average before/after "
         f"{report['machine']['loadavg_before'][0]:.2f}/{report['machine']['loadavg_after'][0]:.2f}",
         "(per round each runner: 1 untimed + 2 timed calls back to back, order rotated each round); median and min "
         "wall time per forward call; rel err = max |out - HF eager| / max |HF eager| at real (non-padded) positions.",
         ms_digits=1)
-    ort_notes = report["notes"].get("ONNX Runtime")
-    if ort_notes:
-        lines += ["", f"ONNX Runtime: {'; '.join(ort_notes)}."]
+    machine = report["machine"]
+    lines += ["", f"CPU flags (of {', '.join(PRECISION_FLAGS)}): {', '.join(machine.get('cpu_flags', [])) or 'none'}"
+              f"; torch CPU capability {machine['torch_cpu_capability']}.", "",
+              "## Accuracy: worst cosine to HF eager float32", "",
+              "200 CPython-docs sentences, mean pooling over real tokens, L2-normalised.", "",
+              "| runner | worst cosine |", "|---|---:|"]
+    lines += [f"| {name} | {value:.5f} |" for name, value in report.get("worst_cosine_vs_hf_fp32", {}).items()]
+    lines += [f"| {name} | not available: {reason} |" for name, reason in report.get("not_available", {}).items()]
+    for label in ("ONNX Runtime", "ONNX Runtime int8", "OpenVINO fp32", "OpenVINO default"):
+        if report["notes"].get(label):
+            lines += ["", f"{label}: {'; '.join(report['notes'][label])}."]
     return "\n".join(lines) + "\n"
 
 
