@@ -5,9 +5,11 @@ Each candidate computes x [M, K] @ W^T + b with W int8 per output channel (symme
 - ``fp32``: ``F.linear`` (MKL), the peer every ratio is against;
 - ``fbgemm per-tensor``: ``torch.ops.quantized.linear_dynamic`` (FBGEMM, the ``x86`` engine's choice for dynamic
   linear): uint8 activations with one scale and zero point per call (min/max over the whole input);
-- ``fbgemm per-token``: the same kernel on rows divided by their own absolute maximum, the int32->fp32 result
-  multiplied back per row and the bias added after: per-token activation scales through the same kernel
-  (`fastbert.quantization`'s route);
+- ``fbgemm per-token (torch ops)``: the same kernel on rows divided by their own absolute maximum, the result
+  multiplied back per row and the bias added after, in torch ops: per-token scales through the same kernel;
+- ``fastbert Int8Linear``: `fastbert.quantization.Int8Linear`, the route fastbert takes: rows mapped onto [0, 1]
+  by their own minimum and range (8 bits per token, asymmetric) in one C++ pass (``csrc/int8.cpp``), the same
+  FBGEMM kernel, the per-row rescale and bias in one C++ pass;
 - ``onednn per-token``: ``torch.ops.onednn.qlinear_pointwise`` (the x86 inductor quantizer's op) on the same
   row-normalised activations, quantized to uint8 in torch ops;
 - ``_int_mm per-token``: ``torch._int_mm`` (int8 x int8 -> int32) on per-token symmetric int8 activations, then
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 
 from fastbert.bench.machine import machine_info
 from fastbert.bench.timing import time_ms
-from fastbert.quantization import cpu_flags, int8_weight
+from fastbert.quantization import Int8Linear, cpu_flags, int8_weight
 
 SHAPES = [(m, k, n) for m in (1024, 128) for k, n in ((384, 1152), (384, 384), (384, 1536), (1536, 384))]
 
@@ -48,8 +51,10 @@ def candidates(w: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[torch.Te
     """Name -> x -> y for one weight and bias."""
     n = w.shape[0]
     q, scale = int8_weight(w)
-    qw = torch.quantize_per_channel(q.float() * scale[:, None], scale.double(), torch.zeros(n, dtype=torch.long), 0,
-                                    torch.qint8)
+    with warnings.catch_warnings():  # (torch deprecates quantized tensors; the prepack ops still take them)
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(q.float() * scale[:, None], scale.double(), torch.zeros(n, dtype=torch.long),
+                                        0, torch.qint8)
     torch.backends.quantized.engine = "x86"
     with_bias = torch.ops.quantized.linear_prepack(qw, b)
     no_bias = torch.ops.quantized.linear_prepack(qw, None)
@@ -73,9 +78,11 @@ def candidates(w: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[torch.Te
         qx = torch.round(x * (127.0 / amax)).to(torch.int8)
         return torch._int_mm(qx, int_mm_w).float().mul_(amax * (scale / 127.0)).add_(b)
 
+    ours = Int8Linear(w, b)
     return {"fp32": lambda x: F.linear(x, w, b),
             "fbgemm per-tensor": lambda x: torch.ops.quantized.linear_dynamic(x, with_bias, False),
-            "fbgemm per-token": fbgemm_token, "onednn per-token": onednn_token, "_int_mm per-token": int_mm_token}
+            "fbgemm per-token (torch ops)": fbgemm_token, "fastbert Int8Linear": ours,
+            "onednn per-token": onednn_token, "_int_mm per-token": int_mm_token}
 
 
 def bench_shape(m: int, k: int, n: int, rounds: int, repeats: int) -> dict:
