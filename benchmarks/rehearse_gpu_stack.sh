@@ -44,7 +44,7 @@ fi
 # (the first run below), and the last run checks the fallback without an install (kernels/ mapped by gpu_check.py).
 "$VENV/bin/python" -m pip uninstall -q -y fastbert 2>/dev/null
 status=0
-for phase in correctness timing; do
+for phase in correctness timing more; do
   echo "== gpu_check.sh --dry-run --phase $phase"
   PYTHON="$VENV/bin/python" bash benchmarks/gpu_check.sh "$LOG/dry-run-$phase.json" --dry-run --phase "$phase" \
     2>&1 | tee "$LOG/dry-run-$phase.log"
