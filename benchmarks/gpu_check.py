@@ -44,7 +44,8 @@ nothing from tests/ and never imports pytest or onnx.
 
 Usage: python benchmarks/gpu_check.py --phase correctness|timing|more|train|all [--out PATH] [--autotune]
                                       [--minilm DIR] [--limit SECTION=SECONDS ...] [--pytest] [--dry-run]
-       --dry-run: CPU, tiny sizes, Triton interpreter (checks the script's logic: every section runs to its end)
+       --dry-run: CPU, tiny sizes, Triton interpreter (checks the script's logic: every section runs to its end;
+                  time limits x6)
 Default --out: $OUT/gpu_check-PHASE.json, else bench-results/gpu_check-PHASE.json (git-ignored).
 """
 
@@ -1058,8 +1059,12 @@ def train_timing_section(section: Section, dry_run: bool, device) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- main
-def parse_limits(items: list[str]) -> dict[str, float]:
-    limits = dict(SECTION_LIMITS_S)
+DRY_RUN_LIMIT_FACTOR = 6  # a dry run runs the kernels in the Triton interpreter on a (shared) CPU: more time
+
+
+def parse_limits(items: list[str], dry_run: bool = False) -> dict[str, float]:
+    """Section limits: the defaults (times DRY_RUN_LIMIT_FACTOR for a dry run), then --limit's."""
+    limits = {name: seconds * (DRY_RUN_LIMIT_FACTOR if dry_run else 1) for name, seconds in SECTION_LIMITS_S.items()}
     for item in items:
         name, _, seconds = item.partition("=")
         if name not in limits:
@@ -1117,7 +1122,8 @@ def section_runners(args: argparse.Namespace, device, kernels: str) -> dict:
 def run_section(report: Report, name: str, runner, limit: float, autotune: bool) -> None:
     """One section under its time limit; a crash or a time-out ends it, not the run."""
     os.environ["FASTBERT_TRITON_AUTOTUNE"] = "1" if autotune else "0"
-    section = Section(report, name, limit, CHECK_LIMIT_S[name])
+    check_limit = CHECK_LIMIT_S[name] * (DRY_RUN_LIMIT_FACTOR if report.data.get("dry_run") else 1)
+    section = Section(report, name, limit, check_limit)
     section.record["autotune"] = autotune
     print(f"gpu_check: {name} (limit {limit:.0f} s) ...", flush=True)
     section.begin()
@@ -1137,15 +1143,15 @@ def run_section(report: Report, name: str, runner, limit: float, autotune: bool)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    limits = parse_limits(args.limit)
+    limits = parse_limits(args.limit, args.dry_run)
     out = output_path(args)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to check the script on CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     report = Report(out)
-    report.data.update(phase=args.phase, autotune=args.autotune, time_limits_s={n: limits[n] for n in PHASES[
-        args.phase]}, argv=sys.argv[1:])
+    report.data.update(phase=args.phase, autotune=args.autotune, dry_run=args.dry_run,
+                       time_limits_s={n: limits[n] for n in PHASES[args.phase]}, argv=sys.argv[1:])
     try:
         report.data["fastbert_kernels"] = kernels = ensure_kernels_importable()
         report.data["environment"] = environment(device, args.dry_run)
