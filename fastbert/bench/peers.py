@@ -8,6 +8,7 @@ transformers and onnxruntime are imported inside the functions that need them.""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -247,11 +248,15 @@ def _ort_quantized(path: str, workdir: str, notes: list[str]) -> str:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         quantized = os.path.join(workdir, "model_int8.onnx")
-        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            # (shape inference cannot type the optimizer's fused ops' outputs: they are float)
-            quantize_dynamic(path, quantized, weight_type=QuantType.QInt8,
-                             extra_options={"DefaultTensorType": 1})  # onnx.TensorProto.FLOAT
+        logging.disable(logging.WARNING)  # its advice to pre-process the graph goes to the root logger
+        try:
+            with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                # (shape inference cannot type the optimizer's fused ops' outputs: they are float)
+                quantize_dynamic(path, quantized, weight_type=QuantType.QInt8,
+                                 extra_options={"DefaultTensorType": 1})  # onnx.TensorProto.FLOAT
+        finally:
+            logging.disable(logging.NOTSET)
     except Exception as err:  # noqa: BLE001 - a quantizer failure is the peer's reason
         raise PeerUnavailable(f"onnxruntime quantize_dynamic failed: {type(err).__name__}: {str(err)[:160]}") from err
     notes.append("onnxruntime.quantization.quantize_dynamic(weight_type=QInt8, per_channel=False): int8 weights per "
