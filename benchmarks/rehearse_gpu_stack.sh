@@ -14,8 +14,9 @@
 #        REHEARSAL_NUMPY='numpy<2.4' bash benchmarks/rehearse_gpu_stack.sh   (a different numpy pin)
 #        REHEARSAL_SKIP_BUILD=1 ...   (reuse an existing venv)
 #        REHEARSAL_SM90=1 ...         (then also compile every kernel for sm_90 under the pinned triton, ~30 s)
-#        REHEARSAL_TESTS=1 ...        (then also pytest tests/ops tests/backends/test_triton.py -m "not gpu and not slow" under the pins: pytest is
-#                                      installed into the venv for that and uninstalled after, ~5 min on 2 cores)
+#        REHEARSAL_TESTS=1 ...        (then also pytest tests/ops tests/backends/test_triton.py tests/backends/test_launcher.py
+#                                      -m "not gpu and not slow" under the pins: pytest is installed into the venv for
+#                                      that and uninstalled after, ~5 min on 2 cores)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-bench-results/gpu-rehearsal-venv}"
@@ -68,10 +69,10 @@ if [ "${REHEARSAL_SM90:-0}" = 1 ]; then
 fi
 
 if [ "${REHEARSAL_TESTS:-0}" = 1 ]; then
-  echo "== pytest tests/ops tests/backends/test_triton.py -m 'not gpu and not slow' under the pins (pytest only for this step)"
+  echo "== pytest tests/ops tests/backends/test_triton.py tests/backends/test_launcher.py -m 'not gpu and not slow' under the pins (pytest only for this step)"
   "$VENV/bin/python" -m pip install -q pytest || exit 1
-  TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/ops tests/backends/test_triton.py -m "not gpu and not slow" \
-    2>&1 | tail -15 | tee "$LOG/pytest-kernels.log"
+  TRITON_INTERPRET=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/ops tests/backends/test_triton.py \
+    tests/backends/test_launcher.py -m "not gpu and not slow" 2>&1 | tail -15 | tee "$LOG/pytest-kernels.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   "$VENV/bin/python" -m pip uninstall -q -y pytest
 fi
