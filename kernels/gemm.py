@@ -21,6 +21,7 @@ fp32 inputs are multiplied in IEEE fp32 (no TF32), so the fp32 path matches PyTo
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -363,11 +364,181 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     return out
 
 
+# ------------------------------------------------------------------------------------------------------- split-K
+# Few tokens and a narrow N leave most SMs idle even with the narrowest tiles (M = 16, N = 768 at 16 x 32: 24
+# programs for 132 SMs). Then the forward GEMM is split along K: each of `split_k(...)` programs per output tile
+# multiplies one slice of K and stores its fp32 product in a [splits, M, N] workspace; a second kernel adds the
+# slices in a fixed order (deterministic: no atomics) and applies the whole forward epilogue (bias, dropout at the
+# same flat indices as the unsplit kernel, residual, activation), one rounding. The LayerNorm of
+# linear_residual_layernorm / _prenorm runs in its own row kernel after either, so every forward epilogue allows
+# the split; the backward epilogue (GRAD_ACTIVATION) is never split.
+SPLIT_K_MIN_SLICE = 256  # K elements per slice at least: thinner slices cost more workspace traffic than they gain
+SPLIT_K_MAX = 8
+SPLIT_K_OVERRIDE: int | None = int(os.environ["FASTBERT_TRITON_SPLIT_K"]) \
+    if os.environ.get("FASTBERT_TRITON_SPLIT_K") else None
+"""FASTBERT_TRITON_SPLIT_K=N forces N slices wherever K allows (1: never split); read at import. Tests set it."""
+
+
+@triton.jit
+def _linear_split_k_kernel(
+    x_ptr,  # [M, K] input rows, strides (stride_xm, stride_xk)
+    w_ptr,  # [N, K] weight in nn.Linear layout, strides (stride_wn, stride_wk)
+    partial_ptr,  # [splits, M, N] fp32 contiguous: program (m, n, s) stores slice s's product of its tile
+    M, N, K,
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    k_per_split,  # K elements per slice, a multiple of BLOCK_K: slice s is [s * k_per_split, (s + 1) * k_per_split)
+    INPUT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # interpreter only: see `common.INTERPRETER`
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    pid_k = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_begin = pid_k * k_per_split
+    k_left = tl.minimum(K - k_begin, k_per_split)  # this slice's depth (the last one may be shorter)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_begin + offs_k)[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_begin + offs_k)[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, k_left, BLOCK_K):
+        k_mask = offs_k < k_left - k_start
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    tl.store(partial_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _split_k_epilogue_kernel(
+    partial_ptr,  # [splits, M, N] fp32 contiguous: the slices' products
+    bias_ptr,  # [N] (ignored unless HAS_BIAS)
+    residual_ptr,  # [M, N] added after the bias (ignored unless HAS_RESIDUAL), strides (stride_rm, stride_rn)
+    out_ptr,  # [M, N] output, strides (stride_om, stride_on)
+    M, N, splits,
+    stride_rm, stride_rn,
+    stride_om, stride_on,
+    seed, dropout_p, keep_scale,  # dropout (ignored unless DROPOUT): Philox seed, probability, 1 / (1 - p)
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # `ACTIVATION_CODES`
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    mask = (offs_m < M)[:, None] & n_mask[None, :]
+    flat = offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    slice_ptrs = partial_ptr + flat
+    for _ in range(0, splits):  # in slice order: the same sum whatever the tiling
+        acc += tl.load(slice_ptrs, mask=mask, other=0.0)
+        slice_ptrs += M * N
+    # the forward epilogue of `_linear_kernel`, in the same order
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if DROPOUT:
+        acc = tl.where(dropout_keep(seed, flat, dropout_p), acc * keep_scale, 0.0)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=mask,
+                       other=0.0).to(tl.float32)
+    acc = activate(acc, ACTIVATION)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+             cast_rtne(acc, out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k_meta(m: int) -> dict:
+    """The split GEMM's tile (fixed, not autotuned: the split is chosen where every config underfills the GPU):
+    16 or 32 rows x 32 columns, K steps of 128 (the interpreter: wider, its cost is per program)."""
+    if INTERPRETER:
+        return {"BLOCK_M": 16 if m <= 16 else 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": 16 if m <= 16 else 32, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
+def split_k_epilogue_blocks() -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the split's reduction + epilogue kernel (4 warps): 16 fp32 values per thread."""
+    return (32, 256) if INTERPRETER else (16, 128)
+
+
+def split_k(m: int, n: int, k: int, device: torch.device) -> int:
+    """Slices of K for the forward GEMM of [m, k] x [k, n] on ``device``: 1 (unsplit) unless even 16 x 32 tiles
+    give fewer programs than a quarter of the GPU's SMs; then about one program per SM, each slice at least
+    SPLIT_K_MIN_SLICE deep, at most SPLIT_K_MAX (FASTBERT_TRITON_SPLIT_K overrides). Never on CPU (the
+    interpreter) unless forced."""
+    block_k = split_k_meta(m)["BLOCK_K"]
+    if SPLIT_K_MAX * m * n >= 1 << 31:  # the workspace's offsets are int32 in the epilogue kernel
+        return 1
+    if SPLIT_K_OVERRIDE is not None:
+        return max(1, min(SPLIT_K_OVERRIDE, triton.cdiv(k, block_k)))
+    if INTERPRETER or device.type != "cuda":
+        return 1
+    tiles = triton.cdiv(m, 16) * triton.cdiv(n, 32)
+    if 4 * tiles >= _multiprocessors(device):
+        return 1
+    return max(1, min(SPLIT_K_MAX, triton.cdiv(_multiprocessors(device), tiles), k // SPLIT_K_MIN_SLICE))
+
+
+def _launch_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    residual: torch.Tensor | None, activation: str | None, dropout_p: float, dropout_seed: int,
+                    splits: int) -> torch.Tensor:
+    """The forward GEMM and its epilogue (as `_launch` without ``grad``) in ``splits`` slices of K -> [rows, N]."""
+    rows = as_rows(x)
+    n, k = weight.shape
+    m = rows.shape[0]
+    meta = split_k_meta(m)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), meta["BLOCK_K"]) * meta["BLOCK_K"]
+    splits = triton.cdiv(k, k_per_split)  # rounding the slices up to whole K steps may leave fewer
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    tiles = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+    launch(_linear_split_k_kernel, (*tiles, splits), rows, weight, partial, m, n, k, rows.stride(0), rows.stride(1),
+           weight.stride(0), weight.stride(1), k_per_split, INPUT_PRECISION=dot_precision(x.dtype),
+           DOT_IN_FP32=dot_in_fp32(x.dtype), **meta)
+    res = as_rows(residual) if residual is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    block_m, block_n = split_k_epilogue_blocks()
+    launch(_split_k_epilogue_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), partial,
+           bias if bias is not None else out, res if res is not None else out, out, m, n, splits,
+           res.stride(0) if res is not None else 0, res.stride(1) if res is not None else 0, out.stride(0),
+           out.stride(1), *dropout_args(dropout_p, dropout_seed), HAS_BIAS=bias is not None,
+           HAS_RESIDUAL=residual is not None, ACTIVATION=ACTIVATION_CODES[activation], DROPOUT=dropout_p > 0,
+           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
            activation: str | None = None, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
     """epilogue(x @ weight.T) -> [..., N] in x's dtype (see the module docstring); dropout (``dropout_p`` > 0) on
-    x @ weight.T + bias before the residual. Inputs are checked by callers (dropout: `dropout_reason`)."""
-    out = _launch(x, weight, bias, residual, activation, dropout_p, dropout_seed, None, None)
+    x @ weight.T + bias before the residual. Inputs are checked by callers (dropout: `dropout_reason`). Split
+    along K where few tokens would leave the GPU idle (`split_k`); the same shapes always take the same path, so a
+    backward's recomputation reproduces its forward."""
+    m, (n, k) = x.shape[:-1].numel(), weight.shape
+    splits = split_k(m, n, k, x.device) if m and n and k else 1
+    if splits > 1:
+        out = _launch_split_k(x, weight, bias, residual, activation, dropout_p, dropout_seed, splits)
+    else:
+        out = _launch(x, weight, bias, residual, activation, dropout_p, dropout_seed, None, None)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

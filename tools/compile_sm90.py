@@ -15,7 +15,9 @@ epilogue too, at ModernBERT-base sizes, the same tiles as pairs of columns; --qu
 two-accumulator GEMM (`linear_glu.gpu_configs`/`table_config`, ModernBERT-base sizes), the attention meta for head dims
 32/64/80/96/128 (packed and padded forms, plus the BLOCK_M = 64 small-batch variant and the packed dropout variant),
 the attention backward's two kernels (dq with its LSE pass, dk/dv; `attention._backward_meta`) for head dims 32 to
-256, plain and with a window and dropout (--quick: D = 128 only), and the row kernels at BERT
+256, plain and with a window and dropout (--quick: D = 128 only), the GEMM's split-K kernels (its slices and
+its reduction with the forward epilogues), the vendor backend's epilogue kernels
+(`epilogues`: activation, residual + LayerNorm, GLU, rotary), and the row kernels at BERT
 widths (with and without positions / LayerNorm bias, with dropout; the LayerNorm backward kernels, the relu
 gradient and the column sums of the backward's reductions); in fp16, bf16 and fp32. The GEMM's dropout and backward
 epilogues take their own config lists (`gpu_configs(dtype, heavy=True)`). Shorter sequences only shrink the
@@ -51,7 +53,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launch default in 
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from fastbert.kernels import attention, common, gemm, linear_activation  # noqa: E402
+from fastbert.kernels import attention, common, epilogues, gemm, linear_activation  # noqa: E402
 from fastbert.kernels import embedding_layernorm as embedding  # noqa: E402
 from fastbert.kernels import linear_glu as glu  # noqa: E402
 from fastbert.kernels import linear_residual_layernorm as residual_ln  # noqa: E402
@@ -85,6 +87,12 @@ KERNELS = {
     "layernorm_rows_backward": residual_ln._layernorm_rows_backward_kernel,
     "relu_grad": linear_activation._relu_grad_kernel,
     "column_sum": common._column_sum_kernel,
+    "gemm_split_k": gemm._linear_split_k_kernel,
+    "gemm_split_k_epilogue": gemm._split_k_epilogue_kernel,
+    "epilogue_activation": epilogues._activation_kernel,
+    "epilogue_residual_layernorm": epilogues._residual_layernorm_kernel,
+    "epilogue_glu": epilogues._glu_kernel,
+    "epilogue_rotary": epilogues._rotary_kernel,
 }
 # label: (HAS_BIAS, HAS_RESIDUAL, ACTIVATION, DROPOUT, GRAD_ACTIVATION) as the ops launch the GEMM; the last two
 # (Philox dropout before the residual, linear_activation's backward epilogue) take the `heavy` config lists
@@ -97,6 +105,7 @@ DROPOUT_ARGS = (0x1234_5678_9ABC, 0.1, 1 / 0.9)  # an int64 seed (as `fastbert.o
 # BERT-like sizes: tokens, hidden, heads (all multiples of 16, as the usual shapes are); ModernBERT-base's GLU width
 TOKENS, HIDDEN, INTERMEDIATE, HEADS, BATCH, SEQ = 4096, 768, 3072, 12, 32, 128
 GLU_INTERMEDIATE = 1152
+TABLE_MS = (16, 128, 512, 2048, 4096)  # token counts whose M-table configs are compiled: one per range of the tables
 GLU_ACTIVATIONS = ("gelu", "silu")
 QUICK_GLU_ACTIVATIONS = ("gelu",)
 
@@ -114,7 +123,7 @@ def gemm_cases(dtype: str, epilogues) -> list:
         has_bias, has_residual, activation, dropout, grad = EPILOGUES[name]
         heavy = dropout or grad
         reachable = [*gemm.gpu_configs(torch_dtype, heavy),
-                     *(gemm.table_config(m, torch_dtype, heavy) for m in (16, 128, 4096))]
+                     *(gemm.table_config(m, torch_dtype, heavy) for m in TABLE_MS)]
         for config in {gemm.config_key(c): c for c in reachable}.values():  # autotuner list + M table
             r_strides = (n, 1) if has_residual else (0, 0)
             g_strides = (n, 1) if grad else (0, 0)
@@ -137,7 +146,7 @@ def glu_cases(dtype: str, activations, biases=(False, True)) -> list:
     m, inner, k = TOKENS, GLU_INTERMEDIATE, HIDDEN
     p = _ptr(dtype)
     torch_dtype = DTYPES[dtype]
-    reachable = [*glu.gpu_configs(torch_dtype), *(glu.table_config(m, torch_dtype) for m in (16, 128, 4096))]
+    reachable = [*glu.gpu_configs(torch_dtype), *(glu.table_config(m, torch_dtype) for m in TABLE_MS)]
     cases = []
     for config in {gemm.config_key(c): c for c in reachable}.values():
         for activation in activations:
@@ -162,7 +171,7 @@ def qkv_rotary_cases(dtype: str, biases=(False, True)) -> list:
     p = _ptr(dtype)
     torch_dtype = DTYPES[dtype]
     reachable = [*rotary.gpu_configs(torch_dtype),
-                 *(rotary.pair_config(gemm.table_config(m, torch_dtype)) for m in (16, 128, 4096))]
+                 *(rotary.pair_config(gemm.table_config(m, torch_dtype)) for m in TABLE_MS)]
     cases = []
     for config in {gemm.config_key(c): c for c in reachable}.values():
         for has_bias in biases:
@@ -289,6 +298,57 @@ def row_cases(dtype: str) -> list:
     return cases
 
 
+def split_k_cases(dtype: str) -> list:
+    """The GEMM's split-K path at the shapes it is taken for (16 or 32 tokens, N = 768, K = 3072 in slices of 512):
+    the slice kernel with `gemm.split_k_meta`, the reduction with the forward epilogues."""
+    m, n, k, splits = 16, HIDDEN, INTERMEDIATE, 6
+    p, f32 = _ptr(dtype), _ptr("fp32")
+    cases = []
+    for rows in (16, 32):
+        meta = gemm.split_k_meta(rows)
+        kw = dict(INPUT_PRECISION=common.dot_precision(DTYPES[dtype]), DOT_IN_FP32=False, **meta)
+        label = f"{meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_K']} w{meta['num_warps']} s{meta['num_stages']}"
+        cases.append(("gemm_split_k", dtype, label, (p, p, f32, rows, n, k, k, 1, k, 1, k // splits), kw))
+    block_m, block_n = gemm.split_k_epilogue_blocks()
+    for name in ("qkv", "gelu", "residual", "residual dropout"):
+        has_bias, has_residual, activation, dropout, _ = EPILOGUES[name]
+        args = (f32, p, p, p, m, n, splits, n, 1, n, 1, *(DROPOUT_ARGS if dropout else (0, 0.0, 1.0)))
+        kw = dict(HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ACTIVATION=activation, DROPOUT=dropout,
+                  BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        cases.append(("gemm_split_k_epilogue", dtype, f"{block_m}x{block_n} w4 {name}", args, kw))
+    return cases
+
+
+def epilogue_cases(dtype: str) -> list:
+    """The vendor backend's epilogue kernels (`epilogues`: after torch's GEMM) with the launchers' meta at BERT and
+    ModernBERT widths: the activation in place, residual + LayerNorm (in place, and prenorm's sum + LayerNorm), GLU
+    and rotary."""
+    p = _ptr(dtype)
+    cases = []
+    block = epilogues.elementwise_block()
+    for activation in ("gelu", "gelu_tanh", "silu"):
+        cases.append(("epilogue_activation", dtype, f"{block} w4 {activation}", (p, TOKENS * INTERMEDIATE),
+                      dict(ACTIVATION=gemm.ACTIVATION_CODES[activation], BLOCK=block, num_warps=4)))
+    for width in (384, 768, 1024):
+        rows = common.rows_per_program(width)
+        warps = common.row_warps(width, rows)
+        args = (p, p, p, p, p, TOKENS, width, width, 1e-12)
+        for label, has_bias, store_sum in (("", True, False), (" prenorm", True, True), (" prenorm no-bias", False,
+                                                                                           True)):
+            kw = dict(HAS_BIAS=has_bias, STORE_SUM=store_sum, ROWS=rows, BLOCK_N=common.row_block(width),
+                      num_warps=warps)
+            cases.append(("epilogue_residual_layernorm", dtype, f"N{width} rows{rows} w{warps}{label}", args, kw))
+    block_m, block_n = epilogues.glu_blocks()
+    cases.append(("epilogue_glu", dtype, f"{block_m}x{block_n} w4 gelu", (p, p, TOKENS, GLU_INTERMEDIATE),
+                  dict(ACTIVATION=gemm.ACTIVATION_CODES["gelu"], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)))
+    head_dim = HIDDEN // HEADS
+    rows, block_p = epilogues.rotary_blocks(HIDDEN)
+    args = (p, _ptr("int64"), _ptr("fp32"), _ptr("fp32"), TOKENS, 3 * HIDDEN, HIDDEN, 8192, head_dim // 2)
+    cases.append(("epilogue_rotary", dtype, f"d{head_dim} rows{rows} pairs{block_p} w4", args,
+                  dict(HALF=head_dim // 2, ROWS=rows, BLOCK_P=block_p, num_warps=4)))
+    return cases
+
+
 def all_cases(quick: bool = False) -> list:
     epilogues = QUICK_EPILOGUES if quick else tuple(EPILOGUES)
     glu = (QUICK_GLU_ACTIVATIONS, (False,)) if quick else (GLU_ACTIVATIONS, (False, True))
@@ -296,7 +356,7 @@ def all_cases(quick: bool = False) -> list:
             for case in (*gemm_cases(dtype, epilogues), *glu_cases(dtype, *glu),
                          *qkv_rotary_cases(dtype, (False,) if quick else (False, True)),
                          *attention_cases(dtype, quick), *attention_backward_cases(dtype, quick),
-                         *row_cases(dtype))]
+                         *row_cases(dtype), *split_k_cases(dtype), *epilogue_cases(dtype))]
 
 
 _BACKEND = None

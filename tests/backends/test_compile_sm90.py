@@ -1,5 +1,6 @@
-"""Every triton kernel config compiles to an sm_90 cubin as a real launch compiles it (no GPU needed: Triton ships
-ptxas), without register spills (in any dtype) and within the H200's 227 KB of shared memory per block.
+"""Every triton kernel config (the vendor backend's epilogue kernels too) compiles to an sm_90 cubin as a real
+launch compiles it (no GPU needed: Triton ships ptxas), without register spills (in any dtype) and within the
+H200's 227 KB of shared memory per block.
 Slow: ~100 compiles, ~60 s on 2 cores with a cold triton cache (--quick; the full sweep, ~400, is the script's
 default run). FASTBERT_SM90_OUT=DIR keeps the resource table (resources.md, resources.json)."""
 
@@ -26,10 +27,15 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert {r["kernel"] for r in rows} == {"gemm", "qkv_rotary", "linear_glu", "attention", "attention_backward_dq",
                                            "attention_backward_dkdv", "embedding_layernorm", "layernorm_rows",
                                            "embedding_layernorm_backward", "layernorm_rows_backward", "relu_grad",
-                                           "column_sum"}
+                                           "column_sum", "gemm_split_k", "gemm_split_k_epilogue",
+                                           "epilogue_activation", "epilogue_residual_layernorm",
+                                           "epilogue_glu", "epilogue_rotary"}
     assert all("error" not in r for r in rows)
     # compiled with the launch's specialisation: the fp16 128x128x64 GEMM takes the 4-stage pipelined path
     # (2 B x (128 + 128) x 64 x 4 stages = 128 KB of shared memory; with unspecialised i64 args it is not pipelined)
     pipelined = [r for r in rows if r["kernel"] == "gemm" and r["dtype"] == "fp16"
                  and r["config"].startswith("128x128x64")]
     assert pipelined and all(r["shared_bytes"] >= 128 * 1024 for r in pipelined), pipelined
+    # the narrow small-M tiles are among the compiled configs (autotuner list and M table)
+    small = {r["config"].split()[0] for r in rows if r["kernel"] == "gemm" and r["dtype"] == "fp16"}
+    assert {"16x32x256", "32x32x128", "64x32x128", "16x64x128"} <= small, small
