@@ -223,12 +223,13 @@ class _ParameterWatch:
     def __init__(self, model: FastBertModel):
         self.slots = [(m._parameters, name) for m in model.modules() for name, p in m._parameters.items()
                       if p is not None]
+        self.dicts, self.names = [d for d, _ in self.slots], [name for _, name in self.slots]  # for C-level maps
         self.held: list[torch.Tensor] = self.current()
         self.state = self._state(self.held)
         self.candidate: tuple[list[weakref.ref], tuple] | None = None
 
     def current(self) -> list[torch.Tensor]:
-        return [params[name] for params, name in self.slots]
+        return list(map(dict.get, self.dicts, self.names))
 
     @staticmethod
     def _state(params: list[torch.Tensor]) -> tuple:
