@@ -2,10 +2,12 @@
 
 A request's tokenized inputs enter a bounded queue as one `Job` (`Batcher.submit`; a full queue raises `QueueFull`
 at once, so that the server answers 429 instead of letting clients pile up). The worker takes whole jobs from the
-head of the queue until the next would pass ``max_batch_tokens`` real tokens (always at least one), sorts all their
-inputs by length and cuts them into padded batches of at most ``max_batch_tokens`` (the cut `fastbert embed` uses),
-runs one padding-free forward per batch, and hands each job its own rows in its own order. While a batch runs, new
-requests queue, so the next batch is as full as the load allows without any waiting on purpose.
+head of the queue until the next would pass ``max_batch_tokens`` real tokens (always at least one), cuts their
+inputs, job after job (each job's longest first), into batches of at most ``max_batch_tokens`` padded tokens
+(`fifo_batches`), runs one padding-free forward per batch, and hands each job its own rows in its own order as soon
+as its last batch has run: the jobs finish in the order they came, and the first ones do not wait for the forwards
+of the later ones. While a batch runs, new requests queue, so the next batch is as full as the load allows without
+any waiting on purpose.
 
 The asyncio side (`Batcher.infer`) waits for its job's result with a timeout; a job whose client gave up before
 the worker reached it is skipped."""
@@ -16,13 +18,12 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from fastbert.embedding import token_budget_batches
 from fastbert.serving.engines import Tokens
 
 
@@ -156,19 +157,20 @@ class Batcher:
                 for job in jobs:
                     self.observer.record_wait(now - job.queued_at)
             try:
-                results = self.run(jobs)
+                for job, rows in self.run(jobs):
+                    job.loop.call_soon_threadsafe(settle, job.future, rows, None)
             except Exception as err:  # noqa: BLE001 - a failed forward fails its requests, never the worker
-                for job in jobs:
+                for job in jobs:  # those answered already keep their rows: settle skips a done future
                     job.loop.call_soon_threadsafe(settle, job.future, None, err)
-                continue
-            for job, rows in zip(jobs, results, strict=True):
-                job.loop.call_soon_threadsafe(settle, job.future, rows, None)
 
-    def run(self, jobs: list[Job]) -> list[np.ndarray]:
-        """Each job's rows: all inputs sorted by length and cut by the token budget, one forward per batch."""
+    def run(self, jobs: list[Job]) -> Iterator[tuple[Job, np.ndarray]]:
+        """Each job with its rows, as soon as the forward of its last input has run (`fifo_batches`)."""
         inputs = [t for job in jobs for t in job.inputs]
+        owner = [k for k, job in enumerate(jobs) for _ in job.inputs]
+        left = [len(job.inputs) for job in jobs]
+        bounds = np.cumsum([0] + left)
         out: np.ndarray | None = None
-        for batch in token_budget_batches([len(t) for t in inputs], self.max_batch_tokens):
+        for batch in fifo_batches([[len(t) for t in job.inputs] for job in jobs], self.max_batch_tokens):
             start = time.perf_counter()
             rows = self.engine.run([inputs[i] for i in batch])
             if out is None:
@@ -178,9 +180,33 @@ class Batcher:
                 lengths = [len(inputs[i]) for i in batch]
                 self.observer.record_batch(BatchRecord(len(batch), sum(lengths), len(batch) * max(lengths),
                                           time.perf_counter() - start))
-        bounds = np.cumsum([0] + [len(job.inputs) for job in jobs])
-        assert out is not None, "a job holds at least one input"
-        return [out[bounds[k]:bounds[k + 1]] for k in range(len(jobs))]
+            for i in batch:
+                k = owner[i]
+                left[k] -= 1
+                if left[k] == 0:
+                    yield jobs[k], out[bounds[k]:bounds[k + 1]]
+
+
+def fifo_batches(lengths: Sequence[Sequence[int]], max_batch_tokens: int) -> list[list[int]]:
+    """Indices into the jobs' inputs laid end to end (``lengths``: each job's token counts, in queue order), cut
+    into batches of at most ``max_batch_tokens`` tokens counted padded (texts x longest text of the batch): job
+    after job, each job's longest input first, so that a job's inputs share as few batches as they can and the
+    batches finish the jobs in queue order. An input longer than the budget is a batch on its own."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest, start = 0, 0
+    for job in lengths:
+        for index in sorted(range(start, start + len(job)), key=lambda i: -job[i - start]):
+            size = job[index - start]
+            if current and (len(current) + 1) * max(longest, size) > max_batch_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(index)
+            longest = max(longest, size)
+        start += len(job)
+    if current:
+        batches.append(current)
+    return batches
 
 
 def settle(future: asyncio.Future, rows: np.ndarray | None, error: BaseException | None) -> None:

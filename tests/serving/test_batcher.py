@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown
+from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, fifo_batches
 from fastbert.serving.engines import Tokens
 
 
@@ -99,3 +99,74 @@ def test_a_timed_out_job_is_skipped():
     asyncio.run(scenario())
     batcher.stop(timeout=10)
     assert len(engine.padded) == 1  # the abandoned job never ran
+
+
+@pytest.mark.parametrize("sizes", [[1], [7, 1, 130], [130] * 3 + [1] * 7, [768]])
+def test_fifo_batches_keep_queue_order_and_the_budget(sizes):
+    rng = np.random.default_rng(len(sizes))
+    lengths = [list(rng.integers(1, 200, size=n)) for n in sizes]
+    budget = 512
+    batches = fifo_batches(lengths, budget)
+    flat = [length for job in lengths for length in job]
+    order = [i for batch in batches for i in batch]
+    assert sorted(order) == list(range(len(flat)))  # every input once
+    owner = np.repeat(np.arange(len(lengths)), [len(job) for job in lengths])
+    assert list(owner[order]) == sorted(owner[order])  # job after job: jobs finish in queue order
+    for batch in batches:
+        padded = len(batch) * max(flat[i] for i in batch)
+        assert padded <= budget or len(batch) == 1
+    starts = np.cumsum([0] + [len(job) for job in lengths])
+    for k, job in enumerate(lengths):  # each job's longest first
+        mine = [flat[i] for i in order if owner[i] == k]
+        assert mine == sorted(job, reverse=True) and len(mine) == starts[k + 1] - starts[k]
+
+
+def test_fifo_batches_cut_a_text_over_the_budget_alone():
+    assert fifo_batches([[3, 900, 5], [2]], 64) == [[1], [2, 0, 3]]
+
+
+class SteppedEngine(SumEngine):
+    """SumEngine that holds each forward until the test releases it, and says when one is waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.step = threading.Semaphore(0)
+        self.waiting = threading.Event()
+
+    def run(self, batch):
+        self.waiting.set()
+        assert self.step.acquire(timeout=10), "the test never released this forward"
+        self.waiting.clear()
+        return super().run(batch)
+
+
+def test_a_job_is_answered_once_its_own_forward_has_run():
+    """One window of three queued jobs (80 real tokens) that the budget cuts into two forwards: the first job is
+    answered while the second forward is still held, the other two after it."""
+    engine = SteppedEngine()
+    batcher = Batcher(engine, max_batch_tokens=130, max_queue=10)
+    jobs = [[Tokens(list(range(1, 71)))], [Tokens(list(range(2, 12)))], [Tokens(list(range(3, 13)))]]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        futures = [asyncio.ensure_future(batcher.infer(job, timeout=30)) for job in jobs]
+        await asyncio.sleep(0)  # all three queued before the worker starts, so that it takes them as one window
+        batcher.start()
+        for done_after in ([True, False, False], [True, True, True]):
+            assert await loop.run_in_executor(None, engine.waiting.wait, 10)
+            assert not any(f.done() for f in futures[1:])
+            engine.step.release()
+            await asyncio.wait(futures, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([f for f, done in zip(futures, done_after, strict=True) if done], timeout=10)
+            assert [f.done() for f in futures] == done_after
+        return [f.result() for f in futures]
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        for _ in range(2):
+            engine.step.release()
+        batcher.stop(timeout=10)
+    for job, rows in zip(jobs, results, strict=True):
+        np.testing.assert_array_equal(rows, expected(job))
+    assert engine.padded == [70, 20]  # one window, cut into two forwards

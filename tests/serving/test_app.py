@@ -1,0 +1,35 @@
+"""The app's JSON writer on its own: rows (numpy float32) written by orjson read back as the same float32 values,
+as the plain-json fallback's do, for contiguous rows, row views and a non-contiguous array."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fastbert.serving import app
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 130), (3, 768)])
+@pytest.mark.parametrize("fast", [True, False])
+def test_json_bytes_rows_read_back_as_the_same_float32(monkeypatch, shape, fast):
+    if not fast:
+        monkeypatch.setattr(app, "orjson", None)
+    elif app.orjson is None:
+        pytest.fail("orjson is missing: the serve extra installs it (pip install -e '.[serve]')")
+    rows = (np.random.default_rng(shape[1]).standard_normal(shape) / 3).astype(np.float32)
+    body = {"object": "list", "data": [{"index": i, "embedding": row} for i, row in enumerate(rows)],
+            "usage": np.int64(rows.size), "rows": rows, "columns": rows.T}
+    back = json.loads(app.json_bytes(body))
+    for name, expected in (("rows", rows), ("columns", rows.T)):
+        got = np.array(back[name], dtype=np.float64)
+        np.testing.assert_array_equal(got.astype(np.float32), expected)
+        assert np.abs(got - expected).max() <= 6e-8 * max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_array_equal(np.array([d["embedding"] for d in back["data"]], dtype=np.float32), rows)
+    assert back["usage"] == rows.size and back["object"] == "list"
+
+
+def test_json_bytes_refuses_what_json_cannot_hold():
+    with pytest.raises(TypeError):
+        app.json_bytes({"x": object()})
