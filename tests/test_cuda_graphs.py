@@ -237,6 +237,25 @@ def test_capturing_runner_leaves_cpu_calls_alone():
     assert runner.replays == 0 and not runner.graphs
 
 
+def test_a_failed_capture_turns_the_runner_off(monkeypatch):
+    """A backend op that cannot be captured (here: a capture that raises as CUDA does for a host sync) warns once,
+    runs that call and every later one on the normal path."""
+    model = _fast_model("bert", "eager")
+    runner = enable(model).cuda_graphs
+    inputs = _inputs(model, 3, 9)
+    monkeypatch.setattr(runner, "decline_reason", lambda *args: None)  # as for CUDA inputs
+
+    def failing_capture(entry):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(runner, "_capture", failing_capture)
+    with torch.inference_mode(), pytest.warns(UserWarning, match="operation not permitted when stream is capturing"):
+        _assert_same_outputs(model(**inputs), _reference(model, inputs))
+    assert runner.failed and not runner.graphs and runner.replays == 0
+    monkeypatch.undo()
+    assert runner.decline_reason(inputs["input_ids"]) == runner.failed
+
+
 def test_replaced_parameters_drop_the_graphs():
     """A graph reads the parameters where they were at capture: a replaced storage is not replayed; the new one is
     taken when two calls in a row see it; functional_call's temporaries never are."""
