@@ -298,9 +298,10 @@ def row_cases(dtype: str) -> list:
     return cases
 
 
-def split_k_cases(dtype: str) -> list:
+def split_k_cases(dtype: str, quick: bool = False) -> list:
     """The GEMM's split-K path at the shapes it is taken for (16 or 32 tokens, N = 768, K = 3072 in slices of 512):
-    the slice kernel with `gemm.split_k_meta`, the reduction with the forward epilogues."""
+    the slice kernel with `gemm.split_k_meta`, the reduction with the forward epilogues (--quick: the two
+    heaviest)."""
     m, n, k, splits = 16, HIDDEN, INTERMEDIATE, 6
     p, f32 = _ptr(dtype), _ptr("fp32")
     cases = []
@@ -310,7 +311,7 @@ def split_k_cases(dtype: str) -> list:
         label = f"{meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_K']} w{meta['num_warps']} s{meta['num_stages']}"
         cases.append(("gemm_split_k", dtype, label, (p, p, f32, rows, n, k, k, 1, k, 1, k // splits), kw))
     block_m, block_n = gemm.split_k_epilogue_blocks()
-    for name in ("qkv", "gelu", "residual", "residual dropout"):
+    for name in ("gelu", "residual dropout") if quick else ("qkv", "gelu", "residual", "residual dropout"):
         has_bias, has_residual, activation, dropout, _ = EPILOGUES[name]
         args = (f32, p, p, p, m, n, splits, n, 1, n, 1, *(DROPOUT_ARGS if dropout else (0, 0.0, 1.0)))
         kw = dict(HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, ACTIVATION=activation, DROPOUT=dropout,
@@ -319,17 +320,17 @@ def split_k_cases(dtype: str) -> list:
     return cases
 
 
-def epilogue_cases(dtype: str) -> list:
+def epilogue_cases(dtype: str, quick: bool = False) -> list:
     """The vendor backend's epilogue kernels (`epilogues`: after torch's GEMM) with the launchers' meta at BERT and
     ModernBERT widths: the activation in place, residual + LayerNorm (in place, and prenorm's sum + LayerNorm), GLU
-    and rotary."""
+    and rotary (--quick: gelu only, width 768 only)."""
     p = _ptr(dtype)
     cases = []
     block = epilogues.elementwise_block()
-    for activation in ("gelu", "gelu_tanh", "silu"):
+    for activation in ("gelu",) if quick else ("gelu", "gelu_tanh", "silu"):
         cases.append(("epilogue_activation", dtype, f"{block} w4 {activation}", (p, TOKENS * INTERMEDIATE),
                       dict(ACTIVATION=gemm.ACTIVATION_CODES[activation], BLOCK=block, num_warps=4)))
-    for width in (384, 768, 1024):
+    for width in (768,) if quick else (384, 768, 1024):
         rows = common.rows_per_program(width)
         warps = common.row_warps(width, rows)
         args = (p, p, p, p, p, TOKENS, width, width, 1e-12)
@@ -356,7 +357,7 @@ def all_cases(quick: bool = False) -> list:
             for case in (*gemm_cases(dtype, epilogues), *glu_cases(dtype, *glu),
                          *qkv_rotary_cases(dtype, (False,) if quick else (False, True)),
                          *attention_cases(dtype, quick), *attention_backward_cases(dtype, quick),
-                         *row_cases(dtype), *split_k_cases(dtype), *epilogue_cases(dtype))]
+                         *row_cases(dtype), *split_k_cases(dtype, quick), *epilogue_cases(dtype, quick))]
 
 
 _BACKEND = None

@@ -1,8 +1,9 @@
 """Every triton kernel config (the vendor backend's epilogue kernels too) compiles to an sm_90 cubin as a real
 launch compiles it (no GPU needed: Triton ships ptxas), without register spills (in any dtype) and within the
 H200's 227 KB of shared memory per block.
-Slow: ~100 compiles, ~60 s on 2 cores with a cold triton cache (--quick; the full sweep, ~400, is the script's
-default run). FASTBERT_SM90_OUT=DIR keeps the resource table (resources.md, resources.json)."""
+Slow: ~300 compiles with --quick (the full sweep, ~650, is the script's default run); on a 2-core VM loaded by
+other jobs that took over 20 minutes, hence the 40-minute limit. FASTBERT_SM90_OUT=DIR keeps the resource table
+(resources.md, resources.json)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     out = Path(env.get("FASTBERT_SM90_OUT") or tmp_path)
     script = Path(__file__).resolve().parents[2] / "tools" / "compile_sm90.py"
     done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=1200)
+                          text=True, timeout=2400)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
     rows = json.loads((out / "resources.json").read_text())["rows"]
     assert {r["kernel"] for r in rows} == {"gemm", "qkv_rotary", "linear_glu", "attention", "attention_backward_dq",
