@@ -14,8 +14,10 @@ backward (N = 4H in a BERT FFN: its largest activation).
 x, W, residual and out may have any strides (W is read transposed through its strides, never copied).
 
 Meta-parameters: on a GPU, `triton.autotune` over a small config list keyed by (power-of-two bucket of M, N, K,
-epilogue), or a fixed table by M when FASTBERT_TRITON_AUTOTUNE=0; under the interpreter (where autotuning would
-take minutes) one fixed config with real block sizes.
+epilogue), the configs that suit the bucket's M (`fits_m`: narrow 16-64 x 32 tiles for few tokens), or a fixed
+table by M when FASTBERT_TRITON_AUTOTUNE=0; under the interpreter (where autotuning would take minutes) one fixed
+config with real block sizes. Where even the narrowest tiles leave most SMs idle (M <= 16 at N = 768), the forward
+runs split along K (`split_k`: slices into an fp32 workspace, then one kernel for their sum and the epilogue).
 fp32 inputs are multiplied in IEEE fp32 (no TF32), so the fp32 path matches PyTorch to ~1e-5.
 """
 
