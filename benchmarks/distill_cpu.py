@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/distill_cpu.py --out benchmarks/results/cpu-2core-distill --runs /tmp/distill
     .venv/bin/python benchmarks/distill_cpu.py --out /tmp/distill-quick --runs /tmp/distill-quick-runs --quick
     .venv/bin/python benchmarks/distill_cpu.py --out DIR --runs DIR --parts embedding    # one part
+    .venv/bin/python benchmarks/distill_cpu.py --out DIR --runs DIR --parts throughput   # part 2's throughput again
 
 1. ``mlm``: `fastbert pretrain` trains a BERT teacher; `fastbert distill` distils it into a DistilBERT student with
    half its layers (the triple loss, the student initialised from the teacher's layers); the same student is trained
@@ -17,6 +18,8 @@
    after, and decode(encode(text)) == text on the held-out sentences plus non-ASCII sentences.
 4. ``mlm-ablation`` (not in the default parts; after ``mlm``): the triple loss on a randomly initialised student,
    to separate what the copied layers give from what the loss gives.
+5. ``throughput`` (not in the default parts; after ``embedding``): part 2's encode throughput alone, for the student
+   under --runs (to re-measure on a quiet machine).
 
 The runs (checkpoints, models, metrics.jsonl, curves) stay under --runs; --out gets ``<part>.json`` for each part
 (figures, settings, machine, CPU flags) and the curves. Every figure written comes from the run just made.
@@ -43,7 +46,7 @@ import torch
 from fastbert.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("mlm", "embedding", "roberta", "mlm-ablation")
+PARTS = ("mlm", "embedding", "roberta", "mlm-ablation", "throughput")
 FINETUNE_TASKS = ("topic", "pair", "code")
 # Sentences outside ASCII for the byte-level BPE round trip: accents, CJK, Cyrillic, Greek, emoji, symbols.
 NON_ASCII = ("Café, naïve façade: déjà vu in São Paulo and Zürich.", "日本語のテキストも、正しく戻ります。",
@@ -282,6 +285,20 @@ def throughput_record(teacher: str, student: str, size: dict) -> dict:
     return found
 
 
+def part_throughput(runs: Path, out: Path, size: dict) -> dict:
+    """The encode throughput of part 2 alone (`throughput_record`), for the student part 2 left under --runs: to
+    re-measure on a quiet machine without distilling again (throughput depends on the architecture, not on the
+    weights)."""
+    from fastbert.common.resolve import default_model_dir
+
+    started = time.time()
+    teacher, student = default_model_dir(), str(runs / "embedding-student" / "model")
+    if not os.path.isdir(student):
+        raise SystemExit(f"distill_cpu: no student at {student}: run --parts embedding first")
+    return {"teacher": teacher, "student": student, "throughput": throughput_record(teacher, student, size),
+            "size": size, "wall_s": round(time.time() - started, 1)}
+
+
 def parameters(model_dir: str) -> int:
     from safetensors.torch import load_file
 
@@ -334,14 +351,14 @@ SIZES = {
                                throughput_sentences=2048, throughput_rounds=3, alpha_cos=1.0, alpha_hidden=1.0,
                                pairs=0.5),
              "roberta": dict(hidden=128, heads=2, layers=2, vocab=5000, max_length=64, steps=300, eval_every=100),
-             "mlm-ablation": {}},
+             "mlm-ablation": {}, "throughput": dict(throughput_sentences=2048, throughput_rounds=3)},
     "quick": {"mlm": dict(hidden=32, heads=2, teacher_layers=4, vocab=500, max_length=32, teacher_steps=10,
                           student_steps=5, eval=32),
               "embedding": dict(batch=8, steps=3, lr=1e-4, eval_every=0, eval=16, ft_steps=2, ft_eval=16,
                                 throughput_sentences=32, throughput_rounds=1, alpha_cos=1.0, alpha_hidden=1.0,
                                 pairs=0.5),
               "roberta": dict(hidden=32, heads=2, layers=1, vocab=500, max_length=32, steps=10, eval_every=5),
-              "mlm-ablation": {}},
+              "mlm-ablation": {}, "throughput": dict(throughput_sentences=32, throughput_rounds=1)},
 }
 
 
@@ -351,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", required=True, help="where the runs (checkpoints, models) go")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a sanity run of the whole script")
     parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS[:3]),
-                        help="default: mlm embedding roberta; mlm-ablation reuses mlm's teacher and settings")
+                        help="default: mlm embedding roberta; mlm-ablation reuses mlm's teacher and settings, "
+                        "throughput embedding's student")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     out, runs = Path(args.out), Path(args.runs)
@@ -359,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     sizes = SIZES["quick" if args.quick else "full"]
     functions = {"mlm": part_mlm, "embedding": part_embedding, "roberta": part_roberta,
-                 "mlm-ablation": part_mlm_ablation}
+                 "mlm-ablation": part_mlm_ablation, "throughput": part_throughput}
     for part in args.parts:
         began = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         record = functions[part](runs, out, sizes[part])
