@@ -15,7 +15,8 @@ adds the bias to the fp32 accumulator before the one rounding).
 
 Limits: the GEMM output (y, p, packed) is a contiguous [M, N] buffer (torch's result); the residual may have any
 row stride with unit column stride; rows must fit one block for the LayerNorm (N <= 65536). fp16, bf16, fp32.
-Offsets are int64 (pid cast before arithmetic). Launched on torch's current stream, as every triton launch is.
+Offsets are int64 (pid cast before arithmetic). Launched on torch's current stream through `common.launch` (the
+cached launcher every kernel of the package uses).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRETER, cast_rtne, layernorm_tile, row_block, row_warps, rows_per_program
+from .common import INTERPRETER, cast_rtne, launch, layernorm_tile, row_block, row_warps, rows_per_program
 from .gemm import ACTIVATION_CODES, activate
 
 __all__ = ["MAX_WIDTH", "activate_rows", "glu_rows", "residual_layernorm_rows", "rotary_rows"]
@@ -162,8 +163,8 @@ def activate_rows(y: torch.Tensor, activation: str) -> torch.Tensor:
     numel = y.numel()
     if numel:
         block = elementwise_block()
-        _activation_kernel[(triton.cdiv(numel, block),)](y, numel, ACTIVATION=ACTIVATION_CODES[activation],
-                                                         BLOCK=block, num_warps=4)
+        launch(_activation_kernel, (triton.cdiv(numel, block),), y, numel, ACTIVATION=ACTIVATION_CODES[activation],
+               BLOCK=block, num_warps=4)
     return y
 
 
@@ -187,10 +188,9 @@ def residual_layernorm_rows(y: torch.Tensor, residual: torch.Tensor, weight: tor
     has_bias = bias is not None
     bias = bias.contiguous() if has_bias else weight  # a placeholder the kernel never reads without HAS_BIAS
     per_program = rows_per_program(width)
-    _residual_layernorm_kernel[(triton.cdiv(rows, per_program),)](
-        y, residual, target, weight, bias, rows, width, residual.stride(0), eps, HAS_BIAS=has_bias,
-        STORE_SUM=out is not None, ROWS=per_program, BLOCK_N=row_block(width),
-        num_warps=row_warps(width, per_program))
+    launch(_residual_layernorm_kernel, (triton.cdiv(rows, per_program),), y, residual, target, weight, bias, rows,
+           width, residual.stride(0), eps, HAS_BIAS=has_bias, STORE_SUM=out is not None, ROWS=per_program,
+           BLOCK_N=row_block(width), num_warps=row_warps(width, per_program))
     return target
 
 
@@ -202,9 +202,8 @@ def glu_rows(projected: torch.Tensor, activation: str) -> torch.Tensor:
     out = torch.empty((rows, inner), dtype=projected.dtype, device=projected.device)
     if rows and inner:
         block_m, block_n = glu_blocks()
-        _glu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(inner, block_n))](
-            projected, out, rows, inner, ACTIVATION=ACTIVATION_CODES[activation], BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=4)
+        launch(_glu_kernel, (triton.cdiv(rows, block_m), triton.cdiv(inner, block_n)), projected, out, rows, inner,
+               ACTIVATION=ACTIVATION_CODES[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return out
 
 
@@ -223,7 +222,7 @@ def rotary_rows(packed: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     pairs = num_heads * 2 * half
     if rows:
         per_program, block_p = rotary_blocks(pairs)
-        _rotary_kernel[(triton.cdiv(rows, per_program), triton.cdiv(pairs, block_p))](
-            packed, positions.reshape(-1).contiguous(), cos, sin, rows, width, pairs, cos.shape[0], cos.stride(0),
-            HALF=half, ROWS=per_program, BLOCK_P=block_p, num_warps=4)
+        launch(_rotary_kernel, (triton.cdiv(rows, per_program), triton.cdiv(pairs, block_p)), packed,
+               positions.reshape(-1).contiguous(), cos, sin, rows, width, pairs, cos.shape[0], cos.stride(0),
+               HALF=half, ROWS=per_program, BLOCK_P=block_p, num_warps=4)
     return packed

@@ -205,6 +205,18 @@ def test_epilogue_launchers_say_what_is_wrong():
         epilogues.rotary_rows(rand(4, 18, dtype=torch.float16), torch.zeros(4, dtype=torch.int64), cos, sin, 1)
 
 
+def test_epilogue_kernels_can_be_replayed_by_the_cached_launcher():
+    """Runtime parameters before constexprs in every epilogue kernel (what `common.launch` needs)."""
+    from fastbert.kernels import common
+    from triton.runtime.jit import JITFunction
+
+    kernels = [value for name, value in vars(epilogues).items() if name.endswith("_kernel")]
+    assert len(kernels) == 4
+    for kernel in kernels:
+        info = common.KernelInfo(JITFunction(kernel.fn))
+        assert info.reason is None and info.runtime_count > 0, info.reason
+
+
 def test_rotary_rows_outside_the_tables_rotate_by_zero():
     """The functional entry refuses such positions; the kernel itself leaves those rows as projected."""
     packed = rand(3, 24, dtype=torch.float32)
