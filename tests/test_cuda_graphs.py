@@ -126,7 +126,8 @@ def test_bucketed_forward_matches_the_model(family, backend, shape):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("family", ["bert", "modernbert"])
+@pytest.mark.parametrize("family", ["bert", "modernbert"] + [pytest.param(family, marks=pytest.mark.slow) for family
+                                                            in ("roberta", "distilbert", "albert", "electra")])
 def test_bucketed_forward_matches_the_model_on_triton(family):
     model = _fast_model(family, "triton")
     inputs = _inputs(model, 3, 9)
