@@ -92,9 +92,10 @@ class Service:
             raise WrongTask(f"this server runs task {self.engine.task!r}; this endpoint needs "
                             f"{' or '.join(repr(t) for t in tasks)} (fastbert serve --task ...)")
 
-    async def rows(self, items: list, truncate: bool) -> tuple[np.ndarray, int]:
-        """The engine's rows for texts (or pairs) through the batcher, and their token count."""
-        tokens = self.engine.encode(items, truncate)
+    async def rows(self, items: list, truncate: bool, direction: str = "Right") -> tuple[np.ndarray, int]:
+        """The engine's rows for texts (or pairs) through the batcher, and their token count; a too-long input is
+        cut at the end ``direction`` (TEI's truncation_direction) names when ``truncate``."""
+        tokens = self.engine.encode(items, truncate, direction.lower())
         return await self.batcher.infer(tokens, self.settings.request_timeout), sum(len(t) for t in tokens)
 
     def info(self) -> dict[str, Any]:
@@ -102,6 +103,7 @@ class Service:
         return {"model_id": model_name(engine.model_dir), "model_dir": engine.model_dir, "task": engine.task,
                 "family": engine.config.family, "dtype": dtype_name(engine.dtype), "device": str(engine.device),
                 "backend": self.settings.backend, "dimension": engine.dimension, "labels": engine.labels,
+                "prompts": list(engine.prompts),
                 "max_input_length": engine.max_length, "max_batch_tokens": self.max_batch_tokens,
                 "max_client_batch_size": self.settings.max_client_batch_size, "max_queue": self.settings.max_queue,
                 "request_timeout_s": self.settings.request_timeout, "max_body_bytes": self.settings.max_body_bytes,
@@ -164,7 +166,8 @@ async def embed(body: schemas.EmbedRequest, request: Request) -> Response:
     service: Service = request.app.state.service
     service.require("embed")
     texts = schemas.texts_of(body.inputs, service.settings.max_client_batch_size)
-    rows, _ = await service.rows(texts, body.truncate)
+    texts = service.engine.with_prompt(texts, body.prompt_name)
+    rows, _ = await service.rows(texts, body.truncate, body.truncation_direction)
     return json_response(normalized(rows) if body.normalize else rows)
 
 
@@ -202,7 +205,7 @@ async def rerank(body: schemas.RerankRequest, request: Request) -> Response:
     service.require("rerank")
     schemas.check_text(body.query, "query")
     texts = schemas.texts_of(body.texts, service.settings.max_client_batch_size)
-    logits, _ = await service.rows([(body.query, text) for text in texts], body.truncate)
+    logits, _ = await service.rows([(body.query, text) for text in texts], body.truncate, body.truncation_direction)
     scores = logits[:, 0] if body.raw_scores else torch.sigmoid(torch.from_numpy(logits[:, 0])).numpy()
     order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))
     return json_response([{"index": i, "score": float(scores[i]), **({"text": texts[i]} if body.return_text else {})}
@@ -214,7 +217,7 @@ async def predict(body: schemas.PredictRequest, request: Request) -> Response:
     service: Service = request.app.state.service
     service.require("classify", "rerank")
     items, batched = schemas.predict_items(body.inputs, service.settings.max_client_batch_size)
-    logits, _ = await service.rows(items, body.truncate)
+    logits, _ = await service.rows(items, body.truncate, body.truncation_direction)
     values = torch.from_numpy(logits)
     if not body.raw_scores:
         values = torch.sigmoid(values) if values.shape[1] == 1 else torch.softmax(values, dim=1)

@@ -5,8 +5,9 @@
 - `ClassifyEngine`: a sequence-classification checkpoint (a cross-encoder reranker has one label): texts or
   (text, text) pairs in, logits out.
 
-Tokenizing (`encode`) runs in the request's handler, so that a too-long input is refused before it queues;
-`run` runs in the worker, on one batch of already tokenized inputs."""
+Tokenizing (`encode`) runs in the request's handler, so that a too-long input is refused before it queues (or cut
+at the end the request names: TEI's ``truncation_direction``); `run` runs in the worker, on one batch of already
+tokenized inputs."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from fastbert.serving.schemas import InputError
 
 TASKS = ("embed", "rerank", "classify")
 Text = str | tuple[str, str]  # one text, or a (text, text) pair for a cross-encoder
+DIRECTIONS = ("right", "left")  # which end of a too-long input truncation cuts
 
 
 class InputTooLong(ValueError):
@@ -63,13 +65,30 @@ class EmbedEngine:
         self.default_normalize = True if declared is None else declared
         self.dimension = self.config.hidden_size
         self.labels: list[str] = []
+        self.prompts = checkpoint_prompts(self.model_dir)
+        self.left = PairTokenizer(self.model_dir, self.max_length, "left")
 
-    def encode(self, texts: Sequence[Text], truncate: bool) -> list[Tokens]:
+    def encode(self, texts: Sequence[Text], truncate: bool, direction: str = "right") -> list[Tokens]:
         """Token ids of each text (special tokens added); InputTooLong for the first too-long one unless
-        ``truncate``."""
+        ``truncate``, which cuts it at the end ``direction`` names (right: the ids `fastbert embed` uses)."""
         ids, truncated = self.embedder.tokenize(list(texts))
         check_lengths(truncated, ids, truncate, self.max_length)
+        if direction == "left" and any(truncated):
+            cut = [i for i, flag in enumerate(truncated) if flag]
+            for i, row in zip(cut, self.left([texts[i] for i in cut])[0], strict=True):
+                ids[i] = row
         return [Tokens(row) for row in ids]
+
+    def with_prompt(self, texts: list[str], name: str | None) -> list[str]:
+        """The texts with the checkpoint's prompt ``name`` (sentence-transformers' ``prompts``) put before each;
+        InputError for a name the checkpoint does not declare."""
+        if name is None:
+            return texts
+        if name not in self.prompts:
+            known = ", ".join(repr(p) for p in self.prompts) or "none"
+            raise InputError(f"prompt_name {name!r}: this model's prompts (config_sentence_transformers.json) are "
+                             f"{known}")
+        return [self.prompts[name] + text for text in texts]
 
     def check_ids(self, rows: Sequence[Sequence[int]]) -> list[Tokens]:
         """Token ids given by a client (OpenAI's token input): in the vocabulary and not too long."""
@@ -108,11 +127,12 @@ class ClassifyEngine:
                                                   device=self.device, backend=backend).eval()
         except ValueError as err:  # CheckpointError, an unsupported family
             raise UserError(f"{self.model_dir}: {err}") from err
-        self.tokenizer = PairTokenizer(self.model_dir, self.max_length)
+        self.tokenizers = {d: PairTokenizer(self.model_dir, self.max_length, d) for d in DIRECTIONS}
         self.dimension = len(self.labels)
+        self.prompts: dict[str, str] = {}  # a classifier takes none
 
-    def encode(self, texts: Sequence[Text], truncate: bool) -> list[Tokens]:
-        ids, types, truncated = self.tokenizer(texts)
+    def encode(self, texts: Sequence[Text], truncate: bool, direction: str = "right") -> list[Tokens]:
+        ids, types, truncated = self.tokenizers[direction](texts)
         check_lengths(truncated, ids, truncate, self.max_length)
         keep_types = bool(self.config.type_vocab_size)
         return [Tokens(i, t if keep_types else None) for i, t in zip(ids, types, strict=True)]
@@ -132,9 +152,12 @@ class ClassifyEngine:
 
 
 class PairTokenizer:
-    """A checkpoint's tokenizer for texts and (text, text) pairs, truncating to ``max_length`` (longest first)."""
+    """A checkpoint's tokenizer for texts and (text, text) pairs, truncating to ``max_length`` (longest first) at
+    the end ``direction`` names (right or left)."""
 
-    def __init__(self, model_dir: str, max_length: int):
+    def __init__(self, model_dir: str, max_length: int, direction: str = "right"):
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         self.max_length = max_length
         path = os.path.join(model_dir, "tokenizer.json")
         if os.path.isfile(path):
@@ -142,12 +165,12 @@ class PairTokenizer:
 
             self.fast = Tokenizer.from_file(path)
             self.fast.no_padding()
-            self.fast.enable_truncation(max_length=max_length)
+            self.fast.enable_truncation(max_length=max_length, direction=direction)
             return
         try:
             from transformers import AutoTokenizer
 
-            self.fast, self.slow = None, AutoTokenizer.from_pretrained(model_dir)
+            self.fast, self.slow = None, AutoTokenizer.from_pretrained(model_dir, truncation_side=direction)
         except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer there
             raise UserError(f"{model_dir} has no tokenizer.json and transformers cannot load a tokenizer from it "
                             f"({type(err).__name__})") from err
@@ -174,6 +197,17 @@ def check_lengths(truncated: Sequence[bool], ids: Sequence[list[int]], truncate:
     for index, cut in enumerate(truncated):
         if cut:
             raise InputTooLong(index, limit)
+
+
+def checkpoint_prompts(model_dir: str) -> dict[str, str]:
+    """The prompts of a sentence-transformers checkpoint (``prompts`` in config_sentence_transformers.json): name to
+    the text put before an input; {} when it declares none."""
+    path = os.path.join(model_dir, "config_sentence_transformers.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        prompts = json.load(f).get("prompts") or {}
+    return {str(name): str(text) for name, text in prompts.items()}
 
 
 def checkpoint_labels(model_dir: str, num_labels: int) -> list[str]:

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 STRICT = ConfigDict(strict=True, extra="forbid")
+# TEI's truncation_direction: which end of a too-long input is cut (with truncate: true); TEI's spelling, or lower case
+Direction = Literal["Left", "Right", "left", "right"]
 
 
 class InputError(ValueError):
@@ -28,6 +30,8 @@ class EmbedRequest(BaseModel):
     inputs: str | list[str]
     normalize: bool = True
     truncate: bool = False
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
 
 
 class OpenAIEmbeddingRequest(BaseModel):
@@ -46,6 +50,7 @@ class RerankRequest(BaseModel):
     raw_scores: bool = False
     return_text: bool = False
     truncate: bool = False
+    truncation_direction: Direction = "Right"
 
 
 class PredictRequest(BaseModel):
@@ -55,6 +60,7 @@ class PredictRequest(BaseModel):
     inputs: str | list[str | list[str]] = Field(...)
     raw_scores: bool = False
     truncate: bool = False
+    truncation_direction: Direction = "Right"
 
 
 def texts_of(values: str | Sequence[str], limit: int) -> list[str]:

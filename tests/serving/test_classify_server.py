@@ -66,3 +66,36 @@ def test_predict_texts_and_pairs(start_server, classifier_dir):
     bad = httpx.post(server.url + "/predict", json={"inputs": [["a", "b", "c"]]}, timeout=60)
     assert bad.status_code == 422 and "pair" in bad.json()["error"]
     assert httpx.post(server.url + "/rerank", json={"query": "q", "texts": ["a"]}).status_code == 400
+
+
+def test_predict_and_rerank_truncation_direction(reranker, reranker_dir):
+    """truncation_direction Left cuts the start of a too-long input: the scores equal those of the text made of
+    the tokens kept; Right (the default) keeps the start."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{reranker_dir}/tokenizer.json")
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    assert len(tokenizer.encode("alpha omega").ids) == 4  # [CLS] alpha omega [SEP]: one token per word
+    text = "alpha " * 300 + "omega " * 300  # 600 tokens, the limit is 512
+    tail = "alpha " * 210 + "omega " * 300  # the 510 tokens Left keeps
+    head = "alpha " * 300 + "omega " * 210  # the 510 tokens Right keeps
+
+    def predict(inputs, **options):
+        answer = httpx.post(reranker.url + "/predict", json={"inputs": inputs, "raw_scores": True, **options},
+                            timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()[0]["score"]
+
+    left = predict(text, truncate=True, truncation_direction="Left")
+    assert left == pytest.approx(predict(tail), abs=1e-5)
+    assert predict(text, truncate=True) == pytest.approx(predict(head), abs=1e-5)
+    assert abs(left - predict(head)) > 1e-4
+    ranked = httpx.post(reranker.url + "/rerank", json={"query": "q", "texts": [text], "raw_scores": True,
+                                                        "truncate": True, "truncation_direction": "left"},
+                        timeout=60).json()
+    pair = httpx.post(reranker.url + "/predict", json={"inputs": ["q", text], "raw_scores": True, "truncate": True,
+                                                       "truncation_direction": "Left"}, timeout=60).json()
+    assert ranked[0]["score"] == pytest.approx(pair[0]["score"], abs=1e-5)
+    assert httpx.post(reranker.url + "/predict", json={"inputs": text, "truncation_direction": "Left"},
+                      timeout=60).status_code == 413

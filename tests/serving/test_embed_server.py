@@ -168,3 +168,64 @@ def test_100_concurrent_requests_get_their_own_vectors(server, direct):
     expected = direct(sentences)
     got = np.concatenate([np.array(a.json(), dtype=np.float32) for a in answers])
     np.testing.assert_allclose(got, expected, atol=TOLERANCE)
+
+
+def test_truncation_direction_left_keeps_the_end_of_the_text(client, minilm_dir):
+    """TEI's truncation_direction: Left keeps [CLS] + the last 254 tokens + [SEP], the same vector as those ids
+    sent as token ids; Right (the default) keeps the start."""
+    from tokenizers import Tokenizer
+
+    text = "alpha beta " * 150 + "omega " * 200  # 500 words: the start and the end read differently
+    tokenizer = Tokenizer.from_file(f"{minilm_dir}/tokenizer.json")
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    full = tokenizer.encode(text).ids
+    assert len(full) > 256
+    left_ids = full[:1] + full[-255:]
+    by_ids = np.array(client.post("/v1/embeddings", json={"input": [left_ids]}).json()["data"][0]["embedding"])
+    for direction in ("Left", "left"):
+        left = client.post("/embed", json={"inputs": [text, "short"], "truncate": True,
+                                           "truncation_direction": direction})
+        assert left.status_code == 200, left.text
+        np.testing.assert_allclose(np.array(left.json()[0]), by_ids, atol=TOLERANCE)
+    right = np.array(client.post("/embed", json={"inputs": [text], "truncate": True,
+                                                 "truncation_direction": "Right"}).json()[0])
+    default = np.array(client.post("/embed", json={"inputs": [text], "truncate": True}).json()[0])
+    np.testing.assert_array_equal(right, default)
+    assert np.abs(right - by_ids).max() > 0.01
+    short = client.post("/embed", json={"inputs": ["short"], "truncation_direction": "Left"}).json()[0]
+    np.testing.assert_allclose(short, left.json()[1], atol=TOLERANCE)  # nothing to cut: the direction is moot
+    refused = client.post("/embed", json={"inputs": [text], "truncation_direction": "Left"})
+    assert refused.status_code == 413  # a direction without truncate: true still refuses a too-long input
+    wrong = client.post("/embed", json={"inputs": "a", "truncation_direction": "Middle"})
+    assert wrong.status_code == 422 and "truncation_direction" in wrong.json()["error"]
+
+
+def test_prompt_name_is_refused_when_the_model_has_no_prompts(client):
+    answer = client.post("/embed", json={"inputs": "a", "prompt_name": "query"})
+    assert answer.status_code == 422
+    assert "prompt_name 'query'" in answer.json()["error"] and "none" in answer.json()["error"]
+    assert client.get("/info").json()["prompts"] == []
+
+
+def test_prompt_name_puts_the_checkpoints_prompt_first(start_server, minilm_dir, tmp_path, direct):
+    """A copy of all-MiniLM-L6-v2 whose sentence-transformers config declares prompts: prompt_name 'query' embeds
+    'query: ' + text; an unknown name is a 422 naming the prompts there are."""
+    import os
+
+    for name in os.listdir(minilm_dir):
+        os.symlink(os.path.join(minilm_dir, name), tmp_path / name)
+    (tmp_path / "config_sentence_transformers.json").unlink()
+    prompts = {"query": "query: ", "passage": "passage: "}
+    (tmp_path / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    server = start_server(["--model", str(tmp_path)])
+    texts = ["How do I reset my password?", "Ein Hund bellt."]
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        assert client.get("/info").json()["prompts"] == ["query", "passage"]
+        answer = client.post("/embed", json={"inputs": texts, "prompt_name": "query"})
+        assert answer.status_code == 200, answer.text
+        np.testing.assert_allclose(np.array(answer.json()), direct([f"query: {t}" for t in texts]), atol=TOLERANCE)
+        plain = client.post("/embed", json={"inputs": texts}).json()
+        np.testing.assert_allclose(np.array(plain), direct(texts), atol=TOLERANCE)
+        unknown = client.post("/embed", json={"inputs": texts, "prompt_name": "document"})
+        assert unknown.status_code == 422 and "'query', 'passage'" in unknown.json()["error"]
