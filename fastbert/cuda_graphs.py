@@ -32,7 +32,8 @@ The normal path runs instead (the runner returns None): under autograd (grad mod
 ``inputs_embeds``, ``position_ids``, ``output_hidden_states``, under torch.compile or jit tracing, on a device other
 than CUDA (unless ``capture=False``), and past the largest bucket (more tokens, sequences or a longer sequence).
 ``capture=False`` runs the same bucketed forward without capturing, on any device: the CPU tests check it against
-the unbucketed model for every family and backend.
+the unbucketed model for every family and backend. Capture, replay and the flat memory are checked by the
+`gpu`-marked tests of tests/test_cuda_graphs.py only: not yet run on a GPU, and not timed there.
 
 `CudaGraphEncoder` (below) is the older opt-in variant: it captures the padded forward per (batch, length) bucket.
 """
