@@ -346,9 +346,9 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
         if not tuning.can_measure(tensors):
             return _static(op, device_type, tensors, args, kwargs, "static order: cannot measure now (CUDA graph "
                            "capture, tracing or a tensor subclass) and nothing cached")
-        times, rounds = tuning.measure({name: _REGISTRY[op][name].fn for name in candidates}, args, kwargs)
+        times, rounds, clock = tuning.measure({name: _REGISTRY[op][name].fn for name in candidates}, args, kwargs)
         preferred = _static(op, device_type, tensors, args, kwargs, "").backend
-        entry = tuning.Entry(tuning.pick(times, preferred), times, rounds)
+        entry = tuning.Entry(tuning.pick(times, preferred), times, rounds, clock)
         tuning.record(device, shape_class, entry)
         how = "measured"
     best = entry.times_ms[entry.choice]

@@ -9,7 +9,8 @@ batch and never again.
 
 Measuring (`measure`) calls each candidate once to warm up (Triton compiles there), then up to `ROUNDS`
 interleaved rounds (at least `MIN_ROUNDS`, more while within `BUDGET_S`), and keeps each candidate's fastest round:
-load on a shared machine only ever adds time. The static order's choice stays unless another is `MARGIN` faster.
+load on a shared machine only ever adds time (with one CPU thread the clock is the thread's CPU time, which the
+load does not inflate at all). The static order's choice stays unless another is `MARGIN` faster.
 It forks the RNG (CPU and the tensors' CUDA devices) so dropout draws are what they would have been, never writes
 the inputs, and under autograd times forward + backward with a fixed gradient on detached copies of the inputs, so
 no ``.grad`` appears on the caller's tensors. It never runs while torch.compile traces, while a CUDA graph is
@@ -62,15 +63,17 @@ _WARNED: set[Path] = set()
 
 @dataclass
 class Entry:
-    """One measured choice: the backend, each candidate's fastest round in ms, rounds, when (UTC)."""
+    """One measured choice: the backend, each candidate's fastest round in ms, rounds, the clock, when (UTC)."""
 
     choice: str
     times_ms: dict[str, float]
     rounds: int
+    clock: str = "wall"  # or "thread cpu" (`measure`)
     measured: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
     def to_json(self) -> dict:
-        return {"choice": self.choice, "times_ms": self.times_ms, "rounds": self.rounds, "measured": self.measured}
+        return {"choice": self.choice, "times_ms": self.times_ms, "rounds": self.rounds, "clock": self.clock,
+                "measured": self.measured}
 
 
 def enabled() -> bool:
@@ -323,22 +326,29 @@ def _prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}, leaves
 
 
-def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], sync: Callable[[], None]) -> float:
-    start = time.perf_counter()
+def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], sync: Callable[[], None],
+          clock: Callable[[], float] = time.perf_counter) -> float:
+    start = clock()
     out = fn(*args, **kwargs)
     outputs = _outputs(out) if leaves else []
     if outputs:
         torch.autograd.grad(outputs, leaves, [torch.ones_like(o) for o in outputs], allow_unused=True)
     sync()
-    return (time.perf_counter() - start) * 1e3
+    return (clock() - start) * 1e3
 
 
-def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple[dict[str, float], int]:
-    """Time each candidate on the call (see the module's doc): ({backend: fastest round in ms}, rounds)."""
+def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple[dict[str, float], int, str]:
+    """Time each candidate on the call (see the module's doc): ({backend: fastest round in ms}, rounds, clock).
+
+    The clock: on CPU with one intra-op thread, the calling thread's CPU time (every kernel then runs on that
+    thread, and time spent descheduled by other processes does not count: the choice holds on a busy machine);
+    otherwise wall time (several threads, or CUDA, synchronized around each call)."""
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
     cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                    for t in tensors if t.is_cuda})
     sync = (lambda: [torch.cuda.synchronize(i) for i in cuda]) if cuda else (lambda: None)
+    thread_clock = not cuda and torch.get_num_threads() == 1
+    clock = time.thread_time if thread_clock else time.perf_counter
     args, kwargs, leaves = _prepare(args, kwargs)
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.random.fork_rng(devices=cuda):
@@ -351,9 +361,9 @@ def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple
             names = list(candidates)
             names = names[rounds % len(names):] + names[:rounds % len(names)]  # rotated order
             for name in names:
-                times[name].append(_call(candidates[name], args, kwargs, leaves, sync))
+                times[name].append(_call(candidates[name], args, kwargs, leaves, sync, clock))
             rounds += 1
-    return {name: min(values) for name, values in times.items()}, rounds
+    return {name: min(values) for name, values in times.items()}, rounds, "thread cpu" if thread_clock else "wall"
 
 
 def pick(times: dict[str, float], preferred: str | None = None) -> str:

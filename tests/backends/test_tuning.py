@@ -45,7 +45,7 @@ def _args(rows: int = 7, grad: bool = False) -> tuple:
 
 
 def _install(monkeypatch, slow: str | dict) -> dict[str, int]:
-    """Make `OP`'s cpp and eager backends both the eager function, the one named ``slow`` sleeping DELAY_S first
+    """Make `OP`'s cpp and eager backends both the eager function, the one named ``slow`` busy for DELAY_S first
     (``slow`` may map backends to a predicate of x: sleep when it holds); returns the count of calls per backend."""
     slow_when = slow if isinstance(slow, dict) else {slow: lambda x: True}
     eager = backends.implementations(OP)["eager"].fn
@@ -55,7 +55,9 @@ def _install(monkeypatch, slow: str | dict) -> dict[str, int]:
         def run(x, *rest, **kwargs):
             calls[name] += 1
             if name in slow_when and slow_when[name](x):
-                time.sleep(DELAY_S)
+                end = time.thread_time() + DELAY_S  # busy: at least DELAY_S of CPU time, and so of wall time
+                while time.thread_time() < end:
+                    pass
             return eager(x, *rest, **kwargs)
         return backends.OpImpl(run, lambda *a, **k: None, has_backward=True)
 
@@ -287,3 +289,19 @@ def test_dispatch_measures_a_call_once_and_remembers_it(measuring, monkeypatch):
     q, k, v, *rest = attention_args("packed", [5, 3], window=None)
     keys = {backends._call_key("attention", (q, k, v, *rest, 0.1, seed), {}) for seed in range(3)}
     assert len(keys) == 1
+
+
+def test_one_cpu_thread_is_timed_by_its_cpu_time_and_more_threads_by_the_wall_clock(measuring):
+    """With one intra-op thread the thread's CPU time is the clock, so time spent off the CPU (here a sleep, on a
+    busy machine other processes' turns) does not count; with more threads, wall time."""
+    x = torch.randn(3, 4)
+
+    def sleeping(x):
+        time.sleep(DELAY_S)
+        return x + 1
+
+    times, _, clock = tuning.measure({"eager": sleeping}, (x,), {})
+    assert clock == "thread cpu" and times["eager"] < DELAY_S * 1e3 / 2
+    torch.set_num_threads(2)  # the fixture restores the count
+    times, _, clock = tuning.measure({"eager": sleeping}, (x,), {})
+    assert clock == "wall" and times["eager"] >= DELAY_S * 1e3
