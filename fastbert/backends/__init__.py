@@ -1,10 +1,11 @@
 """One dispatch for every fused op: backends ``eager`` | ``triton`` | ``cpp`` | ``vendor``.
 
 Each backend registers, per op, an implementation and a ``supports`` check that returns ``None`` when it can run
-the given inputs and otherwise the reason it cannot. ``backend="auto"`` walks the preference list for the inputs'
-device and takes the first backend whose check passes; a forced backend whose check fails raises
-:class:`BackendUnavailable` carrying that reason. The env var ``FASTBERT_BACKEND`` forces a backend wherever
-``"auto"`` was asked for; it is read once, when fastbert is imported (`read_environment` reads it again).
+the given inputs and otherwise the reason it cannot. ``backend="auto"`` takes, among the backends of the inputs'
+device whose check passes, the fastest measured (below) or, with measuring off, the first of a preference list; a
+forced backend whose check fails raises :class:`BackendUnavailable` carrying that reason. The env var
+``FASTBERT_BACKEND`` forces a backend wherever ``"auto"`` was asked for; it is read once, when fastbert is imported
+(`read_environment` reads it again).
 
 ``auto`` measures (`fastbert.backends.tuning`): on the first call of an op in a shape class, every backend of the
 device's order that can run the call is timed on it and the fastest is kept, in the process and in a file of the
