@@ -8,9 +8,10 @@ all). All layers of a model share one class per op site, so a model measures eac
 batch and never again.
 
 Measuring (`measure`) calls each candidate once to warm up (Triton compiles there), then up to `ROUNDS`
-interleaved rounds (at least `MIN_ROUNDS`, more while within `BUDGET_S`), and keeps each candidate's fastest round:
-load on a shared machine only ever adds time (with one CPU thread the clock is the thread's CPU time, which the
-load does not inflate at all). The static order's choice stays unless another is `MARGIN` faster.
+interleaved rounds (at least `MIN_ROUNDS`, more while within `BUDGET_S`). With one CPU thread the clock is the
+thread's CPU time, which other processes do not inflate, and each candidate's median round counts; otherwise the
+wall clock and the fastest round (load only ever adds time). The static order's choice stays unless another is
+`MARGIN` faster.
 It forks the RNG (CPU and the tensors' CUDA devices) so dropout draws are what they would have been, never writes
 the inputs, and under autograd times forward + backward with a fixed gradient on detached copies of the inputs, so
 no ``.grad`` appears on the caller's tensors. It never runs while torch.compile traces, while a CUDA graph is
@@ -32,6 +33,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import threading
 import time
 import warnings
@@ -44,7 +46,7 @@ import torch
 
 from fastbert.files import write_atomic
 
-ROUNDS = 7  # timed rounds per candidate after the warm-up call, while within BUDGET_S
+ROUNDS = 15  # timed rounds per candidate after the warm-up call, while within BUDGET_S
 MIN_ROUNDS = 3  # at least, whatever the time: a round can land on a moment the machine is busy
 BUDGET_S = 0.5  # per shape class: first use stays well under a second or two
 # Another backend replaces the static order's choice only when it is more than this much faster: kernels that share
@@ -338,7 +340,8 @@ def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], s
 
 
 def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple[dict[str, float], int, str]:
-    """Time each candidate on the call (see the module's doc): ({backend: fastest round in ms}, rounds, clock).
+    """Time each candidate on the call (see the module's doc): ({backend: ms}, rounds, clock): the median round by
+    the thread's CPU time, else the fastest round by the wall clock.
 
     The clock: on CPU with one intra-op thread, the calling thread's CPU time (every kernel then runs on that
     thread, and time spent descheduled by other processes does not count: the choice holds on a busy machine);
@@ -363,7 +366,10 @@ def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple
             for name in names:
                 times[name].append(_call(candidates[name], args, kwargs, leaves, sync, clock))
             rounds += 1
-    return {name: min(values) for name, values in times.items()}, rounds, "thread cpu" if thread_clock else "wall"
+    # CPU time scatters both ways (caches shared with other processes): the median; wall time only gains from the
+    # load: the fastest round.
+    summary = statistics.median if thread_clock else min
+    return {name: summary(values) for name, values in times.items()}, rounds, "thread cpu" if thread_clock else "wall"
 
 
 def pick(times: dict[str, float], preferred: str | None = None) -> str:
