@@ -20,14 +20,26 @@ round by round (so that the load of this shared machine drifts over all of them 
   prefilled cache, the compiled kernel's run a no-op) for the same arguments. Neither includes what both share on a
   GPU: the CudaLauncher's Python wrapper and the C launch (~5 µs, triton-lang/triton #3638); triton 3.9 also
   builds launch metadata on every launch (its hook chain is never None), not counted in ``triton_run`` either.
-Per forward (BERT-base, batch 1 x 128, `fastbert.optimize`d transformers model, inference_mode): the host time with
-no-op launches, the launches it makes, and the two per-launch costs above times that count.
+Per forward (BERT-base without pooler, batch 1 x 128, `fastbert.optimize`d transformers model on the triton backend
+without CUDA graphs, inference_mode): the host time with no-op launches, the same with the kernels' host code calling
+triton.cdiv / triton.next_power_of_2 again (the A/B of `common.cdiv`), the launches it makes, and the two per-launch
+costs above times that count. Host times on CPU are this thread's CPU time (`time.thread_time_ns`: the waits for a
+core of a shared machine left out); on CUDA wall-clock.
 
 On CUDA the launches are real: per kernel, host µs per launch of a bare ``kernel[grid](...)``, of
 `common.launch` (the replay) and of the fastbert op, N launches back to back (tiny grids: the host is the
 bottleneck), then one synchronize.
 
-Findings on the 2-core CPU VM: see benchmarks/results/cpu-2core-launch/README.md (figures from this script's JSON).
+What the profile found (2-core CPU VM, figures in benchmarks/results/cpu-2core-launch/README.md):
+- triton's own ``kernel[grid](...)`` costs about twice what a replay through `common.launch` costs per launch
+  (binder, specialisation list, cache-key string, options, globals check; the replay keeps the key to a tuple of
+  C-level loops and calls the compiled kernel's run directly);
+- triton.cdiv and triton.next_power_of_2 are ConstexprFunctions since triton 3.6: each host call unwraps its
+  arguments (~30x a plain int division); the launchers made ~255 such calls per forward, now plain ints;
+- the custom op's dispatch costs ~2 µs per op under inference_mode and ~3x that under torch.no_grad (its
+  autograd kernel runs; transformers' pipelines and sentence-transformers call models under no_grad);
+- the launchers' own Python (argument tuples of ~25 strides and sizes, flags, output allocation, grid) is the
+  largest remaining share: ~15-25 µs per op here, no-op launch included.
 """
 
 from __future__ import annotations
@@ -328,6 +340,23 @@ def bert_base(dtype, device, layers: int = 12):
     return fastbert.optimize(model, backend="triton", cuda_graphs=False)
 
 
+@contextlib.contextmanager
+def triton_host_helpers():
+    """The kernels' host code calling triton.cdiv / triton.next_power_of_2 (ConstexprFunctions) as it did before
+    `common.cdiv` / `common.next_power_of_2`: for the A/B of that change."""
+    import triton
+
+    swapped = [(m, name, getattr(m, name)) for m in kernel_modules() for name in ("cdiv", "next_power_of_2")
+               if hasattr(m, name)]
+    for module, name, _ in swapped:
+        setattr(module, name, getattr(triton, name))
+    try:
+        yield
+    finally:
+        for module, name, own in swapped:
+            setattr(module, name, own)
+
+
 def forward_costs(dtype, device, calls: int, rounds: int) -> dict:
     """Host µs per forward (batch 1 x 128) with no-op launches, the launches one forward makes and their replay
     and triton costs (`launch_costs`) added per forward."""
@@ -338,11 +367,18 @@ def forward_costs(dtype, device, calls: int, rounds: int) -> dict:
     with launches_replaced(record), torch.inference_mode():
         model(input_ids=ids, attention_mask=mask)
         launches = list(record)
-        noop = interleaved({"forward": lambda: model(input_ids=ids, attention_mask=mask)}, max(1, calls // 50),
-                           rounds)["forward"]
+        def with_triton_helpers():
+            with triton_host_helpers():
+                model(input_ids=ids, attention_mask=mask)
+
+        both = interleaved({"forward": lambda: model(input_ids=ids, attention_mask=mask),
+                            "forward_triton_host_helpers": with_triton_helpers}, max(1, calls // 50), rounds)
+        noop = both["forward"]
     per_launch = launch_costs(launches, max(1, calls // 50), rounds)
     n = per_launch["launches"]
-    return {"forward_noop_launch_us": noop["median_us"], **per_launch,
+    return {"forward_noop_launch_us": noop["median_us"],
+            "forward_noop_launch_triton_host_helpers_us": both["forward_triton_host_helpers"]["median_us"],
+            **per_launch,
             "forward_with_replay_us": round(noop["median_us"] + n * per_launch["replay_us_per_launch"], 1),
             "forward_with_triton_run_us": round(noop["median_us"] + n * per_launch["triton_run_us_per_launch"], 1)}
 
