@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRETER, cast_rtne, launch, layernorm_tile, row_block, row_warps, rows_per_program
+from .common import INTERPRETER, cast_rtne, cdiv, launch, layernorm_tile, row_block, row_warps, rows_per_program
 from .gemm import ACTIVATION_CODES, activate
 
 __all__ = ["MAX_WIDTH", "activate_rows", "glu_rows", "residual_layernorm_rows", "rotary_rows"]
@@ -163,7 +163,7 @@ def activate_rows(y: torch.Tensor, activation: str) -> torch.Tensor:
     numel = y.numel()
     if numel:
         block = elementwise_block()
-        launch(_activation_kernel, (triton.cdiv(numel, block),), y, numel, ACTIVATION=ACTIVATION_CODES[activation],
+        launch(_activation_kernel, (cdiv(numel, block),), y, numel, ACTIVATION=ACTIVATION_CODES[activation],
                BLOCK=block, num_warps=4)
     return y
 
@@ -188,7 +188,7 @@ def residual_layernorm_rows(y: torch.Tensor, residual: torch.Tensor, weight: tor
     has_bias = bias is not None
     bias = bias.contiguous() if has_bias else weight  # a placeholder the kernel never reads without HAS_BIAS
     per_program = rows_per_program(width)
-    launch(_residual_layernorm_kernel, (triton.cdiv(rows, per_program),), y, residual, target, weight, bias, rows,
+    launch(_residual_layernorm_kernel, (cdiv(rows, per_program),), y, residual, target, weight, bias, rows,
            width, residual.stride(0), eps, HAS_BIAS=has_bias, STORE_SUM=out is not None, ROWS=per_program,
            BLOCK_N=row_block(width), num_warps=row_warps(width, per_program))
     return target
@@ -202,7 +202,7 @@ def glu_rows(projected: torch.Tensor, activation: str) -> torch.Tensor:
     out = torch.empty((rows, inner), dtype=projected.dtype, device=projected.device)
     if rows and inner:
         block_m, block_n = glu_blocks()
-        launch(_glu_kernel, (triton.cdiv(rows, block_m), triton.cdiv(inner, block_n)), projected, out, rows, inner,
+        launch(_glu_kernel, (cdiv(rows, block_m), cdiv(inner, block_n)), projected, out, rows, inner,
                ACTIVATION=ACTIVATION_CODES[activation], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return out
 
@@ -222,7 +222,7 @@ def rotary_rows(packed: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     pairs = num_heads * 2 * half
     if rows:
         per_program, block_p = rotary_blocks(pairs)
-        launch(_rotary_kernel, (triton.cdiv(rows, per_program), triton.cdiv(pairs, block_p)), packed,
+        launch(_rotary_kernel, (cdiv(rows, per_program), cdiv(pairs, block_p)), packed,
                positions.reshape(-1).contiguous(), cos, sin, rows, width, pairs, cos.shape[0], cos.stride(0),
                HALF=half, ROWS=per_program, BLOCK_P=block_p, num_warps=4)
     return packed

@@ -492,13 +492,13 @@ def split_k(m: int, n: int, k: int, device: torch.device) -> int:
     if SPLIT_K_MAX * m * n >= 1 << 31:  # the workspace's offsets are int32 in the epilogue kernel
         return 1
     if SPLIT_K_OVERRIDE is not None:
-        return max(1, min(SPLIT_K_OVERRIDE, triton.cdiv(k, block_k)))
+        return max(1, min(SPLIT_K_OVERRIDE, cdiv(k, block_k)))
     if INTERPRETER or device.type != "cuda":
         return 1
-    tiles = triton.cdiv(m, 16) * triton.cdiv(n, 32)
+    tiles = cdiv(m, 16) * cdiv(n, 32)
     if 4 * tiles >= _multiprocessors(device):
         return 1
-    return max(1, min(SPLIT_K_MAX, triton.cdiv(_multiprocessors(device), tiles), k // SPLIT_K_MIN_SLICE))
+    return max(1, min(SPLIT_K_MAX, cdiv(_multiprocessors(device), tiles), k // SPLIT_K_MIN_SLICE))
 
 
 def _launch_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -509,18 +509,18 @@ def _launch_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     n, k = weight.shape
     m = rows.shape[0]
     meta = split_k_meta(m)
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), meta["BLOCK_K"]) * meta["BLOCK_K"]
-    splits = triton.cdiv(k, k_per_split)  # rounding the slices up to whole K steps may leave fewer
+    k_per_split = cdiv(cdiv(k, splits), meta["BLOCK_K"]) * meta["BLOCK_K"]
+    splits = cdiv(k, k_per_split)  # rounding the slices up to whole K steps may leave fewer
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    tiles = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+    tiles = (cdiv(m, meta["BLOCK_M"]), cdiv(n, meta["BLOCK_N"]))
     launch(_linear_split_k_kernel, (*tiles, splits), rows, weight, partial, m, n, k, rows.stride(0), rows.stride(1),
            weight.stride(0), weight.stride(1), k_per_split, INPUT_PRECISION=dot_precision(x.dtype),
            DOT_IN_FP32=dot_in_fp32(x.dtype), **meta)
     res = as_rows(residual) if residual is not None else None
     bias = bias.contiguous() if bias is not None else None
     block_m, block_n = split_k_epilogue_blocks()
-    launch(_split_k_epilogue_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, block_n)), partial,
+    launch(_split_k_epilogue_kernel, (cdiv(m, block_m), cdiv(n, block_n)), partial,
            bias if bias is not None else out, res if res is not None else out, out, m, n, splits,
            res.stride(0) if res is not None else 0, res.stride(1) if res is not None else 0, out.stride(0),
            out.stride(1), *dropout_args(dropout_p, dropout_seed), HAS_BIAS=bias is not None,
