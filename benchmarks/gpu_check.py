@@ -641,21 +641,21 @@ def varlen_lengths(batch: int, seqlen: int) -> torch.Tensor:
 
 
 def launch_overhead_section(section: Section, dry_run: bool, device) -> None:
-    """Host µs per launch and per forward (benchmarks/launch_overhead.py); a dry run times its CPU attribution
-    (launches no-op) on a few calls instead."""
+    """Host µs per launch and per forward (benchmarks/launch_overhead.py). A dry run runs the same code on CPU under
+    the interpreter at tiny sizes (nothing replayed: it checks the code, the figures mean nothing), then the CPU
+    attribution with launches no-op."""
     from benchmarks import launch_overhead
 
+    calls, rounds, shapes = (1, 1, ((1, 16),)) if dry_run else (100, 15, ((1, 128), (8, 128)))
+    section.run("per op: bare kernel[grid], cached launch, op (1 token)", lambda: {
+        "ok": None, "rows": launch_overhead.cuda_launch_table(calls, rounds, device=device.type)})
+    for batch, seqlen in shapes:
+        section.run(f"per forward {batch}x{seqlen}: replayed vs plain launches, no CUDA graphs",
+                    lambda b=batch, s=seqlen: {"ok": None, **launch_overhead.cuda_forward_host(
+                        rounds, b, s, device=device.type)})
     if dry_run:
-        def cpu_ops():
-            return {"ok": None, "rows": launch_overhead.op_costs(device, torch.float32, calls=2, rounds=1)}
-
-        section.run("per op, launches no-op (CPU attribution)", cpu_ops)
-        return
-    section.run("per op: bare kernel[grid], cached launch, op (1 token)",
-                lambda: {"ok": None, "rows": launch_overhead.cuda_launch_table(calls=100, rounds=15)})
-    for shape in ((1, 128), (8, 128)):
-        section.run(f"per forward {shape[0]}x{shape[1]}: replayed vs plain launches, no CUDA graphs",
-                    lambda b=shape[0], s=shape[1]: {"ok": None, **launch_overhead.cuda_forward_host(15, b, s)})
+        section.run("per op, launches no-op (CPU attribution)", lambda: {
+            "ok": None, "rows": launch_overhead.op_costs(device, torch.float32, calls=2, rounds=1)})
 
 
 GEMM_SHAPES = ((768, 2304, "qkv_projection"), (768, 768, "linear_residual_layernorm"),

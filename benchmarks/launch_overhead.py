@@ -89,7 +89,8 @@ def interleaved(variants: dict, calls: int, rounds: int, sync=None, clock=time.t
 
 
 # ------------------------------------------------------------------------------------------------ the ops
-def layer_cases(device, dtype, tokens: int = TOKENS) -> dict[str, tuple]:
+def layer_cases(device, dtype, tokens: int = TOKENS, sizes: tuple[int, int, int] = (HIDDEN, HEADS, FFN)
+                ) -> dict[str, tuple]:
     """(function the op table calls, its arguments) for each op of a BERT-base layer plus the embeddings."""
     from fastbert.kernels import (
         attention,
@@ -99,27 +100,29 @@ def layer_cases(device, dtype, tokens: int = TOKENS) -> dict[str, tuple]:
         qkv_projection,
     )
 
+    hidden, heads, ffn = sizes
+
     def t(*shape, dt=dtype):
         return torch.randn(*shape, device=device).to(dt)
 
     ids = torch.randint(0, 1000, (1, tokens), device=device)
     positions = torch.arange(tokens, device=device)[None]
-    x, ctx, inner = t(tokens, HIDDEN), t(tokens, HIDDEN), t(tokens, FFN)
-    packed = t(tokens, 3, HEADS, HIDDEN // HEADS)
+    x, ctx, inner = t(tokens, hidden), t(tokens, hidden), t(tokens, ffn)
+    packed = t(tokens, 3, heads, hidden // heads)
     cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)
-    norm = (t(HIDDEN), t(HIDDEN), 1e-12)
+    norm = (t(hidden), t(hidden), 1e-12)
     return {
         "embedding_layernorm": (embedding_layernorm.embedding_layernorm,
-                                (ids, positions, torch.zeros_like(ids), t(1000, HIDDEN), t(512, HIDDEN),
-                                 t(2, HIDDEN), *norm)),
-        "qkv_projection": (qkv_projection.qkv_projection, (x, t(3 * HIDDEN, HIDDEN), t(3 * HIDDEN), HEADS)),
+                                (ids, positions, torch.zeros_like(ids), t(1000, hidden), t(512, hidden),
+                                 t(2, hidden), *norm)),
+        "qkv_projection": (qkv_projection.qkv_projection, (x, t(3 * hidden, hidden), t(3 * hidden), heads)),
         "attention": (attention.attention, (packed[:, 0], packed[:, 1], packed[:, 2], cu_seqlens, tokens, None,
-                                            (HIDDEN // HEADS) ** -0.5, None)),
+                                            (hidden // heads) ** -0.5, None)),
         "linear_residual_layernorm (attention output)": (
-            linear_residual_layernorm.linear_residual_layernorm, (ctx, t(HIDDEN, HIDDEN), t(HIDDEN), x, *norm)),
-        "linear_activation (FFN in)": (linear_activation.linear_activation, (x, t(FFN, HIDDEN), t(FFN), "gelu")),
-        "linear_residual_layernorm (FFN out)": (
-            linear_residual_layernorm.linear_residual_layernorm, (inner, t(HIDDEN, FFN), t(HIDDEN), x, *norm)),
+            linear_residual_layernorm.linear_residual_layernorm, (ctx, t(hidden, hidden), t(hidden), x, *norm)),
+        "linear_activation (ffn in)": (linear_activation.linear_activation, (x, t(ffn, hidden), t(ffn), "gelu")),
+        "linear_residual_layernorm (ffn out)": (
+            linear_residual_layernorm.linear_residual_layernorm, (inner, t(hidden, ffn), t(hidden), x, *norm)),
     }
 
 
@@ -325,15 +328,17 @@ def op_costs(device, dtype, calls: int, rounds: int) -> list[dict]:
     return rows
 
 
-def bert_base(dtype, device, layers: int = 12):
-    """A transformers BertModel at BERT-base's sizes (random weights), `fastbert.optimize`d on the triton backend
-    without CUDA graphs (each forward launches its kernels)."""
+def bert_base(dtype, device, layers: int = 12, tiny: bool = False):
+    """A transformers BertModel at BERT-base's sizes (random weights; ``tiny``: 2 layers of width 64, for dry runs
+    under the interpreter), `fastbert.optimize`d on the triton backend without CUDA graphs (each forward launches
+    its kernels)."""
     import transformers
 
     import fastbert
 
     torch.manual_seed(0)
-    config = transformers.BertConfig(num_hidden_layers=layers)
+    config = transformers.BertConfig(num_hidden_layers=layers) if not tiny else transformers.BertConfig(
+        vocab_size=2000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
     config._attn_implementation = "sdpa"
     # no pooler: on CPU its dense layer (the one matmul left outside fastbert's ops) would dominate the host time
     model = transformers.BertModel(config, add_pooling_layer=False).eval().to(device=device, dtype=dtype)
@@ -384,14 +389,17 @@ def forward_costs(dtype, device, calls: int, rounds: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ CUDA: real launches
-def cuda_launch_table(calls: int, rounds: int, tokens: int = 1) -> list[dict]:
+def cuda_launch_table(calls: int, rounds: int, tokens: int = 1, device: str = "cuda") -> list[dict]:
     """Per op (BERT-base sizes, ``tokens`` tokens: tiny kernels, so the host is the bottleneck), host µs per call
     of: its launches as bare ``kernel[grid](...)``, its launches through `common.launch` (replayed), the op with
-    replays, and the op with every launch through triton (the cache switched off)."""
+    replays, and the op with every launch through triton (the cache switched off). ``device="cpu"``: a dry run
+    of this code under the interpreter (tiny sizes, nothing replayed: the figures mean nothing)."""
     from fastbert.kernels import common
 
-    device, rows = torch.device("cuda"), []
-    for name, (fn, args) in layer_cases(device, torch.float16, tokens).items():
+    device, rows = torch.device(device), []
+    cuda = device.type == "cuda"
+    sizes = (HIDDEN, HEADS, FFN) if cuda else (64, 2, 128)
+    for name, (fn, args) in layer_cases(device, torch.float16 if cuda else torch.float32, tokens, sizes).items():
         record: list = []
         with torch.inference_mode():
             fn(*args)  # compiles
@@ -415,8 +423,9 @@ def cuda_launch_table(calls: int, rounds: int, tokens: int = 1) -> list[dict]:
         variants = {"bare_kernel_grid": bare, "cached_launch": cached, "op": op,
                     "op_plain_launch": lambda fn=fn, args=args: op(fn, args, False)}
         with torch.inference_mode():
-            times = interleaved(variants, calls, rounds, sync=torch.cuda.synchronize, clock=time.perf_counter_ns)
-        common._CACHING = common.CACHED_LAUNCH
+            times = interleaved(variants, calls, rounds, sync=torch.cuda.synchronize if cuda else None,
+                                clock=time.perf_counter_ns)
+        common._CACHING = common.CACHED_LAUNCH and not common.INTERPRETER
         n = len(launches)
         rows.append({"op": name, "tokens": tokens, "launches": n,
                      **{f"{k}_us": v["median_us"] for k, v in times.items()},
@@ -426,13 +435,16 @@ def cuda_launch_table(calls: int, rounds: int, tokens: int = 1) -> list[dict]:
     return rows
 
 
-def cuda_forward_host(rounds: int, batch: int = 1, seqlen: int = 128) -> dict:
+def cuda_forward_host(rounds: int, batch: int = 1, seqlen: int = 128, device: str = "cuda") -> dict:
     """BERT-base fp16 (`fastbert.optimize`, triton, no CUDA graphs): per forward the host µs until the last launch
-    is enqueued and the wall µs after a synchronize, with replayed and with plain triton launches, interleaved."""
+    is enqueued and the wall µs after a synchronize, with replayed and with plain triton launches, interleaved.
+    ``device="cpu"``: a dry run of this code (a tiny fp32 model under the interpreter)."""
     from fastbert.kernels import common
 
-    model = bert_base(torch.float16, torch.device("cuda"))
-    ids = torch.randint(1000, 2000, (batch, seqlen), device="cuda")
+    cuda = torch.device(device).type == "cuda"
+    model = bert_base(torch.float16 if cuda else torch.float32, torch.device(device), tiny=not cuda)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ids = torch.randint(1000, 2000, (batch, seqlen), device=device)
     mask = torch.ones_like(ids)
     record: list = []
     host: dict[bool, list] = {True: [], False: []}
@@ -442,15 +454,15 @@ def cuda_forward_host(rounds: int, batch: int = 1, seqlen: int = 128) -> dict:
             model(input_ids=ids, attention_mask=mask)
         for _ in range(rounds + 2):
             for replay in (True, False):
-                common._CACHING = replay and common.CACHED_LAUNCH
-                torch.cuda.synchronize()
+                common._CACHING = replay and common.CACHED_LAUNCH and not common.INTERPRETER
+                sync()
                 start = time.perf_counter_ns()
                 model(input_ids=ids, attention_mask=mask)
                 enqueued = time.perf_counter_ns()
-                torch.cuda.synchronize()
+                sync()
                 host[replay].append((enqueued - start) / 1e3)
                 wall[replay].append((time.perf_counter_ns() - start) / 1e3)
-    common._CACHING = common.CACHED_LAUNCH
+    common._CACHING = common.CACHED_LAUNCH and not common.INTERPRETER
     out = {"shape": f"{batch}x{seqlen}", "launches_per_forward": len(record)}
     for replay, label in ((True, "replay"), (False, "plain")):
         out[f"host_us_{label}"] = round(statistics.median(host[replay][2:]), 1)
