@@ -95,6 +95,7 @@ class Service:
     async def rows(self, items: list, truncate: bool, direction: str = "Right") -> tuple[np.ndarray, int]:
         """The engine's rows for texts (or pairs) through the batcher, and their token count; a too-long input is
         cut at the end ``direction`` (TEI's truncation_direction) names when ``truncate``."""
+        self.batcher.check_room()
         tokens = self.engine.encode(items, truncate, direction.lower())
         return await self.batcher.infer(tokens, self.settings.request_timeout), sum(len(t) for t in tokens)
 
@@ -184,6 +185,7 @@ async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Reque
         if len(rows_of_ids) > limit:
             raise schemas.TooManyInputs(f"{len(rows_of_ids)} inputs in one request; this server takes at most "
                                         f"{limit} (--max-client-batch-size)")
+        service.batcher.check_room()
         tokens = engine.check_ids(rows_of_ids)
         rows = await service.batcher.infer(tokens, service.settings.request_timeout)
         count = sum(len(t) for t in tokens)

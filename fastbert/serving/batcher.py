@@ -101,13 +101,18 @@ class Batcher:
         """Queue a job; QueueFull when the queue is full, ShuttingDown after `stop`."""
         job = Job(inputs, loop.create_future(), loop)
         with self.condition:
-            if not self.accepting:
-                raise ShuttingDown("the server is shutting down")
-            if len(self.pending) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self.check_room()
             self.pending.append(job)
             self.condition.notify()
         return job
+
+    def check_room(self) -> None:
+        """ShuttingDown after `stop`, QueueFull while the queue is full: what `submit` would raise now. The handler
+        asks before tokenizing, so that a refusal costs the server (and the client's wait) as little as it can."""
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down")
+        if len(self.pending) >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
 
     async def infer(self, inputs: list[Tokens], timeout: float) -> np.ndarray:
         """The rows [len(inputs), D] of ``inputs``, in order, once the worker has run them."""

@@ -72,14 +72,19 @@ def test_full_queue_refuses_at_once_and_stop_drains():
         await asyncio.sleep(0)
         with pytest.raises(QueueFull):
             batcher.submit(tokens(3, 1), asyncio.get_running_loop())
+        with pytest.raises(QueueFull):
+            batcher.check_room()  # what the handler asks before it tokenizes
         engine.gate.set()
         return await asyncio.gather(first, *queued)
 
     results = asyncio.run(scenario())
     assert [r.shape for r in results] == [(1, 3)] * 3
+    batcher.check_room()  # the queue drained: room again
     batcher.stop()
     with pytest.raises(ShuttingDown):
         batcher.submit(tokens(4, 1), asyncio.new_event_loop())
+    with pytest.raises(ShuttingDown):
+        batcher.check_room()
 
 
 def test_a_timed_out_job_is_skipped():
