@@ -553,6 +553,6 @@ def linear_activation_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     n = weight.shape[0]
     m = as_rows(x).shape[0]
     # always allocated: the backward epilogue stores its column sums whether or not they are wanted
-    partial = torch.empty((triton.cdiv(m, MIN_BLOCK_M), n), dtype=torch.float32, device=x.device)
+    partial = torch.empty((cdiv(m, MIN_BLOCK_M), n), dtype=torch.float32, device=x.device)
     grad_pre = _launch(x, weight, bias, None, activation, 0.0, 0, as_rows(grad), partial)
     return grad_pre, column_sum(partial, bias.dtype) if bias_grad else None

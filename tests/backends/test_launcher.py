@@ -336,3 +336,40 @@ def test_host_cdiv_and_next_power_of_2_match_triton():
         assert common.next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 7, 16, 64, 130):
             assert common.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def _host_functions(tree):
+    """The functions of a kernels module that are not Triton kernels (no @triton.jit decorator)."""
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and not any(
+                "jit" in ast.unparse(decorator) for decorator in node.decorator_list):
+            yield node
+
+
+def test_every_launch_goes_through_the_cached_launcher():
+    """No ``kernel[grid](...)`` in the kernels' host code (each launch is `common.launch(kernel, grid, ...)`, so
+    the cache and FASTBERT_CACHED_LAUNCH apply to all), and no host call of triton.cdiv / triton.next_power_of_2
+    (ConstexprFunctions: `common.cdiv` / `common.next_power_of_2`)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(common.__file__).parent
+    found = []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module = importlib.import_module(f"fastbert.kernels.{path.stem}") if path.stem != "__init__" else None
+        for function in _host_functions(tree):
+            if path.name == "common.py" and function.name in ("launch", "_first_launch"):
+                continue  # the launcher itself: triton's own launch on a first call or a fallback
+            for node in ast.walk(function):
+                if not isinstance(node, ast.Call):
+                    continue
+                if isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name):
+                    target = getattr(module, node.func.value.id, None)
+                    if hasattr(target, "run") and (hasattr(target, "fn") or hasattr(target, "configs")):
+                        found.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}(...)")
+                if ast.unparse(node.func) in ("triton.cdiv", "triton.next_power_of_2"):
+                    found.append(f"{path.name}:{node.lineno} {ast.unparse(node.func)}")
+    assert not found, found
