@@ -2,14 +2,15 @@
 
 `quantize_int8(model)` replaces, in every post-LN layer of every `FastBertModel` inside ``model``, the four GEMMs
 (packed Q/K/V, attention output, FFN in, FFN out) by int8 ones: the weights int8 per output channel (symmetric,
-scale = max |row| / 127), the activations quantized at run time per token. The GEMM is FBGEMM's dynamic int8
-linear (``torch.ops.quantized.linear_dynamic``: uint8 activations x int8 weights -> int32, VNNI on AVX-512 VNNI
-CPUs), chosen by ``benchmarks/int8_gemm_cpu.py`` (results in ``benchmarks/results/cpu-2core-int8/``). That kernel
-quantizes its input with one scale per call; fastbert gives each token its own scale by dividing each row by its
-absolute maximum before the call and multiplying the row back after it (the bias added then), which is exact
-algebra (the GEMM is linear per row), costs two elementwise passes and keeps per-tensor activation scales -- what
-made ONNX Runtime's int8 inaccurate -- out. Attention stays in fp32 on the model's own backend; LayerNorm,
-the activation, embeddings, pooler and task heads stay fp32.
+scale = max |row| / 127), the activations quantized at run time per token. The GEMM is FBGEMM's int8 linear
+(uint8 activations x int8 weights -> int32, VNNI on AVX-512 VNNI CPUs; ``torch.ops.quantized``' fp32-in, fp32-out
+entry with the input scale given), chosen by ``benchmarks/int8_gemm_cpu.py`` (results in
+``benchmarks/results/cpu-2core-int8/``). That kernel takes one input scale per call; fastbert gives each token its
+own 8-bit grid by mapping each row onto [0, 1] by its own minimum and range before the call and mapping the result
+back per row after it (range x G + minimum x the weight's row sums, then the bias), which is exact algebra (the
+GEMM is linear per row), costs one C++ pass on each side (``csrc/int8.cpp``) and keeps one scale for the whole
+input -- what made ONNX Runtime's int8 inaccurate -- out. Attention stays in fp32 on the model's own backend;
+LayerNorm, the activation, embeddings, pooler and task heads stay fp32.
 
 Inference only: a quantized layer raises in training mode or when its input requires grad. CPU only: FBGEMM has no
 CUDA kernels, so a model on CUDA is refused. Without AVX-512 VNNI / AVX-VNNI / AMX-INT8, FBGEMM multiplies with
@@ -124,7 +125,7 @@ class Int8Linear(nn.Module):
 
     def scaled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(G, low, spread): G = ((x - low) / spread) @ W^T on rows mapped onto [0, 1] by their own minimum
-        ``low`` and range ``spread`` (FBGEMM then quantizes them with scale 1/255: 8 bits per token), so that
+        ``low`` and range ``spread`` (FBGEMM quantizes them with scale 1/255: 8 bits per token), so that
         x @ W^T = spread * G + low * (the quantized W's row sums)."""
         if _fused_steps():
             unit, low, spread = torch.ops.fastbert.cpp_int8_unit_rows(x)
@@ -132,7 +133,10 @@ class Int8Linear(nn.Module):
             low, high = torch.aminmax(x, dim=-1, keepdim=True)
             spread = (high - low).clamp_min_(1e-30)
             unit = (x - low).mul_(spread.reciprocal())  # (as the C++ step: the same int8 levels)
-        return torch.ops.quantized.linear_dynamic(unit, self.packed, self.reduce_range), low, spread
+        # The rows lie in [0, 1]: FBGEMM's input scale is known (1/255, or 1/127 for 7 bits), which spares the
+        # dynamic op's min/max pass over the input.
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            unit, 1.0 / (127.0 if self.reduce_range else 255.0), 0, self.packed), low, spread
 
     def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         """x [T, K] -> x @ W^T (+ b) [T, N]."""
