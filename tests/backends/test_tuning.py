@@ -305,3 +305,20 @@ def test_one_cpu_thread_is_timed_by_its_cpu_time_and_more_threads_by_the_wall_cl
     torch.set_num_threads(2)  # the fixture restores the count
     times, _, clock = tuning.measure({"eager": sleeping}, (x,), {})
     assert clock == "wall" and times["eager"] >= DELAY_S * 1e3
+
+
+def test_tables_resolved_inside_measuring_false_keep_the_static_order(measuring, monkeypatch):
+    """What the benchmarks' static runners rely on: a table made inside `measuring(False)` stays static after the
+    block, while tables made outside measure."""
+    calls = _install(monkeypatch, "cpp")
+    generation = backends.generation()
+    with backends.measuring(False):
+        static = backends.OpTable("auto")
+    measured = backends.OpTable("auto")
+    assert backends.generation() == generation  # the block drops no model's tables
+    for _ in range(2):
+        static.linear_activation(*_args())
+        measured.linear_activation(*_args())
+    assert static.chosen[OP] == "cpp" and measured.chosen[OP] == "eager"
+    assert [d.how for d in static.decisions[OP].values()] == ["static order: measuring off"]
+    assert calls["cpp"] > 2  # cpp ran in the static table, and was measured once
