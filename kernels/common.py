@@ -374,12 +374,13 @@ class KernelInfo:
     def learn_types(self, args: tuple) -> None:
         """Take the types of ``args`` as this kernel's: later launches with these types get `launch_key`'s fast
         key, computed by C-level loops (positions of the tensors and ints picked out once, here)."""
-        self.types = tuple(map(type, args))
-        if not all(issubclass(t, _Tensor) or t in (int, float, bool, type(None)) for t in self.types):
-            self.types = ()  # matches no launch: every launch takes the per-argument key
-        self.tensors = _picker([i for i, t in enumerate(self.types) if issubclass(t, _Tensor)])
-        ints = [i for i, t in enumerate(self.types) if t is int]
+        types = tuple(map(type, args))
+        if not all(issubclass(t, _Tensor) or t in (int, float, bool, type(None)) for t in types):
+            types = ()  # matches no launch: every launch takes the per-argument key
+        self.tensors = _picker([i for i, t in enumerate(types) if issubclass(t, _Tensor)])
+        ints = [i for i, t in enumerate(types) if t is int]
         self.ints, self.fifteens, self.ones = _picker(ints), (15,) * len(ints), (1,) * len(ints)
+        self.types = types  # last: a launch in another thread reads the pickers once the types match
 
 
 def _picker(positions: list[int]):
