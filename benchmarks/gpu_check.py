@@ -241,11 +241,17 @@ def versions() -> dict:
 
 
 def environment(device: torch.device, dry_run: bool) -> dict:
+    from fastbert.kernels import common
+
+    from fastbert import backends
     from fastbert.bench.machine import machine_info
 
     return {**machine_info(device), "dry_run": dry_run, "host": platform.node(), "versions": versions(),
             "triton_interpret": os.environ.get("TRITON_INTERPRET"),
-            "fastbert_install": os.environ.get("GPU_CHECK_INSTALL", "not via gpu_check.sh")}
+            "fastbert_install": os.environ.get("GPU_CHECK_INSTALL", "not via gpu_check.sh"),
+            "backends": backends.describe_available(),
+            "cached_launch": common.CACHED_LAUNCH and not common.INTERPRETER,
+            "triton_launch_layout": common.LAUNCH_LAYOUT_REASON or "known"}
 
 
 # --------------------------------------------------------------------------------------------- kernel sections
