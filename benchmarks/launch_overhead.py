@@ -120,8 +120,8 @@ def layer_cases(device, dtype, tokens: int = TOKENS, sizes: tuple[int, int, int]
                                             (hidden // heads) ** -0.5, None)),
         "linear_residual_layernorm (attention output)": (
             linear_residual_layernorm.linear_residual_layernorm, (ctx, t(hidden, hidden), t(hidden), x, *norm)),
-        "linear_activation (ffn in)": (linear_activation.linear_activation, (x, t(ffn, hidden), t(ffn), "gelu")),
-        "linear_residual_layernorm (ffn out)": (
+        "linear_activation (FFN in)": (linear_activation.linear_activation, (x, t(ffn, hidden), t(ffn), "gelu")),
+        "linear_residual_layernorm (FFN out)": (
             linear_residual_layernorm.linear_residual_layernorm, (inner, t(hidden, ffn), t(hidden), x, *norm)),
     }
 
