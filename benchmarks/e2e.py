@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/e2e.py                 # defaults: the embedded MiniLM, best device, 1 and 8 x 128
     .venv/bin/python benchmarks/e2e.py --quick --out /tmp/e2e
     .venv/bin/python benchmarks/e2e.py --batch 1 8 --seq 128 --peers hf-eager hf-sdpa compile onnxruntime
+    .venv/bin/python benchmarks/e2e.py --peers fastbert-static --threads 1   # auto measured vs its static order
 
 Every option of ``fastbert bench --help`` applies; the logic lives in `fastbert.bench` (importable by the
 installed CLI). Results go to a new folder bench-results/<machine-tag>-e2e-<YYYYmmdd-HHMMSS>/ under the current
