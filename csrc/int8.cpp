@@ -4,10 +4,11 @@
 // - int8_rescale: the GEMM's result g = unit @ W^T back to x @ W^T (+ bias), in place:
 //   g = spread * g + low * wsum (+ bias), wsum [N] the quantized weight's row sums.
 // float32 only (the int8 path runs float32 models).
-#include <ATen/ATen.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <tuple>
 
@@ -93,10 +94,144 @@ at::Tensor int8_rescale_cpu(at::Tensor g, const at::Tensor& low, const at::Tenso
   return g;
 }
 
+// erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), as activation.cpp computes it (its copy is private to that
+// file): the GELU here must give the numbers of the float model's bias_activation kernel.
+inline Vec erf_as(const Vec& x) {
+  const Vec one(1.f), p(0.3275911f), a1(0.254829592f), a2(-0.284496736f), a3(1.421413741f), a4(-1.453152027f),
+      a5(1.061405429f);
+  const Vec ax = x.abs();
+  const Vec t = one / at::vec::fmadd(p, ax, one);
+  const Vec poly = at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(a5, t, a4), t, a3), t, a2), t, a1) * t;
+  const Vec e = (Vec(0.f) - ax * ax).exp_u20();
+  const Vec magnitude = one - poly * e;
+  return Vec::blendv(magnitude, Vec(0.f) - magnitude, x < Vec(0.f));
+}
+
+inline Vec gelu(const Vec& x) {
+  const Vec half(0.5f), one(1.f), inv_sqrt2(static_cast<float>(M_SQRT1_2));
+  return x * half * (one + erf_as(x * inv_sqrt2));
+}
+
+struct RowArgs {
+  const float* wsum;
+  const float* bias;
+  const float* low;
+  const float* spread;
+};
+
+// row <- spread * row + low * wsum (+ bias), in place, for row r.
+inline void rescale_row(float* row, int64_t r, int64_t n, const RowArgs& a) {
+  const Vec scale(a.spread[r]), shift(a.low[r]);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - i);
+    Vec v = at::vec::fmadd(load_f(row + i, count), scale, shift * load_f(a.wsum + i, count));
+    if (a.bias != nullptr) v = v + load_f(a.bias + i, count);
+    store_f(row + i, v, count);
+  }
+}
+
+RowArgs row_args(const at::Tensor& g, const at::Tensor& low, const at::Tensor& spread, const at::Tensor& wsum,
+                 const std::optional<at::Tensor>& bias, const char* op) {
+  check_cpu(g, op, "g");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.dim() == 2 && g.is_contiguous(), "fastbert::", op,
+              ": g must be a contiguous float32 [T, N], got ", g.scalar_type(), " ", shape_str(g));
+  check_vector(wsum, g.size(1), at::kFloat, op, "wsum");
+  if (bias.has_value()) check_vector(*bias, g.size(1), at::kFloat, op, "bias");
+  TORCH_CHECK(low.numel() == g.size(0) && spread.numel() == g.size(0) && low.is_contiguous() &&
+                  spread.is_contiguous() && low.scalar_type() == at::kFloat && spread.scalar_type() == at::kFloat,
+              "fastbert::", op, ": low and spread must hold one float32 per row (", g.size(0), ")");
+  return {wsum.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, low.data_ptr<float>(),
+          spread.data_ptr<float>()};
+}
+
+// LayerNorm(spread * g + low * wsum + bias + residual) into g (fp32 statistics): the attention output's and the
+// FFN output's epilogue in one pass.
+at::Tensor int8_rescale_layernorm_cpu(at::Tensor g, const at::Tensor& low, const at::Tensor& spread,
+                                      const at::Tensor& wsum, const std::optional<at::Tensor>& bias,
+                                      const at::Tensor& residual, const at::Tensor& ln_weight,
+                                      const at::Tensor& ln_bias, double eps) {
+  constexpr const char* op = "int8_rescale_layernorm";
+  const RowArgs a = row_args(g, low, spread, wsum, bias, op);
+  const int64_t rows = g.size(0), n = g.size(1);
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.size(0) == rows &&
+                  residual.size(1) == n && residual.stride(1) == 1,
+              "fastbert::int8_rescale_layernorm: residual must be float32 [", rows, ", ", n, "], got ",
+              shape_str(residual));
+  check_vector(ln_weight, n, at::kFloat, op, "ln_weight");
+  check_vector(ln_bias, n, at::kFloat, op, "ln_bias");
+  float* gp = g.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const int64_t rstride = residual.stride(0);
+  const float* wp = ln_weight.data_ptr<float>();
+  const float* bp = ln_bias.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = gp + r * n;
+      rescale_row(row, r, n, a);
+      const float* res = rp + r * rstride;
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, n - i);
+        store_f(row + i, load_f(row + i, count) + load_f(res + i, count), count);
+      }
+      layernorm_row(row, n, wp, bp, eps, row);
+    }
+  });
+  return g;
+}
+
+// GELU (exact, erf) of spread * g + low * wsum + bias, then that row mapped onto [0, 1] by its own minimum and
+// range for the next int8 GEMM, in place: the FFN's middle in one pass. Returns (g, low, spread) of the new rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_gelu_unit_rows_cpu(at::Tensor g, const at::Tensor& low,
+                                                                      const at::Tensor& spread,
+                                                                      const at::Tensor& wsum,
+                                                                      const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "int8_gelu_unit_rows";
+  const RowArgs a = row_args(g, low, spread, wsum, bias, op);
+  const int64_t rows = g.size(0), n = g.size(1);
+  at::Tensor new_low = at::empty({rows, 1}, g.options());
+  at::Tensor new_spread = at::empty({rows, 1}, g.options());
+  float* gp = g.data_ptr<float>();
+  float* lp = new_low.data_ptr<float>();
+  float* sp = new_spread.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = gp + r * n;
+      Vec lo(std::numeric_limits<float>::infinity()), hi(-std::numeric_limits<float>::infinity());
+      const Vec scale(a.spread[r]), shift(a.low[r]);
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, n - i);
+        Vec v = at::vec::fmadd(load_f(row + i, count), scale, shift * load_f(a.wsum + i, count));
+        if (a.bias != nullptr) v = v + load_f(a.bias + i, count);
+        v = gelu(v);
+        store_f(row + i, v, count);
+        // the zero-filled tail lanes compute gelu(...) of partial sums: keep them out of the minimum and maximum
+        const Vec valid = count == kLanes ? v : Vec::set(Vec(row[i]), v, count);
+        lo = at::vec::minimum(lo, valid);
+        hi = at::vec::maximum(hi, valid);
+      }
+      const float mn = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::minimum(x, y); }, lo);
+      const float mx = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, hi);
+      const float width = std::max(mx - mn, 1e-30f);
+      lp[r] = mn;
+      sp[r] = width;
+      const Vec shift2(mn), inv(1.f / width);
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, n - i);
+        store_f(row + i, (load_f(row + i, count) - shift2) * inv, count);
+      }
+    }
+  });
+  return {g, new_low, new_spread};
+}
+
 }  // namespace
 }  // namespace fastbert
 
 TORCH_LIBRARY_FRAGMENT(fastbert, m) {
+  m.def("cpp_int8_rescale_layernorm(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias, "
+        "Tensor residual, Tensor ln_weight, Tensor ln_bias, float eps) -> Tensor(a!)");
+  m.def("cpp_int8_gelu_unit_rows(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("cpp_int8_unit_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("cpp_int8_rescale(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias) -> Tensor(a!)");
 }
@@ -104,4 +239,6 @@ TORCH_LIBRARY_FRAGMENT(fastbert, m) {
 TORCH_LIBRARY_IMPL(fastbert, CPU, m) {
   m.impl("cpp_int8_unit_rows", &fastbert::int8_unit_rows_cpu);
   m.impl("cpp_int8_rescale", &fastbert::int8_rescale_cpu);
+  m.impl("cpp_int8_rescale_layernorm", &fastbert::int8_rescale_layernorm_cpu);
+  m.impl("cpp_int8_gelu_unit_rows", &fastbert::int8_gelu_unit_rows_cpu);
 }

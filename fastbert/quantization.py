@@ -95,12 +95,23 @@ def reduce_range(flags: tuple[str, ...] | None = None) -> bool:
     return not any(flag in flags for flag in INT8_DOT_FLAGS)
 
 
+def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(unit, low, spread): each row of x [T, K] mapped onto [0, 1] by its own minimum ``low`` [T, 1] and range
+    ``spread`` [T, 1] (> 0); one C++ pass where the extension has it."""
+    if _fused_steps():
+        return torch.ops.fastbert.cpp_int8_unit_rows(x)
+    low, high = torch.aminmax(x, dim=-1, keepdim=True)
+    spread = (high - low).clamp_min_(1e-30)
+    return (x - low).mul_(spread.reciprocal()), low, spread  # (as the C++ step: the same int8 levels)
+
+
 @functools.cache
 def _fused_steps() -> bool:
     """Whether the C++ extension has the fused per-token steps (``csrc/int8.cpp``); torch ops otherwise."""
     try:
         importlib.import_module("fastbert.backends.cpp")  # loads fastbert._C after declaring the specs' ops
-        return hasattr(torch.ops.fastbert, "cpp_int8_unit_rows") and hasattr(torch.ops.fastbert, "cpp_int8_rescale")
+        return all(hasattr(torch.ops.fastbert, f"cpp_int8_{name}")
+                   for name in ("unit_rows", "rescale", "rescale_layernorm", "gelu_unit_rows"))
     except Exception:  # noqa: BLE001 - no extension: the same steps in torch ops
         return False
 
@@ -127,25 +138,43 @@ class Int8Linear(nn.Module):
         """(G, low, spread): G = ((x - low) / spread) @ W^T on rows mapped onto [0, 1] by their own minimum
         ``low`` and range ``spread`` (FBGEMM quantizes them with scale 1/255: 8 bits per token), so that
         x @ W^T = spread * G + low * (the quantized W's row sums)."""
-        if _fused_steps():
-            unit, low, spread = torch.ops.fastbert.cpp_int8_unit_rows(x)
-        else:
-            low, high = torch.aminmax(x, dim=-1, keepdim=True)
-            spread = (high - low).clamp_min_(1e-30)
-            unit = (x - low).mul_(spread.reciprocal())  # (as the C++ step: the same int8 levels)
-        # The rows lie in [0, 1]: FBGEMM's input scale is known (1/255, or 1/127 for 7 bits), which spares the
-        # dynamic op's min/max pass over the input.
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            unit, 1.0 / (127.0 if self.reduce_range else 255.0), 0, self.packed), low, spread
+        unit, low, spread = unit_rows(x)
+        return self.gemm(unit), low, spread
 
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        """x [T, K] -> x @ W^T (+ b) [T, N]."""
-        g, low, spread = self.scaled(x)
+    def gemm(self, unit: torch.Tensor) -> torch.Tensor:
+        """``unit`` [T, K] (rows in [0, 1]) @ W^T. The input scale is known (1/255, or 1/127 for 7 bits), which
+        spares FBGEMM's dynamic op its min/max pass over the input."""
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            unit, 1.0 / (127.0 if self.reduce_range else 255.0), 0, self.packed)
+
+    def rescaled(self, g: torch.Tensor, low: torch.Tensor, spread: torch.Tensor, with_bias: bool = True):
+        """G back to x @ W^T (+ b), in place: spread * G + low * row sums (+ b)."""
         bias = self.bias if with_bias else None
         if _fused_steps():
             return torch.ops.fastbert.cpp_int8_rescale(g, low, spread, self.weight_sum, bias)
         out = g.mul_(spread).add_(low * self.weight_sum)
         return out if bias is None else out.add_(bias)
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        """x [T, K] -> x @ W^T (+ b) [T, N]."""
+        return self.rescaled(*self.scaled(x), with_bias=with_bias)
+
+    def residual_layernorm(self, g: torch.Tensor, low: torch.Tensor, spread: torch.Tensor, residual: torch.Tensor,
+                           weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """LayerNorm(x @ W^T + b + residual) from `scaled`'s (G, low, spread); fp32 statistics; one C++ pass."""
+        if _fused_steps() and ln_bias is not None:
+            return torch.ops.fastbert.cpp_int8_rescale_layernorm(g, low, spread, self.weight_sum, self.bias,
+                                                                 residual, weight, ln_bias, eps)
+        summed = self.rescaled(g, low, spread).add_(residual)
+        return F.layer_norm(summed, summed.shape[-1:], weight, ln_bias, eps)
+
+    def activation_unit_rows(self, g: torch.Tensor, low: torch.Tensor, spread: torch.Tensor,
+                             activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """act(x @ W^T + b) from `scaled`'s (G, low, spread), mapped onto [0, 1] per row for the next int8 GEMM:
+        (unit rows, low, spread); GELU in one C++ pass."""
+        if _fused_steps() and activation == "gelu":
+            return torch.ops.fastbert.cpp_int8_gelu_unit_rows(g, low, spread, self.weight_sum, self.bias)
+        return unit_rows(apply_activation(self.rescaled(g, low, spread), activation))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel weights, " \
@@ -183,27 +212,11 @@ class Int8PostNormLayer(nn.Module):
         tokens = x.shape[0]
         q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, -1).unbind(1)
         context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, None, (0.0, 0))
-        x = _bias_residual_layernorm(self.attn_out(context, with_bias=False), self.attn_out.bias, x,
-                                     self.attn_norm_weight, self.attn_norm_bias, self.eps)
-        inner = _bias_activation(self.ffn_in(x, with_bias=False), self.ffn_in.bias, self.activation)
-        return _bias_residual_layernorm(self.ffn_out(inner, with_bias=False), self.ffn_out.bias, x,
-                                        self.ffn_norm_weight, self.ffn_norm_bias, self.eps)
-
-
-def _bias_activation(y: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """act(y + bias): the C++ extension's fused kernel where it has the activation, else torch ops."""
-    if _fused_steps() and activation in ("gelu", "gelu_tanh", "relu"):
-        return torch.ops.fastbert.cpp_bias_activation(y, bias, activation)
-    return apply_activation(y if bias is None else y.add_(bias), activation)
-
-
-def _bias_residual_layernorm(y: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                             weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """LayerNorm(y + bias + residual) with fp32 statistics: one C++ pass, else torch ops."""
-    if _fused_steps() and ln_bias is not None:
-        return torch.ops.fastbert.cpp_bias_residual_layernorm(y, bias, residual, weight, ln_bias, eps)
-    summed = y.add_(residual) if bias is None else y.add_(residual).add_(bias)
-    return F.layer_norm(summed, summed.shape[-1:], weight, ln_bias, eps)
+        x = self.attn_out.residual_layernorm(*self.attn_out.scaled(context), x, self.attn_norm_weight,
+                                             self.attn_norm_bias, self.eps)
+        unit, low, spread = self.ffn_in.activation_unit_rows(*self.ffn_in.scaled(x), self.activation)
+        return self.ffn_out.residual_layernorm(self.ffn_out.gemm(unit), low, spread, x, self.ffn_norm_weight,
+                                               self.ffn_norm_bias, self.eps)
 
 
 def int8_unavailable(device: torch.device | str = "cpu") -> str | None:
