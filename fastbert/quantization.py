@@ -8,9 +8,10 @@ entry with the input scale given), chosen by ``benchmarks/int8_gemm_cpu.py`` (re
 ``benchmarks/results/cpu-2core-int8/``). That kernel takes one input scale per call; fastbert gives each token its
 own 8-bit grid by mapping each row onto [0, 1] by its own minimum and range before the call and mapping the result
 back per row after it (range x G + minimum x the weight's row sums, then the bias), which is exact algebra (the
-GEMM is linear per row), costs one C++ pass on each side (``csrc/int8.cpp``) and keeps one scale for the whole
-input -- what made ONNX Runtime's int8 inaccurate -- out. Attention stays in fp32 on the model's own backend;
-LayerNorm, the activation, embeddings, pooler and task heads stay fp32.
+GEMM is linear per row) and keeps one scale for the whole input -- what made ONNX Runtime's int8 inaccurate --
+out. The mapping back is fused with what follows each GEMM (``csrc/int8.cpp``): bias + residual + LayerNorm, or
+bias + GELU + the next GEMM's row mapping. Attention stays in fp32 on the model's own backend; LayerNorm (fp32
+statistics), the activation, embeddings, pooler and task heads stay fp32.
 
 Inference only: a quantized layer raises in training mode or when its input requires grad. CPU only: FBGEMM has no
 CUDA kernels, so a model on CUDA is refused. Without AVX-512 VNNI / AVX-VNNI / AMX-INT8, FBGEMM multiplies with
