@@ -22,6 +22,8 @@ Dropout is declined (``supports`` says so for dropout_p > 0): the spec's backwar
 (`fastbert.ops.dropout.keep_mask`), which a Triton kernel cannot draw, and applying it in torch would add a pass;
 training with dropout takes the triton backend (Philox dropout fused into its GEMM epilogue) or eager.
 Where it runs: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 (torch's CPU GEMM, the epilogue interpreted).
+fp32 GEMMs follow torch's matmul precision (IEEE fp32 by default, ~1e-5; TF32 where a program allows it with
+``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision``, as eager's do).
 Any strides for x and the weight (torch's GEMM takes them); the residual needs a unit column stride (else copied).
 """
 
