@@ -147,20 +147,19 @@ def part_mlm_ablation(runs: Path, out: Path, size: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ 2. embedding
-def encode_throughput(models: dict[str, str], sentences: list[str], rounds: int, chunk: int = 256) -> dict:
+def encode_throughput(embedders: dict, sentences: list[str], rounds: int, chunk: int = 256) -> dict:
     """Encode throughput of each checkpoint as `fastbert embed` encodes (`fastbert.embedding.Embedder`: its
     tokenizer, length-sorted token-budget batches, the padding-free encoder, pooling and normalisation as the
     checkpoint declares), interleaved: every round walks the sentences in chunks of ``chunk`` (one ``embed`` call
     each, as one window of `fastbert embed`) and encodes each chunk with every model in turn, the order reversed
-    from chunk to chunk, so a change of the machine's load hits all of them alike. Returns per model the seconds
-    and sentences per second of each round, and their totals."""
-    from fastbert.embedding import Embedder
-
-    embedders = {name: Embedder(model_dir, device="cpu") for name, model_dir in models.items()}
+    from chunk to chunk, so a change of the machine's load hits all of them alike. Each model first encodes all the
+    sentences once, untimed: the `auto` backend times its candidates on each new shape it meets, a cost a long
+    `fastbert embed` run pays once, not throughput. Returns per model the seconds and sentences per second of each
+    round, and their totals."""
     for embedder in embedders.values():
-        embedder.embed(sentences[:chunk])  # warm-up: first-call costs are not throughput
-    seconds = {name: [0.0] * rounds for name in models}
-    names = list(models)
+        embedder.embed(sentences)
+    seconds = {name: [0.0] * rounds for name in embedders}
+    names = list(embedders)
     for round_ in range(rounds):
         for index, start in enumerate(range(0, len(sentences), chunk)):
             for name in names if index % 2 == 0 else names[::-1]:
@@ -172,14 +171,11 @@ def encode_throughput(models: dict[str, str], sentences: list[str], rounds: int,
             for name, values in seconds.items()}
 
 
-def fixed_costs(model_dir: str, sentences: list[str]) -> dict:
-    """Where one model's encode time goes in one `Embedder` pass over ``sentences`` (seconds): tokenisation; in
-    the model's forward, the embedding layer, the encoder layers and the rest (packing the padded batch into
-    sequences and back); outside the forward (building the padded batch, pooling, normalising)."""
-    from fastbert.embedding import Embedder
-
-    embedder = Embedder(model_dir, device="cpu")
-    embedder.embed(sentences[:64])
+def fixed_costs(embedder, sentences: list[str]) -> dict:
+    """Where one model's encode time goes in one pass of its (warmed-up) `Embedder` over ``sentences`` (seconds):
+    tokenisation; in the model's forward, the embedding layer, the encoder layers and the rest (packing the padded
+    batch into sequences and back, the pooler); outside the forward (building the padded batch, pooling,
+    normalising)."""
     found = dict.fromkeys(("tokenize", "embed_batches", "forward", "embeddings", "layers"), 0.0)
     began = time.perf_counter()
     token_lists, _ = embedder.tokenize(sentences)
@@ -271,17 +267,18 @@ def finetune_all(name: str, model_dir: str, runs: Path, size: dict) -> dict:
 def throughput_record(teacher: str, student: str, size: dict) -> dict:
     """`encode_throughput` of teacher and student, interleaved, on the first sentences of the CPython corpus, their
     ratio, and `fixed_costs` of each."""
+    from fastbert.embedding import Embedder
     from fastbert.training.corpus import cpython_sentences
 
     sentences = list(cpython_sentences(size["throughput_sentences"]))
-    found = encode_throughput({"teacher": teacher, "student": student}, sentences, size["throughput_rounds"])
+    embedders = {"teacher": Embedder(teacher, device="cpu"), "student": Embedder(student, device="cpu")}
+    found = encode_throughput(embedders, sentences, size["throughput_rounds"])
     t, s = found["teacher"], found["student"]
     found["speedup"] = s["sentences_per_s_total"] / t["sentences_per_s_total"]
     found["speedup_per_round"] = [a / b for a, b in zip(t["seconds_per_round"], s["seconds_per_round"], strict=True)]
     found["speedup_median_round"] = statistics.median(found["speedup_per_round"])
     found["sentences"], found["rounds"] = len(sentences), size["throughput_rounds"]
-    found["fixed_costs"] = {name: fixed_costs(model_dir, sentences) for name, model_dir in (("teacher", teacher),
-                                                                                           ("student", student))}
+    found["fixed_costs"] = {name: fixed_costs(embedder, sentences) for name, embedder in embedders.items()}
     return found
 
 
