@@ -331,7 +331,10 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
     candidates = []
     for candidate in dict.fromkeys(AUTO_ORDER.get(device_type, ()) + ("eager",)):
         reason = why_not(op, candidate, *args, **kwargs)
-        if reason is None:
+        same = None if reason else _same_implementation(op, candidate, candidates)
+        if same is not None:  # e.g. vendor runs triton's kernel for ops without a GEMM: nothing to compare
+            skipped[candidate] = f"runs {same}'s implementation of {op}"
+        elif reason is None:
             candidates.append(candidate)
         else:
             skipped[candidate] = reason
@@ -359,6 +362,12 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
                              f"measured {ms:.3g} ms vs {best:.3g} ms: not {tuning.MARGIN:.0%} faster than the "
                              "static order's choice")
     return Decision(entry.choice, skipped, how, dict(entry.times_ms), shape_class)
+
+
+def _same_implementation(op: str, candidate: str, earlier: list[str]) -> str | None:
+    """The earlier candidate whose implementation of ``op`` is ``candidate``'s very function, if any."""
+    fn = _REGISTRY[op][candidate].fn
+    return next((name for name in earlier if _REGISTRY[op][name].fn is fn), None)
 
 
 def dispatch(op: str, backend: str | None, *args, **kwargs):

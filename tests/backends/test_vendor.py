@@ -249,3 +249,39 @@ def test_describe_says_where_it_runs():
     from fastbert.backends import vendor
 
     assert vendor.describe().startswith("vendor loaded (")
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_a_model_forced_onto_vendor_runs_whole_and_matches_transformers(family):
+    """Attention and the embeddings have no GEMM: vendor runs triton's kernels for them, so backend="vendor" works
+    for a whole model (the GEMM ops through vendor's own functions)."""
+    import copy
+
+    import fastbert
+    from tests.helpers import tiny_model
+
+    reference = tiny_model(family)
+    model = fastbert.optimize(copy.deepcopy(reference), backend="vendor")
+    ids = torch.randint(5, 90, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    seen = set()
+    with torch.no_grad(), backends.observe(lambda op, chosen: seen.add(chosen)):
+        expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
+    assert seen == {"vendor"}
+
+
+def test_auto_does_not_time_the_same_function_twice(monkeypatch, tmp_path):
+    """vendor's attention is triton's very function: auto skips it as a candidate, saying so (the CPU order is
+    widened to the CUDA one so that the interpreter runs it here)."""
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    q, k, v = (torch.randn(7, 4, 8, device=DEVICE) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE)
+    args = (q, k, v, cu_seqlens, 4, None, 8 ** -0.5, None, 0.0, 0)
+    monkeypatch.setitem(backends.AUTO_ORDER, q.device.type, ("triton", "vendor", "eager"))
+    decision = backends.decide("attention", "auto", args, {}, measure=True)
+    assert decision.skipped.get("vendor") == "runs triton's implementation of attention"
+    assert set(decision.times_ms) <= {"triton", "eager"}
