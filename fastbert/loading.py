@@ -19,7 +19,7 @@ from fastbert.config import FastBertConfig
 from fastbert.cuda_graphs import enable_on_cuda
 from fastbert.heads import build_task_model, head_key_map, redundant_checkpoint_keys
 from fastbert.model import FastBertModel
-from fastbert.quantization import precision_for, quantize_int8
+from fastbert.quantization import PRECISIONS, precision_for, quantize_int8
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Non-persistent buffers that older checkpoints saved; they carry no weights.
@@ -176,16 +176,26 @@ def from_pretrained(
     model.loading_info = {"unexpected_keys": extra, "missing_head_keys": missing_head}
     _warn_about_keys(directory, task, extra, missing_head)
     quantize = False
-    if isinstance(dtype, str):
+    if isinstance(dtype, str) and dtype in PRECISIONS:
         name, _ = precision_for(dtype, device or "cpu")
         quantize = name == "int8"
         dtype = torch.float32 if quantize else getattr(torch, name)
+    elif isinstance(dtype, str):  # any other floating dtype by name ("float64")
+        dtype = _floating_dtype(dtype)
     model.to(device=device, dtype=dtype)
     if quantize:
         quantize_int8(model)
     if cuda_graphs:
         enable_on_cuda(model)
     return model.eval()
+
+
+def _floating_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a floating dtype; use one of {', '.join(PRECISIONS)} or a torch "
+                         "floating dtype's name")
+    return dtype
 
 
 def _read_checkpoint(directory: Path) -> tuple[FastBertConfig, dict[str, torch.Tensor]]:

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     service = Service(settings)
     engine = service.engine
-    line = shared.model_line(engine.model_dir, engine.config, engine.device, engine.dtype)
+    line = shared.model_line(engine.model_dir, engine.config, engine.device, engine.precision)
     sys.stderr.write(f"fastbert serve: {line}, task {engine.task}, on http://{args.host}:{args.port}\n")
     server = uvicorn.Server(uvicorn.Config(service.app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=args.log_level == "debug"))

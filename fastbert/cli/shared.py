@@ -19,8 +19,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", default=None,
                         help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
-    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16; default: float32 on CPU, "
-                        "float16 on CUDA (check and embed: float32)")
+    parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16, auto (bfloat16 on a CPU that "
+                        "computes it natively, else float32; float16 on CUDA) or int8 (CPU; embed and serve); "
+                        "default: float32 on CPU, float16 on CUDA (check and embed: float32)")
     parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
                         help="fastbert backend (default auto: cpp then eager on CPU, triton then eager on CUDA)")
 
@@ -34,7 +35,7 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def model_line(model_dir: str, config: Any, device: torch.device, dtype: torch.dtype) -> str:
+def model_line(model_dir: str, config: Any, device: torch.device, dtype: torch.dtype | str) -> str:
     """'<name> (<family>, <layers> layers, H=<hidden>) on <device>, <dtype>': the first line of demo and check."""
     return (f"{model_name(model_dir)} ({config.family}, {config.num_hidden_layers} layers, "
             f"H={config.hidden_size}) on {device}, {str(dtype).replace('torch.', '')}")

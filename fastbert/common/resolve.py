@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from fastbert.config import FastBertConfig
+from fastbert.quantization import precision_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,9 +74,24 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+def resolve_precision(name: str | None, device: torch.device) -> str:
+    """The precision a user named, for ``device``: float32, float16, bfloat16 or int8. None: float16 on CUDA, else
+    float32; "auto": bfloat16 on a CPU that computes it natively, else float32 (float16 on CUDA), announced once
+    with its reason (`fastbert.quantization.precision_for`). UserError for anything else, or int8 where it cannot
+    run."""
     if name is None:
-        return torch.float16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise UserError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+        return "float16" if device.type == "cuda" else "float32"
+    try:
+        resolved, _ = precision_for(name, device)
+    except ValueError as err:
+        raise UserError(str(err)) from err
+    return resolved
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """`resolve_precision` as a torch dtype, for the commands that run floating models only (int8: UserError)."""
+    resolved = resolve_precision(name, device)
+    if resolved == "int8":
+        raise UserError("dtype int8 applies to fastbert embed and fastbert serve; use float32, float16, bfloat16 or "
+                        "auto here")
+    return DTYPES[resolved]

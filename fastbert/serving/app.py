@@ -28,7 +28,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from fastbert import __version__
-from fastbert.common.resolve import dtype_name, model_name
+from fastbert.common.resolve import model_name
 from fastbert.embedding import DEFAULT_BATCH_TOKENS
 from fastbert.serving import schemas
 from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown
@@ -102,7 +102,7 @@ class Service:
     def info(self) -> dict[str, Any]:
         engine = self.engine
         return {"model_id": model_name(engine.model_dir), "model_dir": engine.model_dir, "task": engine.task,
-                "family": engine.config.family, "dtype": dtype_name(engine.dtype), "device": str(engine.device),
+                "family": engine.config.family, "dtype": engine.precision, "device": str(engine.device),
                 "backend": self.settings.backend, "dimension": engine.dimension, "labels": engine.labels,
                 "prompts": list(engine.prompts),
                 "max_input_length": engine.max_length, "max_batch_tokens": self.max_batch_tokens,

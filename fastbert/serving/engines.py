@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
+from fastbert.common.resolve import DTYPES, UserError, resolve_device, resolve_model, resolve_precision
 from fastbert.embedding import Embedder, sentence_transformers_head
 from fastbert.serving.schemas import InputError
 
@@ -59,6 +59,7 @@ class EmbedEngine:
                                  max_length=max_length, max_batch_tokens=1 << 30)
         self.model_dir, self.config = self.embedder.model_dir, self.embedder.config
         self.device, self.dtype, self.max_length = self.embedder.device, self.embedder.dtype, self.embedder.max_length
+        self.precision = self.embedder.precision  # float32, float16, bfloat16 or int8 ("auto" resolved)
         self.pooling = self.embedder.pooling
         # what a client gets by default on /v1/embeddings: what the checkpoint declares (all-MiniLM-L6-v2: on)
         declared = sentence_transformers_head(self.model_dir)[1]
@@ -114,7 +115,8 @@ class ClassifyEngine:
         self.task = task
         self.model_dir, self.config = resolve_model(model_dir)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype or "float32", self.device)
+        self.precision = resolve_precision(dtype or "float32", self.device)  # auto resolved and announced here
+        self.dtype = DTYPES["float32" if self.precision == "int8" else self.precision]
         limit = self.config.max_position_embeddings - (self.config.position_offset or 0)
         self.max_length = max_length or limit
         if not 1 <= self.max_length <= limit:
@@ -123,7 +125,8 @@ class ClassifyEngine:
         if task == "rerank" and len(self.labels) != 1:
             raise UserError(f"{self.model_dir} has {len(self.labels)} labels; a reranker (cross-encoder) has one")
         try:
-            self.model = fastbert.from_pretrained(self.model_dir, task="sequence-classification", dtype=self.dtype,
+            self.model = fastbert.from_pretrained(self.model_dir, task="sequence-classification",
+                                                  dtype="int8" if self.precision == "int8" else self.dtype,
                                                   device=self.device, backend=backend).eval()
         except ValueError as err:  # CheckpointError, an unsupported family
             raise UserError(f"{self.model_dir}: {err}") from err

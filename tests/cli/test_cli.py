@@ -110,14 +110,15 @@ def _no_weights_model(tmp_path):
     (["check", "--model", "/no/such/dir"], "does not exist"),
     (["embed", "hello", "--model", "UNSUPPORTED"], "not supported"),
     (["embed", "hello", "--model", "NO_WEIGHTS"], "holds no weights"),
-    (["check", "--dtype", "int8"], "dtype 'int8' is not supported"),
+    (["check", "--dtype", "int4"], "dtype 'int4' is not supported"),
+    (["check", "--dtype", "int8"], "dtype int8 applies to fastbert embed and fastbert serve"),
     (["bench", "--peers", "tensorrt", "--no-write"], "unknown peer"),
     (["embed", "hello", "--backend", "tpu"], "invalid choice"),
     (["bench", "--repeats"], "expected one argument"),
     (["demo", "--repeats", "0"], "--repeats must be >= 1"),
     (["embed", "hello", "--window-rows", "0"], "--window-rows must be >= 1"),
-], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "bad-peer", "bad-backend", "usage",
-        "demo-no-repeats", "embed-no-window"])
+], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "int8-check", "bad-peer", "bad-backend",
+        "usage", "demo-no-repeats", "embed-no-window"])
 def test_errors_are_one_line(capsys, tmp_path, argv, message):
     argv = [_unsupported_model(tmp_path) if a == "UNSUPPORTED" else _no_weights_model(tmp_path)
             if a == "NO_WEIGHTS" else a for a in argv]

@@ -84,7 +84,7 @@ def test_tune_clear_empties_the_cache(capsys, cache):
     (["tune", "--seq", "0"], "--batch and --seq values must be positive"),
     (["tune", "--seq", "100000"], "exceeds the model's 512 positions"),
     (["tune", "--model", "/no/such/dir"], "does not exist"),
-    (["tune", "--dtype", "int8"], "dtype 'int8' is not supported"),
+    (["tune", "--dtype", "int4"], "dtype 'int4' is not supported"),
     (["tune", "--threads", "0"], "--threads must be >= 1"),
     (["tune", "--batch"], "expected at least one argument"),
 ], ids=["zero-seq", "too-long", "missing-path", "bad-dtype", "no-threads", "usage"])

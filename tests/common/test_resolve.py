@@ -20,3 +20,20 @@ def test_resolve_errors_are_user_errors(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(resolve.UserError, match="not present"):
             resolve.resolve_device("cuda")
+
+
+def test_precision_auto_follows_the_cpu_and_int8_is_for_embed_and_serve(monkeypatch):
+    from fastbert import quantization
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(quantization, "announce_once", lambda message: None)
+    assert resolve.resolve_precision(None, cpu) == "float32"
+    monkeypatch.setattr(quantization, "cpu_flags", lambda: ("avx512f", "avx512_vnni"))
+    assert resolve.resolve_precision("auto", cpu) == "float32"
+    monkeypatch.setattr(quantization, "cpu_flags", lambda: ("avx512f", "amx_bf16", "amx_tile"))
+    assert resolve.resolve_dtype("auto", cpu) == torch.bfloat16  # announced once per process (quantization tests)
+    assert resolve.resolve_precision("int8", cpu) == "int8"
+    with pytest.raises(resolve.UserError, match="int8 applies to fastbert embed and fastbert serve"):
+        resolve.resolve_dtype("int8", cpu)
+    with pytest.raises(resolve.UserError, match="'int4' is not supported"):
+        resolve.resolve_precision("int4", cpu)
