@@ -190,7 +190,7 @@ def test_a_table_resolves_each_shape_class_once(measuring, monkeypatch):
     table.linear_activation(*small)
     table.linear_activation(*large)
     assert {c: d.backend for c, d in table.decisions[OP].items()} == {
-        f"{OP} float32 no-grad t{torch.get_num_threads()} 8x16,24x16,24,gelu": "cpp",
+        f"{OP} float32 no-grad t{torch.get_num_threads()} 16x16,24x16,24,gelu": "cpp",
         f"{OP} float32 no-grad t{torch.get_num_threads()} 256x16,24x16,24,gelu": "eager"}
     before = sum(calls.values())
     for args in (small, large, _args(200)):  # 200 rows: the class of 130, resolved from the cache in memory
@@ -259,8 +259,10 @@ def test_shape_class_rounds_rows_and_keeps_widths():
     cls = tuning.shape_class((x, w, b, act), {}, None)
     assert cls.endswith(" 256x16,24x16,24,gelu") and cls.startswith("float32 no-grad")
     assert tuning.shape_class((x[:129], w, b, act), {}, None) == cls
-    assert tuning.shape_class((x[:128], w, b, act), {}, None) != cls
-    assert [tuning.bucket(n) for n in (0, 1, 7, 8, 130, 768)] == [0, 1, 8, 8, 256, 1024]
+    assert tuning.shape_class((x[:65], w, b, act), {}, None) == cls
+    assert tuning.shape_class((x[:64], w, b, act), {}, None) != cls
+    assert [tuning.bucket(n) for n in (0, 1, 2, 4, 5, 7, 16, 17, 130, 768, 1024, 1025)] == \
+        [0, 1, 4, 4, 16, 16, 16, 64, 256, 1024, 1024, 4096]
     with_seed = tuning.shape_class((x, 0.1, 12345), {}, 1)
     assert with_seed == tuning.shape_class((x, 0.2, 999), {}, 1) != tuning.shape_class((x, 0.0, 999), {}, 1)
 
