@@ -25,6 +25,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Sequence
 from types import ModuleType
 from typing import NoReturn
@@ -82,6 +83,17 @@ def _chosen(argv: Sequence[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
+_PYTHON_FORMAT = warnings.formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """fastbert's own warnings as the line they say (they start with 'fastbert:'); others as Python writes them."""
+    text = str(message)
+    if text.startswith("fastbert"):
+        return text + "\n"
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fastbert`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -93,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fastbert.common.resolve import UserError
     from fastbert.loading import CheckpointError
 
+    warnings.formatwarning = _one_line_warning
     try:
         return command_module(args.command).run(args)
     except (UserError, CheckpointError, BackendUnavailable) as err:

@@ -4,6 +4,7 @@ row per input row, in input order, streaming and resumable; or the cosine simila
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -179,6 +180,10 @@ def input_rows(args: argparse.Namespace) -> tuple:
     if args.texts:
         if args.input is not None:
             raise UserError("give TEXT arguments or --input, not both")
+        files = [t for t in args.texts if os.path.isfile(t)]
+        if files:  # embedded as text, as asked: say so, since reading the file was likely meant
+            sys.stderr.write(f"fastbert embed: note: TEXT {files[0]!r} names a file; it is embedded as text (to "
+                             "embed the file's lines, give -i FILE)\n")
         rows = (embedding.Row(i, i, t if t.strip() else None) for i, t in enumerate(args.texts, start=1))
         return rows, None, None, None
     path = args.input or "-"

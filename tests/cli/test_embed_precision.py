@@ -48,3 +48,30 @@ def test_embed_unknown_dtype_is_one_line(capsys):
     code = cli.main(["embed", "--dtype", "int4", "hello"])
     _, err = capsys.readouterr()
     assert code != 0 and "int4" in err and "int8" in err and "Traceback" not in err
+
+
+def test_auto_is_announced_as_one_plain_line_and_a_file_path_text_gets_a_note(tmp_path, capsys, monkeypatch):
+    """The CLI prints fastbert's warnings as their own line (no source path); a TEXT that names a file is embedded
+    as text, with a note pointing at -i. (pytest records warnings instead of showing them: shown here as Python
+    shows them outside pytest, through warnings.formatwarning.)"""
+    import sys
+    import warnings
+
+    from fastbert import quantization
+    from fastbert.cli import main
+
+    monkeypatch.setattr(quantization, "_ANNOUNCED", set())  # announced once per process: not yet, here
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main installs its own
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno, file=None, line=None:
+                        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line)))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("A man is eating food.\nHello world\n")
+    out = tmp_path / "out.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["embed", str(corpus), "-o", str(out), "--dtype", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: TEXT '{corpus}' names a file" in err
+    assert "fastbert: dtype auto on CPU: " in err
+    assert "embedder.py" not in err and "UserWarning" not in err
+    assert len(out.read_text().splitlines()) == 1
