@@ -18,12 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser("bench", help="end-to-end benchmark against transformers, torch.compile, ONNX "
                                    "Runtime")
     shared.add_model_options(parser)
-    parser.add_argument("--batch", type=int, nargs="+", default=None, metavar="N",
-                        help="batch sizes (default: 1 8 on CPU, 1 32 128 on CUDA)")
-    parser.add_argument("--seq", type=int, nargs="+", default=None, metavar="N",
-                        help="sequence lengths (default: 128 on CPU, 128 512 on CUDA)")
-    parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
-                        help="also variable-length batches, lengths uniform in [seq/8, seq] (default: on)")
+    shared.add_workload_options(parser)
     parser.add_argument("--peers", nargs="+", default=None, metavar="PEER",
                         help=f"implementations to compare with, from {', '.join(peers.PEERS)} (default: "
                         f"{' '.join(peers.DEFAULT_PEERS)}; --quick: hf-eager hf-sdpa)")

@@ -21,17 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Add ``tune`` to the ``fastbert`` parser."""
     parser = subparsers.add_parser("tune", help="measure which backend is fastest per op and shape; fill the "
                                    "tuning cache")
-    parser.add_argument("--model", metavar="PATH", default=None,
-                        help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
-    parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
-    parser.add_argument("--dtype", default=None, help="float32, float16 or bfloat16; default: float32 on CPU, "
-                        "float16 on CUDA")
-    parser.add_argument("--batch", type=int, nargs="+", default=None, metavar="N",
-                        help="batch sizes (default: 1 8 on CPU, 1 32 128 on CUDA, as fastbert bench)")
-    parser.add_argument("--seq", type=int, nargs="+", default=None, metavar="N",
-                        help="sequence lengths (default: 128 on CPU, 128 512 on CUDA)")
-    parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
-                        help="also variable-length batches, lengths uniform in [seq/8, seq] (default: on)")
+    shared.add_model_options(parser, backend=False)  # tune measures every backend: none is forced
+    shared.add_workload_options(parser)
     parser.add_argument("--training", action="store_true",
                         help="also training steps (train() mode with dropout, forward + backward)")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's); the "
