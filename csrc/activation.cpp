@@ -28,24 +28,10 @@ Activation parse_activation(c10::string_view name, const char* op) {
               name, "\"");
 }
 
-// erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7) with at::vec's inline polynomial exp: at::vec's own erf
-// calls Sleef's exp through the PLT, which spills every constant around the call and ran 1.7x slower here.
-inline Vec fast_erf(const Vec& x) {
-  const Vec one(1.f), p(0.3275911f), a1(0.254829592f), a2(-0.284496736f), a3(1.421413741f), a4(-1.453152027f),
-      a5(1.061405429f);
-  const Vec ax = x.abs();
-  const Vec t = one / at::vec::fmadd(p, ax, one);
-  const Vec poly = at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(a5, t, a4), t, a3), t, a2), t, a1) * t;
-  const Vec e = (Vec(0.f) - ax * ax).exp_u20();
-  const Vec magnitude = one - poly * e;
-  return Vec::blendv(magnitude, Vec(0.f) - magnitude, x < Vec(0.f));
-}
-
 template <Activation act>
 inline Vec activate(const Vec& x) {
   if constexpr (act == Activation::Gelu) {
-    const Vec half(0.5f), one(1.f), inv_sqrt2(static_cast<float>(M_SQRT1_2));
-    return x * half * (one + fast_erf(x * inv_sqrt2));
+    return gelu_erf(x);
   } else if constexpr (act == Activation::GeluTanh) {
     // 0.5 x (1 + tanh(z)) == x * sigmoid(2 z) == x / (1 + exp(-2 z)), z = sqrt(2/pi) (x + 0.044715 x^3)
     const Vec one(1.f), minus_two_k0(-2.f * 0.7978845608028654f), k1(0.044715f);

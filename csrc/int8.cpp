@@ -94,24 +94,6 @@ at::Tensor int8_rescale_cpu(at::Tensor g, const at::Tensor& low, const at::Tenso
   return g;
 }
 
-// erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), as activation.cpp computes it (its copy is private to that
-// file): the GELU here must give the numbers of the float model's bias_activation kernel.
-inline Vec erf_as(const Vec& x) {
-  const Vec one(1.f), p(0.3275911f), a1(0.254829592f), a2(-0.284496736f), a3(1.421413741f), a4(-1.453152027f),
-      a5(1.061405429f);
-  const Vec ax = x.abs();
-  const Vec t = one / at::vec::fmadd(p, ax, one);
-  const Vec poly = at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(a5, t, a4), t, a3), t, a2), t, a1) * t;
-  const Vec e = (Vec(0.f) - ax * ax).exp_u20();
-  const Vec magnitude = one - poly * e;
-  return Vec::blendv(magnitude, Vec(0.f) - magnitude, x < Vec(0.f));
-}
-
-inline Vec gelu(const Vec& x) {
-  const Vec half(0.5f), one(1.f), inv_sqrt2(static_cast<float>(M_SQRT1_2));
-  return x * half * (one + erf_as(x * inv_sqrt2));
-}
-
 struct RowArgs {
   const float* wsum;
   const float* bias;
@@ -202,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_gelu_unit_rows_cpu(at::Tenso
         const int64_t count = std::min<int64_t>(kLanes, n - i);
         Vec v = at::vec::fmadd(load_f(row + i, count), scale, shift * load_f(a.wsum + i, count));
         if (a.bias != nullptr) v = v + load_f(a.bias + i, count);
-        v = gelu(v);
+        v = gelu_erf(v);
         store_f(row + i, v, count);
         // the zero-filled tail lanes compute gelu(...) of partial sums: keep them out of the minimum and maximum
         const Vec valid = count == kLanes ? v : Vec::set(Vec(row[i]), v, count);
