@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastbert.backends.tuning import cpu_info
 from fastbert.model import EVAL, DropoutSeeds, FastBertModel, PostNormLayer, attend
 from fastbert.ops.linear_activation import apply_activation
 from fastbert.ops.padding import VarlenBatch
@@ -42,21 +43,9 @@ INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products ac
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # native bfloat16 arithmetic
 
 
-@functools.cache
-def _read_flags(path: str) -> tuple[str, ...]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return tuple(sorted(set(line.split(":", 1)[1].split())))
-    except OSError:
-        pass
-    return ()
-
-
 def cpu_flags(path: str = "/proc/cpuinfo") -> tuple[str, ...]:
     """The CPU's features among `PRECISION_FLAGS` (empty where /proc/cpuinfo cannot be read)."""
-    present = set(_read_flags(path))
+    present = cpu_info(path)[1]
     return tuple(flag for flag in PRECISION_FLAGS if flag in present)
 
 
@@ -129,7 +118,6 @@ class Int8Linear(nn.Module):
             qweight = torch._make_per_channel_quantized_tensor(q, scale.double(),
                                                                torch.zeros_like(scale, dtype=torch.long), 0)
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)  # (FBGEMM's packed layout; bias added after)
-        self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_sum", (q.float() * scale[:, None]).sum(dim=1))  # the quantized W's row sums
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]

@@ -423,8 +423,7 @@ class OpTable:
                 first = args[0] if args else None
                 key = first.shape if isinstance(first, torch.Tensor) else None
             if index is not None:
-                key = (key, (kwargs["dropout_p"] if "dropout_p" in kwargs else
-                             args[index] if len(args) > index else 0) > 0)
+                key = (key, _dropout_p(op, args, kwargs) > 0)
             fn = resolved.get(key)
             if fn is None:
                 if len(resolved) > 1024:  # many distinct batch shapes: start over (each lookup is cheap)

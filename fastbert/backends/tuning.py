@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import hashlib
 import json
 import os
@@ -156,17 +157,25 @@ def shape_class(args: tuple, kwargs: dict, dropout_index: int | None) -> str:
 
 
 # -------------------------------------------------------------------------------------------- environment key
-def _cpu() -> str:
-    name, flags = platform.processor() or platform.machine(), set()
+@functools.cache
+def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
+    """(model name, feature flags) of the CPU, from ``path``'s first processor (x86 ``flags`` or Arm ``Features``);
+    the platform's name and no flags where it cannot be read. The one reader of /proc/cpuinfo."""
+    name, flags = platform.processor() or platform.machine(), frozenset()
     with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+        with open(path, encoding="utf-8") as handle:
             for line in handle:
                 if line.startswith("model name"):
                     name = line.split(":", 1)[1].strip()
                 elif line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-                if flags and name:
+                    flags = frozenset(line.split(":", 1)[1].split())
+                if flags and line.startswith(("flags", "Features")):
                     break
+    return name, flags
+
+
+def _cpu() -> str:
+    name, flags = cpu_info()
     return f"{name} [{' '.join(f for f in CPU_FLAGS if f in flags)}]"
 
 

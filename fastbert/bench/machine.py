@@ -11,18 +11,12 @@ from typing import Any
 
 import torch
 
+from fastbert.backends.tuning import cpu_info
 from fastbert.quantization import cpu_flags
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_info()[0]
 
 
 def _slug(text: str) -> str:
