@@ -492,13 +492,19 @@ def split_k(m: int, n: int, k: int, device: torch.device) -> int:
     if SPLIT_K_MAX * m * n >= 1 << 31:  # the workspace's offsets are int32 in the epilogue kernel
         return 1
     if SPLIT_K_OVERRIDE is not None:
-        return max(1, min(SPLIT_K_OVERRIDE, cdiv(k, block_k)))
+        return _slices_run(k, max(1, min(SPLIT_K_OVERRIDE, cdiv(k, block_k))), block_k)
     if INTERPRETER or device.type != "cuda":
         return 1
     tiles = cdiv(m, 16) * cdiv(n, 32)
     if 4 * tiles >= _multiprocessors(device):
         return 1
-    return max(1, min(SPLIT_K_MAX, cdiv(_multiprocessors(device), tiles), k // SPLIT_K_MIN_SLICE))
+    wanted = max(1, min(SPLIT_K_MAX, cdiv(_multiprocessors(device), tiles), k // SPLIT_K_MIN_SLICE))
+    return _slices_run(k, wanted, block_k)
+
+
+def _slices_run(k: int, wanted: int, block_k: int) -> int:
+    """The slices that run when ``wanted`` slices of K are rounded up to whole BLOCK_K steps (may be fewer)."""
+    return cdiv(k, cdiv(cdiv(k, wanted), block_k) * block_k)
 
 
 def _launch_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -510,7 +516,6 @@ def _launch_split_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     m = rows.shape[0]
     meta = split_k_meta(m)
     k_per_split = cdiv(cdiv(k, splits), meta["BLOCK_K"]) * meta["BLOCK_K"]
-    splits = cdiv(k, k_per_split)  # rounding the slices up to whole K steps may leave fewer
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     tiles = (cdiv(m, meta["BLOCK_M"]), cdiv(n, meta["BLOCK_N"]))

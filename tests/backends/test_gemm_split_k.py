@@ -46,12 +46,14 @@ def test_split_really_splits_and_keeps_the_dropout_mask(monkeypatch):
     bias, residual = rand(64, dtype=torch.float32), rand(9, 64, dtype=torch.float32)
     unsplit = gemm.linear(x, weight, bias, residual=residual, dropout_p=0.3, dropout_seed=11)
     monkeypatch.setattr(gemm, "SPLIT_K_OVERRIDE", 4)
-    assert gemm.split_k(9, 64, 700, x.device) == 4
+    assert gemm.split_k_meta(9)["BLOCK_K"] == 128
+    expected = 3  # 4 slices of K = 700 rounded up to whole 128-deep steps: 3 slices of 256 run
+    assert gemm.split_k(9, 64, 700, x.device) == expected
     launched = []
     original = gemm._launch_split_k
     monkeypatch.setattr(gemm, "_launch_split_k", lambda *a: launched.append(a[-1]) or original(*a))
     split = gemm.linear(x, weight, bias, residual=residual, dropout_p=0.3, dropout_seed=11)
-    assert launched == [4]
+    assert launched == [expected]
     assert torch.equal(split == residual, unsplit == residual)  # the same elements dropped
     torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=1e-5)
 
