@@ -78,6 +78,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         f"date: {machine['date']}; load average (1, 5, 15 min) at start {_loads(machine.get('load_average_at_start'))}"
         f", at end {_loads(machine['load_average'])}",
         f"versions: {versions}",
+        *([f"CPU flags: {', '.join(machine['cpu_flags']) or 'none of interest'}; torch CPU capability "
+           f"{machine.get('torch_cpu_capability')}"] if "cpu_flags" in machine else []),
         f"peak: {results['peak_flops']['value'] / 1e12:.3f} TFLOP/s ({results['peak_flops']['source']})",
         "fastbert ops ran on: " + (", ".join(f"{op}={b}" for op, b in results["fastbert_backends"].items()) or "-"),
         "backends: " + "; ".join(f"{k}: {v}" for k, v in results["backend_availability"].items()),

@@ -43,6 +43,8 @@ def test_run_e2e_quick_reports_figures_and_failed_peers(minilm_dir, tmp_path, mo
     assert json.loads((tmp_path / "e2e.json").read_text())["workloads"][0]["results"]["fastbert"]["status"] == "ok"
     markdown = (tmp_path / "e2e.md").read_text()
     assert "| workload | implementation | p50 ms" in markdown and "unavailable: torch.compile failed" in markdown
+    flags = ", ".join(results["machine"]["cpu_flags"]) or "none of interest"
+    assert f"- CPU flags: {flags}; torch CPU capability" in markdown  # every CPU result names the flags
     assert all(p.stat().st_size > 10_000 for p in paths if p.suffix == ".png")
 
 
