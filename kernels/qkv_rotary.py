@@ -165,14 +165,22 @@ def interpreter_meta(m: int) -> dict:
     return meta
 
 
+def table_reason(cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why the rotary kernels cannot read these cos/sin tables (float32, unit column strides, one row stride), or
+    None: the check of this op's and the vendor backend's `supports`."""
+    return first_reason(
+        None if cos.dtype == sin.dtype == torch.float32 else f"cos/sin tables must be float32, got {cos.dtype}",
+        None if cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
+        else "cos/sin tables need unit column strides and one row stride",
+    )
+
+
 def supports(x, weight, bias, num_heads, positions, cos, sin) -> str | None:
     tensors = [x, weight, bias]
     return first_reason(
         device_reason([*tensors, positions, cos, sin]),
         float_reason(tensors),
-        None if cos.dtype == sin.dtype == torch.float32 else f"cos/sin tables must be float32, got {cos.dtype}",
-        None if cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
-        else "cos/sin tables need unit column strides and one row stride",
+        table_reason(cos, sin),
         "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
     )
 

@@ -44,6 +44,7 @@ from fastbert.ops.qkv_rotary import split_packed
 from . import epilogues
 from .common import device_reason, first_reason, float_reason
 from .linear_residual_layernorm import layernorm_rows_backward_op, linear_layernorm_input_grads
+from .qkv_rotary import table_reason as rotary_table_reason
 
 __all__ = ["IMPLEMENTATIONS", "SUPPORTS"]
 
@@ -224,9 +225,7 @@ def supports_qkv_rotary(x, weight, bias, num_heads, positions, cos, sin) -> str 
     return first_reason(
         device_reason([x, weight, bias, positions, cos, sin]),
         float_reason([x, weight, bias]),
-        None if cos.dtype == sin.dtype == torch.float32 else f"cos/sin tables must be float32, got {cos.dtype}",
-        None if cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0)
-        else "cos/sin tables need unit column strides and one row stride",
+        rotary_table_reason(cos, sin),
     )
 
 
