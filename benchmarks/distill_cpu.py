@@ -33,10 +33,8 @@ import io
 import json
 import multiprocessing
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,23 +53,16 @@ NON_ASCII = ("Café, naïve façade: déjà vu in São Paulo and Zürich.", "日
 
 
 def machine() -> dict:
-    """CPU model, flags, cores, load, versions: what each result records about where it ran."""
-    import transformers
+    """CPU model, flags, cores, load, versions: what each result records about where it ran (``cpu_flags``: all
+    the CPU's features, space-separated)."""
+    from fastbert.backends.tuning import cpu_info
+    from fastbert.bench.machine import git_commit, machine_info
 
-    found = {"model name": "unknown", "flags": "unknown"}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key = line.split(":", 1)[0].strip()
-        if key in found and found[key] == "unknown":
-            found[key] = line.split(":", 1)[1].strip()
-    return {"cpu": found["model name"], "cpu_flags": found["flags"], "cores": os.cpu_count(),
-            "load_average": os.getloadavg(), "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "commit": commit()}
-
-
-def commit() -> str:
-    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return found.stdout.strip() or "unknown"
+    info = machine_info("cpu")
+    return {"cpu": info["cpu"], "cpu_flags": " ".join(sorted(cpu_info()[1])) or "unknown", "cores": info["cpu_cores"],
+            "load_average": info["load_average"], "torch_threads": info["torch_threads"],
+            "platform": info["platform"], "python": info["python"], "torch": info["versions"]["torch"],
+            "transformers": info["versions"]["transformers"], "commit": git_commit(ROOT) or "unknown"}
 
 
 def write_json(path: Path, record: dict) -> None:

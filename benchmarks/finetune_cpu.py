@@ -13,37 +13,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from fastbert.bench.machine import git_commit
 from fastbert.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+def machine() -> dict:
+    """CPU model, cores, platform and Python of this machine, for finetune.json."""
+    from fastbert.bench.machine import machine_info
 
-
-def _commit() -> str:
-    try:
-        found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        return found.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+    info = machine_info("cpu")
+    return {"cpu": info["cpu"], "cores": info["cpu_cores"], "platform": info["platform"], "python": info["python"]}
 
 
 def _markdown(record: dict) -> str:
@@ -95,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.model:
                 command += ["--model", args.model]
             subprocess.run(command, cwd=ROOT, check=True)
-    record = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": _machine(),
-              "commit": args.commit or _commit(), "tasks": {}}
+    record = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": machine(),
+              "commit": args.commit or git_commit(ROOT) or "unknown", "tasks": {}}
     for task in steps:
         result = json.loads((runs / task / "results.json").read_text())
         result["metrics"] = [json.loads(line) for line in (runs / task / "metrics.jsonl").read_text().splitlines()]

@@ -473,17 +473,11 @@ def cuda_forward_host(rounds: int, batch: int = 1, seqlen: int = 128, device: st
 # ------------------------------------------------------------------------------------------------ main
 def environment(device: torch.device) -> dict:
     """Machine, vector flags, versions, date, commit, the command and the load (the VM is shared)."""
-    import subprocess
+    from fastbert.bench.machine import cpu_vector_flags, git_commit, machine_info
 
-    from fastbert.bench.machine import machine_info
-
-    flags: list[str] = []
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as handle:
-        flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {**machine_info(device), "cpu_vector_flags": [f for f in flags if f.startswith(("avx", "amx", "fma"))],
-            "commit": commit.stdout.strip() or None, "command": " ".join([sys.executable, *sys.argv]),
-            "triton_interpret": os.environ.get("TRITON_INTERPRET"), "torch_threads": torch.get_num_threads()}
+    return {**machine_info(device), "cpu_vector_flags": cpu_vector_flags(), "commit": git_commit(ROOT),
+            "command": " ".join([sys.executable, *sys.argv]), "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+            "torch_threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:

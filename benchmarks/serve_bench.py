@@ -409,25 +409,25 @@ def targets(results: dict) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------------- outputs
 def machine(args: argparse.Namespace) -> dict:
-    from fastbert.bench.machine import machine_info
+    """`machine_info` with the CPU's vector features, the commit (dirty when fastbert or this script is edited), the
+    server threads and the load generator."""
+    from fastbert.bench.machine import cpu_vector_flags, git_commit, machine_info
 
     info = machine_info("cpu")
-    with open("/proc/cpuinfo") as f:
-        info["cpu_flags"] = next((x.split(":", 1)[1].split() for x in f if x.startswith("flags")), [])
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "fastbert", "benchmarks/serve_bench.py"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
-    info.update(git_commit=commit, git_dirty=bool(dirty), server_threads=args.threads, load_generator="httpx "
-                "AsyncClient in one process on the same machine")
+    info.update(cpu_vector_flags=cpu_vector_flags(), git_commit=git_commit(ROOT, short=False) or "",
+                git_dirty=bool(dirty), server_threads=args.threads,
+                load_generator="httpx AsyncClient in one process on the same machine")
     return info
 
 
 def machine_lines(machine: dict) -> list[str]:
     """Where and when the figures were measured: CPU and its vector flags, versions, date, commit."""
-    vector_flags = [f for f in machine.get("cpu_flags", []) if f.startswith(("avx", "amx", "fma"))]
     versions = ", ".join(f"{name} {version}" for name, version in machine.get("versions", {}).items())
     return [f"Machine: {machine['cpu']}, {machine['cpu_cores']} cores, server threads {machine['server_threads']}; "
-            f"CPU flags: {' '.join(vector_flags) or 'none of avx/amx/fma'}; GPU: {machine.get('gpu') or 'none'}",
+            f"CPU flags: {' '.join(machine['cpu_vector_flags']) or 'none of avx/amx/fma'}; "
+            f"GPU: {machine.get('gpu') or 'none'}",
             f"Date: {machine.get('date')}; Python {machine.get('python')}; {versions}; "
             f"commit {machine['git_commit'][:12]}"]
 

@@ -3,7 +3,7 @@ per responsibility:
 
 - `costs`: FLOPs and bytes moved per fused op (`OpCost`) and per encoder token;
 - `timing`: synchronise, time calls, percentiles, a measured peak FLOP/s;
-- `machine`: machine tag, CPU/GPU, versions, for results files;
+- `machine`: machine tag, CPU/GPU, vector features, versions, git commit, for results files;
 - `recording`: which backend each op ran on (`record_backends`);
 - `workloads`: batches of random token ids with given real lengths;
 - `peers`: transformers eager/SDPA, torch.compile, ONNX Runtime and fastbert, loaded as callables;

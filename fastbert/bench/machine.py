@@ -1,5 +1,6 @@
 """Machine facts for a results file: a short tag ('cpu-2core', 'nvidia-h200'), CPU and GPU names, cores, load,
-library versions and the date."""
+library versions, the date, the CPU's vector features and the git commit. The CPU is read through
+`fastbert.backends.tuning.cpu_info`, the one reader of /proc/cpuinfo."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import datetime as _dt
 import os
 import platform
 import re
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +21,28 @@ from fastbert.quantization import cpu_flags
 
 def _cpu_name() -> str:
     return cpu_info()[0]
+
+
+# The vector features CPU timings depend on (SIMD width, FMA, AMX tiles), for a results file and its summary line.
+VECTOR_FLAG_PREFIXES = ("avx", "amx", "fma")
+
+
+def cpu_vector_flags(flags: Iterable[str] | None = None) -> list[str]:
+    """The features among ``flags`` (default: this CPU's, from `cpu_info`) that start with one of
+    `VECTOR_FLAG_PREFIXES`, sorted (empty where /proc/cpuinfo cannot be read)."""
+    flags = cpu_info()[1] if flags is None else flags
+    return sorted(flag for flag in flags if flag.startswith(VECTOR_FLAG_PREFIXES))
+
+
+def git_commit(root: str | Path, short: bool = True) -> str | None:
+    """The commit checked out at ``root``, abbreviated unless ``short`` is false; None outside a git checkout or
+    without git."""
+    command = ["git", "rev-parse", *(["--short"] if short else []), "HEAD"]
+    try:
+        found = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    except OSError:
+        return None
+    return found.stdout.strip() or None
 
 
 def _slug(text: str) -> str:

@@ -22,3 +22,25 @@ def test_cpu_results_name_the_cpu_flags():
     info = machine.machine_info("cpu")
     assert info["cpu_flags"] == list(cpu_flags()) and info["torch_cpu_capability"]
     assert "openvino" in info["versions"]
+
+
+def test_cpu_vector_flags_keep_the_avx_amx_fma_features_sorted():
+    from fastbert.backends.tuning import cpu_info
+
+    assert machine.cpu_vector_flags(["sse4_2", "fma", "avx2", "fpu", "amx_tile", "avx512f"]) == [
+        "amx_tile", "avx2", "avx512f", "fma"]
+    assert machine.cpu_vector_flags([]) == []
+    assert machine.cpu_vector_flags() == machine.cpu_vector_flags(cpu_info()[1])  # default: this CPU's flags
+
+
+def test_git_commit_short_and_full_and_none_outside_a_checkout(tmp_path):
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[2]
+    short, full = machine.git_commit(root), machine.git_commit(root, short=False)
+    if full is None:
+        pytest.skip("the tests run from a copy without .git")
+    assert len(full) == 40 and full.startswith(short) and len(short) < 40
+    assert machine.git_commit(tmp_path) is None
