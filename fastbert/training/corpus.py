@@ -4,8 +4,8 @@ modules, classes and functions), and plain text files. Deterministic for a given
 
 Readers of three kinds, for three users: `cpython_sentences` (distinct sentences: the corpus-embedding benchmark
 and tests), `pydoc_documents` / `stdlib_documents` / `file_documents` (documents as lists of sentences:
-`fastbert pretrain`), and the pieces `fastbert finetune` builds its labelled sets from (`prose_sentences`,
-`file_docstrings`, `stdlib_python_files`)."""
+`fastbert pretrain` and `fastbert distill`, through `run_documents`), and the pieces `fastbert finetune` builds its
+labelled sets from (`prose_sentences`, `file_docstrings`, `stdlib_python_files`)."""
 
 from __future__ import annotations
 
@@ -115,6 +115,17 @@ def cpython_documents(corpus: str) -> list[list[str]]:
         raise UserError(f"unknown corpus {corpus!r}; expected one of {', '.join(CORPORA)}")
     documents = pydoc_documents()
     return documents + stdlib_documents() if corpus == "cpython" else documents
+
+
+def run_documents(files: Sequence[str], corpus: str | None, default: str) -> list[list[str]]:
+    """A run's documents: those of the text ``files``, else of the built-in ``corpus`` (``default`` when None).
+    UserError for both given, or for no sentence at all."""
+    if files and corpus is not None:
+        raise UserError("give text FILEs or --corpus, not both")
+    documents = file_documents(files) if files else cpython_documents(corpus or default)
+    if not documents:
+        raise UserError("the corpus holds no sentences")
+    return documents
 
 
 def file_documents(paths: Sequence[str]) -> list[list[str]]:

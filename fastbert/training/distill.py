@@ -51,12 +51,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fastbert.common.resolve import UserError, default_model_dir, resolve_device
+from fastbert.common.resolve import UserError, default_model_dir
 from fastbert.common.text import mean_pool
-from fastbert.files import replace_atomic, temporary_path, write_atomic
-from fastbert.training.corpus import cpython_documents, file_documents
+from fastbert.files import write_atomic
+from fastbert.training.corpus import run_documents
+from fastbert.training.curves import (
+    SUMMARY_WINDOW,
+    curve_figure,
+    curve_window,
+    moving_average,
+    split_records,
+    summarize_run,
+)
 from fastbert.training.finetune import keep_final_model
-from fastbert.training.loop import StepOutput, TrainingArguments, TrainingTask, TrainResult, latest_checkpoint, train
+from fastbert.training.loop import StepOutput, TrainingArguments, TrainingTask, TrainResult, train
 from fastbert.training.masking import IGNORE_INDEX
 from fastbert.training.pretrain import (
     DataOptions,
@@ -650,76 +658,40 @@ class EmbeddingDistillationTask(DistillationTask):
 
 
 # ---------------------------------------------------------------------------------------- curve, summary
+TRAINING_LOSSES = ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "hidden_loss")  # the loss and its terms
+
+
 def summarize(records: list[dict[str, Any]], teacher: dict[str, float] | None = None,
-              window: int = 50) -> dict[str, Any]:
+              window: int = SUMMARY_WINDOW) -> dict[str, Any]:
     """Steps, tokens, time, the mean training loss (and each term) over the first and last ``window`` steps, the
     first and last held-out evaluations, and the teacher's held-out figures (mlm)."""
-    steps = [r for r in records if not r.get("eval")]
-    evals = [r for r in records if r.get("eval")]
-    summary: dict[str, Any] = {"steps": steps[-1]["step"] if steps else 0,
-                               "tokens": sum(r["tokens"] for r in steps),
-                               "elapsed_s": steps[-1]["elapsed_s"] if steps else 0.0}
-    for key in ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "hidden_loss", "mlm_accuracy", "cosine"):
-        values = [r[key] for r in steps if key in r]
-        if values:
-            summary[f"train_{key}_first_{len(values[:window])}_steps"] = sum(values[:window]) / len(values[:window])
-            summary[f"train_{key}_last_{len(values[-window:])}_steps"] = sum(values[-window:]) / len(values[-window:])
-    if evals:
-        summary["eval_first"], summary["eval_last"] = evals[0], evals[-1]
+    summary = summarize_run(records, (*TRAINING_LOSSES, "mlm_accuracy", "cosine"), window)
     if teacher:
         summary["teacher"] = teacher
-    if summary["elapsed_s"]:
-        summary["tokens_per_s"] = summary["tokens"] / summary["elapsed_s"]
     return summary
 
 
 def plot_distillation_curve(records: list[dict[str, Any]], path: Path, objective: str) -> None:
     """The training loss and each of its terms against the step (moving averages), with the held-out figure
     (student MLM loss for mlm, mean cosine to the teacher for embedding) on a second axis; written atomically."""
-    steps = [r for r in records if not r.get("eval")]
+    steps, evals = split_records(records)
     if not steps:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    window = max(1, min(50, len(steps) // 20))
-    figure, axis = plt.subplots(figsize=(8, 4.5))
+    window = curve_window(len(steps))
     x = [r["step"] for r in steps]
-    for key in ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "hidden_loss"):
-        if key in steps[0]:
-            axis.plot(x, _moving_average([r[key] for r in steps], window), label=f"train {key} (mean of {window})")
-    axis.set_xlabel("step")
-    axis.set_ylabel("training loss")
-    axis.set_yscale("log")
-    handles, labels = axis.get_legend_handles_labels()
-    evals = [r for r in records if r.get("eval")]
     held = "eval_mlm_loss" if objective == "mlm" else "eval_cosine"
-    if evals and held in evals[0]:
-        second = axis.twinx()
-        second.plot([r["step"] for r in evals], [r[held] for r in evals], "o-", color="black",
-                    label=f"held-out {held[5:].replace('_', ' ')}")
-        second.set_ylabel(f"held-out {held[5:].replace('_', ' ')}")
-        more_handles, more_labels = second.get_legend_handles_labels()
-        handles, labels = handles + more_handles, labels + more_labels
-    axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, fontsize=8, frameon=False)
-    axis.set_title(f"fastbert distill ({objective})")
-    figure.tight_layout()
-    written = temporary_path(path)
-    figure.savefig(written, format="png", dpi=110, bbox_inches="tight")
-    plt.close(figure)
-    replace_atomic(written, path)
-
-
-def _moving_average(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        out.append(total / min(index + 1, window))
-    return out
+    with curve_figure(path, f"fastbert distill ({objective})", columns=3) as axis:
+        for key in TRAINING_LOSSES:
+            if key in steps[0]:
+                axis.plot(x, moving_average([r[key] for r in steps], window), label=f"train {key} (mean of {window})")
+        axis.set_xlabel("step")
+        axis.set_ylabel("training loss")
+        axis.set_yscale("log")
+        if evals and held in evals[0]:
+            second = axis.twinx()
+            second.plot([r["step"] for r in evals], [r[held] for r in evals], "o-", color="black",
+                        label=f"held-out {held[5:].replace('_', ' ')}")
+            second.set_ylabel(f"held-out {held[5:].replace('_', ' ')}")
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -816,12 +788,7 @@ def distill(settings: DistillSettings, log=None) -> TrainResult:
     the tokenizer or the settings is a UserError before anything trains. Writes a description of the run and a
     summary at the end on ``log`` (default stderr); returns the loop's result."""
     log = log or sys.stderr
-    settings.check()
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
-    device = resolve_device(settings.device)
-    check_output_dir(settings)
-    _quiet_transformers()
+    device = settings.start(settings.output_dir)
     teacher_dir = settings.teacher or default_model_dir()
     plan = plan_mlm(settings, teacher_dir, device) if settings.objective == "mlm" else \
         plan_embedding(settings, teacher_dir, device)
@@ -838,33 +805,6 @@ def distill(settings: DistillSettings, log=None) -> TrainResult:
     model_out = keep_final_model(result.checkpoint, settings.output_dir)
     log.write(summary_text(result, task, model_out))
     return result
-
-
-def check_output_dir(settings: DistillSettings) -> None:
-    """A resume needs the output directory; a new run one without a run in it (checked before anything loads)."""
-    output_dir = Path(settings.output_dir)
-    if settings.resume and not output_dir.is_dir():
-        raise UserError(f"--resume: {output_dir} does not exist")
-    if not settings.resume and latest_checkpoint(output_dir) is not None:
-        raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another -o")
-
-
-def _quiet_transformers() -> None:
-    """No download bars and no notices from transformers in the middle of the run's own output."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
-def read_documents(settings: DistillSettings, default: str) -> list[list[str]]:
-    """The run's documents: the text files, else the built-in corpus (``default`` unless --corpus says)."""
-    if settings.files and settings.corpus is not None:
-        raise UserError("give text FILEs or --corpus, not both")
-    documents = file_documents(settings.files) if settings.files else cpython_documents(settings.corpus or default)
-    if not documents:
-        raise UserError("the corpus holds no sentences")
-    return documents
 
 
 def teacher_fingerprint(teacher_dir: str) -> str:
@@ -916,7 +856,7 @@ def plan_mlm(settings: DistillSettings, teacher_dir: str, device: torch.device
     # DistilBERT's tokenizer gives no token types; the student's copy of the teacher's says so
     tokenizer.model_input_names = ["input_ids", "attention_mask"]
     tokenizer.init_kwargs["model_input_names"] = ["input_ids", "attention_mask"]
-    documents = read_documents(settings, "pydoc")
+    documents = run_documents(settings.files, settings.corpus, "pydoc")
     train_docs, held_docs = hold_out(documents, settings.held_out, settings.seed)
     options = DataOptions(objective="roberta", max_length=max_length, batch_size=settings.batch_size,
                           mlm_probability=settings.mlm_probability, pack=settings.pack, seed=settings.seed)
@@ -946,7 +886,7 @@ def plan_embedding(settings: DistillSettings, teacher_dir: str, device: torch.de
     teacher = load_embedding_teacher(teacher_dir, device)
     torch.manual_seed(settings.seed)
     student = build_layer_student(teacher, indices, from_teacher=settings.init == "teacher").to(device)
-    documents = read_documents(settings, "cpython")
+    documents = run_documents(settings.files, settings.corpus, "cpython")
     train_docs, held_docs = hold_out(documents, settings.held_out, settings.seed)
     held = [s for doc in held_docs for s in doc]
     held = random.Random(f"held-out-sentences/{settings.seed}").sample(held, min(len(held), settings.eval_sentences))

@@ -47,9 +47,17 @@ from typing import Any
 
 import torch
 
-from fastbert.common.resolve import UserError, resolve_device
+from fastbert.common.resolve import UserError
 from fastbert.files import replace_atomic, temporary_path, write_atomic
-from fastbert.training.corpus import cpython_documents, file_documents
+from fastbert.training.corpus import run_documents
+from fastbert.training.curves import (
+    SUMMARY_WINDOW,
+    curve_figure,
+    curve_window,
+    moving_average,
+    split_records,
+    summarize_run,
+)
 from fastbert.training.loop import (
     StepOutput,
     TrainingArguments,
@@ -478,85 +486,45 @@ class PretrainingTask(TrainingTask):
 
 
 # ---------------------------------------------------------------------------------------- curve, summary
-def _moving_average(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for index, value in enumerate(values):
-        total += value
-        if index >= window:
-            total -= values[index - window]
-        out.append(total / min(index + 1, window))
-    return out
-
-
-def summarize(records: list[dict[str, Any]], window: int = 50) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], window: int = SUMMARY_WINDOW) -> dict[str, Any]:
     """First and last figures of a run: the mean training MLM loss and pair accuracy over the first and the last
     ``window`` steps, and the first and last held-out evaluation."""
-    steps = [r for r in records if not r.get("eval")]
-    evals = [r for r in records if r.get("eval")]
-    summary: dict[str, Any] = {"steps": steps[-1]["step"] if steps else 0,
-                               "tokens": sum(r["tokens"] for r in steps),
-                               "elapsed_s": steps[-1]["elapsed_s"] if steps else 0.0}
-    for key in ("mlm_loss", "mlm_accuracy", "nsp_accuracy", "sop_accuracy"):
-        values = [r[key] for r in steps if key in r]
-        if values:
-            first = values[:window]
-            last = values[-window:]
-            summary[f"train_{key}_first_{len(first)}_steps"] = sum(first) / len(first)
-            summary[f"train_{key}_last_{len(last)}_steps"] = sum(last) / len(last)
-    if evals:
-        summary["eval_first"] = evals[0]
-        summary["eval_last"] = evals[-1]
-    if summary["elapsed_s"]:
-        summary["tokens_per_s"] = summary["tokens"] / summary["elapsed_s"]
-    return summary
+    return summarize_run(records, ("mlm_loss", "mlm_accuracy", "nsp_accuracy", "sop_accuracy"), window)
 
 
 def plot_curve(records: list[dict[str, Any]], path: Path, objective: str) -> None:
     """Training MLM loss (and pair accuracy) against the step, with held-out points; written atomically."""
-    steps = [r for r in records if not r.get("eval")]
+    steps, evals = split_records(records)
     if not steps:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    window = max(1, min(50, len(steps) // 20))
-    figure, loss_axis = plt.subplots(figsize=(8, 4.5))
+    window = curve_window(len(steps))
     x = [r["step"] for r in steps]
-    loss_axis.plot(x, [r["mlm_loss"] for r in steps], color="tab:blue", alpha=0.25, linewidth=0.8)
-    loss_axis.plot(x, _moving_average([r["mlm_loss"] for r in steps], window), color="tab:blue",
-                   label=f"train MLM loss (mean of {window})")
-    evals = [r for r in records if r.get("eval")]
-    if evals:
-        loss_axis.plot([r["step"] for r in evals], [r["eval_mlm_loss"] for r in evals], "o-", color="navy",
-                       label="held-out MLM loss")
-    loss_axis.set_xlabel("step")
-    loss_axis.set_ylabel("MLM loss")
-    handles, labels = loss_axis.get_legend_handles_labels()
-    pair = {"bert": "nsp_accuracy", "albert": "sop_accuracy"}.get(objective)
-    if pair and pair in steps[0]:
-        accuracy_axis = loss_axis.twinx()
-        accuracy_axis.plot(x, _moving_average([r[pair] for r in steps], window), color="tab:orange",
-                           label=f"train {pair.replace('_', ' ')} (mean of {window})")
-        if evals and f"eval_{pair}" in evals[0]:
-            accuracy_axis.plot([r["step"] for r in evals], [r[f"eval_{pair}"] for r in evals], "s-",
-                               color="darkred", label=f"held-out {pair.replace('_', ' ')}")
-        accuracy_axis.set_ylim(0, 1)
-        accuracy_axis.axhline(0.5, color="gray", linestyle=":", linewidth=0.8)
-        accuracy_axis.set_ylabel(pair.replace("_", " "))
-        more_handles, more_labels = accuracy_axis.get_legend_handles_labels()
-        handles, labels = handles + more_handles, labels + more_labels
-    loss_axis.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=8,
-                     frameon=False)
-    loss_axis.set_title(f"fastbert pretrain ({objective})")
-    figure.tight_layout()
-    written = temporary_path(path)
-    figure.savefig(written, format="png", dpi=110, bbox_inches="tight")
-    plt.close(figure)
-    replace_atomic(written, path)
+    with curve_figure(path, f"fastbert pretrain ({objective})", columns=2) as loss_axis:
+        loss_axis.plot(x, [r["mlm_loss"] for r in steps], color="tab:blue", alpha=0.25, linewidth=0.8)
+        loss_axis.plot(x, moving_average([r["mlm_loss"] for r in steps], window), color="tab:blue",
+                       label=f"train MLM loss (mean of {window})")
+        if evals:
+            loss_axis.plot([r["step"] for r in evals], [r["eval_mlm_loss"] for r in evals], "o-", color="navy",
+                           label="held-out MLM loss")
+        loss_axis.set_xlabel("step")
+        loss_axis.set_ylabel("MLM loss")
+        pair = {"bert": "nsp_accuracy", "albert": "sop_accuracy"}.get(objective)
+        if pair and pair in steps[0]:
+            plot_pair_accuracy(loss_axis.twinx(), x, steps, evals, pair, window)
 
 
+def plot_pair_accuracy(axis, x: list[int], steps: list[dict[str, Any]], evals: list[dict[str, Any]], pair: str,
+                       window: int) -> None:
+    """The training (moving average) and held-out accuracy of the sentence-pair task ``pair`` on ``axis``."""
+    name = pair.replace("_", " ")
+    axis.plot(x, moving_average([r[pair] for r in steps], window), color="tab:orange",
+              label=f"train {name} (mean of {window})")
+    if evals and f"eval_{pair}" in evals[0]:
+        axis.plot([r["step"] for r in evals], [r[f"eval_{pair}"] for r in evals], "s-", color="darkred",
+                  label=f"held-out {name}")
+    axis.set_ylim(0, 1)
+    axis.axhline(0.5, color="gray", linestyle=":", linewidth=0.8)
+    axis.set_ylabel(name)
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -630,15 +598,10 @@ def pretrain(settings: PretrainSettings, log=None) -> TrainResult | None:
     `fastbert.training.loop.TrainingError` for an output directory that holds another run or a resume that cannot
     continue."""
     log = log or sys.stderr
-    settings.check()
-    if settings.threads is not None:
-        torch.set_num_threads(settings.threads)
-    device = resolve_device(settings.device)
-    check_output_dir(settings)
+    device = settings.start(settings.output_dir)
     overrides = model_overrides(settings)
-    _quiet_transformers()
     check_model_config(settings, overrides)
-    documents = read_corpus(settings)
+    documents = run_documents(settings.files, settings.corpus, "pydoc")
     train_docs, held_docs = hold_out(documents, settings.held_out, settings.seed)
     tokenizer = distributed_tokenizer(settings, train_docs)
     data, held_out = build_data(settings, tokenizer, train_docs, held_docs)
@@ -651,17 +614,6 @@ def pretrain(settings: PretrainSettings, log=None) -> TrainResult | None:
         return None
     log.write(summary_text(result))
     return result
-
-
-def check_output_dir(settings: PretrainSettings) -> None:
-    """A resume needs the output directory; a new run needs one without a run in it (checked before any file is
-    written there)."""
-    output_dir = Path(settings.output_dir)
-    if settings.resume and not output_dir.is_dir():
-        raise UserError(f"--resume: {output_dir} does not exist")
-    if not settings.resume and latest_checkpoint(output_dir) is not None:
-        raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another "
-                        "--output-dir")
 
 
 def model_overrides(settings: PretrainSettings) -> dict[str, Any]:
@@ -693,24 +645,6 @@ def read_config_file(path: str | None) -> dict[str, Any]:
     for key in ("vocab_size", "pad_token_id"):
         fields.pop(key, None)  # the tokenizer decides these
     return fields
-
-
-def _quiet_transformers() -> None:
-    """No download bars and no notices from transformers in the middle of the run's own output."""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
-def read_corpus(settings: PretrainSettings) -> list[list[str]]:
-    """The run's documents: the text files, else the built-in corpus (default pydoc)."""
-    if settings.files and settings.corpus is not None:
-        raise UserError("give text FILEs or --corpus, not both")
-    documents = file_documents(settings.files) if settings.files else cpython_documents(settings.corpus or "pydoc")
-    if not documents:
-        raise UserError("the corpus holds no sentences")
-    return documents
 
 
 def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[str]]):

@@ -1,11 +1,16 @@
 """What the settings of `fastbert pretrain` and `fastbert distill` share: the options of a run that are not about its
-data, model or loss (checkpoints, evaluation, logging, seed, resume, threads, device, backend, progress)."""
+data, model or loss (checkpoints, evaluation, logging, seed, resume, threads, device, backend, progress), and what
+both do with them before anything loads (`RunSettings.start`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from fastbert.common.resolve import UserError
+import torch
+
+from fastbert.common.resolve import UserError, resolve_device
+from fastbert.training.loop import latest_checkpoint
 
 
 @dataclass(kw_only=True)
@@ -30,3 +35,26 @@ class RunSettings:
         """UserError naming the first run option that cannot run (by its command-line option)."""
         if self.threads is not None and self.threads < 1:
             raise UserError("--threads must be >= 1")
+
+    def start(self, output_dir: str) -> torch.device:
+        """Before anything loads or is written: check these options and ``output_dir`` (a resume needs it, a new run
+        one without a run in it), apply --threads, silence transformers' download bars and notices (they would cut
+        into the run's own output); returns the device. UserError for what cannot run."""
+        self.check()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        device = resolve_device(self.device)
+        check_output_dir(Path(output_dir), self.resume)
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        return device
+
+
+def check_output_dir(output_dir: Path, resume: bool) -> None:
+    """UserError unless ``output_dir`` exists for a resume, or holds no run for a new one."""
+    if resume and not output_dir.is_dir():
+        raise UserError(f"--resume: {output_dir} does not exist")
+    if not resume and latest_checkpoint(output_dir) is not None:
+        raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another -o")
