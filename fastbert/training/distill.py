@@ -54,15 +54,8 @@ import torch.nn.functional as F
 from fastbert.common.resolve import UserError, default_model_dir
 from fastbert.common.text import mean_pool
 from fastbert.files import write_atomic
+from fastbert.training import curves
 from fastbert.training.corpus import run_documents
-from fastbert.training.curves import (
-    SUMMARY_WINDOW,
-    curve_figure,
-    curve_window,
-    moving_average,
-    split_records,
-    summarize_run,
-)
 from fastbert.training.finetune import keep_final_model
 from fastbert.training.loop import StepOutput, TrainingArguments, TrainingTask, TrainResult, train
 from fastbert.training.masking import IGNORE_INDEX
@@ -662,10 +655,10 @@ TRAINING_LOSSES = ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "hidde
 
 
 def summarize(records: list[dict[str, Any]], teacher: dict[str, float] | None = None,
-              window: int = SUMMARY_WINDOW) -> dict[str, Any]:
+              window: int = curves.SUMMARY_WINDOW) -> dict[str, Any]:
     """Steps, tokens, time, the mean training loss (and each term) over the first and last ``window`` steps, the
     first and last held-out evaluations, and the teacher's held-out figures (mlm)."""
-    summary = summarize_run(records, (*TRAINING_LOSSES, "mlm_accuracy", "cosine"), window)
+    summary = curves.summarize_run(records, (*TRAINING_LOSSES, "mlm_accuracy", "cosine"), window)
     if teacher:
         summary["teacher"] = teacher
     return summary
@@ -674,16 +667,17 @@ def summarize(records: list[dict[str, Any]], teacher: dict[str, float] | None = 
 def plot_distillation_curve(records: list[dict[str, Any]], path: Path, objective: str) -> None:
     """The training loss and each of its terms against the step (moving averages), with the held-out figure
     (student MLM loss for mlm, mean cosine to the teacher for embedding) on a second axis; written atomically."""
-    steps, evals = split_records(records)
+    steps, evals = curves.split_records(records)
     if not steps:
         return
-    window = curve_window(len(steps))
+    window = curves.curve_window(len(steps))
     x = [r["step"] for r in steps]
     held = "eval_mlm_loss" if objective == "mlm" else "eval_cosine"
-    with curve_figure(path, f"fastbert distill ({objective})", columns=3) as axis:
+    with curves.curve_figure(path, f"fastbert distill ({objective})", columns=3) as axis:
         for key in TRAINING_LOSSES:
             if key in steps[0]:
-                axis.plot(x, moving_average([r[key] for r in steps], window), label=f"train {key} (mean of {window})")
+                axis.plot(x, curves.moving_average([r[key] for r in steps], window),
+                          label=f"train {key} (mean of {window})")
         axis.set_xlabel("step")
         axis.set_ylabel("training loss")
         axis.set_yscale("log")

@@ -49,15 +49,8 @@ import torch
 
 from fastbert.common.resolve import UserError
 from fastbert.files import replace_atomic, temporary_path, write_atomic
+from fastbert.training import curves
 from fastbert.training.corpus import run_documents
-from fastbert.training.curves import (
-    SUMMARY_WINDOW,
-    curve_figure,
-    curve_window,
-    moving_average,
-    split_records,
-    summarize_run,
-)
 from fastbert.training.loop import (
     StepOutput,
     TrainingArguments,
@@ -486,22 +479,22 @@ class PretrainingTask(TrainingTask):
 
 
 # ---------------------------------------------------------------------------------------- curve, summary
-def summarize(records: list[dict[str, Any]], window: int = SUMMARY_WINDOW) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], window: int = curves.SUMMARY_WINDOW) -> dict[str, Any]:
     """First and last figures of a run: the mean training MLM loss and pair accuracy over the first and the last
     ``window`` steps, and the first and last held-out evaluation."""
-    return summarize_run(records, ("mlm_loss", "mlm_accuracy", "nsp_accuracy", "sop_accuracy"), window)
+    return curves.summarize_run(records, ("mlm_loss", "mlm_accuracy", "nsp_accuracy", "sop_accuracy"), window)
 
 
 def plot_curve(records: list[dict[str, Any]], path: Path, objective: str) -> None:
     """Training MLM loss (and pair accuracy) against the step, with held-out points; written atomically."""
-    steps, evals = split_records(records)
+    steps, evals = curves.split_records(records)
     if not steps:
         return
-    window = curve_window(len(steps))
+    window = curves.curve_window(len(steps))
     x = [r["step"] for r in steps]
-    with curve_figure(path, f"fastbert pretrain ({objective})", columns=2) as loss_axis:
+    with curves.curve_figure(path, f"fastbert pretrain ({objective})", columns=2) as loss_axis:
         loss_axis.plot(x, [r["mlm_loss"] for r in steps], color="tab:blue", alpha=0.25, linewidth=0.8)
-        loss_axis.plot(x, moving_average([r["mlm_loss"] for r in steps], window), color="tab:blue",
+        loss_axis.plot(x, curves.moving_average([r["mlm_loss"] for r in steps], window), color="tab:blue",
                        label=f"train MLM loss (mean of {window})")
         if evals:
             loss_axis.plot([r["step"] for r in evals], [r["eval_mlm_loss"] for r in evals], "o-", color="navy",
@@ -517,7 +510,7 @@ def plot_pair_accuracy(axis, x: list[int], steps: list[dict[str, Any]], evals: l
                        window: int) -> None:
     """The training (moving average) and held-out accuracy of the sentence-pair task ``pair`` on ``axis``."""
     name = pair.replace("_", " ")
-    axis.plot(x, moving_average([r[pair] for r in steps], window), color="tab:orange",
+    axis.plot(x, curves.moving_average([r[pair] for r in steps], window), color="tab:orange",
               label=f"train {name} (mean of {window})")
     if evals and f"eval_{pair}" in evals[0]:
         axis.plot([r["step"] for r in evals], [r[f"eval_{pair}"] for r in evals], "s-", color="darkred",
