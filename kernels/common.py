@@ -1,7 +1,7 @@
 """Shared pieces of the triton backend: where it can run, dtype checks, the meta-parameter policy, the cached
-launcher every kernel is launched through (`launch`), and the pieces of the backward and dropout kernels (the Philox
-keep mask, LayerNorm's backward on a tile, the second stage of the two-stage fp32 reductions, the backward
-launchers' torch ops).
+launcher every kernel is launched through (`launch`), the tiles of 2-D and row grids (`tile_offsets`, `row_tile`),
+and the pieces of the backward and dropout kernels (the Philox keep mask, LayerNorm's backward on a tile, the second
+stage of the two-stage fp32 reductions, the backward launchers' torch ops).
 
 Triton kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter. Whether the interpreter is on
 is decided by triton when a kernel is decorated (``TRITON_INTERPRET=1`` must be in the environment before
@@ -70,6 +70,26 @@ if INTERPRETER:
     _interpreter_index_fix()
 
 _INTERPRETED = tl.constexpr(INTERPRETER)
+
+
+@triton.jit
+def tile_offsets(rows, cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] tile of program (program_id(0), program_id(1)) of a 2-D grid over [rows, cols]: (int64
+    row offsets, int64 column offsets, column mask, mask of its real elements)."""
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < cols
+    return offs_m, offs_n, n_mask, (offs_m < rows)[:, None] & n_mask[None, :]
+
+
+@triton.jit
+def row_tile(rows, width, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """The ROWS whole rows of program program_id(0) of a row kernel over [rows, width] (BLOCK >= width): (int64 row
+    offsets, column offsets, column mask, mask of its real elements)."""
+    offs_r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs_c = tl.arange(0, BLOCK)
+    col_mask = offs_c < width
+    return offs_r, offs_c, col_mask, (offs_r < rows)[:, None] & col_mask[None, :]
 
 
 @triton.jit

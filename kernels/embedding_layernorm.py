@@ -43,6 +43,7 @@ from .common import (
     layernorm_tile,
     reduction_programs,
     row_block,
+    row_tile,
     row_warps,
     rows_per_program,
 )
@@ -95,12 +96,8 @@ def _embedding_layernorm_kernel(
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,  # power of two >= E
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs_r = pid * ROWS + tl.arange(0, ROWS)
-    offs_e = tl.arange(0, BLOCK_E)
+    offs_r, offs_e, col_mask, mask = row_tile(rows, E, ROWS, BLOCK_E)
     row_mask = offs_r < rows
-    col_mask = offs_e < E
-    mask = row_mask[:, None] & col_mask[None, :]
     x = _gathered_sum(input_ids_ptr, position_ids_ptr, token_type_ids_ptr, word_ptr, stride_word_row,
                       stride_word_col, position_ptr, stride_position_row, stride_position_col, type_ptr,
                       stride_type_row, stride_type_col, offs_r, offs_e, row_mask, mask, HAS_POSITION, HAS_TYPE_TABLE,

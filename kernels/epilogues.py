@@ -25,7 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRETER, cast_rtne, cdiv, launch, layernorm_tile, row_block, row_warps, rows_per_program
+from .common import (
+    INTERPRETER,
+    cast_rtne,
+    cdiv,
+    launch,
+    layernorm_tile,
+    row_block,
+    row_tile,
+    row_warps,
+    rows_per_program,
+    tile_offsets,
+)
 from .gemm import ACTIVATION_CODES, activate
 
 __all__ = ["MAX_WIDTH", "activate_rows", "glu_rows", "residual_layernorm_rows", "rotary_rows"]
@@ -61,11 +72,7 @@ def _residual_layernorm_kernel(
     ROWS: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= N: one block holds a whole row
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs_r = pid * ROWS + tl.arange(0, ROWS)
-    offs_n = tl.arange(0, BLOCK_N)
-    col_mask = offs_n < N
-    mask = (offs_r < rows)[:, None] & col_mask[None, :]
+    offs_r, offs_n, col_mask, mask = row_tile(rows, N, ROWS, BLOCK_N)
     y = tl.load(y_ptr + offs_r[:, None] * N + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + offs_r[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0)
     # rounded to the dtype before the LayerNorm, as PyTorch's sum is: the LayerNorm is that of the stored sum
@@ -85,11 +92,7 @@ def _glu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < rows)[:, None] & (offs_n < N)[None, :]
+    offs_m, offs_n, _, mask = tile_offsets(rows, N, BLOCK_M, BLOCK_N)
     first = p_ptr + offs_m[:, None] * (2 * N) + offs_n[None, :]
     projected = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(first + N, mask=mask, other=0.0).to(tl.float32)

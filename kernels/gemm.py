@@ -19,6 +19,8 @@ table by M when FASTBERT_TRITON_AUTOTUNE=0; under the interpreter (where autotun
 config with real block sizes. Where even the narrowest tiles leave most SMs idle (M <= 16 at N = 768), the forward
 runs split along K (`split_k`: slices into an fp32 workspace, then one kernel for their sum and the epilogue).
 fp32 inputs are multiplied in IEEE fp32 (no TF32), so the fp32 path matches PyTorch to ~1e-5.
+The tile order and K loops (`grouped_tile`, `k_loop`, and `k_loop_pair` for two weight tiles against one x tile)
+serve linear_glu's and qkv_rotary's kernels too; triton inlines them into each kernel.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .common import (
     dropout_keep,
     launch,
     next_power_of_2,
+    tile_offsets,
 )
 
 ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "silu": 4}
@@ -85,6 +88,75 @@ def activation_grad(pre, grad, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n), int64, of this program's tile of an [M, N] output on a 1-D grid in grouped order: GROUP_M row
+    blocks walk the column blocks together, so weight tiles are reused from L2."""
+    pid = tl.program_id(0).to(tl.int64)
+    num_m = tl.cdiv(M, BLOCK_M)
+    group_size = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // group_size) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % group_rows, (pid % group_size) // group_rows
+
+
+@triton.jit
+def k_loop(acc, x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K, stride_xk, stride_wk, INPUT_PRECISION: tl.constexpr,
+           DOT_IN_FP32: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + x @ W^T over K: ``x_ptrs`` the [BLOCK_M, BLOCK_K] tile of x at the first K step, ``w_ptrs`` the
+    [BLOCK_K, BLOCK_N] tile of W^T; rows outside ``m_mask``, columns outside ``n_mask`` and steps past K read 0."""
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k_start
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def k_loop_pair(acc_1, acc_2, x_ptrs, w_ptrs_1, w_ptrs_2, m_mask, n_mask, offs_k, K, stride_xk, stride_wk,
+                INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`k_loop` for two weight tiles of the same shape (two sets of W rows) against one x tile: each x tile is loaded
+    once for both products (linear_glu's input and gate halves, qkv_rotary's pair halves)."""
+    for k_start in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k_start
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b_1 = tl.load(w_ptrs_1, mask=w_mask, other=0.0)
+        b_2 = tl.load(w_ptrs_2, mask=w_mask, other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b_1 = b_1.to(tl.float32)
+            b_2 = b_2.to(tl.float32)
+        acc_1 = tl.dot(a, b_1, acc_1, input_precision=INPUT_PRECISION)
+        acc_2 = tl.dot(a, b_2, acc_2, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs_1 += BLOCK_K * stride_wk
+        w_ptrs_2 += BLOCK_K * stride_wk
+    return acc_1, acc_2
+
+
+@triton.jit
+def _bias_dropout_residual(acc, offs_m, offs_n, n_mask, mask, N, bias_ptr, residual_ptr, stride_rm, stride_rn, seed,
+                           dropout_p, keep_scale, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+                           HAS_RESIDUAL: tl.constexpr):
+    """The forward epilogue before the activation, on the fp32 tile acc [offs_m, offs_n] of the [M, N] output
+    (``mask``: its real elements): + bias, dropout at the flat indices row * N + column, + residual."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if DROPOUT:
+        acc = tl.where(dropout_keep(seed, offs_m[:, None] * N + offs_n[None, :], dropout_p), acc * keep_scale, 0.0)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=mask,
+                       other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,  # [M, K] input rows, strides (stride_xm, stride_xk)
     w_ptr,  # [N, K] weight in nn.Linear layout, strides (stride_wn, stride_wk)
@@ -118,19 +190,9 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """One BLOCK_M x BLOCK_N output tile: the K loop of x @ W^T, then the epilogue the flags select (module
-    docstring). Long on purpose: one GPU program, the fp32 accumulator in registers from the K loop to the single
-    store; the epilogue's steps are `activate` / `activation_grad` / `dropout_keep` already."""
-    pid = tl.program_id(0).to(tl.int64)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering: GROUP_M row blocks walk the column blocks together, so weight tiles are reused from L2.
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % group_rows
-    pid_n = (pid % group_size) // group_rows
-
+    """One BLOCK_M x BLOCK_N output tile: the K loop of x @ W^T (`k_loop`), then the epilogue the flags select
+    (module docstring): one GPU program, the fp32 accumulator in registers from the K loop to the single store."""
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -138,29 +200,12 @@ def _linear_kernel(
     n_mask = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] = W^T tile
+    acc = k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptrs, w_ptrs, m_mask, n_mask, offs_k, K,
+                 stride_xk, stride_wk, INPUT_PRECISION, DOT_IN_FP32, BLOCK_K)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k_start
-        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
-
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if DROPOUT:
-        keep = dropout_keep(seed, offs_m[:, None] * N + offs_n[None, :], dropout_p)
-        acc = tl.where(keep, acc * keep_scale, 0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=out_mask,
-                           other=0.0)
-        acc += residual.to(tl.float32)
+    acc = _bias_dropout_residual(acc, offs_m, offs_n, n_mask, out_mask, N, bias_ptr, residual_ptr, stride_rm,
+                                 stride_rn, seed, dropout_p, keep_scale, HAS_BIAS, DROPOUT, HAS_RESIDUAL)
     if GRAD_ACTIVATION:
         grad = tl.load(grad_ptr + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=out_mask,
                        other=0.0).to(tl.float32)
@@ -408,17 +453,8 @@ def _linear_split_k_kernel(
     k_left = tl.minimum(K - k_begin, k_per_split)  # this slice's depth (the last one may be shorter)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_begin + offs_k)[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[None, :] * stride_wn + (k_begin + offs_k)[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, k_left, BLOCK_K):
-        k_mask = offs_k < k_left - k_start
-        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+    acc = k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_left,
+                 stride_xk, stride_wk, INPUT_PRECISION, DOT_IN_FP32, BLOCK_K)
     tl.store(partial_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc,
              mask=m_mask[:, None] & n_mask[None, :])
 
@@ -440,26 +476,15 @@ def _split_k_epilogue_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    mask = (offs_m < M)[:, None] & n_mask[None, :]
-    flat = offs_m[:, None] * N + offs_n[None, :]
+    offs_m, offs_n, n_mask, mask = tile_offsets(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    slice_ptrs = partial_ptr + flat
+    slice_ptrs = partial_ptr + offs_m[:, None] * N + offs_n[None, :]
     for _ in range(0, splits):  # in slice order: the same sum whatever the tiling
         acc += tl.load(slice_ptrs, mask=mask, other=0.0)
         slice_ptrs += M * N
     # the forward epilogue of `_linear_kernel`, in the same order
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if DROPOUT:
-        acc = tl.where(dropout_keep(seed, flat, dropout_p), acc * keep_scale, 0.0)
-    if HAS_RESIDUAL:
-        acc += tl.load(residual_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=mask,
-                       other=0.0).to(tl.float32)
+    acc = _bias_dropout_residual(acc, offs_m, offs_n, n_mask, mask, N, bias_ptr, residual_ptr, stride_rm, stride_rn,
+                                 seed, dropout_p, keep_scale, HAS_BIAS, DROPOUT, HAS_RESIDUAL)
     acc = activate(acc, ACTIVATION)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
              cast_rtne(acc, out_ptr.dtype.element_ty), mask=mask)

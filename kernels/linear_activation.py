@@ -31,6 +31,7 @@ from .common import (
     first_reason,
     float_reason,
     launch,
+    tile_offsets,
 )
 
 __all__ = ["linear_activation", "linear_activation_reference", "supports"]
@@ -48,18 +49,13 @@ def _relu_grad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    mask = (offs_m < rows)[:, None] & n_mask[None, :]
+    offs_m, offs_n, n_mask, mask = tile_offsets(rows, N, BLOCK_M, BLOCK_N)
     grad = tl.load(grad_ptr + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn, mask=mask, other=0.0)
     out = tl.load(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, mask=mask, other=0.0)
     grad_pre = tl.where(out > 0, grad.to(tl.float32), 0.0)
     tl.store(grad_pre_ptr + offs_m[:, None] * N + offs_n[None, :], cast_rtne(grad_pre, grad_pre_ptr.dtype.element_ty),
              mask=mask)
-    tl.store(partial_ptr + pid_m * N + offs_n, tl.sum(grad_pre, axis=0), mask=n_mask)
+    tl.store(partial_ptr + tl.program_id(0).to(tl.int64) * N + offs_n, tl.sum(grad_pre, axis=0), mask=n_mask)
 
 
 def _relu_grad(grad: torch.Tensor, out: torch.Tensor, bias_dtype: torch.dtype | None

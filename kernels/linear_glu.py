@@ -32,7 +32,7 @@ from .common import (
     launch,
     next_power_of_2,
 )
-from .gemm import activate, tile_config
+from .gemm import activate, grouped_tile, k_loop_pair, tile_config
 
 # The same limits as linear_activation (float tensors on one CUDA device, a known activation, K > 0): its check.
 from .linear_activation import supports
@@ -63,16 +63,7 @@ def _linear_glu_kernel(
     """One BLOCK_M x BLOCK_N output tile: the input half's and the gate half's K loops side by side, then
     act(input + bias) * (gate + bias). Long on purpose: one GPU program whose two accumulators meet only in the
     epilogue (split in two, each half would be stored and read back)."""
-    pid = tl.program_id(0).to(tl.int64)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering: GROUP_M row blocks walk the column blocks together, so weight tiles are reused from L2.
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % group_rows
-    pid_n = (pid % group_size) // group_rows
-
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # int64 (from pid): the gate rows N + offs_n stay exact
     offs_k = tl.arange(0, BLOCK_K)
@@ -82,24 +73,9 @@ def _linear_glu_kernel(
     # [BLOCK_K, BLOCK_N] tiles of W_in^T and W_gate^T
     w_in_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     w_gate_ptrs = w_ptr + (offs_n + N)[None, :] * stride_wn + offs_k[:, None] * stride_wk
-
-    acc_in = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k_start
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b_in = tl.load(w_in_ptrs, mask=w_mask, other=0.0)
-        b_gate = tl.load(w_gate_ptrs, mask=w_mask, other=0.0)
-        if DOT_IN_FP32:
-            a = a.to(tl.float32)
-            b_in = b_in.to(tl.float32)
-            b_gate = b_gate.to(tl.float32)
-        acc_in = tl.dot(a, b_in, acc_in, input_precision=INPUT_PRECISION)
-        acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_in_ptrs += BLOCK_K * stride_wk
-        w_gate_ptrs += BLOCK_K * stride_wk
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_in, acc_gate = k_loop_pair(zeros, zeros, x_ptrs, w_in_ptrs, w_gate_ptrs, m_mask, n_mask, offs_k, K, stride_xk,
+                                   stride_wk, INPUT_PRECISION, DOT_IN_FP32, BLOCK_K)
 
     if HAS_BIAS:
         acc_in += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -52,6 +52,7 @@ from .common import (
     layernorm_tile,
     reduction_programs,
     row_block,
+    row_tile,
     row_warps,
     rows_per_program,
 )
@@ -74,11 +75,7 @@ def _layernorm_rows_kernel(
     ROWS: tl.constexpr,  # rows per program
     BLOCK_N: tl.constexpr,  # power of two >= N: one block holds a whole row
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs_r = pid * ROWS + tl.arange(0, ROWS)
-    offs_n = tl.arange(0, BLOCK_N)
-    col_mask = offs_n < N
-    mask = (offs_r < rows)[:, None] & col_mask[None, :]
+    offs_r, offs_n, col_mask, mask = row_tile(rows, N, ROWS, BLOCK_N)
     x = tl.load(x_ptr + offs_r[:, None] * stride_x + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     y = layernorm_tile(x, mask, offs_n, col_mask, weight_ptr, bias_ptr, N, eps, HAS_BIAS)
     tl.store(out_ptr + offs_r[:, None] * stride_out + offs_n[None, :], cast_rtne(y, out_ptr.dtype.element_ty),

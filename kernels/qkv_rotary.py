@@ -72,17 +72,8 @@ def _qkv_rotary_kernel(
     """One BLOCK_M x (2 BLOCK_C) output tile of the packed QKV projection, as BLOCK_C column pairs (d, d + D/2) of
     one head: both halves' K loops, then bias and, for q and k, the rotation by each token's position. Long on
     purpose: one GPU program whose two accumulators meet only in the rotation before the store."""
-    pid = tl.program_id(0).to(tl.int64)
-    num_m = tl.cdiv(M, BLOCK_M)
     pairs = N // 2
-    num_c = tl.cdiv(pairs, BLOCK_C)
-    # Grouped ordering, as in `gemm._linear_kernel`: GROUP_M row blocks walk the column blocks together (L2 reuse).
-    group_size = GROUP_M * num_c
-    first_m = (pid // group_size) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % group_rows
-    pid_c = (pid % group_size) // group_rows
-
+    pid_m, pid_c = gemm.grouped_tile(M, pairs, BLOCK_M, BLOCK_C, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)  # pair indices
     offs_k = tl.arange(0, BLOCK_K)
@@ -93,23 +84,9 @@ def _qkv_rotary_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     w_first = w_ptr + col_first[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_C] of W^T
     w_second = w_first + HALF * stride_wn
-
-    acc_first = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    acc_second = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k_start
-        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b_first = tl.load(w_first, mask=k_mask[:, None] & p_mask[None, :], other=0.0)
-        b_second = tl.load(w_second, mask=k_mask[:, None] & p_mask[None, :], other=0.0)
-        if DOT_IN_FP32:
-            a = a.to(tl.float32)
-            b_first = b_first.to(tl.float32)
-            b_second = b_second.to(tl.float32)
-        acc_first = tl.dot(a, b_first, acc_first, input_precision=INPUT_PRECISION)
-        acc_second = tl.dot(a, b_second, acc_second, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        w_first += BLOCK_K * stride_wk
-        w_second += BLOCK_K * stride_wk
+    zeros = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    acc_first, acc_second = gemm.k_loop_pair(zeros, zeros, x_ptrs, w_first, w_second, m_mask, p_mask, offs_k, K,
+                                             stride_xk, stride_wk, INPUT_PRECISION, DOT_IN_FP32, BLOCK_K)
 
     if HAS_BIAS:
         acc_first += tl.load(bias_ptr + col_first, mask=p_mask, other=0.0).to(tl.float32)[None, :]
