@@ -125,6 +125,14 @@ def _band(row_start, col_start, window_half, ROWS: tl.constexpr, COLS: tl.conste
 
 
 @triton.jit
+def _window_reach(start, window_half, length, SIZE: tl.constexpr, STEP: tl.constexpr):
+    """[begin, end) of the positions the windows of rows start .. start + SIZE - 1 reach (within ``length``), begin
+    rounded down to a multiple of STEP, the block size of the side being walked. Symmetric: the rows may be queries
+    (walking keys) or keys (walking queries)."""
+    return tl.maximum(start - window_half, 0) // STEP * STEP, tl.minimum(start + SIZE + window_half, length)
+
+
+@triton.jit
 def _kept(seed, slab, m_start, n_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Bool [BLOCK_M, BLOCK_N]: the dropout keep decisions of queries m_start + i and keys n_start + j (n_start a
     multiple of 8) of sequence-and-head ``slab`` (b * heads + h): a 16-bit draw >= ``threshold`` (p * 2^16). One
@@ -205,12 +213,9 @@ def _attention_kernel(
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if WINDOW:  # only the key blocks some row's window reaches; the first one aligned to BLOCK_N
-        key_begin = tl.maximum(m_start - window_half, 0) // BLOCK_N * BLOCK_N
-        key_end = tl.minimum(m_start + BLOCK_M + window_half, length)
-    else:
-        key_begin = 0
-        key_end = length
+    key_begin, key_end = 0, length
+    if WINDOW:  # only the key blocks some row's window reaches
+        key_begin, key_end = _window_reach(m_start, window_half, length, BLOCK_M, BLOCK_N)
     for key_start in range(key_begin, key_end, BLOCK_N):
         keys = key_start + offs_n
         key_valid = _real_keys(keys, length, mask_ptr, batch, stride_mb, stride_ms, HAS_MASK)
@@ -306,12 +311,9 @@ def _attention_backward_dq_kernel(
     if DOT_IN_FP32:
         q = q.to(tl.float32)
         d_out = d_out.to(tl.float32)
+    key_begin, key_end = 0, length
     if WINDOW:
-        key_begin = tl.maximum(m_start - window_half, 0) // BLOCK_N * BLOCK_N
-        key_end = tl.minimum(m_start + BLOCK_M + window_half, length)
-    else:
-        key_begin = 0
-        key_end = length
+        key_begin, key_end = _window_reach(m_start, window_half, length, BLOCK_M, BLOCK_N)
 
     # Pass 1: the row max and sum of exp2, as the forward's online softmax (scores only).
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -420,12 +422,9 @@ def _attention_backward_dkdv_kernel(
     if DOT_IN_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    if WINDOW:  # only the query blocks whose windows reach these keys; the first one aligned to BLOCK_M
-        query_begin = tl.maximum(n_start - window_half, 0) // BLOCK_M * BLOCK_M
-        query_end = tl.minimum(n_start + BLOCK_N + window_half, length)
-    else:
-        query_begin = 0
-        query_end = length
+    query_begin, query_end = 0, length
+    if WINDOW:  # only the query blocks whose windows reach these keys
+        query_begin, query_end = _window_reach(n_start, window_half, length, BLOCK_N, BLOCK_M)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
