@@ -367,6 +367,23 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+def launch_tiled(kernel, autotuned, m: int, n: int, args: tuple, flags: dict, fixed_meta,
+                 column_block: str = "BLOCK_N") -> None:
+    """Launch a GEMM-style kernel over the grouped 1-D grid of its [m, n] output (n counted in blocks of the
+    ``column_block`` meta-parameter: BLOCK_N columns, or qkv_rotary's BLOCK_C column pairs): with one fixed config,
+    ``fixed_meta()`` (the interpreter's, or the M table's when FASTBERT_TRITON_AUTOTUNE=0), or through its autotuner
+    ``autotuned``."""
+
+    def grid(meta):
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta[column_block]),)
+
+    if INTERPRETER or not autotune_enabled():
+        meta = fixed_meta()
+        launch(kernel, grid(meta), *args, **flags, **meta)
+    else:
+        launch(autotuned, grid, *args, **flags)
+
+
 MIN_BLOCK_M = 16  # the smallest BLOCK_M of every config above and of `interpreter_config`: the backward epilogue's
 # partial sums have one row per MIN_BLOCK_M rows, so they do not depend on the config the autotuner picks
 
@@ -399,15 +416,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
              "ACTIVATION": ACTIVATION_CODES[activation], "DROPOUT": dropout, "GRAD_ACTIVATION": grad is not None,
              "PARTIAL_BLOCK_M": MIN_BLOCK_M,
              "INPUT_PRECISION": dot_precision(x.dtype), "DOT_IN_FP32": dot_in_fp32(x.dtype)}
-
-    def grid(meta):
-        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]),)
-
-    if INTERPRETER or not autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
-        meta = interpreter_config(m) if INTERPRETER else table_meta(m, x.dtype, dropout or grad is not None)
-        launch(_linear_kernel, grid(meta), *args, **flags, **meta)
-    else:
-        launch(_autotuned, grid, *args, **flags)
+    heavy = dropout or grad is not None
+    launch_tiled(_linear_kernel, _autotuned, m, n, args, flags,
+                 lambda: interpreter_config(m) if INTERPRETER else table_meta(m, x.dtype, heavy))
     return out
 
 

@@ -26,10 +26,8 @@ from . import gemm
 from .common import (
     INTERPRETER,
     cast_rtne,
-    cdiv,
     dot_in_fp32,
     dot_precision,
-    launch,
     next_power_of_2,
 )
 from .gemm import activate, grouped_tile, k_loop_pair, tile_config
@@ -146,15 +144,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ac
             next_power_of_2(m))
     flags = {"HAS_BIAS": bias is not None, "ACTIVATION": gemm.ACTIVATION_CODES[activation],
              "INPUT_PRECISION": dot_precision(x.dtype), "DOT_IN_FP32": dot_in_fp32(x.dtype)}
-
-    def grid(meta):
-        return (cdiv(m, meta["BLOCK_M"]) * cdiv(inner, meta["BLOCK_N"]),)
-
-    if INTERPRETER or not gemm.autotune_enabled():
-        meta = gemm.interpreter_config(m) if INTERPRETER else gemm.launch_meta(table_config(m, x.dtype))
-        launch(_linear_glu_kernel, grid(meta), *args, **flags, **meta)
-    else:
-        launch(_autotuned, grid, *args, **flags)
+    gemm.launch_tiled(_linear_glu_kernel, _autotuned, m, inner, args, flags,
+                      lambda: gemm.interpreter_config(m) if INTERPRETER else gemm.launch_meta(table_config(m, x.dtype)))
     return out.view(*x.shape[:-1], inner)
 
 

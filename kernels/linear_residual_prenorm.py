@@ -34,7 +34,7 @@ from .linear_residual_layernorm import (
     supports,
 )
 
-__all__ = ["linear_residual_prenorm", "linear_residual_prenorm_reference", "supports"]
+__all__ = ["backward", "linear_residual_prenorm", "linear_residual_prenorm_reference", "setup_context", "supports"]
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
@@ -51,7 +51,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
-def _setup_context(ctx, inputs, output) -> None:
+def setup_context(ctx, inputs, output) -> None:
     x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed = inputs
     ctx.eps, ctx.dropout_p, ctx.dropout_seed = eps, dropout_p, dropout_seed
     ctx.has_ln_bias = ln_bias is not None
@@ -60,8 +60,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not a zero tensor to read
 
 
-def _backward(ctx, grad_summed, grad_normed):
-    """`layernorm_rows_backward` on the saved sum with summed's own gradient added, then the matmuls."""
+def backward(ctx, grad_summed, grad_normed):
+    """`layernorm_rows_backward` on the saved sum with summed's own gradient added, then the matmuls. The vendor
+    backend's prenorm op takes this formula too (its dropout_p is always 0)."""
     x, weight, bias, ln_weight, summed = ctx.saved_tensors
     width = weight.shape[0]
     if grad_normed is None:  # only summed was used (rare: normed feeds the next sublayer)
@@ -75,7 +76,7 @@ def _backward(ctx, grad_summed, grad_normed):
 
 
 # torch.ops.fastbert.triton_linear_residual_prenorm: schema and fake from the op's spec, the backward above.
-_op = SPEC.define("triton_", _launch, setup_context=_setup_context, backward=_backward)
+_op = SPEC.define("triton_", _launch, setup_context=setup_context, backward=backward)
 
 
 def linear_residual_prenorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

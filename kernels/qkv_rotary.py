@@ -30,13 +30,11 @@ from . import gemm
 from .common import (
     INTERPRETER,
     cast_rtne,
-    cdiv,
     device_reason,
     dot_in_fp32,
     dot_precision,
     first_reason,
     float_reason,
-    launch,
     next_power_of_2,
 )
 
@@ -181,15 +179,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, po
             weight.stride(1), cos.stride(0), out.stride(0), out.stride(1), next_power_of_2(m))
     flags = {"HALF": head_dim // 2, "HAS_BIAS": bias is not None, "INPUT_PRECISION": dot_precision(x.dtype),
              "DOT_IN_FP32": dot_in_fp32(x.dtype)}
-
-    def grid(meta):
-        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n // 2, meta["BLOCK_C"]),)
-
-    if INTERPRETER or not gemm.autotune_enabled():  # one fixed config: the interpreter's, or the tuned table's
-        meta = interpreter_meta(m) if INTERPRETER else table_meta(m, x.dtype)
-        launch(_qkv_rotary_kernel, grid(meta), *args, **flags, **meta)
-    else:
-        launch(_autotuned, grid, *args, **flags)
+    gemm.launch_tiled(_qkv_rotary_kernel, _autotuned, m, n // 2, args, flags,
+                      lambda: interpreter_meta(m) if INTERPRETER else table_meta(m, x.dtype), column_block="BLOCK_C")
     return out.view(*x.shape[:-1], n)
 
 

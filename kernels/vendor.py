@@ -13,8 +13,8 @@ rest, one extra pass over the [M, N] output:
 
 The torch ops are ``torch.ops.fastbert.vendor_<op>``, declared from the ops' specs (schema and fake once), so
 ``torch.compile`` traces them; their backward is the spec's formula in PyTorch ops (cuBLAS matmuls), except
-linear_residual_prenorm's: the triton backend's LayerNorm backward row kernel on the saved sum
-(`linear_residual_layernorm.layernorm_rows_backward_op`), then cuBLAS matmuls. linear_residual_layernorm under
+linear_residual_prenorm's: the triton backend's formula (`linear_residual_prenorm.backward`: its LayerNorm backward
+row kernel on the saved sum, then cuBLAS matmuls). linear_residual_layernorm under
 autograd runs linear_residual_prenorm's op and returns its LayerNorm, as the triton backend does: the same output
 bit for bit, and a backward that reads the saved sum instead of recomputing the GEMM.
 
@@ -42,8 +42,9 @@ from fastbert.ops.qkv_rotary import SPEC as QKV_ROTARY
 from fastbert.ops.qkv_rotary import split_packed
 
 from . import epilogues
+from . import linear_residual_prenorm as prenorm
 from .common import device_reason, first_reason, float_reason
-from .linear_residual_layernorm import layernorm_rows_backward_op, linear_layernorm_input_grads
+from .gemm import as_rows
 from .qkv_rotary import table_reason as rotary_table_reason
 
 __all__ = ["IMPLEMENTATIONS", "SUPPORTS"]
@@ -52,12 +53,11 @@ __all__ = ["IMPLEMENTATIONS", "SUPPORTS"]
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias as a contiguous [rows, N] tensor: 2-D operands, so that torch runs one addmm (on CUDA the
     cuBLASLt call with the bias epilogue)."""
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    return F.linear(rows, weight, bias).contiguous()
+    return F.linear(as_rows(x), weight, bias).contiguous()
 
 
 def _residual_rows(residual: torch.Tensor) -> torch.Tensor:
-    rows = residual if residual.dim() == 2 else residual.reshape(-1, residual.shape[-1])
+    rows = as_rows(residual)
     return rows if rows.shape[1] <= 1 or rows.stride(1) == 1 else rows.contiguous()
 
 
@@ -100,32 +100,8 @@ def _refuse_dropout(op: str, dropout_p: float) -> None:
         raise ValueError(f"fastbert vendor {op}: dropout is not fused by this backend (dropout_p = {dropout_p})")
 
 
-# ------------------------------------------------------------------------------------------------------ autograd
-def _prenorm_setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed = inputs
-    ctx.eps = eps
-    ctx.has_ln_bias = ln_bias is not None
-    ctx.residual_shape = residual.shape
-    ctx.save_for_backward(x, weight, bias, ln_weight, output[0])  # summed: the LayerNorm's input
-    ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not a zero tensor to read
-
-
-def _prenorm_backward(ctx, grad_summed, grad_normed):
-    """The triton backend's LayerNorm backward row kernel on the saved sum (fp32 statistics and two-stage fp32
-    column sums), summed's own gradient added in the same pass; then the matmuls. No dropout here (declined)."""
-    x, weight, bias, ln_weight, summed = ctx.saved_tensors
-    width = weight.shape[0]
-    if grad_normed is None:
-        grad_normed = torch.zeros_like(summed)
-    grad_total, _, sums = layernorm_rows_backward_op(
-        summed.view(-1, width), grad_normed.reshape(-1, width), ln_weight, ctx.eps,
-        None if grad_summed is None else grad_summed.reshape(-1, width), 0.0, 0, summed.dtype)
-    return linear_layernorm_input_grads(ctx, grad_total, grad_total, sums, x, weight, bias, ctx.residual_shape,
-                                        ln_weight.dtype)
-
-
 # torch.ops.fastbert.vendor_<op>: schema and fake from each op's spec; the backward the spec's formula (PyTorch
-# ops), prenorm's the Triton LayerNorm backward above.
+# ops), prenorm's the triton backend's (the Triton LayerNorm backward on the saved sum, then the matmuls).
 _OPS = {spec.name: spec.define("vendor_", impl) for spec, impl in (
     (QKV_PROJECTION, _qkv_projection),
     (LINEAR_ACTIVATION, _linear_activation),
@@ -134,7 +110,7 @@ _OPS = {spec.name: spec.define("vendor_", impl) for spec, impl in (
     (QKV_ROTARY, _qkv_rotary),
 )}
 _OPS["linear_residual_prenorm"] = LINEAR_RESIDUAL_PRENORM.define(
-    "vendor_", _linear_residual_prenorm, setup_context=_prenorm_setup_context, backward=_prenorm_backward)
+    "vendor_", _linear_residual_prenorm, setup_context=prenorm.setup_context, backward=prenorm.backward)
 
 
 # ---------------------------------------------------------------------------------------------- backend functions
