@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.modernbert.configuration_modernbert import ModernBertConfig
 from transformers.models.modernbert.modeling_modernbert import ModernBertEmbeddings
 
 from fastbert import ops
@@ -18,24 +17,12 @@ from tests.helpers import (
     ALL_DTYPES,
     CPP_DTYPES,
     CPP_WIDTHS,
-    FP32_GRAD_CASES,
-    HALF_DTYPES,
-    LOW_PRECISION_GRAD_CASES,
-    OPCHECK_BACKENDS,
     assert_accurate_fp64,
-    check_grads,
-    check_triton_backward_kernel,
-    check_triton_dropout_grads,
     check_triton_keep_rate,
-    for_backend,
-    frozen_tables,
-    gradcheck_spec,
     ln_op_args,
-    op_args,
-    opcheck_with_grad,
-    torch_op_args,
     triton_call,
 )
+from tests.ops.helpers import grad_tests, layernorm_op_tests, modernbert_config, randomised, triton_grad_tests
 from tools.op_checks import check_embedding_layernorm
 
 OP = "embedding_layernorm"
@@ -115,16 +102,8 @@ def test_cpp(width, dtype):
 def test_matches_modernbert_embeddings(backend, norm_bias):
     """ModernBertEmbeddings (word table + LayerNorm, no positions nor token types) is embedding_layernorm with
     position_ids, position_embeddings, token types and (for norm_bias=False) the LayerNorm bias all None."""
-    config = ModernBertConfig(vocab_size=97, hidden_size=130, intermediate_size=383, num_hidden_layers=1,
-                              num_attention_heads=2, pad_token_id=0, mlp_dropout=0.0, embedding_dropout=0.0,
-                              norm_bias=norm_bias)
-    embeddings = ModernBertEmbeddings(config)
-    gen = torch.Generator().manual_seed(5)  # random weights everywhere (LayerNorm weights near 1)
-    with torch.no_grad():
-        for name, p in embeddings.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen) if "norm" in name
-                    else torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
-    embeddings.eval()
+    config = modernbert_config(norm_bias=norm_bias)
+    embeddings = randomised(ModernBertEmbeddings(config), seed=5)
     ids = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         expected = embeddings(input_ids=ids)
@@ -174,59 +153,12 @@ def test_checks_name_the_bad_argument():
 
 
 # ------------------------------------------------------------------------------------------------ backward
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", FP32_GRAD_CASES)
-def test_grads_match_eager_fp32(backend, rows, variant):
-    check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
-
-
-@pytest.mark.parametrize("backend, dtype, rows", LOW_PRECISION_GRAD_CASES)
-def test_grads_low_precision(backend, dtype, rows):
-    check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
-
-
-def test_triton_grads_fp32_odd_rows_wide():
-    check_grads(OP, ln_op_args(OP, 7, 48, torch.float32), "triton")
-
-
-def test_triton_backward_runs_the_triton_kernels():
-    check_triton_backward_kernel(OP, "fastbert::triton_embedding_layernorm_backward")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("full", [True, False], ids=["full", "none"])
-@pytest.mark.parametrize("rows, width", [(1, 48), (130, 48), (7, 384), (130, 384), (7, 768)])
-def test_triton_grads_fp32_bert_widths(rows, width, full):
-    check_grads(OP, ln_op_args(OP, rows, width, torch.float32, full=full), "triton")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_triton_grads_half_bert_width(dtype):
-    check_grads(OP, ln_op_args(OP, 130, 384, dtype), "triton")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_weight_and_bias_grads_over_many_rows(dtype):
-    """dW/dB summed over 1025 rows (each program's fp32 partial sums, then the second stage): within the rule
-    (a reduction in bf16 would be far outside it)."""
-    check_grads(OP, ln_op_args(OP, 1025, 48, dtype, in_features=16), "triton")
-
-
-@pytest.mark.parametrize("variant", ["full", "none"])
-def test_gradcheck_backward_formula(variant):
-    gradcheck_spec(OP, op_args(OP, 5, torch.float32, variant, small=True))
+TestGrads = grad_tests(OP, gemm=False)
+TestTritonGrads = triton_grad_tests(OP, "fastbert::triton_embedding_layernorm_backward")
+TestLayerNormOp = layernorm_op_tests(OP)  # dW/dB over many rows, and dropout
 
 
 # ------------------------------------------------------------------------------------------------- dropout
-def test_gradcheck_with_dropout():
-    """With dropout the backward formula regenerates the forward's mask from the seed: gradcheck (the eager
-    forward, perturbed, against the formula) fails for any other mask."""
-    args = torch_op_args(OP, op_args(OP, 5, torch.float32, "full", small=True))[:-2] + (0.4, 1234)
-    gradcheck_spec(OP, args)
-
-
 def test_triton_same_seed_same_output_other_seed_other_output():
     args = ln_op_args(OP, 33, 48, torch.float32)
     first = triton_call(OP, args, 0.2, 5)
@@ -239,27 +171,6 @@ def test_triton_same_seed_same_output_other_seed_other_output():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("rows, width", [(7, 48), (130, 384)])
-def test_triton_dropout_grads_use_the_forward_mask(rows, width):
-    check_triton_dropout_grads(OP, rows, width)
-
-
-@pytest.mark.interpreter
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_triton_keep_rate_and_scaling(p):
     check_triton_keep_rate(OP, p)
-
-
-# ------------------------------------------------------------------------------------------------- opcheck
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
-def test_opcheck_with_grad(backend, variant):
-    opcheck_with_grad(OP, backend, variant)
-
-
-@pytest.mark.interpreter
-def test_triton_opcheck_with_dropout():
-    """The torch op (schema, fake, autograd registration, AOTAutograd tracing the backward's kernel ops) with
-    p > 0."""
-    args = (*ln_op_args(OP, 6, 48, torch.float32), 0.25, 31)
-    torch.library.opcheck(torch.ops.fastbert.triton_embedding_layernorm.default, args)

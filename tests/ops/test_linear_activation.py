@@ -17,30 +17,21 @@ from tests.helpers import (
     CPP_DTYPES,
     CPP_WIDTHS,
     DEVICE,
-    GEMM_FP32_GRAD_CASES,
-    GEMM_LOW_PRECISION_GRAD_CASES,
-    GEMM_OPCHECK_BACKENDS,
     HALF_DTYPES,
     as_fp64,
     assert_accurate,
     assert_accurate_fp64,
     check_grads,
-    check_triton_backward_kernel,
     cpp_linear_inputs,
     for_backend,
-    frozen_tables,
-    gradcheck_spec,
     ln_op_args,
     op_args,
-    opcheck_with_grad,
     rand,
 )
+from tests.ops.helpers import BERT_SHAPE_IDS, BERT_SHAPES, activation_grad_tests, grad_tests, triton_grad_tests
 from tools.op_checks import check_linear_activation
 
 OP = "linear_activation"
-# (rows, hidden, heads): few rows at BERT widths, odd row counts included
-SHAPES = [(1, 1024, 16), (7, 768, 12), (130, 384, 6)]
-SHAPE_IDS = [f"rows{r}-h{h}" for r, h, _ in SHAPES]
 
 
 # ------------------------------------------------------------------------------------------------- forward
@@ -54,7 +45,7 @@ def test_triton_gelu_tanh_bf16_strided():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("rows,hidden,heads", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("rows,hidden,heads", BERT_SHAPES, ids=BERT_SHAPE_IDS)
 def test_triton_gelu(rows, hidden, heads, dtype):
     check_linear_activation(rows, hidden, dtype, "gelu", strided=rows == 7)
 
@@ -122,39 +113,13 @@ def test_activation_from_hf_refuses_other_functions():
 
 
 # ------------------------------------------------------------------------------------------------ backward
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
-def test_grads_match_eager_fp32(backend, rows, variant):
-    check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
-
-
-@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
-def test_grads_low_precision(backend, dtype, rows):
-    check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
-
-
-@pytest.mark.parametrize("activation", ["gelu_tanh", "relu", "silu"])
-def test_cpp_grads_other_activations(activation):
-    check_grads(OP, op_args(OP, 33, torch.float32, activation), "cpp")
+TestGrads = grad_tests(OP)
+TestTritonGrads = triton_grad_tests(OP, "fastbert::triton_linear_activation_grad")
+TestActivationGrads = activation_grad_tests(OP)
 
 
 def test_triton_grads_fp32_seven_rows():
     check_grads(OP, for_backend("triton", op_args(OP, 7, torch.float32)), "triton")
-
-
-def test_triton_grads_fp32_odd_rows_wide():
-    check_grads(OP, ln_op_args(OP, 7, 48, torch.float32), "triton")
-
-
-def test_triton_backward_runs_the_triton_kernels():
-    check_triton_backward_kernel(OP, "fastbert::triton_linear_activation_grad")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("full", [True, False], ids=["full", "none"])
-@pytest.mark.parametrize("rows, width", [(1, 48), (130, 48), (7, 384), (130, 384), (7, 768)])
-def test_triton_grads_fp32_bert_widths(rows, width, full):
-    check_grads(OP, ln_op_args(OP, rows, width, torch.float32, full=full), "triton")
 
 
 @pytest.mark.interpreter
@@ -163,26 +128,3 @@ def test_triton_grads_fp32_bert_widths(rows, width, full):
 def test_triton_grads_every_activation(activation, dtype):
     """The backward epilogue's derivative of each activation (relu: from the saved output)."""
     check_grads(OP, ln_op_args(OP, 37, 96, dtype, activation=activation), "triton")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_triton_grads_half_bert_width(dtype):
-    check_grads(OP, ln_op_args(OP, 130, 384, dtype), "triton")
-
-
-@pytest.mark.parametrize("variant", ["full", "none"])
-def test_gradcheck_backward_formula(variant):
-    gradcheck_spec(OP, op_args(OP, 5, torch.float32, variant, small=True))
-
-
-@pytest.mark.parametrize("activation", ["gelu_tanh", "relu", "silu"])
-def test_gradcheck_other_activations(activation):
-    gradcheck_spec(OP, op_args(OP, 4, torch.float32, activation, small=True))
-
-
-# ------------------------------------------------------------------------------------------------- opcheck
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", GEMM_OPCHECK_BACKENDS)
-def test_opcheck_with_grad(backend, variant):
-    opcheck_with_grad(OP, backend, variant)

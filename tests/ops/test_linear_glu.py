@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-from transformers.models.modernbert.configuration_modernbert import ModernBertConfig
 from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
 
 from fastbert import backends, ops
@@ -20,19 +19,11 @@ from tests.helpers import (
     ALL_DTYPES,
     CPP_DTYPES,
     DEVICE,
-    GEMM_FP32_GRAD_CASES,
-    GEMM_LOW_PRECISION_GRAD_CASES,
-    GEMM_OPCHECK_BACKENDS,
     assert_accurate_fp64,
-    check_grads,
-    for_backend,
-    frozen_tables,
-    gradcheck_spec,
-    op_args,
-    opcheck_with_grad,
     rand,
     strided_rows,
 )
+from tests.ops.helpers import activation_grad_tests, grad_tests, modernbert_config, randomised
 from tools.op_checks import check_linear_glu
 
 OP = "linear_glu"
@@ -41,22 +32,6 @@ CPU_BACKENDS = ["eager", "cpp"]
 TRITON_SHAPES = [(1, 7, 7), (7, 130, 383), (130, 768, 1152)]
 TRITON_IDS = [f"rows{r}-h{h}-i{i}" for r, h, i in TRITON_SHAPES]
 CPP_SIZES = [(7, 7), (130, 383), (383, 130), (768, 1152)]  # (hidden K, intermediate I): odd, and ModernBERT-base
-
-
-def modernbert_config(**overrides) -> ModernBertConfig:
-    sizes = dict(vocab_size=97, hidden_size=130, intermediate_size=383, num_hidden_layers=1, num_attention_heads=2,
-                 pad_token_id=0, mlp_dropout=0.0, embedding_dropout=0.0)
-    return ModernBertConfig(**{**sizes, **overrides})
-
-
-def randomised(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random weights everywhere (LayerNorm weights near 1), so biases and scales are exercised."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen) if "norm" in name
-                    else torch.randn(p.shape, generator=gen) / max(1, p.shape[-1]) ** 0.5)
-    return module.eval()
 
 
 # ------------------------------------------------------------------------------------------------- forward
@@ -195,34 +170,5 @@ def test_fake_gives_the_eager_shape():
 
 
 # ------------------------------------------------------------------------------------------------ backward
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
-def test_grads_match_eager_fp32(backend, rows, variant):
-    check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
-
-
-@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
-def test_grads_low_precision(backend, dtype, rows):
-    check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
-
-
-@pytest.mark.parametrize("activation", ["gelu_tanh", "relu", "silu"])
-def test_cpp_grads_other_activations(activation):
-    check_grads(OP, op_args(OP, 33, torch.float32, activation), "cpp")
-
-
-@pytest.mark.parametrize("variant", ["full", "none"])
-def test_gradcheck_backward_formula(variant):
-    gradcheck_spec(OP, op_args(OP, 5, torch.float32, variant, small=True))
-
-
-@pytest.mark.parametrize("activation", ["gelu_tanh", "relu", "silu"])
-def test_gradcheck_other_activations(activation):
-    gradcheck_spec(OP, op_args(OP, 4, torch.float32, activation, small=True))
-
-
-# ------------------------------------------------------------------------------------------------- opcheck
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", GEMM_OPCHECK_BACKENDS)
-def test_opcheck_with_grad(backend, variant):
-    opcheck_with_grad(OP, backend, variant)
+TestGrads = grad_tests(OP)
+TestActivationGrads = activation_grad_tests(OP)

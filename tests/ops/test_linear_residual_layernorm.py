@@ -17,10 +17,6 @@ from tests.helpers import (
     ALL_DTYPES,
     CPP_DTYPES,
     CPP_WIDTHS,
-    GEMM_FP32_GRAD_CASES,
-    GEMM_LOW_PRECISION_GRAD_CASES,
-    GEMM_OPCHECK_BACKENDS,
-    HALF_DTYPES,
     IN_FEATURES,
     OUT_FEATURES,
     OpsSeen,
@@ -28,29 +24,21 @@ from tests.helpers import (
     assert_accurate,
     assert_accurate_fp64,
     check_grads,
-    check_triton_backward_kernel,
-    check_triton_dropout_grads,
     cpp_linear_inputs,
     for_backend,
     forward_mask,
-    frozen_tables,
-    gradcheck_spec,
     ln_op_args,
     masked_reference,
     op_args,
-    opcheck_with_grad,
     rate_tolerance,
     run_grads,
-    torch_op_args,
     triton_call,
     upcast,
 )
+from tests.ops.helpers import BERT_SHAPE_IDS, BERT_SHAPES, grad_tests, layernorm_op_tests, triton_grad_tests
 from tools.op_checks import check_linear_residual_layernorm
 
 OP = "linear_residual_layernorm"
-# (rows, hidden, heads): few rows at BERT widths, odd row counts included
-SHAPES = [(1, 1024, 16), (7, 768, 12), (130, 384, 6)]
-SHAPE_IDS = [f"rows{r}-h{h}" for r, h, _ in SHAPES]
 
 
 # ------------------------------------------------------------------------------------------------- forward
@@ -64,7 +52,7 @@ def test_triton_without_ln_bias_fp16():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("rows,hidden,heads", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("rows,hidden,heads", BERT_SHAPES, ids=BERT_SHAPE_IDS)
 def test_triton(rows, hidden, heads, dtype):
     check_linear_residual_layernorm(rows, hidden, dtype, strided=rows == 7)
 
@@ -113,15 +101,9 @@ def test_cpp_op_rejects_bad_shapes():
 
 
 # ------------------------------------------------------------------------------------------------ backward
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
-def test_grads_match_eager_fp32(backend, rows, variant):
-    check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
-
-
-@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
-def test_grads_low_precision(backend, dtype, rows):
-    check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
+TestGrads = grad_tests(OP)
+TestTritonGrads = triton_grad_tests(OP, "fastbert::triton_layernorm_rows_backward")
+TestLayerNormOp = layernorm_op_tests(OP)  # dW/dB over many rows, and dropout
 
 
 def test_cpp_batched_leading_shape_and_only_some_inputs_requiring_grad():
@@ -148,14 +130,6 @@ def test_triton_batched_leading_shape_and_frozen_weight():
     torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-5)
 
 
-def test_triton_grads_fp32_odd_rows_wide():
-    check_grads(OP, ln_op_args(OP, 7, 48, torch.float32), "triton")
-
-
-def test_triton_backward_runs_the_triton_kernels():
-    check_triton_backward_kernel(OP, "fastbert::triton_layernorm_rows_backward")
-
-
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_triton_torch_op_backward_recomputes_the_sum(p):
     """linear_residual_layernorm's torch op has its own backward (the sum recomputed by the forward's GEMM); the
@@ -180,46 +154,7 @@ def test_triton_torch_op_backward_recomputes_the_sum(p):
         assert "fastbert::triton_layernorm_rows_backward" in seen.names
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("full", [True, False], ids=["full", "none"])
-@pytest.mark.parametrize("rows, width", [(1, 48), (130, 48), (7, 384), (130, 384), (7, 768)])
-def test_triton_grads_fp32_bert_widths(rows, width, full):
-    check_grads(OP, ln_op_args(OP, rows, width, torch.float32, full=full), "triton")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_triton_grads_half_bert_width(dtype):
-    check_grads(OP, ln_op_args(OP, 130, 384, dtype), "triton")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_weight_and_bias_grads_over_many_rows(dtype):
-    """dW/dB summed over 1025 rows (each program's fp32 partial sums, then the second stage): within the rule
-    (a reduction in bf16 would be far outside it)."""
-    check_grads(OP, ln_op_args(OP, 1025, 48, dtype, in_features=16), "triton")
-
-
-@pytest.mark.parametrize("variant", ["full", "none"])
-def test_gradcheck_backward_formula(variant):
-    gradcheck_spec(OP, op_args(OP, 5, torch.float32, variant, small=True))
-
-
 # ------------------------------------------------------------------------------------------------- dropout
-def test_gradcheck_with_dropout():
-    """With dropout the backward formula regenerates the forward's mask from the seed: gradcheck (the eager
-    forward, perturbed, against the formula) fails for any other mask."""
-    args = torch_op_args(OP, op_args(OP, 5, torch.float32, "full", small=True))[:-2] + (0.4, 1234)
-    gradcheck_spec(OP, args)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("rows, width", [(7, 48), (130, 384)])
-def test_triton_dropout_grads_use_the_forward_mask(rows, width):
-    check_triton_dropout_grads(OP, rows, width)
-
-
 @pytest.mark.interpreter
 def test_triton_keep_rate_through_its_gemm_mask():
     """linear_residual_layernorm's dropout acts inside, before the LayerNorm: its output equals the LayerNorm of
@@ -233,20 +168,6 @@ def test_triton_keep_rate_through_its_gemm_mask():
 
 
 # ------------------------------------------------------------------------------------------------- opcheck
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", GEMM_OPCHECK_BACKENDS)
-def test_opcheck_with_grad(backend, variant):
-    opcheck_with_grad(OP, backend, variant)
-
-
 def test_triton_opcheck_with_grad_without_optionals():
     args = for_backend("triton", op_args(OP, 5, torch.float32, "none"))
-    torch.library.opcheck(torch.ops.fastbert.triton_linear_residual_layernorm.default, args)
-
-
-@pytest.mark.interpreter
-def test_triton_opcheck_with_dropout():
-    """The torch op (schema, fake, autograd registration, AOTAutograd tracing the backward's kernel ops) with
-    p > 0."""
-    args = (*ln_op_args(OP, 6, 48, torch.float32), 0.25, 31)
     torch.library.opcheck(torch.ops.fastbert.triton_linear_residual_layernorm.default, args)

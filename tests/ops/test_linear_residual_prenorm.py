@@ -20,27 +20,14 @@ from tests.helpers import (
     CPP_DTYPES,
     CPP_WIDTHS,
     DEVICE,
-    GEMM_FP32_GRAD_CASES,
-    GEMM_LOW_PRECISION_GRAD_CASES,
-    GEMM_OPCHECK_BACKENDS,
-    HALF_DTYPES,
     assert_accurate,
     assert_accurate_fp64,
-    check_grads,
-    check_triton_backward_kernel,
-    check_triton_dropout_grads,
     check_triton_keep_rate,
-    for_backend,
-    frozen_tables,
-    gradcheck_spec,
-    ln_op_args,
-    op_args,
-    opcheck_with_grad,
     rand,
     strided_rows,
-    torch_op_args,
     triton_call,
 )
+from tests.ops.helpers import grad_tests, layernorm_op_tests, triton_grad_tests
 from tools.op_checks import check_linear_residual_prenorm
 
 OP = "linear_residual_prenorm"
@@ -166,59 +153,12 @@ def test_layer_norm_fp32_without_bias_is_the_unshifted_layernorm():
 
 
 # ------------------------------------------------------------------------------------------------ backward
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
-def test_grads_match_eager_fp32(backend, rows, variant):
-    check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
-
-
-@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
-def test_grads_low_precision(backend, dtype, rows):
-    check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
-
-
-def test_triton_grads_fp32_odd_rows_wide():
-    check_grads(OP, ln_op_args(OP, 7, 48, torch.float32), "triton")
-
-
-def test_triton_backward_runs_the_triton_kernels():
-    check_triton_backward_kernel(OP, "fastbert::triton_layernorm_rows_backward")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("full", [True, False], ids=["full", "none"])
-@pytest.mark.parametrize("rows, width", [(1, 48), (130, 48), (7, 384), (130, 384), (7, 768)])
-def test_triton_grads_fp32_bert_widths(rows, width, full):
-    check_grads(OP, ln_op_args(OP, rows, width, torch.float32, full=full), "triton")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_triton_grads_half_bert_width(dtype):
-    check_grads(OP, ln_op_args(OP, 130, 384, dtype), "triton")
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_weight_and_bias_grads_over_many_rows(dtype):
-    """dW/dB summed over 1025 rows (each program's fp32 partial sums, then the second stage): within the rule
-    (a reduction in bf16 would be far outside it)."""
-    check_grads(OP, ln_op_args(OP, 1025, 48, dtype, in_features=16), "triton")
-
-
-@pytest.mark.parametrize("variant", ["full", "none"])
-def test_gradcheck_backward_formula(variant):
-    gradcheck_spec(OP, op_args(OP, 5, torch.float32, variant, small=True))
+TestGrads = grad_tests(OP)
+TestTritonGrads = triton_grad_tests(OP, "fastbert::triton_layernorm_rows_backward")
+TestLayerNormOp = layernorm_op_tests(OP)  # dW/dB over many rows, and dropout
 
 
 # ------------------------------------------------------------------------------------------------- dropout
-def test_gradcheck_with_dropout():
-    """With dropout the backward formula regenerates the forward's mask from the seed: gradcheck (the eager
-    forward, perturbed, against the formula) fails for any other mask."""
-    args = torch_op_args(OP, op_args(OP, 5, torch.float32, "full", small=True))[:-2] + (0.4, 1234)
-    gradcheck_spec(OP, args)
-
-
 def test_triton_backward_uses_the_forward_mask_identity_linear():
     """W = I, residual 0: summed = mask / (1 - p) * x and d(sum summed)/dx = mask / (1 - p), elementwise; any
     other mask in the backward puts nonzeros where the forward dropped."""
@@ -235,27 +175,6 @@ def test_triton_backward_uses_the_forward_mask_identity_linear():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("rows, width", [(7, 48), (130, 384)])
-def test_triton_dropout_grads_use_the_forward_mask(rows, width):
-    check_triton_dropout_grads(OP, rows, width)
-
-
-@pytest.mark.interpreter
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_triton_keep_rate_and_scaling(p):
     check_triton_keep_rate(OP, p)
-
-
-# ------------------------------------------------------------------------------------------------- opcheck
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", GEMM_OPCHECK_BACKENDS)
-def test_opcheck_with_grad(backend, variant):
-    opcheck_with_grad(OP, backend, variant)
-
-
-@pytest.mark.interpreter
-def test_triton_opcheck_with_dropout():
-    """The torch op (schema, fake, autograd registration, AOTAutograd tracing the backward's kernel ops) with
-    p > 0."""
-    args = (*ln_op_args(OP, 6, 48, torch.float32), 0.25, 31)
-    torch.library.opcheck(torch.ops.fastbert.triton_linear_residual_prenorm.default, args)

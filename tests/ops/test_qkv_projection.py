@@ -14,23 +14,13 @@ from tests.helpers import (
     ALL_DTYPES,
     CPP_DTYPES,
     CPP_WIDTHS,
-    GEMM_FP32_GRAD_CASES,
-    GEMM_LOW_PRECISION_GRAD_CASES,
     assert_accurate_fp64,
-    check_grads,
     cpp_linear_inputs,
-    for_backend,
-    frozen_tables,
-    gradcheck_spec,
-    op_args,
-    opcheck_with_grad,
 )
+from tests.ops.helpers import BERT_SHAPE_IDS, BERT_SHAPES, grad_tests
 from tools.op_checks import check_qkv_projection
 
 OP = "qkv_projection"
-# (rows, hidden, heads): few rows at BERT widths, odd row counts included
-SHAPES = [(1, 1024, 16), (7, 768, 12), (130, 384, 6)]
-SHAPE_IDS = [f"rows{r}-h{h}" for r, h, _ in SHAPES]
 
 
 # ------------------------------------------------------------------------------------------------- forward
@@ -40,7 +30,7 @@ def test_triton_fp16():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("rows,hidden,heads", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("rows,hidden,heads", BERT_SHAPES, ids=BERT_SHAPE_IDS)
 def test_triton(rows, hidden, heads, dtype):
     check_qkv_projection(rows, hidden, heads, dtype, strided=rows == 7)
 
@@ -67,24 +57,5 @@ def test_cpp_one_head(width, dtype):
 
 
 # ------------------------------------------------------------------------------------------------ backward
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
-def test_grads_match_eager_fp32(backend, rows, variant):
-    check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
-
-
-@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
-def test_grads_low_precision(backend, dtype, rows):
-    check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
-
-
-@pytest.mark.parametrize("variant", ["full", "none"])
-def test_gradcheck_backward_formula(variant):
-    gradcheck_spec(OP, op_args(OP, 5, torch.float32, variant, small=True))
-
-
-# ------------------------------------------------------------------------------------------------- opcheck
-@pytest.mark.interpreter
-@pytest.mark.parametrize("variant", ["full", "none"])
-def test_triton_opcheck_with_grad(variant):
-    opcheck_with_grad(OP, "triton", variant)
+# opcheck: the triton torch op alone (the cpp backend's QKV is one addmm, no torch op of its own)
+TestGrads = grad_tests(OP, opcheck_backends=[pytest.param("triton", marks=pytest.mark.interpreter)])

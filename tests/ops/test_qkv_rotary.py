@@ -21,18 +21,12 @@ from tests.helpers import (
     ALL_DTYPES,
     DEVICE,
     DTYPE_IDS,
-    GEMM_FP32_GRAD_CASES,
-    GEMM_LOW_PRECISION_GRAD_CASES,
-    GEMM_OPCHECK_BACKENDS,
-    check_grads,
     float_tensor,
-    for_backend,
-    frozen_tables,
     gradcheck_spec,
     op_args,
-    opcheck_with_grad,
     rand,
 )
+from tests.ops.helpers import VARIANTS, grad_tests
 from tools.op_checks import check_qkv_rotary
 from tools.op_checks import packed_positions as packed_position_ids
 
@@ -380,26 +374,10 @@ def test_triton_configs_are_the_shared_gemm_tiles_as_pairs():
 
 
 # ------------------------------------------------------------------------------------------------ backward
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend, rows", GEMM_FP32_GRAD_CASES)
-def test_grads_match_eager_fp32(backend, rows, variant):
-    check_grads(OP, for_backend(backend, op_args(OP, rows, torch.float32, variant)), backend)
-
-
-@pytest.mark.parametrize("backend, dtype, rows", GEMM_LOW_PRECISION_GRAD_CASES)
-def test_grads_low_precision(backend, dtype, rows):
-    check_grads(OP, for_backend(backend, frozen_tables(OP, op_args(OP, rows, dtype))), backend)
-
-
-@pytest.mark.parametrize("variant", ["full", "none"])
-def test_gradcheck_backward_formula(variant):
-    """Small tables: gradcheck perturbs each of their elements."""
-    x, weight, bias, heads, _, _, _ = op_args(OP, 5, torch.float32, variant, small=True)
-    cos, sin = (float_tensor((6, 1), torch.float32, torch.Generator().manual_seed(i)) for i in (1, 2))  # head_dim 2
-    gradcheck_spec(OP, (x, weight, bias, heads, torch.tensor([0, 5, 2, 2, 3]), cos, sin))
-
-
-@pytest.mark.parametrize("variant", ["full", "none"])
-@pytest.mark.parametrize("backend", GEMM_OPCHECK_BACKENDS)
-def test_opcheck_with_grad(backend, variant):
-    opcheck_with_grad(OP, backend, variant)
+class TestGrads(grad_tests(OP)):
+    @pytest.mark.parametrize("variant", VARIANTS)
+    def test_gradcheck_backward_formula(self, variant):
+        """Small tables: gradcheck perturbs each of their elements."""
+        x, weight, bias, heads, _, _, _ = op_args(OP, 5, torch.float32, variant, small=True)
+        cos, sin = (float_tensor((6, 1), torch.float32, torch.Generator().manual_seed(i)) for i in (1, 2))  # head_dim 2
+        gradcheck_spec(OP, (x, weight, bias, heads, torch.tensor([0, 5, 2, 2, 3]), cos, sin))
