@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from fastbert import backends
 from fastbert.ops.backward import compute_dtype
 from fastbert.ops.dropout import apply_keep, check_dropout, keep_mask, keep_scale
-from fastbert.ops.padding import varlen_positions
+from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_positions
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
@@ -93,6 +93,17 @@ def _padded_dropout(q, k, v, key_padding_mask, scale, half_width, dropout_p, dro
     return (probs.to(q.dtype) @ vt).transpose(1, 2).contiguous()
 
 
+def _padded_layout(cu_seqlens, total, max_seqlen, device) -> tuple[VarlenBatch, torch.Tensor]:
+    """Where the packed form's ``total`` rows stand in the zero-padded [B, max_seqlen] batch the eager forward and
+    the backward compute on (for `pad_tokens` and `unpad_tokens`), and that batch's key padding mask."""
+    seq_index, position = varlen_positions(cu_seqlens, total)
+    batch = cu_seqlens.numel() - 1
+    varlen = VarlenBatch(seq_index * max_seqlen + position, cu_seqlens, max_seqlen, batch, max_seqlen)
+    mask = torch.zeros(batch * max_seqlen, dtype=torch.bool, device=device)
+    mask[varlen.indices] = True
+    return varlen, mask.view(batch, max_seqlen)
+
+
 def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
            dropout_p=0.0, dropout_seed=0):
     """SDPA on K and V with zeros selected at masked keys, so NaN or Inf stored there never reaches a real row; the
@@ -109,25 +120,13 @@ def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, sca
             return _padded_dropout(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]),
                                    dropout_p, dropout_seed)
         return _padded_sdpa(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]))
-    total, heads, dim = q.shape
-    batch = cu_seqlens.numel() - 1
-    seq_index, position = varlen_positions(cu_seqlens, total)
-    flat_index = seq_index * max_seqlen + position
-
-    def to_padded(t):
-        out = t.new_zeros(batch * max_seqlen, heads, dim)
-        out.index_copy_(0, flat_index, t)
-        return out.view(batch, max_seqlen, heads, dim)
-
-    mask = torch.zeros(batch * max_seqlen, dtype=torch.bool, device=q.device)
-    mask[flat_index] = True
+    varlen, mask = _padded_layout(cu_seqlens, q.shape[0], max_seqlen, q.device)
+    padded = [pad_tokens(t, varlen) for t in (q, k, v)]
     if dropout_p > 0.0:
-        out = _padded_dropout(to_padded(q), to_padded(k), to_padded(v), mask.view(batch, max_seqlen), scale,
-                              window_half_width(window, max_seqlen), dropout_p, dropout_seed)
+        out = _padded_dropout(*padded, mask, scale, window_half_width(window, max_seqlen), dropout_p, dropout_seed)
     else:
-        out = _padded_sdpa(to_padded(q), to_padded(k), to_padded(v), mask.view(batch, max_seqlen), scale,
-                           window_half_width(window, max_seqlen))
-    return out.view(batch * max_seqlen, heads, dim).index_select(0, flat_index)
+        out = _padded_sdpa(*padded, mask, scale, window_half_width(window, max_seqlen))
+    return unpad_tokens(out, varlen)
 
 
 def attention_reference(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
@@ -270,22 +269,10 @@ def _backward(ctx, grad):
             dk = torch.where(real, dk, dk.new_zeros(()))
             dv = torch.where(real, dv, dv.new_zeros(()))
     else:
-        total, heads, dim = q.shape
-        batch, longest = cu_seqlens.numel() - 1, ctx.max_seqlen
-        seq_index, position = varlen_positions(cu_seqlens, total)
-        flat_index = seq_index * longest + position
-
-        def to_padded(t):
-            out = t.new_zeros(batch * longest, heads, dim)
-            out.index_copy_(0, flat_index, t)
-            return out.view(batch, longest, heads, dim)
-
-        mask = torch.zeros(batch * longest, dtype=torch.bool, device=q.device)
-        mask[flat_index] = True
-        padded = _padded_grads(to_padded(q_c), to_padded(k_c), to_padded(v_c), to_padded(grad_c),
-                               mask.view(batch, longest), scale, window_half_width(ctx.window, longest),
-                               ctx.dropout_p, ctx.dropout_seed)
-        dq, dk, dv = (t.reshape(batch * longest, heads, dim).index_select(0, flat_index) for t in padded)
+        varlen, mask = _padded_layout(cu_seqlens, q.shape[0], ctx.max_seqlen, q.device)
+        padded = _padded_grads(*(pad_tokens(t, varlen) for t in (q_c, k_c, v_c, grad_c)), mask, scale,
+                               window_half_width(ctx.window, ctx.max_seqlen), ctx.dropout_p, ctx.dropout_seed)
+        dq, dk, dv = (unpad_tokens(t, varlen) for t in padded)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
