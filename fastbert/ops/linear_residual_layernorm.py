@@ -23,13 +23,20 @@ def linear_residual_layernorm_reference(x, weight, bias, residual, ln_weight, ln
                            ln_bias, eps)
 
 
-def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
-    check_dropout("linear_residual_layernorm", dropout_p, dropout_seed)
+def check_linear_residual(op: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, dropout_p: float,
+                          dropout_seed: int) -> None:
+    """What linear_residual_layernorm and linear_residual_prenorm (``op``, named in the messages) both check: the
+    dropout arguments, weight [N, K] for x [..., K], residual [..., N]."""
+    check_dropout(op, dropout_p, dropout_seed)
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"linear_residual_layernorm: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
+        raise ValueError(f"{op}: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
     expected = (*x.shape[:-1], weight.shape[0])
     if tuple(residual.shape) != expected:
-        raise ValueError(f"linear_residual_layernorm: residual must be {expected}, got {tuple(residual.shape)}")
+        raise ValueError(f"{op}: residual must be {expected}, got {tuple(residual.shape)}")
+
+
+def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
+    check_linear_residual("linear_residual_layernorm", x, weight, residual, dropout_p, dropout_seed)
 
 
 def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):

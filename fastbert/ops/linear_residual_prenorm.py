@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import compute_dtype, layer_norm_grads, linear_grads
-from fastbert.ops.dropout import check_dropout, dropout
+from fastbert.ops.dropout import dropout
 from fastbert.ops.layernorm import layer_norm_fp32
+from fastbert.ops.linear_residual_layernorm import check_linear_residual
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
@@ -30,13 +31,8 @@ def linear_residual_prenorm_reference(x, weight, bias, residual, ln_weight, ln_b
 
 
 def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
-    check_dropout("linear_residual_prenorm", dropout_p, dropout_seed)
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"linear_residual_prenorm: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
+    check_linear_residual("linear_residual_prenorm", x, weight, residual, dropout_p, dropout_seed)
     width = weight.shape[0]
-    expected = (*x.shape[:-1], width)
-    if tuple(residual.shape) != expected:
-        raise ValueError(f"linear_residual_prenorm: residual must be {expected}, got {tuple(residual.shape)}")
     for name, vector in (("bias", bias), ("ln_weight", ln_weight), ("ln_bias", ln_bias)):
         if vector is not None and tuple(vector.shape) != (width,):
             raise ValueError(f"linear_residual_prenorm: {name} must be [{width}], got {tuple(vector.shape)}")
