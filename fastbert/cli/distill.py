@@ -73,6 +73,10 @@ def add_loss_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha-hidden", type=float, default=None,
                         help="embedding: weight of the cosine loss between the last hidden states, token by token, "
                         "[CLS] included (what a fine-tuned classifier reads; default 0)")
+    parser.add_argument("--alpha-layers", type=float, default=None,
+                        help="embedding: weight of the cosine loss between each intermediate student layer's output "
+                        "and that of the teacher layer it was copied from, token by token (TinyBERT's hidden-state "
+                        "loss; default 0)")
     parser.add_argument("--pairs", type=float, default=0.0, metavar="FRACTION",
                         help="embedding: share of each batch that is sentence pairs (two segments: a sentence and the "
                         "next one, or half the time a sentence of another document), as pair tasks read them "

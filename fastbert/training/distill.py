@@ -85,6 +85,7 @@ class LossWeights:
     alpha_cos: float = 1.0
     alpha_mse: float = 0.0
     alpha_hidden: float = 0.0
+    alpha_layers: float = 0.0
 
 
 # DistilBERT's triple loss as its authors trained it: temperature 2.0 (the default of their train.py), alpha_ce 5.0,
@@ -146,14 +147,29 @@ def hidden_cosine_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tenso
     return (1.0 - cosine).mean()
 
 
+def layer_cosine_loss(student_states: Sequence[torch.Tensor], teacher_states: Sequence[torch.Tensor],
+                      attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the paired layers of `hidden_cosine_loss`: ``student_states[j]`` (the output of student layer j)
+    against ``teacher_states[j]`` (the output of the teacher layer it was copied from). TinyBERT's hidden-state
+    loss (Jiao et al., "TinyBERT: Distilling BERT for Natural Language Understanding", Findings of EMNLP 2020,
+    section 3.1) with a cosine in place of its MSE, as DistilBERT's cosine term: every student layer gets a target,
+    not only the last one."""
+    if len(student_states) != len(teacher_states) or not student_states:
+        raise ValueError(f"{len(student_states)} student layers against {len(teacher_states)} teacher layers")
+    losses = [hidden_cosine_loss(s, t, attention_mask) for s, t in zip(student_states, teacher_states, strict=True)]
+    return torch.stack(losses).mean()
+
+
 def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, weights: LossWeights,
-                   hidden: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                   hidden: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   layers: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sentence-embedding distillation loss of one batch [B, H]: ``alpha_mse * MSE + alpha_cos * (1 - cos)`` of the
     embeddings, plus ``alpha_hidden`` times `hidden_cosine_loss` of ``hidden`` = (student's last hidden states,
     teacher's, attention mask), every token's, [CLS] included: what a classifier's pooler reads, which mean pooling
-    alone does not pin down. Returns (total, {"mse_loss", "cos_loss", "hidden_loss"} unweighted, each only when its
-    weight is not 0)."""
+    alone does not pin down; plus ``alpha_layers`` times `layer_cosine_loss` of ``layers`` = (the student's
+    intermediate layer outputs, the teacher's paired ones) under the same mask. Returns (total, {"mse_loss",
+    "cos_loss", "hidden_loss", "layers_loss"} unweighted, each only when its weight is not 0)."""
     terms: dict[str, torch.Tensor] = {}
     if weights.alpha_mse:
         terms["mse_loss"] = F.mse_loss(at_least_fp32(student), at_least_fp32(teacher))
@@ -164,7 +180,12 @@ def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, weights: LossWe
         if hidden is None:
             raise ValueError("alpha_hidden needs the hidden states")
         terms["hidden_loss"] = hidden_cosine_loss(*hidden)
-    alphas = {"mse_loss": weights.alpha_mse, "cos_loss": weights.alpha_cos, "hidden_loss": weights.alpha_hidden}
+    if weights.alpha_layers:
+        if hidden is None or layers is None:
+            raise ValueError("alpha_layers needs the intermediate hidden states and the attention mask")
+        terms["layers_loss"] = layer_cosine_loss(*layers, hidden[2])
+    alphas = {"mse_loss": weights.alpha_mse, "cos_loss": weights.alpha_cos, "hidden_loss": weights.alpha_hidden,
+              "layers_loss": weights.alpha_layers}
     total = sum((alphas[name] * value for name, value in terms.items()), student.sum() * 0.0)
     return total, terms
 
@@ -624,13 +645,19 @@ class EmbeddingDistillationTask(DistillationTask):
 
     def compute(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
         """The embedding loss of one batch against the teacher's embeddings of the same sentences."""
+        all_states = bool(self.weights.alpha_layers)
         with torch.no_grad():
-            teacher_hidden = self.teacher(**batch).last_hidden_state
-            target = self.pool(teacher_hidden, batch)
-        student_hidden = model(**batch).last_hidden_state
-        student = self.pool(student_hidden, batch)
-        loss, terms = embedding_loss(student, target, self.weights,
-                                     (student_hidden, teacher_hidden, batch["attention_mask"]))
+            teacher_out = self.teacher(**batch, output_hidden_states=all_states)
+            target = self.pool(teacher_out.last_hidden_state, batch)
+        student_out = model(**batch, output_hidden_states=all_states)
+        student = self.pool(student_out.last_hidden_state, batch)
+        layers = None
+        if all_states:  # hidden_states[0] is the embeddings' output, [i + 1] layer i's
+            paired = self._settings["teacher_layers"][:-1]
+            layers = (student_out.hidden_states[1:len(paired) + 1],
+                      [teacher_out.hidden_states[index + 1] for index in paired])
+        loss, terms = embedding_loss(student, target, self.weights, (student_out.last_hidden_state,
+                                     teacher_out.last_hidden_state, batch["attention_mask"]), layers)
         metrics = {name: float(value.detach()) for name, value in terms.items()}
         metrics["cosine"] = float(F.cosine_similarity(student.detach(), target, dim=-1).mean())
         return StepOutput(loss, metrics, int(batch["attention_mask"].sum()))
@@ -651,7 +678,8 @@ class EmbeddingDistillationTask(DistillationTask):
 
 
 # ---------------------------------------------------------------------------------------- curve, summary
-TRAINING_LOSSES = ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "hidden_loss")  # the loss and its terms
+# the loss and its terms
+TRAINING_LOSSES = ("loss", "ce_loss", "mlm_loss", "cos_loss", "mse_loss", "hidden_loss", "layers_loss")
 
 
 def summarize(records: list[dict[str, Any]], teacher: dict[str, float] | None = None,
@@ -707,6 +735,7 @@ class DistillSettings(RunSettings):
     alpha_cos: float | None = None
     alpha_mse: float | None = None
     alpha_hidden: float | None = None
+    alpha_layers: float | None = None
     pairs: float = 0.0  # embedding: the share of each batch that is sentence pairs (`SentenceBatches`)
     mlm_probability: float = 0.15
     pack: bool = False
@@ -739,7 +768,8 @@ class DistillSettings(RunSettings):
         if not 0 <= self.held_out < 0.5:
             raise UserError(f"--held-out must be in [0, 0.5), got {self.held_out}")
         weights = self.loss_weights()
-        alphas = (weights.alpha_ce, weights.alpha_mlm, weights.alpha_cos, weights.alpha_mse, weights.alpha_hidden)
+        alphas = (weights.alpha_ce, weights.alpha_mlm, weights.alpha_cos, weights.alpha_mse, weights.alpha_hidden,
+                  weights.alpha_layers)
         if weights.temperature <= 0 or min(alphas) < 0:
             raise UserError("--temperature must be > 0 and every --alpha-* >= 0")
         if not 0 <= self.pairs <= 1:
@@ -759,8 +789,10 @@ class DistillSettings(RunSettings):
         (mlm: ce, mlm, cos; embedding: mse, cos)."""
         base = DISTILBERT_LOSS if self.objective == "mlm" else EMBEDDING_LOSS
         given = {"temperature": self.temperature, "alpha_ce": self.alpha_ce, "alpha_mlm": self.alpha_mlm,
-                 "alpha_cos": self.alpha_cos, "alpha_mse": self.alpha_mse, "alpha_hidden": self.alpha_hidden}
-        unused = ("alpha_mse", "alpha_hidden") if self.objective == "mlm" else ("temperature", "alpha_ce", "alpha_mlm")
+                 "alpha_cos": self.alpha_cos, "alpha_mse": self.alpha_mse, "alpha_hidden": self.alpha_hidden,
+                 "alpha_layers": self.alpha_layers}
+        unused = ("alpha_mse", "alpha_hidden", "alpha_layers") if self.objective == "mlm" else \
+            ("temperature", "alpha_ce", "alpha_mlm")
         for name in unused:
             if given[name] is not None:
                 raise UserError(f"--{name.replace('_', '-')} is not a term of the {self.objective} objective")
@@ -876,6 +908,9 @@ def plan_embedding(settings: DistillSettings, teacher_dir: str, device: torch.de
     if layers is None:
         raise UserError(f"--teacher {teacher_dir}: its config names no number of layers")
     indices = student_layer_indices(layers, settings.student_layers, settings.teacher_layers)
+    if settings.alpha_layers and len(indices) < 2:
+        raise UserError("--alpha-layers pairs the student's intermediate layers with the teacher's: a student of one "
+                        "layer has none (use --alpha-hidden for its last layer)")
     max_length = sequence_length(settings, config)
     teacher = load_embedding_teacher(teacher_dir, device)
     torch.manual_seed(settings.seed)

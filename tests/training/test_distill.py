@@ -199,6 +199,31 @@ def test_hidden_state_term_of_the_embedding_loss(hidden_size):
         embedding_loss(student, teacher, weights)
 
 
+@pytest.mark.parametrize("layers", [1, 2, 5])
+def test_layer_term_of_the_embedding_loss_pairs_each_layer(layers):
+    """alpha_layers: the mean over the paired layers of each layer's token cosine loss, padding left out."""
+    gen = torch.Generator().manual_seed(layers)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    s_states = [torch.randn(2, 4, 7, generator=gen, dtype=torch.float64) for _ in range(layers)]
+    t_states = [torch.randn(2, 4, 7, generator=gen, dtype=torch.float64) for _ in range(layers)]
+    last = torch.randn(2, 4, 7, generator=gen, dtype=torch.float64)
+    student, teacher = last.mean(1), last.mean(1) + 1
+    weights = LossWeights(alpha_mse=0.0, alpha_cos=0.0, alpha_layers=3.0)
+    total, terms = embedding_loss(student, teacher, weights, (last, last, mask), (s_states, t_states))
+    real = mask.bool()
+    direct = sum(float((1 - F.cosine_similarity(s[real], t[real], dim=-1)).mean())
+                 for s, t in zip(s_states, t_states, strict=True)) / layers
+    assert list(terms) == ["layers_loss"]
+    assert float(terms["layers_loss"]) == pytest.approx(direct, rel=1e-9)
+    assert float(total) == pytest.approx(3.0 * direct, rel=1e-9)
+    s_states[-1] = s_states[-1].clone()
+    s_states[-1][~real] = 1e4  # padding takes no part
+    assert float(embedding_loss(student, teacher, weights, (last, last, mask), (s_states, t_states))[1][
+        "layers_loss"]) == pytest.approx(direct, rel=1e-9)
+    with pytest.raises(ValueError, match="student layers against"):
+        embedding_loss(student, teacher, weights, (last, last, mask), (s_states, t_states[:-1] or t_states * 2))
+
+
 @pytest.mark.parametrize("batch_size, share, pair_rows", [(1, 0.0, 0), (7, 0.5, 4), (8, 0.5, 4), (7, 1.0, 7)])
 def test_sentence_batches_mix_single_sentences_and_pairs(batch_size, share, pair_rows):
     documents = _documents()
@@ -371,7 +396,7 @@ def _sentence_transformers_teacher(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("extra", [[], ["--pairs", "0.5", "--alpha-hidden", "1"]])
+@pytest.mark.parametrize("extra", [[], ["--pairs", "0.5", "--alpha-hidden", "1", "--alpha-layers", "1"]])
 def test_embedding_distillation_learns_and_loads_in_sentence_transformers(tmp_path, corpus, capsys, one_thread,
                                                                           extra):
     teacher = _sentence_transformers_teacher(tmp_path / "teacher")
@@ -386,10 +411,11 @@ def test_embedding_distillation_learns_and_loads_in_sentence_transformers(tmp_pa
     steps = [r for r in records if not r.get("eval")]
     if extra:  # the hidden-state term is trained on, and falls
         assert steps[-1]["hidden_loss"] < steps[0]["hidden_loss"] - 0.1, (steps[0], steps[-1])
-        assert "alpha_hidden 1" in err and json.loads((out / "summary.json").read_text())[
+        assert steps[-1]["layers_loss"] < steps[0]["layers_loss"] - 0.1, (steps[0], steps[-1])
+        assert "alpha_hidden 1" in err and "alpha_layers 1" in err and json.loads((out / "summary.json").read_text())[
             "train_hidden_loss_last_40_steps"] > 0
     else:
-        assert "hidden_loss" not in steps[-1]
+        assert "hidden_loss" not in steps[-1] and "layers_loss" not in steps[-1]
     sentence_transformers = pytest.importorskip("sentence_transformers")
     model = sentence_transformers.SentenceTransformer(str(out / "model"), device="cpu")
     texts = ["Names refer to objects.", "A class definition defines a class object."]
@@ -444,6 +470,9 @@ def _mismatched_teacher(path: Path, bert_teacher: Path) -> Path:
     (["--teacher", "{bert}", "--pairs", "0.5"], "--pairs is an option of the embedding objective"),
     (["--objective", "embedding", "--pairs", "1.5"], "--pairs must be between 0 and 1, got 1.5"),
     (["--objective", "embedding", "--alpha-hidden", "-1"], "every --alpha-* >= 0"),
+    (["--teacher", "{bert}", "--alpha-layers", "1"], "--alpha-layers is not a term of the mlm objective"),
+    (["--objective", "embedding", "--student-layers", "1", "--alpha-layers", "1"],
+     "a student of one layer has none"),
 ])
 def test_bad_input_is_one_line_before_training(tmp_path, bert_teacher, capsys, args, message):
     places = {"{minilm}": default_model_dir(), "{bert}": str(bert_teacher), "{tmp}": str(tmp_path)}
