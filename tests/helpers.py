@@ -4,9 +4,10 @@
 - the kernel tests' device, dtype ids and accuracy rule (`fastbert.numerics`', the same for these tests,
   `fastbert check` and benchmarks/gpu_check.py; on CPU the kernels run in the Triton interpreter, conftest sets
   TRITON_INTERPRET=1);
-- the op tests' inputs, the backends each check is parametrised over, gradient checks (against the eager op's
-  autograd and by gradcheck of the spec's backward), the triton LayerNorm ops' backward and dropout checks, and the
-  attention checks that take a backend and a device (padding poison, sliding windows);
+- the op tests' inputs, the backends' torch ops (`backend_op`, which loads the backend first), the backends each
+  check is parametrised over, gradient checks (against the eager op's autograd and by gradcheck of the spec's
+  backward), the triton LayerNorm ops' backward and dropout checks, and the attention checks that take a backend
+  and a device (padding poison, sliding windows);
 - the inputs of a head model's forward (`optimize_inputs`);
 - the client tests' texts, seeded models and the check that fastbert's path really ran (`run_both`).
 - the training tests' kill-and-resume run (`kill_and_resume`) and its comparison with an uninterrupted one.
@@ -322,10 +323,20 @@ GEMM_LOW_PRECISION_GRAD_CASES = LOW_PRECISION_GRAD_CASES + [
 GEMM_OPCHECK_BACKENDS = [*OPCHECK_BACKENDS, pytest.param("vendor", marks=pytest.mark.interpreter)]
 
 
+def backend_op(backend: str, op: str) -> torch._ops.OpOverloadPacket:
+    """The torch op ``torch.ops.fastbert.<backend>_<op>``, its backend loaded first: backends load lazily and
+    declare their torch ops then, so a test that looked the op up directly would pass only after another test had
+    happened to load the backend. A backend that cannot load fails the test with the reason."""
+    reason = backends.load(backend)
+    if reason is not None:
+        pytest.fail(reason)
+    return getattr(torch.ops.fastbert, f"{backend}_{op}")
+
+
 def opcheck_with_grad(op: str, backend: str, variant: str) -> None:
     """torch.library.opcheck of ``backend``'s torch op with float inputs that require grad."""
     args = torch_op_args(op, op_args(op, 6, torch.float32, variant))
-    torch.library.opcheck(getattr(torch.ops.fastbert, f"{backend}_{op}").default, for_backend(backend, args))
+    torch.library.opcheck(backend_op(backend, op).default, for_backend(backend, args))
 
 
 # ================================================================================= triton LayerNorm backward

@@ -24,7 +24,8 @@ Layout: this module is the dispatcher; each backend other than ``eager`` is a mo
 ``eager`` implementations are the specs' own (`fastbert.ops`).
 
 Those modules are loaded lazily on first use (importing triton costs about a second), so ``import fastbert`` stays
-cheap; a backend that fails to load is remembered with the reason.
+cheap; a backend that fails to load is remembered with the reason. A backend's torch ops exist only once it is
+loaded: code that calls them directly, not through `dispatch`, loads it first with `load`.
 """
 
 from __future__ import annotations
@@ -484,9 +485,18 @@ def explain(op, *args, backend: str | None = "auto", **kwargs) -> str:
             + (f" (not used: {others})" if others else ""))
 
 
+def load(backend: str) -> str | None:
+    """Load ``backend`` now, without warning (backends otherwise load on first use): None once it is loaded, its
+    torch ops ``torch.ops.fastbert.<backend>_<op>`` declared; else the reason it failed to load. Code that calls
+    those torch ops directly calls this first."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    return _load(backend, warn=False)
+
+
 def available() -> dict[str, str | None]:
     """Each backend and the reason it failed to load (None when it loaded)."""
-    return {name: _load(name, warn=False) for name in BACKENDS}
+    return {name: load(name) for name in BACKENDS}
 
 
 def describe_available() -> str:

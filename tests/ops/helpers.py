@@ -18,6 +18,7 @@ from tests.helpers import (
     HALF_DTYPES,
     LOW_PRECISION_GRAD_CASES,
     OPCHECK_BACKENDS,
+    backend_op,
     check_grads,
     check_triton_backward_kernel,
     check_triton_dropout_grads,
@@ -125,7 +126,7 @@ def layernorm_op_tests(op: str) -> type:
             """The torch op (schema, fake, autograd registration, AOTAutograd tracing the backward's kernel ops)
             with p > 0."""
             args = (*ln_op_args(op, 6, 48, torch.float32), 0.25, 31)
-            torch.library.opcheck(getattr(torch.ops.fastbert, f"triton_{op}").default, args)
+            torch.library.opcheck(backend_op("triton", op).default, args)
 
     return LayerNormOpTests
 

@@ -32,6 +32,7 @@ from tests.helpers import (
     assert_accurate_fp64,
     attention_args,
     attention_call,
+    backend_op,
     check_against_reference,
     check_grads,
     check_no_key_in_window_gives_zeros,
@@ -387,7 +388,7 @@ def test_seven_argument_calls_still_run_global_attention():
         table = backends.OpTable(backend)
         torch.testing.assert_close(table.attention(q, k, v, cu, 5, None, None), expected)
         torch.testing.assert_close(backends.dispatch("attention", backend, q, k, v, cu, 5, None, None), expected)
-    torch.testing.assert_close(torch.ops.fastbert.cpp_attention(q, k, v, cu, 5, None, None), expected)
+    torch.testing.assert_close(backend_op("cpp", "attention")(q, k, v, cu, 5, None, None), expected)
 
 
 @pytest.mark.parametrize("window", [-1, 2.0, True, "8"], ids=["negative", "float", "bool", "str"])
@@ -400,25 +401,24 @@ def test_bad_window_is_a_value_error(window):
 def test_cpp_op_rejects_a_negative_window():
     q = torch.randn(1, 4, 1, 8)
     with pytest.raises(RuntimeError, match="window must be >= 0"):
-        torch.ops.fastbert.cpp_attention(q, q, q, None, None, None, None, -2)
+        backend_op("cpp", "attention")(q, q, q, None, None, None, None, -2)
 
 
 def test_triton_launcher_rejects_a_negative_window():
     q = torch.zeros(1, 4, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="window must be >= 0"):
-        torch.ops.fastbert.triton_attention(q, q, q, None, None, None, None, -1)
+        backend_op("triton", "attention")(q, q, q, None, None, None, None, -1)
 
 
 def test_cpp_op_rejects_bad_inputs():
+    op = backend_op("cpp", "attention")
     q = torch.randn(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match=r"key_padding_mask must be bool \[2, 4\]"):
-        torch.ops.fastbert.cpp_attention(q, q, q, None, None, torch.ones(2, 4), None)
+        op(q, q, q, None, None, torch.ones(2, 4), None)
     with pytest.raises(RuntimeError, match="cu_seqlens must run from 0 to total_tokens=8"):
-        torch.ops.fastbert.cpp_attention(q.view(8, 1, 8), q.view(8, 1, 8), q.view(8, 1, 8),
-                                         torch.tensor([0, 3, 5], dtype=torch.int32), 4, None, None)
+        op(q.view(8, 1, 8), q.view(8, 1, 8), q.view(8, 1, 8), torch.tensor([0, 3, 5], dtype=torch.int32), 4, None, None)
     with pytest.raises(RuntimeError, match="more than max_seqlen=4"):
-        torch.ops.fastbert.cpp_attention(q.view(8, 1, 8), q.view(8, 1, 8), q.view(8, 1, 8),
-                                         torch.tensor([0, 3, 8], dtype=torch.int32), 4, None, None)
+        op(q.view(8, 1, 8), q.view(8, 1, 8), q.view(8, 1, 8), torch.tensor([0, 3, 8], dtype=torch.int32), 4, None, None)
 
 
 # ------------------------------------------------------------------------------------------------- cost
@@ -950,7 +950,7 @@ def _opcheck_grad_cases():
 
 @pytest.mark.parametrize("backend, args", _opcheck_grad_cases())
 def test_opcheck_with_grad(backend, args):
-    torch.library.opcheck(getattr(torch.ops.fastbert, f"{backend}_attention").default, for_backend(backend, args))
+    torch.library.opcheck(backend_op(backend, "attention").default, for_backend(backend, args))
 
 
 def _opcheck_forward_cases():
@@ -970,7 +970,7 @@ def _opcheck_forward_cases():
 
 @pytest.mark.parametrize("backend, args", _opcheck_forward_cases())
 def test_opcheck_forward(backend, args):
-    torch.library.opcheck(getattr(torch.ops.fastbert, f"{backend}_attention").default, for_backend(backend, args))
+    torch.library.opcheck(backend_op(backend, "attention").default, for_backend(backend, args))
 
 
 @pytest.mark.interpreter
@@ -980,4 +980,4 @@ def test_triton_opcheck_backward_op():
         out = attention_call("triton")(q, k, v, cu, longest, None, None, None, 0.3, 8)
     grad = torch.randn_like(out)
     args = (grad, *(t.detach() for t in (q, k, v)), out, cu, longest, None, None, 2, 0.3, 8)
-    torch.library.opcheck(torch.ops.fastbert.triton_attention_backward.default, args)
+    torch.library.opcheck(backend_op("triton", "attention_backward").default, args)

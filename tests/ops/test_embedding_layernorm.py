@@ -18,6 +18,7 @@ from tests.helpers import (
     CPP_DTYPES,
     CPP_WIDTHS,
     assert_accurate_fp64,
+    backend_op,
     check_triton_keep_rate,
     ln_op_args,
     triton_call,
@@ -125,23 +126,22 @@ def _cpp_opcheck_cases():
 
 @pytest.mark.parametrize("case", list(enumerate(_cpp_opcheck_cases())), ids=lambda c: f"case{c[0]}")
 def test_cpp_opcheck_forward(case):
-    torch.library.opcheck(torch.ops.fastbert.cpp_embedding_layernorm.default, case[1])
+    torch.library.opcheck(backend_op("cpp", "embedding_layernorm").default, case[1])
 
 
 def test_cpp_op_rejects_bad_ids():
+    op = backend_op("cpp", "embedding_layernorm")
     tables = (torch.randn(5, 4), torch.randn(3, 4), None, torch.randn(4), torch.randn(4), 1e-5)
     with pytest.raises(RuntimeError, match="input_ids holds 9, outside the vocabulary"):
-        torch.ops.fastbert.cpp_embedding_layernorm(torch.tensor([[1, 9]]), torch.tensor([[0, 1]]), None, *tables)
+        op(torch.tensor([[1, 9]]), torch.tensor([[0, 1]]), None, *tables)
     with pytest.raises(RuntimeError, match=r"position_ids must have input_ids' shape"):
-        torch.ops.fastbert.cpp_embedding_layernorm(torch.tensor([[1, 2]]), torch.tensor([0, 1]), None, *tables)
+        op(torch.tensor([[1, 2]]), torch.tensor([0, 1]), None, *tables)
     with pytest.raises(RuntimeError, match="position_ids holds 4294967297, outside"):  # not narrowed to int32's 1
-        torch.ops.fastbert.cpp_embedding_layernorm(torch.tensor([[1, 2]], dtype=torch.int32),
-                                                   torch.tensor([[0, 2**32 + 1]]), None, *tables)
+        op(torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([[0, 2**32 + 1]]), None, *tables)
     with pytest.raises(RuntimeError, match="position_ids and position_embeddings must be given together"):
-        torch.ops.fastbert.cpp_embedding_layernorm(torch.tensor([[1, 2]]), None, None, *tables)
+        op(torch.tensor([[1, 2]]), None, None, *tables)
     with pytest.raises(RuntimeError, match=r"bias must be \[4\]"):
-        torch.ops.fastbert.cpp_embedding_layernorm(torch.tensor([[1, 2]]), None, None, tables[0], None, None,
-                                                   torch.randn(4), torch.randn(5), 1e-5)
+        op(torch.tensor([[1, 2]]), None, None, tables[0], None, None, torch.randn(4), torch.randn(5), 1e-5)
 
 
 def test_checks_name_the_bad_argument():

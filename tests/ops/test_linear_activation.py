@@ -21,6 +21,7 @@ from tests.helpers import (
     as_fp64,
     assert_accurate,
     assert_accurate_fp64,
+    backend_op,
     check_grads,
     cpp_linear_inputs,
     for_backend,
@@ -88,14 +89,15 @@ def test_cpp_every_activation_with_and_without_bias(width, dtype):
 def test_cpp_opcheck_forward():
     torch.manual_seed(0)
     args = (torch.randn(2, 3, 8), torch.randn(9, 8), torch.randn(9), "relu")
-    torch.library.opcheck(torch.ops.fastbert.cpp_linear_activation.default, args)
+    torch.library.opcheck(backend_op("cpp", "linear_activation").default, args)
 
 
 def test_cpp_op_rejects_bad_shapes():
+    op = backend_op("cpp", "linear_activation")
     with pytest.raises(RuntimeError, match=r"weight must be \[N, 8\]"):
-        torch.ops.fastbert.cpp_linear_activation(torch.randn(3, 8), torch.randn(5, 7), None, "gelu")
+        op(torch.randn(3, 8), torch.randn(5, 7), None, "gelu")
     with pytest.raises(RuntimeError, match="activation must be one of"):
-        torch.ops.fastbert.cpp_linear_activation(torch.randn(3, 8), torch.randn(5, 8), None, "swish")
+        op(torch.randn(3, 8), torch.randn(5, 8), None, "swish")
 
 
 # ------------------------------------------------------------------------------------- transformers' names

@@ -20,6 +20,7 @@ from tests.helpers import (
     CPP_DTYPES,
     DEVICE,
     assert_accurate_fp64,
+    backend_op,
     rand,
     strided_rows,
 )
@@ -130,24 +131,25 @@ def _cpp_opcheck_cases():
 
 @pytest.mark.parametrize("case", list(enumerate(_cpp_opcheck_cases())), ids=lambda c: f"case{c[0]}")
 def test_cpp_opcheck_forward(case):
-    torch.library.opcheck(torch.ops.fastbert.cpp_linear_glu.default, case[1])
+    torch.library.opcheck(backend_op("cpp", "linear_glu").default, case[1])
 
 
 def test_triton_opcheck_forward():
     x, weight, bias = rand(5, 16, dtype=torch.float16), rand(14, 16, dtype=torch.float16), rand(14, dtype=torch.float16)
-    torch.library.opcheck(torch.ops.fastbert.triton_linear_glu.default, (x, weight, bias, "gelu"))
-    torch.library.opcheck(torch.ops.fastbert.triton_linear_glu.default, (x, weight, None, "silu"))
+    torch.library.opcheck(backend_op("triton", "linear_glu").default, (x, weight, bias, "gelu"))
+    torch.library.opcheck(backend_op("triton", "linear_glu").default, (x, weight, None, "silu"))
 
 
 def test_cpp_op_rejects_bad_shapes():
+    op = backend_op("cpp", "linear_glu")
     with pytest.raises(RuntimeError, match=r"weight must be \[2I, 8\]"):
-        torch.ops.fastbert.cpp_linear_glu(torch.randn(3, 8), torch.randn(5, 8), None, "gelu")
+        op(torch.randn(3, 8), torch.randn(5, 8), None, "gelu")
     with pytest.raises(RuntimeError, match=r"weight must be \[2I, 8\]"):
-        torch.ops.fastbert.cpp_linear_glu(torch.randn(3, 8), torch.randn(6, 7), None, "gelu")
+        op(torch.randn(3, 8), torch.randn(6, 7), None, "gelu")
     with pytest.raises(RuntimeError, match=r"bias must be \[6\]"):
-        torch.ops.fastbert.cpp_linear_glu(torch.randn(3, 8), torch.randn(6, 8), torch.randn(3), "gelu")
+        op(torch.randn(3, 8), torch.randn(6, 8), torch.randn(3), "gelu")
     with pytest.raises(RuntimeError, match="activation must be one of"):
-        torch.ops.fastbert.cpp_linear_glu(torch.randn(3, 8), torch.randn(6, 8), None, "swish")
+        op(torch.randn(3, 8), torch.randn(6, 8), None, "swish")
 
 
 def test_checks_name_the_bad_argument():

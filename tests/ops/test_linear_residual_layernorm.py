@@ -23,6 +23,7 @@ from tests.helpers import (
     as_fp64,
     assert_accurate,
     assert_accurate_fp64,
+    backend_op,
     check_grads,
     cpp_linear_inputs,
     for_backend,
@@ -91,13 +92,13 @@ def _cpp_opcheck_cases():
 
 @pytest.mark.parametrize("case", list(enumerate(_cpp_opcheck_cases())), ids=lambda c: f"case{c[0]}")
 def test_cpp_opcheck_forward(case):
-    torch.library.opcheck(torch.ops.fastbert.cpp_linear_residual_layernorm.default, case[1])
+    torch.library.opcheck(backend_op("cpp", "linear_residual_layernorm").default, case[1])
 
 
 def test_cpp_op_rejects_bad_shapes():
+    op = backend_op("cpp", "linear_residual_layernorm")
     with pytest.raises(RuntimeError, match=r"residual must be \[3, 5\]"):
-        torch.ops.fastbert.cpp_linear_residual_layernorm(torch.randn(3, 8), torch.randn(5, 8), None,
-                                                         torch.randn(3, 4), torch.randn(5), torch.randn(5), 1e-5)
+        op(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 4), torch.randn(5), torch.randn(5), 1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -136,7 +137,7 @@ def test_triton_torch_op_backward_recomputes_the_sum(p):
     backend's function under autograd runs prenorm's op instead (no recomputation). Both give the eager op's
     gradients (p = 0) or the fp64 reference's with the forward's mask (p > 0)."""
     args = ln_op_args(OP, 7, 48, torch.float32)
-    torch_op = torch.ops.fastbert.triton_linear_residual_layernorm
+    torch_op = backend_op("triton", "linear_residual_layernorm")
     if p == 0:
         check_grads(OP, args, "triton", call=lambda name: SPECS[OP].eager if name == "eager" else torch_op)
     else:
@@ -170,4 +171,4 @@ def test_triton_keep_rate_through_its_gemm_mask():
 # ------------------------------------------------------------------------------------------------- opcheck
 def test_triton_opcheck_with_grad_without_optionals():
     args = for_backend("triton", op_args(OP, 5, torch.float32, "none"))
-    torch.library.opcheck(torch.ops.fastbert.triton_linear_residual_layernorm.default, args)
+    torch.library.opcheck(backend_op("triton", "linear_residual_layernorm").default, args)

@@ -22,6 +22,7 @@ from tests.helpers import (
     DEVICE,
     assert_accurate,
     assert_accurate_fp64,
+    backend_op,
     check_triton_keep_rate,
     rand,
     strided_rows,
@@ -101,7 +102,7 @@ def _cpp_opcheck_cases():
 
 @pytest.mark.parametrize("case", list(enumerate(_cpp_opcheck_cases())), ids=lambda c: f"case{c[0]}")
 def test_cpp_opcheck_forward(case):
-    torch.library.opcheck(torch.ops.fastbert.cpp_linear_residual_prenorm.default, case[1])
+    torch.library.opcheck(backend_op("cpp", "linear_residual_prenorm").default, case[1])
 
 
 def test_triton_opcheck_forward():
@@ -109,20 +110,18 @@ def test_triton_opcheck_forward():
     bias = rand(14, dtype=torch.float16)
     residual, ln_weight = rand(5, 14, dtype=torch.float16), rand(14, dtype=torch.float16)
     for ln_bias in (None, bias):
-        torch.library.opcheck(torch.ops.fastbert.triton_linear_residual_prenorm.default,
+        torch.library.opcheck(backend_op("triton", "linear_residual_prenorm").default,
                               (x, weight, None, residual, ln_weight, ln_bias, 1e-5))
 
 
 def test_cpp_op_rejects_bad_shapes():
+    op = backend_op("cpp", "linear_residual_prenorm")
     with pytest.raises(RuntimeError, match=r"residual must be \[3, 5\]"):
-        torch.ops.fastbert.cpp_linear_residual_prenorm(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 4),
-                                                       torch.randn(5), None, 1e-5)
+        op(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 4), torch.randn(5), None, 1e-5)
     with pytest.raises(RuntimeError, match=r"ln_bias must be \[5\]"):
-        torch.ops.fastbert.cpp_linear_residual_prenorm(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 5),
-                                                       torch.randn(5), torch.randn(4), 1e-5)
+        op(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 5), torch.randn(5), torch.randn(4), 1e-5)
     with pytest.raises(RuntimeError, match="weight must be Float like x"):
-        torch.ops.fastbert.cpp_linear_residual_prenorm(torch.randn(3, 8), torch.randn(5, 8).bfloat16(), None,
-                                                       torch.randn(3, 5), torch.randn(5), None, 1e-5)
+        op(torch.randn(3, 8), torch.randn(5, 8).bfloat16(), None, torch.randn(3, 5), torch.randn(5), None, 1e-5)
 
 
 def test_checks_name_the_bad_argument():

@@ -21,6 +21,7 @@ from tests.helpers import (
     ALL_DTYPES,
     DEVICE,
     DTYPE_IDS,
+    backend_op,
     float_tensor,
     gradcheck_spec,
     op_args,
@@ -227,8 +228,8 @@ def test_cpp_takes_int32_positions_and_a_strided_x():
 def test_cpp_torch_op_passes_opcheck():
     x, weight, bias, heads, positions, cos, sin = make_inputs(7, 2, 32, torch.float32)
     for b in (bias, None):
-        torch.library.opcheck(torch.ops.fastbert.cpp_qkv_rotary.default, (x, weight, b, positions, cos, sin, heads))
-    packed = torch.ops.fastbert.cpp_qkv_rotary(x, weight, bias, positions, cos, sin, heads)
+        torch.library.opcheck(backend_op("cpp", "qkv_rotary").default, (x, weight, b, positions, cos, sin, heads))
+    packed = backend_op("cpp", "qkv_rotary")(x, weight, bias, positions, cos, sin, heads)
     for ours, theirs in zip(split_packed(packed, heads), ops.qkv_rotary_reference(x, weight, bias, heads, positions,
                                                                                   cos, sin), strict=True):
         torch.testing.assert_close(ours, theirs)
@@ -285,13 +286,14 @@ def test_bad_inputs_raise_clear_errors(change, error, message):
 
 def test_cpp_kernel_checks_its_own_arguments():
     """Called directly (no functional entry in front), the C++ op still refuses what it cannot compute."""
+    op = backend_op("cpp", "qkv_rotary")
     x, weight, bias, heads, positions, cos, sin = make_inputs(6, 2, 32, torch.float32)
     with pytest.raises(RuntimeError, match="positions must lie in"):
-        torch.ops.fastbert.cpp_qkv_rotary(x, weight, bias, positions + 600, cos, sin, heads)
+        op(x, weight, bias, positions + 600, cos, sin, heads)
     with pytest.raises(RuntimeError, match="cos must be"):
-        torch.ops.fastbert.cpp_qkv_rotary(x, weight, bias, positions, cos[:, :4], sin, heads)
+        op(x, weight, bias, positions, cos[:, :4], sin, heads)
     with pytest.raises(RuntimeError, match="weight must be"):
-        torch.ops.fastbert.cpp_qkv_rotary(x, weight, bias, positions, cos, sin, 5)
+        op(x, weight, bias, positions, cos, sin, 5)
 
 
 # ------------------------------------------------------------------------------------------------ triton
@@ -328,7 +330,7 @@ def test_triton_torch_op_passes_opcheck():
     cos, sin = ops.rotary_tables(10000.0, 32, 16, DEVICE)
     positions = packed_position_ids(7)
     for b in (bias, None):
-        torch.library.opcheck(torch.ops.fastbert.triton_qkv_rotary.default, (x, weight, b, positions, cos, sin, 2))
+        torch.library.opcheck(backend_op("triton", "qkv_rotary").default, (x, weight, b, positions, cos, sin, 2))
 
 
 @pytest.mark.interpreter
@@ -339,7 +341,7 @@ def test_triton_positions_outside_the_tables_are_not_read():
     weight = rand(192, 64, dtype=torch.float32, scale=0.125)
     cos, sin = ops.rotary_tables(10000.0, 32, 4, DEVICE)
     positions = torch.tensor([2, 4, -1], device=DEVICE)
-    packed = torch.ops.fastbert.triton_qkv_rotary(x, weight, None, positions, cos, sin, 2)
+    packed = backend_op("triton", "qkv_rotary")(x, weight, None, positions, cos, sin, 2)
     plain = x @ weight.t()
     torch.testing.assert_close(packed[1:], plain[1:])
     assert not torch.allclose(packed[0, :128], plain[0, :128])  # position 2 is a real rotation
