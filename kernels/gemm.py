@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import Autotuner, KernelInterface
 
 from .common import (
     INTERPRETER,
@@ -367,12 +369,12 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def launch_tiled(kernel, autotuned, m: int, n: int, args: tuple, flags: dict, fixed_meta,
-                 column_block: str = "BLOCK_N") -> None:
+def launch_tiled(kernel: KernelInterface, autotuned: Autotuner | None, m: int, n: int, args: tuple, flags: dict,
+                 fixed_meta: Callable[[], dict], column_block: str = "BLOCK_N") -> None:
     """Launch a GEMM-style kernel over the grouped 1-D grid of its [m, n] output (n counted in blocks of the
     ``column_block`` meta-parameter: BLOCK_N columns, or qkv_rotary's BLOCK_C column pairs): with one fixed config,
     ``fixed_meta()`` (the interpreter's, or the M table's when FASTBERT_TRITON_AUTOTUNE=0), or through its autotuner
-    ``autotuned``."""
+    ``autotuned`` (None under the interpreter, which never autotunes)."""
 
     def grid(meta):
         return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta[column_block]),)

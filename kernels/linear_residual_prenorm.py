@@ -20,6 +20,7 @@ dL/dW are plain matmuls (cuBLAS via torch).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from fastbert.ops.linear_residual_prenorm import SPEC, linear_residual_prenorm_reference
 
@@ -51,7 +52,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
 
 
 # ------------------------------------------------------------------------------------------------------ autograd
-def setup_context(ctx, inputs, output) -> None:
+def setup_context(ctx: FunctionCtx, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed = inputs
     ctx.eps, ctx.dropout_p, ctx.dropout_seed = eps, dropout_p, dropout_seed
     ctx.has_ln_bias = ln_bias is not None
@@ -60,7 +61,7 @@ def setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not a zero tensor to read
 
 
-def backward(ctx, grad_summed, grad_normed):
+def backward(ctx: FunctionCtx, grad_summed: torch.Tensor | None, grad_normed: torch.Tensor | None) -> tuple:
     """`layernorm_rows_backward` on the saved sum with summed's own gradient added, then the matmuls. The vendor
     backend's prenorm op takes this formula too (its dropout_p is always 0)."""
     x, weight, bias, ln_weight, summed = ctx.saved_tensors

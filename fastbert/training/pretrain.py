@@ -43,7 +43,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -68,6 +68,9 @@ from fastbert.training.masking import (
     sentence_order_pairs,
 )
 from fastbert.training.settings import RunSettings
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes  # matplotlib is optional and imported where a curve is drawn
 
 OBJECTIVES = ("bert", "roberta", "albert")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -506,8 +509,8 @@ def plot_curve(records: list[dict[str, Any]], path: Path, objective: str) -> Non
             plot_pair_accuracy(loss_axis.twinx(), x, steps, evals, pair, window)
 
 
-def plot_pair_accuracy(axis, x: list[int], steps: list[dict[str, Any]], evals: list[dict[str, Any]], pair: str,
-                       window: int) -> None:
+def plot_pair_accuracy(axis: Axes, x: list[int], steps: list[dict[str, Any]], evals: list[dict[str, Any]],
+                       pair: str, window: int) -> None:
     """The training (moving average) and held-out accuracy of the sentence-pair task ``pair`` on ``axis``."""
     name = pair.replace("_", " ")
     axis.plot(x, curves.moving_average([r[pair] for r in steps], window), color="tab:orange",
