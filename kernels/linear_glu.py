@@ -58,9 +58,10 @@ def _linear_glu_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """One BLOCK_M x BLOCK_N output tile: the input half's and the gate half's K loops side by side, then
-    act(input + bias) * (gate + bias). Long on purpose: one GPU program whose two accumulators meet only in the
-    epilogue (split in two, each half would be stored and read back)."""
+    """One BLOCK_M x BLOCK_N output tile: the input half's and the gate half's products in one K loop
+    (`gemm.k_loop_pair`, each x tile loaded once for both), then act(input + bias) * (gate + bias). One GPU program
+    for both halves because their two accumulators meet only in the epilogue (split in two, each half would be
+    stored and read back)."""
     pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # int64 (from pid): the gate rows N + offs_n stay exact

@@ -68,8 +68,9 @@ def _qkv_rotary_kernel(
     GROUP_M: tl.constexpr,
 ):
     """One BLOCK_M x (2 BLOCK_C) output tile of the packed QKV projection, as BLOCK_C column pairs (d, d + D/2) of
-    one head: both halves' K loops, then bias and, for q and k, the rotation by each token's position. Long on
-    purpose: one GPU program whose two accumulators meet only in the rotation before the store."""
+    one head: both halves' products in one K loop (`gemm.k_loop_pair`), then bias and, for q and k, the rotation by
+    each token's position. One GPU program for both halves because their two accumulators meet only in the
+    rotation before the store."""
     pairs = N // 2
     pid_m, pid_c = gemm.grouped_tile(M, pairs, BLOCK_M, BLOCK_C, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
