@@ -56,7 +56,7 @@ from torch import nn
 
 import fastbert
 from fastbert.bench import peers
-from fastbert.bench.machine import machine_info
+from fastbert.bench.machine import git_commit, machine_info
 from fastbert.bench.recording import backends_used, record_backends
 from fastbert.bench.report import format_table, interleaved_report, write_interleaved
 from fastbert.bench.timing import time_ms
@@ -327,9 +327,10 @@ def source_state() -> dict[str, Any]:
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = git_commit(root)
+    if commit is None:
+        return {}
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                check=True, timeout=30).stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain", "--", "fastbert", "kernels", "csrc"], cwd=root,
                                 capture_output=True, text=True, check=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
