@@ -37,6 +37,10 @@ def check_linear_residual(op: str, x: torch.Tensor, weight: torch.Tensor, residu
 
 def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
     check_linear_residual("linear_residual_layernorm", x, weight, residual, dropout_p, dropout_seed)
+    width = weight.shape[0]
+    for name, vector in (("bias", bias), ("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if vector is not None and tuple(vector.shape) != (width,):
+            raise ValueError(f"linear_residual_layernorm: {name} must be [{width}], got {tuple(vector.shape)}")
 
 
 def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):

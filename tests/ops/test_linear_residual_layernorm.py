@@ -101,6 +101,18 @@ def test_cpp_op_rejects_bad_shapes():
         op(torch.randn(3, 8), torch.randn(5, 8), None, torch.randn(3, 4), torch.randn(5), torch.randn(5), 1e-5)
 
 
+def test_checks_name_the_bad_argument():
+    x, weight, residual, ones = torch.randn(3, 8), torch.randn(5, 8), torch.randn(3, 5), torch.ones(5)
+    with pytest.raises(ValueError, match=r"residual must be \(3, 5\)"):
+        ops.linear_residual_layernorm(x, weight, None, torch.randn(3, 4), ones, None, 1e-5)
+    with pytest.raises(ValueError, match=r": bias must be \[5\], got \(4,\)"):
+        ops.linear_residual_layernorm(x, weight, torch.ones(4), residual, ones, None, 1e-5)
+    with pytest.raises(ValueError, match=r"ln_weight must be \[5\], got \(4,\)"):
+        ops.linear_residual_layernorm(x, weight, None, residual, torch.ones(4), None, 1e-5)
+    with pytest.raises(ValueError, match=r"ln_bias must be \[5\], got \(6,\)"):
+        ops.linear_residual_layernorm(x, weight, None, residual, ones, torch.ones(6), 1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ backward
 TestGrads = grad_tests(OP)
 TestTritonGrads = triton_grad_tests(OP, "fastbert::triton_layernorm_rows_backward")
