@@ -23,24 +23,26 @@ def linear_residual_layernorm_reference(x, weight, bias, residual, ln_weight, ln
                            ln_bias, eps)
 
 
-def check_linear_residual(op: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, dropout_p: float,
-                          dropout_seed: int) -> None:
+def check_linear_residual(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          residual: torch.Tensor, ln_weight: torch.Tensor | None, ln_bias: torch.Tensor | None,
+                          dropout_p: float, dropout_seed: int) -> None:
     """What linear_residual_layernorm and linear_residual_prenorm (``op``, named in the messages) both check: the
-    dropout arguments, weight [N, K] for x [..., K], residual [..., N]."""
+    dropout arguments, weight [N, K] for x [..., K], residual [..., N], bias and the LayerNorm vectors [N]."""
     check_dropout(op, dropout_p, dropout_seed)
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"{op}: weight must be [N, {x.shape[-1]}], got {tuple(weight.shape)}")
     expected = (*x.shape[:-1], weight.shape[0])
     if tuple(residual.shape) != expected:
         raise ValueError(f"{op}: residual must be {expected}, got {tuple(residual.shape)}")
-
-
-def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
-    check_linear_residual("linear_residual_layernorm", x, weight, residual, dropout_p, dropout_seed)
     width = weight.shape[0]
     for name, vector in (("bias", bias), ("ln_weight", ln_weight), ("ln_bias", ln_bias)):
         if vector is not None and tuple(vector.shape) != (width,):
-            raise ValueError(f"linear_residual_layernorm: {name} must be [{width}], got {tuple(vector.shape)}")
+            raise ValueError(f"{op}: {name} must be [{width}], got {tuple(vector.shape)}")
+
+
+def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
+    check_linear_residual("linear_residual_layernorm", x, weight, bias, residual, ln_weight, ln_bias, dropout_p,
+                          dropout_seed)
 
 
 def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):

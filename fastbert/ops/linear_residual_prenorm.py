@@ -31,11 +31,8 @@ def linear_residual_prenorm_reference(x, weight, bias, residual, ln_weight, ln_b
 
 
 def _check(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> None:
-    check_linear_residual("linear_residual_prenorm", x, weight, residual, dropout_p, dropout_seed)
-    width = weight.shape[0]
-    for name, vector in (("bias", bias), ("ln_weight", ln_weight), ("ln_bias", ln_bias)):
-        if vector is not None and tuple(vector.shape) != (width,):
-            raise ValueError(f"linear_residual_prenorm: {name} must be [{width}], got {tuple(vector.shape)}")
+    check_linear_residual("linear_residual_prenorm", x, weight, bias, residual, ln_weight, ln_bias, dropout_p,
+                          dropout_seed)
 
 
 def _fake(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
