@@ -22,14 +22,10 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 import fastbert
+from fastbert.common.text import mean_pool
 from fastbert.training.finetune import Example, pair_task
 
 FEATURES = ("cls", "mean", "sep", "cos")
-
-
-def mean_pooled(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    weights = mask[..., None].float()
-    return (hidden * weights).sum(1) / weights.sum(1)
 
 
 def encode(model, tokenizer, examples: list[Example], batch_size: int = 64) -> dict[str, torch.Tensor]:
@@ -42,11 +38,10 @@ def encode(model, tokenizer, examples: list[Example], batch_size: int = 64) -> d
                               max_length=128, padding=True, return_tensors="pt")
             hidden = model(**batch).last_hidden_state
             found["cls"].append(hidden[:, 0])
-            found["mean"].append(mean_pooled(hidden, batch["attention_mask"]))
+            found["mean"].append(mean_pool(hidden, batch["attention_mask"], normalize=False))
             for key, texts in (("u", [e.text for e in chunk]), ("v", [e.text_pair for e in chunk])):
                 alone = tokenizer(texts, truncation=True, max_length=128, padding=True, return_tensors="pt")
-                pooled = mean_pooled(model(**alone).last_hidden_state, alone["attention_mask"])
-                found[key].append(F.normalize(pooled, dim=-1))
+                found[key].append(mean_pool(model(**alone).last_hidden_state, alone["attention_mask"]))
     u, v = torch.cat(found["u"]), torch.cat(found["v"])
     return {"cls": torch.cat(found["cls"]), "mean": torch.cat(found["mean"]),
             "sep": torch.cat([u, v, (u - v).abs(), u * v], 1), "cos": (u * v).sum(1, keepdim=True)}
