@@ -1,5 +1,5 @@
-// Shared helpers of fastbert's CPU kernels: fp32 vector loads/stores from float or bfloat16 memory, argument
-// checks with messages that name the argument, and the thread-count heuristic.
+// Shared helpers of fastbert's CPU kernels: fp32 vector loads/stores from float or bfloat16 memory, the exact
+// GELU (fast_erf, gelu_erf), argument checks with messages that name the argument, and the thread-count heuristic.
 //
 // Vector width comes from at::vec::Vectorized<float>, whose implementation is chosen by the CPU_CAPABILITY_*
 // macro that setup.py defines from the build host (AVX512: 16 lanes, AVX2: 8 lanes, DEFAULT: scalar emulation).
@@ -41,7 +41,7 @@ inline void store_f(c10::BFloat16* p, const Vec& v, int64_t n = kLanes) {
   at::vec::convert_from_float<c10::BFloat16>(v, v).store(p, n);
 }
 
-// ---------------------------------------------------------------------------------------------- checks
+// ---------------------------------------------------------------------------------------------- math
 // erf by Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7) with at::vec's inline polynomial exp: at::vec's own erf
 // calls Sleef's exp through the PLT, which spills every constant around the call and ran 1.7x slower here.
 inline Vec fast_erf(const Vec& x) {
@@ -61,6 +61,7 @@ inline Vec gelu_erf(const Vec& x) {
   return x * half * (one + fast_erf(x * inv_sqrt2));
 }
 
+// ---------------------------------------------------------------------------------------------- checks
 inline std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
 
 inline void check_cpu(const at::Tensor& t, const char* op, const char* name) {
