@@ -949,7 +949,7 @@ def describe_run(settings: DistillSettings, teacher_dir: str, task: Distillation
 def summary_text(result: TrainResult, task: DistillationTask, model_out: str) -> str:
     """The lines written at the end: where the student is, the last held-out figures (and the teacher's)."""
     lines = [f"fastbert distill: done at step {result.step}; student -> {model_out}\n"]
-    evals = [r for r in result.records if r.get("eval")]
+    _, evals = curves.split_records(result.records)
     if evals:
         last = evals[-1]
         lines.append("  held-out at step {}: {}\n".format(

@@ -39,6 +39,7 @@ import torch
 from fastbert.common.resolve import UserError, resolve_device, resolve_model
 from fastbert.common.text import TOKENIZER_FILES
 from fastbert.files import replace_atomic, temporary_path, write_atomic
+from fastbert.training import curves
 from fastbert.training import loop as training
 from fastbert.training.corpus import (
     TEST_DIRS,
@@ -615,8 +616,8 @@ def results_record(task: FinetuneTask, result: training.TrainResult, model_out: 
     data, train_examples, test_examples = task.data, task.train_examples, task.test_examples
     assert task.evaluation is not None
     baseline = majority_baseline(data, test_examples)
-    steps = [r for r in result.records if not r.get("eval")]
-    before = [r for r in result.records if r.get("eval") and r["step"] == 0]
+    steps, evals = curves.split_records(result.records)
+    before = [r for r in evals if r["step"] == 0]
     return {
         "task": data.name, "description": data.description, "kind": data.kind, "labels": list(data.labels),
         "model": task.model_dir, "model_out": model_out, "python": sys.version.split()[0],
