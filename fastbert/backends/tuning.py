@@ -169,8 +169,8 @@ def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
                     name = line.split(":", 1)[1].strip()
                 elif line.startswith(("flags", "Features")):
                     flags = frozenset(line.split(":", 1)[1].split())
-                if flags and line.startswith(("flags", "Features")):
-                    break
+                    if flags:  # the first processor's (x86 lists its model name before its flags)
+                        break
     return name, flags
 
 
