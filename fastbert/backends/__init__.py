@@ -201,8 +201,11 @@ def why_not(op: str, backend: str, *args, **kwargs) -> str | None:
 def _dropout_p(op: str, args: tuple, kwargs: dict) -> float:
     """The ``dropout_p`` of a call of ``op`` (0 for an op without dropout)."""
     index = DROPOUT_ARGUMENT.get(op)
-    if index is None:
-        return 0.0
+    return 0.0 if index is None else _dropout_at(index, args, kwargs)
+
+
+def _dropout_at(index: int, args: tuple, kwargs: dict) -> float:
+    """The ``dropout_p`` of a call whose op takes it as positional argument ``index`` (or by name)."""
     return kwargs["dropout_p"] if "dropout_p" in kwargs else args[index] if len(args) > index else 0.0
 
 
@@ -424,7 +427,7 @@ class OpTable:
                 first = args[0] if args else None
                 key = first.shape if isinstance(first, torch.Tensor) else None
             if index is not None:
-                key = (key, _dropout_p(op, args, kwargs) > 0)
+                key = (key, _dropout_at(index, args, kwargs) > 0)  # the index is known: no table lookup per call
             fn = resolved.get(key)
             if fn is None:
                 if len(resolved) > 1024:  # many distinct batch shapes: start over (each lookup is cheap)
@@ -439,7 +442,7 @@ class OpTable:
 
     def _resolve(self, op: str, index: int | None, args: tuple, kwargs: dict) -> Callable:
         decision = decide(op, self.backend, args, kwargs, self.measure)
-        label = op + (" (dropout)" if index is not None and _dropout_p(op, args, kwargs) > 0 else "")
+        label = op + (" (dropout)" if index is not None and _dropout_at(index, args, kwargs) > 0 else "")
         self.chosen[label] = decision.backend
         self.decisions.setdefault(label, {})[decision.shape_class or ""] = decision
         fn = _REGISTRY[op][decision.backend].fn

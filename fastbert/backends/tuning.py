@@ -111,7 +111,7 @@ def tuning_dir() -> Path:
 # ------------------------------------------------------------------------------------------------ shape classes
 def bucket(n: int) -> int:
     """The next power of four >= n (0 for 0). Coarse on purpose: a server sees token counts, sequence counts and
-    longest lengths in every combination, and each new class costs a measurement (160 classes at powers of two
+    longest lengths in every combination, and each new class costs a measurement (159 classes at powers of two
     made a loaded 2-core VM's serve benchmark measure for over a minute); which backend is fastest changes slowly
     with size."""
     if n <= 0:
