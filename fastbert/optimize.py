@@ -854,9 +854,8 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
     for base in targets:
         FastBertConfig.from_hf_dict(base.config.to_dict())  # raises for unsupported model types and configurations
         weight = next(base.parameters())
-        reason = dtype == "int8" and (int8_unavailable(weight.device) or (
-            None if weight.dtype == torch.float32 else f"the model must be float32, got {weight.dtype}"))
-        if reason:
+        reason = int8_unavailable(weight.device, weight.dtype) if dtype == "int8" else None
+        if reason is not None:
             raise ValueError(f"fastbert.optimize(dtype='int8'): {reason}")
     for base in targets:
         state = base.__dict__.get("_fastbert")

@@ -208,8 +208,11 @@ class Int8PostNormLayer(nn.Module):
                                                self.ffn_norm_bias, self.eps)
 
 
-def int8_unavailable(device: torch.device | str = "cpu") -> str | None:
-    """Why int8 inference cannot run here (device, torch build), or None."""
+def int8_unavailable(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str | None:
+    """Why int8 inference cannot run here (device, torch build) or from a model in ``dtype`` (it starts from
+    float32), or None."""
+    if dtype != torch.float32:
+        return f"int8 quantization starts from a float32 model, got {dtype}"
     device = torch.device(device)
     if device.type != "cpu":
         return (f"int8 quantization runs on CPU only (FBGEMM's int8 kernels); the model is on {device.type}: use "
@@ -235,11 +238,9 @@ def quantize_int8(model: nn.Module, flags: tuple[str, ...] | None = None, freeze
     if not encoders:
         raise ValueError(f"fastbert: int8 quantization needs a fastbert model; {type(model).__name__} holds none")
     weight = encoders[0].embeddings.word_embeddings
-    reason = int8_unavailable(weight.device)
+    reason = int8_unavailable(weight.device, weight.dtype)
     if reason is not None:
         raise ValueError(f"fastbert: {reason}")
-    if weight.dtype != torch.float32:
-        raise ValueError(f"fastbert: int8 quantization starts from a float32 model, got {weight.dtype}")
     narrow = reduce_range(flags)
     for encoder in encoders:
         if encoder.pre_norm:
