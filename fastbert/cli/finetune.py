@@ -32,7 +32,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS, help="fastbert backend")
     parser.add_argument("--no-optimize", action="store_true", help="train the plain transformers model")
     add_training_options(parser)
+    add_teacher_options(parser)
     return parser
+
+
+def add_teacher_options(parser: argparse.ArgumentParser) -> None:
+    """Task distillation from a fine-tuned teacher, and the pair task's resampling."""
+    parser.add_argument("--teacher", metavar="DIR", default=None,
+                        help="a classifier already fine-tuned on this task with the same tokenizer (DIR/model of "
+                        "a `fastbert finetune` run): the model learns from its outputs too (task distillation)")
+    parser.add_argument("--alpha-soft", type=float, default=None,
+                        help="with --teacher: weight of the teacher's soft targets; the labels' loss gets 1 - it "
+                        "(default 0.5)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="with --teacher: softmax temperature of the soft targets (default 2.0)")
+    parser.add_argument("--alpha-hidden", type=float, default=None,
+                        help="with --teacher: weight of the cosine loss between each layer's hidden states and "
+                        "those of the teacher layer it maps to, token by token (TinyBERT's m*N/M; default 1.0)")
+    parser.add_argument("--resample-pairs", action="store_true",
+                        help="pair task: new partners each epoch from the training documents (the held-out pairs "
+                        "stay the same)")
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +78,9 @@ def settings_of(args: argparse.Namespace) -> finetuning.FinetuneSettings:
         max_steps=args.max_steps, batch_size=args.batch_size, learning_rate=args.learning_rate,
         warmup_ratio=args.warmup_ratio, max_length=args.max_length, train_limit=args.train_limit,
         eval_limit=args.eval_limit, seed=args.seed, device=args.device, backend=args.backend,
-        optimize=not args.no_optimize, resume=args.resume, save_every=args.save_every, log_every=args.log_every)
+        optimize=not args.no_optimize, resume=args.resume, save_every=args.save_every, log_every=args.log_every,
+        teacher=args.teacher, alpha_soft=args.alpha_soft, temperature=args.temperature,
+        alpha_hidden=args.alpha_hidden, resample_pairs=args.resample_pairs)
 
 
 def run(args: argparse.Namespace) -> int:

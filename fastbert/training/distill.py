@@ -56,8 +56,7 @@ from fastbert.common.text import mean_pool
 from fastbert.files import write_atomic
 from fastbert.training import curves
 from fastbert.training.corpus import run_documents
-from fastbert.training.finetune import keep_final_model
-from fastbert.training.loop import StepOutput, TrainingArguments, TrainingTask, TrainResult, train
+from fastbert.training.loop import StepOutput, TrainingArguments, TrainingTask, TrainResult, keep_final_model, train
 from fastbert.training.masking import IGNORE_INDEX
 from fastbert.training.pretrain import (
     DataOptions,
@@ -115,8 +114,7 @@ def triple_loss(student_logits: torch.Tensor, student_hidden: torch.Tensor, labe
                 teacher_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DistilBERT's loss of one batch: (weighted total, {"ce_loss", "mlm_loss", "cos_loss"} unweighted).
 
-    - ce: ``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` averaged over the real (non-padding) tokens;
-      T^2 keeps its gradients' scale independent of T (Hinton, Vinyals, Dean 2015, section 2).
+    - ce: `soft_target_loss` over the real (non-padding) tokens.
     - mlm: cross-entropy of the student's logits at the masked positions (``labels != -100``).
     - cos: mean over the real tokens of ``1 - cos(student hidden, teacher hidden)`` (the last layer's states).
     A term whose weight is 0 is not computed (the teacher's outputs may then be None)."""
@@ -124,10 +122,7 @@ def triple_loss(student_logits: torch.Tensor, student_hidden: torch.Tensor, labe
     zero = student_logits.sum() * 0.0  # a zero that still belongs to the graph
     terms: dict[str, torch.Tensor] = {}
     if weights.alpha_ce:
-        temperature = weights.temperature
-        log_student = F.log_softmax(at_least_fp32(student_logits[real]) / temperature, dim=-1)
-        soft_targets = F.softmax(at_least_fp32(teacher_logits[real]) / temperature, dim=-1)
-        terms["ce_loss"] = F.kl_div(log_student, soft_targets, reduction="batchmean") * temperature ** 2
+        terms["ce_loss"] = soft_target_loss(student_logits[real], teacher_logits[real], weights.temperature)
     if weights.alpha_mlm:
         masked = labels != IGNORE_INDEX
         terms["mlm_loss"] = (F.cross_entropy(at_least_fp32(student_logits[masked]), labels[masked]) if masked.any()
@@ -137,6 +132,14 @@ def triple_loss(student_logits: torch.Tensor, student_hidden: torch.Tensor, labe
     alphas = {"ce_loss": weights.alpha_ce, "mlm_loss": weights.alpha_mlm, "cos_loss": weights.alpha_cos}
     total = sum((alphas[name] * value for name, value in terms.items()), zero)
     return total, terms
+
+
+def soft_target_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher / T) || softmax(student / T))`` averaged over the rows (the last dimension holds
+    the classes); T^2 keeps its gradients' scale independent of T (Hinton, Vinyals, Dean 2015, section 2)."""
+    log_student = F.log_softmax(at_least_fp32(student_logits) / temperature, dim=-1)
+    soft_targets = F.softmax(at_least_fp32(teacher_logits) / temperature, dim=-1)
+    return F.kl_div(log_student, soft_targets, reduction="batchmean") * temperature ** 2
 
 
 def hidden_cosine_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor, attention_mask: torch.Tensor

@@ -25,7 +25,6 @@ import json
 import os
 import random
 import re
-import shutil
 import sys
 import time
 from collections import Counter
@@ -38,7 +37,7 @@ import torch
 
 from fastbert.common.resolve import UserError, resolve_device, resolve_model
 from fastbert.common.text import TOKENIZER_FILES
-from fastbert.files import replace_atomic, temporary_path, write_atomic
+from fastbert.files import write_atomic
 from fastbert.training import curves
 from fastbert.training import loop as training
 from fastbert.training.corpus import (
@@ -49,6 +48,13 @@ from fastbert.training.corpus import (
     stdlib_python_files,
 )
 from fastbert.training.loop import StepOutput, TrainingTask
+from fastbert.training.task_distillation import (
+    TaskTeacher,
+    TeacherLoss,
+    check_teacher,
+    load_task_teacher,
+    resolve_teacher,
+)
 
 TASK_NAMES = ("topic", "pair", "code")
 TOPIC_PACKAGES = ("asyncio", "email", "importlib", "multiprocessing", "unittest", "xml")
@@ -418,6 +424,11 @@ class FinetuneSettings:
     save_every: int = 0
     log_every: int = 10
     progress: bool | None = None
+    teacher: str | None = None  # a classifier fine-tuned on the task: task distillation (`task_distillation`)
+    alpha_soft: float | None = None  # None: TeacherLoss's defaults; only with a teacher
+    temperature: float | None = None
+    alpha_hidden: float | None = None
+    resample_pairs: bool = False  # pair task: new partners each epoch (epoch e uses pair_task(seed + e)'s)
 
     def check(self) -> None:
         """Raise ValueError naming the first setting that cannot run."""
@@ -432,6 +443,19 @@ class FinetuneSettings:
         for name, value in (("--train-limit", self.train_limit), ("--eval-limit", self.eval_limit)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.resample_pairs and self.task != "pair":
+            raise ValueError("--resample-pairs is an option of --task pair")
+        self.teacher_loss().check()
+
+    def teacher_loss(self) -> TeacherLoss:
+        """The task-distillation loss: TeacherLoss's defaults with the weights given here over them; ValueError for
+        a weight given without a teacher."""
+        given = {"alpha_soft": self.alpha_soft, "temperature": self.temperature, "alpha_hidden": self.alpha_hidden}
+        if self.teacher is None:
+            named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None]
+            if named:
+                raise ValueError(f"{', '.join(named)} weigh(s) the loss against a teacher: give --teacher DIR")
+        return TeacherLoss(**{name: value for name, value in given.items() if value is not None})
 
     def training_arguments(self, max_steps: int) -> training.TrainingArguments:
         """The `fastbert.training.loop` arguments of this run, for ``max_steps`` steps."""
@@ -446,27 +470,41 @@ class FinetuneTask(TrainingTask):
     and batch accuracy, the held-out evaluation at the end, the tokenizer beside each checkpoint."""
 
     def __init__(self, data: TaskData, train: list[Example], test: list[Example], tokenizer,
-                 settings: FinetuneSettings, model_dir: str):
+                 settings: FinetuneSettings, model_dir: str, teacher: TaskTeacher | None = None):
         self.data, self.train_examples, self.test_examples = data, train, test
-        self.tokenizer, self.run, self.model_dir = tokenizer, settings, model_dir
+        self.tokenizer, self.run, self.model_dir, self.teacher = tokenizer, settings, model_dir, teacher
         self.evaluation: dict | None = None
 
     def batches(self, epoch: int) -> Sequence[dict[str, torch.Tensor]]:
-        return _EpochBatches(self.tokenizer, self.train_examples, self.data.kind, self.run.batch_size,
+        return _EpochBatches(self.tokenizer, self.epoch_examples(epoch), self.data.kind, self.run.batch_size,
                              self.run.max_length, self.run.seed, epoch)
 
+    def epoch_examples(self, epoch: int) -> list[Example]:
+        """The training examples of ``epoch``: always the same ones, or with --resample-pairs those of
+        ``pair_task(seed + epoch)`` (the same anchor sentences and training documents, new partners and labels;
+        the held-out pairs stay those of ``seed``)."""
+        if not self.run.resample_pairs or epoch == 0:
+            return self.train_examples
+        return subsample(pair_task(self.run.seed + epoch).train, self.run.train_limit, self.run.seed)
+
     def compute(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-        out = model(**batch)
+        wants_hidden = self.teacher is not None and self.teacher.wants_hidden_states
+        out = model(**batch, output_hidden_states=True) if wants_hidden else model(**batch)
         labels = batch["labels"]
         keep = labels != IGNORE_INDEX
         accuracy = float((out.logits.argmax(-1)[keep] == labels[keep]).float().mean()) if keep.any() else 0.0
-        return StepOutput(out.loss, {"accuracy": accuracy}, int(batch["attention_mask"].sum()))
+        if self.teacher is None:
+            return StepOutput(out.loss, {"accuracy": accuracy}, int(batch["attention_mask"].sum()))
+        loss, terms = self.teacher.loss(out, batch)
+        figures = {"accuracy": accuracy, **{name: float(value.detach()) for name, value in terms.items()}}
+        return StepOutput(loss, figures, int(batch["attention_mask"].sum()))
 
     def settings(self) -> dict:
         return {"task": self.data.name, "model": os.path.abspath(self.model_dir), "batch_size": self.run.batch_size,
                 "max_length": self.run.max_length, "train_examples": len(self.train_examples),
                 "train_limit": self.run.train_limit, "data_seed": self.run.seed, "optimize": self.run.optimize,
-                "backend": self.run.backend}
+                "backend": self.run.backend, "resample_pairs": self.run.resample_pairs,
+                **(self.teacher.settings() if self.teacher is not None else {})}
 
     def save(self, directory) -> None:
         self.tokenizer.save_pretrained(directory)
@@ -517,8 +555,11 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
               f"{len(test_examples)} held-out {'sentences' if data.kind == 'token' else 'examples'}, labels "
               f"{', '.join(data.labels)}; {max_steps} steps of {settings.batch_size}\n")
     model = build_classifier(model_dir, data, tokenizer, settings, device)
+    teacher = build_teacher(settings, data, tokenizer, model.config, device) if settings.teacher else None
+    if teacher is not None:
+        log.write(f"fastbert finetune: {teacher.describe()}\n")
     path = describe_path(model, tokenizer, train_examples, data.kind, settings, device)
-    task = FinetuneTask(data, train_examples, test_examples, tokenizer, settings, model_dir)
+    task = FinetuneTask(data, train_examples, test_examples, tokenizer, settings, model_dir, teacher)
     started = time.perf_counter()
     result = training.train(model, task, settings.training_arguments(max_steps))
     elapsed = time.perf_counter() - started
@@ -526,14 +567,41 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
         return {}
     if task.evaluation is None:  # a resume of a run that had already finished: evaluate its weights
         task.evaluate(model)
-    model_out = keep_final_model(result.checkpoint, settings.output_dir)
+    model_out = training.keep_final_model(result.checkpoint, settings.output_dir)
     results = results_record(task, result, model_out, path, steps_per_epoch, elapsed)
+    if teacher is not None:
+        results["teacher"] = teacher_record(task, teacher)
     write_atomic(os.path.join(settings.output_dir, "results.json"), json.dumps(results, indent=2) + "\n")
     evaluation, baseline = results["evaluation"], results["majority_baseline"]
     log.write(f"fastbert finetune: held-out accuracy {evaluation['accuracy']:.4f} (majority baseline "
               f"{baseline['accuracy']:.4f}: always '{baseline['label']}'), macro F1 {evaluation['macro_f1']:.4f}; "
               f"{result.step} steps in {elapsed:.1f} s; model -> {model_out}\n")
+    if teacher is not None:
+        log.write(f"fastbert finetune: the teacher's held-out accuracy {results['teacher']['accuracy']:.4f}; "
+                  f"student / teacher {results['teacher']['student_over_teacher']:.1%}\n")
     return results
+
+
+def build_teacher(settings: FinetuneSettings, data: TaskData, tokenizer, student_config,
+                  device: torch.device) -> TaskTeacher:
+    """The run's checked, frozen teacher (`fastbert.training.task_distillation`)."""
+    assert settings.teacher is not None
+    weights = settings.teacher_loss()
+    directory, config = resolve_teacher(settings.teacher)
+    same_tokenizer = load_tokenizer(directory).get_vocab() == tokenizer.get_vocab()
+    check_teacher(directory, config, data.labels, data.name, student_config, settings.max_length, weights,
+                  same_tokenizer)
+    return load_task_teacher(directory, data.kind, device, student_config.num_hidden_layers, weights,
+                             settings.optimize, settings.backend)
+
+
+def teacher_record(task: FinetuneTask, teacher: TaskTeacher) -> dict:
+    """The teacher's held-out figures on the same examples, and the student's accuracy as a share of its."""
+    assert task.evaluation is not None
+    figures = evaluate(teacher.model, task.tokenizer, task.test_examples, task.data.kind, len(task.data.labels),
+                       max_length=task.run.max_length)
+    return {**teacher.settings(), "accuracy": figures["accuracy"], "macro_f1": figures["macro_f1"],
+            "student_over_teacher": task.evaluation["accuracy"] / max(figures["accuracy"], 1e-12)}
 
 
 def cap_max_length(settings: FinetuneSettings, config, log) -> FinetuneSettings:
@@ -591,18 +659,6 @@ def describe_path(model: torch.nn.Module, tokenizer, examples: Sequence[Example]
 
     sample = encode_batch(tokenizer, examples[:2], kind, settings.max_length)
     return fastbert.explain(model, **{k: v.to(device) for k, v in sample.items()})
-
-
-def keep_final_model(checkpoint, output_dir: str) -> str:
-    """Copy the last checkpoint (without the trainer state) to ``<output_dir>/model``, replacing it atomically;
-    returns that path."""
-    model_out = os.path.join(output_dir, "model")
-    written = temporary_path(model_out)
-    if os.path.exists(written):
-        shutil.rmtree(written)
-    shutil.copytree(checkpoint, written, ignore=shutil.ignore_patterns(training.STATE_FILE))
-    replace_atomic(written, model_out)
-    return model_out
 
 
 def results_record(task: FinetuneTask, result: training.TrainResult, model_out: str, path: str,

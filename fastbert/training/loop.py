@@ -703,3 +703,15 @@ def _save_checkpoint(model: nn.Module, task: TrainingTask, optimizer: torch.opti
             remove_dir(old)
     dist.barrier()
     return final
+
+
+def keep_final_model(checkpoint, output_dir: str) -> str:
+    """Copy the last checkpoint (without the trainer state) to ``<output_dir>/model``, replacing it atomically;
+    returns that path."""
+    model_out = os.path.join(output_dir, "model")
+    written = temporary_path(model_out)
+    if os.path.exists(written):
+        shutil.rmtree(written)
+    shutil.copytree(checkpoint, written, ignore=shutil.ignore_patterns(STATE_FILE))
+    replace_atomic(written, model_out)
+    return model_out
