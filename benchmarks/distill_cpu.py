@@ -20,6 +20,10 @@
    to separate what the copied layers give from what the loss gives.
 5. ``throughput`` (not in the default parts; after ``embedding``): part 2's encode throughput alone, for the student
    under --runs (to re-measure on a quiet machine).
+6. ``pair-distill`` (not in the default parts): the pair task with task distillation (`fastbert finetune
+   --teacher`): the teacher fine-tuned for 1 epoch and for 5 epochs of resampled pairs; the student (--student, default
+   part 2's) fine-tuned alone the same two ways, and with each fine-tuned teacher; held-out accuracy of each on all
+   the held-out pairs, written after every run.
 
 The runs (checkpoints, models, metrics.jsonl, curves) stay under --runs; --out gets ``<part>.json`` for each part
 (figures, settings, machine, CPU flags) and the curves. Every figure written comes from the run just made.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import io
 import json
 import multiprocessing
@@ -44,7 +49,7 @@ import torch
 from fastbert.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("mlm", "embedding", "roberta", "mlm-ablation", "throughput")
+PARTS = ("mlm", "embedding", "roberta", "mlm-ablation", "throughput", "pair-distill")
 FINETUNE_TASKS = ("topic", "pair", "code")
 # Sentences outside ASCII for the byte-level BPE round trip: accents, CJK, Cyrillic, Greek, emoji, symbols.
 NON_ASCII = ("Café, naïve façade: déjà vu in São Paulo and Zürich.", "日本語のテキストも、正しく戻ります。",
@@ -287,6 +292,47 @@ def part_throughput(runs: Path, out: Path, size: dict) -> dict:
             "size": size, "wall_s": round(time.time() - started, 1)}
 
 
+# ------------------------------------------------------------------------------------ 6. pair task distillation
+PAIR_RUNS = (  # name, model, teacher run (None: fine-tuned alone), epochs, resampled pairs
+    ("teacher-1ep", "teacher", None, 1, False),
+    ("student-1ep", "student", None, 1, False),
+    ("student-kd-1ep", "student", "teacher-1ep", 1, False),
+    ("student-5ep", "student", None, 5, True),
+    ("student-kd-5ep", "student", "teacher-1ep", 5, True),
+    ("teacher-5ep", "teacher", None, 5, True),
+    ("student-kd-5ep-from-5ep", "student", "teacher-5ep", 5, True),
+)
+
+
+def part_pair_distill(runs: Path, out: Path, size: dict, student: str | None = None) -> dict:
+    """`fastbert finetune --task pair` of the teacher and the student, alone and with a fine-tuned teacher (see the
+    module docstring); every held-out pair; the record is written to ``out`` after each run."""
+    from fastbert.common.resolve import default_model_dir
+    from fastbert.training.finetune import FinetuneSettings, finetune
+
+    started = time.time()
+    models = {"teacher": default_model_dir(), "student": student or str(runs / "embedding-student" / "model")}
+    if not os.path.isdir(models["student"]):
+        raise SystemExit(f"distill_cpu: no student at {models['student']}: give --student DIR or run --parts embedding")
+    record: dict = {"models": models, "size": size, "runs": {}}
+    for name, model, teacher, epochs, resample in PAIR_RUNS[:size["runs"]]:
+        rate = size["teacher_lr"] if model == "teacher" else size["student_lr"]
+        settings = FinetuneSettings(
+            task="pair", output_dir=str(fresh(runs / f"pair-{name}")), model_dir=models[model], epochs=epochs,
+            batch_size=16, learning_rate=rate, train_limit=size["train"], eval_limit=size["eval"], seed=0,
+            device="cpu", progress=False, log_every=50, resample_pairs=resample,
+            teacher=str(runs / f"pair-{teacher}" / "model") if teacher else None)
+        result = finetune(settings)
+        record["runs"][name] = {
+            "model": model, "teacher": teacher, "epochs": epochs, "resample_pairs": resample, "learning_rate": rate,
+            "accuracy": result["evaluation"]["accuracy"], "macro_f1": result["evaluation"]["macro_f1"],
+            "held_out": result["held_out"]["examples"], "steps": result["training"]["steps"],
+            "seconds": result["training"]["seconds_this_run"], "teacher_figures": result.get("teacher")}
+        record["wall_s"] = round(time.time() - started, 1)
+        write_json(out / "pair-distill.json", {**record, "machine": machine(), "partial": True})
+    return record
+
+
 def parameters(model_dir: str) -> int:
     from safetensors.torch import load_file
 
@@ -339,14 +385,16 @@ SIZES = {
                                throughput_sentences=2048, throughput_rounds=3, alpha_cos=1.0, alpha_hidden=1.0,
                                pairs=0.5),
              "roberta": dict(hidden=128, heads=2, layers=2, vocab=5000, max_length=64, steps=300, eval_every=100),
-             "mlm-ablation": {}, "throughput": dict(throughput_sentences=2048, throughput_rounds=3)},
+             "mlm-ablation": {}, "throughput": dict(throughput_sentences=2048, throughput_rounds=3),
+             "pair-distill": dict(runs=len(PAIR_RUNS), train=None, eval=None, teacher_lr=2e-4, student_lr=3e-4)},
     "quick": {"mlm": dict(hidden=32, heads=2, teacher_layers=4, vocab=500, max_length=32, teacher_steps=10,
                           student_steps=5, eval=32),
               "embedding": dict(batch=8, steps=3, lr=1e-4, eval_every=0, eval=16, ft_steps=2, ft_eval=16,
                                 throughput_sentences=32, throughput_rounds=1, alpha_cos=1.0, alpha_hidden=1.0,
                                 pairs=0.5),
               "roberta": dict(hidden=32, heads=2, layers=1, vocab=500, max_length=32, steps=10, eval_every=5),
-              "mlm-ablation": {}, "throughput": dict(throughput_sentences=32, throughput_rounds=1)},
+              "mlm-ablation": {}, "throughput": dict(throughput_sentences=32, throughput_rounds=1),
+              "pair-distill": dict(runs=3, train=32, eval=16, teacher_lr=2e-4, student_lr=3e-4)},
 }
 
 
@@ -358,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS[:3]),
                         help="default: mlm embedding roberta; mlm-ablation reuses mlm's teacher and settings, "
                         "throughput embedding's student")
+    parser.add_argument("--student", default=None, help="pair-distill: the student (default: embedding's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     out, runs = Path(args.out), Path(args.runs)
@@ -365,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     sizes = SIZES["quick" if args.quick else "full"]
     functions = {"mlm": part_mlm, "embedding": part_embedding, "roberta": part_roberta,
-                 "mlm-ablation": part_mlm_ablation, "throughput": part_throughput}
+                 "mlm-ablation": part_mlm_ablation, "throughput": part_throughput,
+                 "pair-distill": functools.partial(part_pair_distill, student=args.student)}
     for part in args.parts:
         began = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         record = functions[part](runs, out, sizes[part])
