@@ -173,6 +173,11 @@ class FastBertConfig:
         return self.pad_token_id + 1 if families.get(self.model_type).offset_positions else None
 
     @property
+    def token_positions(self) -> int:
+        """The most tokens one sequence may hold: the position table less RoBERTa's offset."""
+        return self.max_position_embeddings - (self.position_offset or 0)
+
+    @property
     def num_unique_layers(self) -> int:
         return self.num_hidden_groups * self.inner_group_num if self.shared_layers else self.num_hidden_layers
 

@@ -267,7 +267,7 @@ class PackedCudaGraphs:
         cfg = model.config
         self.model = model
         self.settings = {"max_tokens": max_tokens, "max_sequences": max_sequences, "max_graphs": max_graphs,
-                         "capture": capture, "limit": cfg.max_position_embeddings - (cfg.position_offset or 0)}
+                         "capture": capture, "limit": cfg.token_positions}
         self._reset()
 
     def _reset(self) -> None:
@@ -472,7 +472,7 @@ class CudaGraphEncoder:
                  max_graphs: int = 8):
         if max_graphs < 1:
             raise ValueError("max_graphs must be >= 1")
-        limit = model.config.max_position_embeddings - (model.config.position_offset or 0)
+        limit = model.config.token_positions
         self.model = model.eval()
         self.seq_buckets = tuple(sorted(b for b in seq_buckets if b <= limit)) or (limit,)
         self.max_graphs = max_graphs

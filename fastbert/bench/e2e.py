@@ -136,7 +136,7 @@ def _checked_workloads(settings: BenchSettings, config: FastBertConfig) -> tuple
     workloads = make_workloads(settings.batches, settings.seqs, settings.varlen, settings.seed)
     if not workloads:
         raise UserError("no workloads: give at least one --batch and one --seq")
-    too_long = [s for s in settings.seqs if s > config.max_position_embeddings - (config.position_offset or 0)]
+    too_long = [s for s in settings.seqs if s > config.token_positions]
     if too_long:
         raise UserError(f"--seq {too_long[0]} exceeds the model's {config.max_position_embeddings} positions")
     names = ["fastbert"] + [p for p in dict.fromkeys(settings.peers) if p != "fastbert"]

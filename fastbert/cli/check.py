@@ -65,7 +65,7 @@ def check_batch(model_dir: str, config, device: torch.device) -> tuple[dict, str
     try:
         return TextEncoder(model_dir, config)(SENTENCES, device), f"{len(SENTENCES)} English sentences"
     except UserError:  # a checkpoint without a tokenizer is still checked, on random token ids
-        seqlen = min(32, config.max_position_embeddings - (config.position_offset or 0))
+        seqlen = min(32, config.token_positions)
         lengths = torch.linspace(1, seqlen, len(SENTENCES)).round().long().tolist()
         batch = Workload("check", len(lengths), seqlen, lengths, True).inputs(config, device)
         return batch, f"{len(lengths)} random token sequences (no tokenizer in the checkpoint)"

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     batches, seqs = args.batch or ([1, 32, 128] if cuda else [1, 8]), args.seq or ([128, 512] if cuda else [128])
     if any(v < 1 for v in batches + seqs):
         raise UserError("--batch and --seq values must be positive")
-    longest = config.max_position_embeddings - (config.position_offset or 0)
+    longest = config.token_positions
     if max(seqs) > longest:
         raise UserError(f"--seq {max(seqs)} exceeds the model's {longest} positions")
     shared.set_threads(args.threads)

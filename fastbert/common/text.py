@@ -42,7 +42,7 @@ class TextEncoder:
 
     def __init__(self, model_dir: str, config: FastBertConfig):
         self.config = config
-        self.max_length = config.max_position_embeddings - (config.position_offset or 0)
+        self.max_length = config.token_positions
         path = os.path.join(model_dir, "tokenizer.json")
         if os.path.isfile(path):
             from tokenizers import Tokenizer

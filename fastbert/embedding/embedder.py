@@ -102,7 +102,7 @@ class Embedder:
         return torch.device(str(device) if device is not None else "cpu")
 
     def _max_length(self, max_length: int | None) -> int:
-        model_limit = self.config.max_position_embeddings - (self.config.position_offset or 0)
+        model_limit = self.config.token_positions
         if max_length is None:
             max_length = default_max_length(self.model_dir, model_limit)
         if not 1 <= max_length <= model_limit:

@@ -117,7 +117,7 @@ class ClassifyEngine:
         self.device = resolve_device(device)
         self.precision = resolve_precision(dtype or "float32", self.device)  # auto resolved and announced here
         self.dtype = DTYPES["float32" if self.precision == "int8" else self.precision]
-        limit = self.config.max_position_embeddings - (self.config.position_offset or 0)
+        limit = self.config.token_positions
         self.max_length = max_length or limit
         if not 1 <= self.max_length <= limit:
             raise UserError(f"--max-input-length must lie in [1, {limit}] for this model, got {self.max_length}")

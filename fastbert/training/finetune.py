@@ -47,12 +47,13 @@ from fastbert.training.corpus import (
     prose_sentences,
     stdlib_python_files,
 )
+from fastbert.training.distill import freeze
 from fastbert.training.loop import StepOutput, TrainingTask
 from fastbert.training.task_distillation import (
     TaskTeacher,
     TeacherLoss,
+    check_head,
     check_teacher,
-    load_task_teacher,
     resolve_teacher,
 )
 
@@ -445,6 +446,8 @@ class FinetuneSettings:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.resample_pairs and self.task != "pair":
             raise ValueError("--resample-pairs is an option of --task pair")
+        if self.teacher is not None and not self.teacher.strip():
+            raise ValueError("--teacher needs a directory, got an empty string")
         self.teacher_loss().check()
 
     def teacher_loss(self) -> TeacherLoss:
@@ -454,7 +457,7 @@ class FinetuneSettings:
         if self.teacher is None:
             named = [f"--{name.replace('_', '-')}" for name, value in given.items() if value is not None]
             if named:
-                raise ValueError(f"{', '.join(named)} weigh(s) the loss against a teacher: give --teacher DIR")
+                raise ValueError(f"{', '.join(named)} needs --teacher DIR (it weighs the loss against a teacher)")
         return TeacherLoss(**{name: value for name, value in given.items() if value is not None})
 
     def training_arguments(self, max_steps: int) -> training.TrainingArguments:
@@ -481,8 +484,9 @@ class FinetuneTask(TrainingTask):
 
     def epoch_examples(self, epoch: int) -> list[Example]:
         """The training examples of ``epoch``: always the same ones, or with --resample-pairs those of
-        ``pair_task(seed + epoch)`` (the same anchor sentences and training documents, new partners and labels;
-        the held-out pairs stay those of ``seed``)."""
+        ``pair_task(seed + epoch)`` (the same anchor sentences and training documents, new partners and labels; the
+        held-out pairs stay those of the run's seed). So runs of neighbouring seeds share some epochs' pairs (seed
+        0's epoch 1 is seed 1's epoch 0): training draws, never held-out ones."""
         if not self.run.resample_pairs or epoch == 0:
             return self.train_examples
         return subsample(pair_task(self.run.seed + epoch).train, self.run.train_limit, self.run.seed)
@@ -503,7 +507,7 @@ class FinetuneTask(TrainingTask):
         return {"task": self.data.name, "model": os.path.abspath(self.model_dir), "batch_size": self.run.batch_size,
                 "max_length": self.run.max_length, "train_examples": len(self.train_examples),
                 "train_limit": self.run.train_limit, "data_seed": self.run.seed, "optimize": self.run.optimize,
-                "backend": self.run.backend, "resample_pairs": self.run.resample_pairs,
+                "backend": self.run.backend, **({"resample_pairs": True} if self.run.resample_pairs else {}),
                 **(self.teacher.settings() if self.teacher is not None else {})}
 
     def save(self, directory) -> None:
@@ -518,19 +522,26 @@ class FinetuneTask(TrainingTask):
 def load_classifier(model_dir: str, data: TaskData, device: torch.device) -> torch.nn.Module:
     """transformers' sequence- or token-classification model of the checkpoint with a new head for the task's
     labels (label names in its config), in training mode on ``device``."""
+    id2label = dict(enumerate(data.labels))
+    model = pretrained_classifier(model_dir, data.kind, num_labels=len(data.labels), id2label=id2label,
+                                  label2id={v: k for k, v in id2label.items()})
+    return model.to(device).train()
+
+
+def pretrained_classifier(model_dir: str, kind: str, **options):
+    """transformers' sequence- or token-classification model of the checkpoint (``from_pretrained`` with
+    ``options``), its loading notices silenced: the run reports a new head itself, and a teacher's missing head is
+    an error (`check_head`)."""
     import transformers
 
-    auto = (transformers.AutoModelForSequenceClassification if data.kind == "sequence"
+    auto = (transformers.AutoModelForSequenceClassification if kind == "sequence"
             else transformers.AutoModelForTokenClassification)
-    id2label = dict(enumerate(data.labels))
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # the "newly initialized head" notice: the run reports it itself
+    transformers.logging.set_verbosity_error()
     try:
-        model = auto.from_pretrained(model_dir, num_labels=len(data.labels), id2label=id2label,
-                                     label2id={v: k for k, v in id2label.items()}, attn_implementation="eager")
+        return auto.from_pretrained(model_dir, attn_implementation="eager", **options)
     finally:
         transformers.logging.set_verbosity(verbosity)
-    return model.to(device).train()
 
 
 def finetune(settings: FinetuneSettings, log=None) -> dict:
@@ -555,7 +566,7 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
               f"{len(test_examples)} held-out {'sentences' if data.kind == 'token' else 'examples'}, labels "
               f"{', '.join(data.labels)}; {max_steps} steps of {settings.batch_size}\n")
     model = build_classifier(model_dir, data, tokenizer, settings, device)
-    teacher = build_teacher(settings, data, tokenizer, model.config, device) if settings.teacher else None
+    teacher = build_teacher(settings, data, tokenizer, model.config, device) if settings.teacher is not None else None
     if teacher is not None:
         log.write(f"fastbert finetune: {teacher.describe()}\n")
     path = describe_path(model, tokenizer, train_examples, data.kind, settings, device)
@@ -577,22 +588,37 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
               f"{baseline['accuracy']:.4f}: always '{baseline['label']}'), macro F1 {evaluation['macro_f1']:.4f}; "
               f"{result.step} steps in {elapsed:.1f} s; model -> {model_out}\n")
     if teacher is not None:
+        share = results["teacher"]["student_over_teacher"]
         log.write(f"fastbert finetune: the teacher's held-out accuracy {results['teacher']['accuracy']:.4f}; "
-                  f"student / teacher {results['teacher']['student_over_teacher']:.1%}\n")
+                  f"student / teacher {'n/a' if share is None else f'{share:.1%}'}\n")
     return results
 
 
 def build_teacher(settings: FinetuneSettings, data: TaskData, tokenizer, student_config,
                   device: torch.device) -> TaskTeacher:
-    """The run's checked, frozen teacher (`fastbert.training.task_distillation`)."""
+    """The run's checked teacher (`fastbert.training.task_distillation`) with its trained head, frozen on
+    ``device``, optimized like the student."""
+    import fastbert
+
     assert settings.teacher is not None
     weights = settings.teacher_loss()
     directory, config = resolve_teacher(settings.teacher)
-    same_tokenizer = load_tokenizer(directory).get_vocab() == tokenizer.get_vocab()
+    try:
+        teacher_tokenizer = load_tokenizer(directory)
+    except UserError as err:
+        raise UserError(f"--teacher: {err}") from err
     check_teacher(directory, config, data.labels, data.name, student_config, settings.max_length, weights,
-                  same_tokenizer)
-    return load_task_teacher(directory, data.kind, device, student_config.num_hidden_layers, weights,
-                             settings.optimize, settings.backend)
+                  (teacher_tokenizer, tokenizer))
+    try:
+        model, info = pretrained_classifier(directory, data.kind, output_loading_info=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"--teacher {directory}: cannot load it as a {data.kind} classifier "
+                        f"({str(err).splitlines()[0]})") from err
+    check_head(directory, info.get("missing_keys", []))
+    model = freeze(model, device)
+    if settings.optimize:
+        model = fastbert.optimize(model, backend=settings.backend)
+    return TaskTeacher(model, directory, weights, student_config.num_hidden_layers)
 
 
 def teacher_record(task: FinetuneTask, teacher: TaskTeacher) -> dict:
@@ -600,14 +626,15 @@ def teacher_record(task: FinetuneTask, teacher: TaskTeacher) -> dict:
     assert task.evaluation is not None
     figures = evaluate(teacher.model, task.tokenizer, task.test_examples, task.data.kind, len(task.data.labels),
                        max_length=task.run.max_length)
+    share = task.evaluation["accuracy"] / figures["accuracy"] if figures["accuracy"] else None
     return {**teacher.settings(), "accuracy": figures["accuracy"], "macro_f1": figures["macro_f1"],
-            "student_over_teacher": task.evaluation["accuracy"] / max(figures["accuracy"], 1e-12)}
+            "student_over_teacher": share}
 
 
 def cap_max_length(settings: FinetuneSettings, config, log) -> FinetuneSettings:
     """The settings with max_length at most the model's positions (a small pretrained model may have fewer than
     the default), saying so on ``log`` when it cuts."""
-    positions = config.max_position_embeddings - (config.position_offset or 0)
+    positions = config.token_positions
     if settings.max_length <= positions:
         return settings
     log.write(f"fastbert finetune: --max-length {settings.max_length} capped to the model's {positions} "

@@ -11,12 +11,15 @@ Soft targets during fine-tuning are DistilBERT's "distillation during fine-tunin
 section 4.2); the hidden-state term is TinyBERT's task-specific stage (Jiao et al., Findings of EMNLP 2020,
 section 3.1-3.2: layer mapping g(m) = m * N / M) with the cosine of DistilBERT's loss in place of its MSE. Both
 models read the same token ids, so the teacher must share the student's tokenizer. The teacher runs in eval mode
-without gradients (through `fastbert.optimize` when the student is optimized).
+without gradients (through `fastbert.optimize` when the student is optimized). The layer map is TinyBERT's uniform
+one whatever layers the student was built from (`fastbert distill` copies 0, 3, 5 of 6 for 3; the map compares
+their outputs with the teacher's layers 2, 4, 6).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +27,8 @@ from typing import Any
 import torch
 
 from fastbert.common.resolve import UserError, resolve_model
-from fastbert.training.distill import freeze, layer_cosine_loss, soft_target_loss, teacher_fingerprint
+from fastbert.config import FastBertConfig
+from fastbert.training.distill import layer_cosine_loss, soft_target_loss, teacher_fingerprint
 from fastbert.training.masking import IGNORE_INDEX
 
 
@@ -37,11 +41,15 @@ class TeacherLoss:
     alpha_hidden: float = 1.0
 
     def check(self) -> None:
-        """ValueError naming the first weight that cannot train."""
-        if not 0 <= self.alpha_soft <= 1:
+        """ValueError naming the first weight that cannot train, or a teacher that would teach nothing."""
+        if not 0 <= self.alpha_soft <= 1:  # also refuses nan
             raise ValueError(f"--alpha-soft must be between 0 and 1, got {self.alpha_soft}")
-        if self.temperature <= 0 or self.alpha_hidden < 0:
-            raise ValueError("need --temperature > 0 and --alpha-hidden >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"--temperature must be a number > 0, got {self.temperature}")
+        if not (math.isfinite(self.alpha_hidden) and self.alpha_hidden >= 0):
+            raise ValueError(f"--alpha-hidden must be a number >= 0, got {self.alpha_hidden}")
+        if self.alpha_soft == 0 and self.alpha_hidden == 0:
+            raise ValueError("--alpha-soft 0 and --alpha-hidden 0: the teacher would teach nothing")
 
 
 def uniform_layer_map(student_layers: int, teacher_layers: int) -> list[int]:
@@ -105,18 +113,22 @@ class TaskTeacher:
         return line
 
 
-def resolve_teacher(teacher_dir: str):
-    """(directory, config) of the teacher checkpoint; UserError naming --teacher when there is none."""
+def resolve_teacher(teacher_dir: str) -> tuple[str, FastBertConfig]:
+    """(directory, config) of the teacher checkpoint; UserError naming --teacher when there is none (and pointing
+    at ``DIR/model`` when DIR is a `fastbert finetune` run's output directory)."""
     try:
         return resolve_model(teacher_dir)
     except UserError as err:
-        raise UserError(f"--teacher: {err}") from err
+        inner = os.path.join(teacher_dir, "model")
+        hint = f"; did you mean {inner}?" if os.path.isfile(os.path.join(inner, "config.json")) else ""
+        raise UserError(f"--teacher: {err}{hint}") from err
 
 
-def check_teacher(directory: str, config, labels: tuple[str, ...], task: str, student_config, max_length: int,
-                  weights: TeacherLoss, same_tokenizer: bool) -> None:
+def check_teacher(directory: str, config: FastBertConfig, labels: tuple[str, ...], task: str, student_config,
+                  max_length: int, weights: TeacherLoss, tokenizers: tuple[Any, Any]) -> None:
     """UserError with one line unless the teacher can teach this student this task: a classifier of the task's
-    labels, the student's tokenizer, positions for ``max_length`` tokens and, for the hidden-state term, the
+    labels, the same tokenizer as the student (``tokenizers``: the teacher's, the student's) giving the same
+    inputs (token types or not), positions for ``max_length`` tokens and, for the hidden-state term, the
     student's width."""
     with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
         id2label = json.load(f).get("id2label") or {}
@@ -125,40 +137,23 @@ def check_teacher(directory: str, config, labels: tuple[str, ...], task: str, st
         raise UserError(f"--teacher {directory}: its labels {list(found) or 'none'} are not those of --task {task} "
                         f"{list(labels)}; give a classifier fine-tuned on --task {task} (DIR/model of a `fastbert "
                         f"finetune --task {task}` run)")
-    if not same_tokenizer:
+    teacher_tokenizer, student_tokenizer = tokenizers
+    if teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
         raise UserError(f"--teacher {directory}: its tokenizer differs from the student's; both models must read the "
                         "same token ids")
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and positions < max_length:
-        raise UserError(f"--teacher {directory}: {positions} positions, fewer than --max-length {max_length}")
+    if list(teacher_tokenizer.model_input_names) != list(student_tokenizer.model_input_names):
+        raise UserError(f"--teacher {directory}: it reads {', '.join(teacher_tokenizer.model_input_names)}, the "
+                        f"student {', '.join(student_tokenizer.model_input_names)} (token types in one only)")
+    if config.token_positions < max_length:
+        raise UserError(f"--teacher {directory}: {config.token_positions} positions, fewer than --max-length "
+                        f"{max_length}")
     if weights.alpha_hidden and config.hidden_size != student_config.hidden_size:
         raise UserError(f"--teacher {directory}: hidden size {config.hidden_size} against the student's "
                         f"{student_config.hidden_size}; the hidden-state term needs equal widths (--alpha-hidden 0)")
 
 
-def load_task_teacher(directory: str, kind: str, device: torch.device, student_layers: int, weights: TeacherLoss,
-                      optimize: bool, backend: str) -> TaskTeacher:
-    """The checked teacher (`check_teacher`) loaded as transformers' classifier with its trained head, frozen on
-    ``device``, optimized like the student."""
-    import transformers
-
-    import fastbert
-
-    auto = (transformers.AutoModelForSequenceClassification if kind == "sequence"
-            else transformers.AutoModelForTokenClassification)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # the missing-head notice: reported below as an error
-    try:
-        model, info = auto.from_pretrained(directory, attn_implementation="eager", output_loading_info=True)
-    except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"--teacher {directory}: cannot load it as a {kind} classifier "
-                        f"({str(err).splitlines()[0]})") from err
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    if info.get("missing_keys"):
-        missing = sorted(info["missing_keys"])
-        raise UserError(f"--teacher {directory}: no trained classification head ({', '.join(missing[:3])} missing)")
-    model = freeze(model, device)
-    if optimize:
-        model = fastbert.optimize(model, backend=backend)
-    return TaskTeacher(model, directory, weights, student_layers)
+def check_head(directory: str, missing_keys: list[str]) -> None:
+    """UserError when the teacher's checkpoint lacked weights of its classifier (a base model, not a fine-tuned one)."""
+    if missing_keys:
+        raise UserError(f"--teacher {directory}: no trained classification head ({', '.join(sorted(missing_keys)[:3])} "
+                        "missing)")

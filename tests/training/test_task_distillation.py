@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,13 +52,13 @@ SMALL_RUN = ("--batch-size", "8", "--train-limit", "32", "--eval-limit", "24", "
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, minilm_dir) -> dict[str, str]:
-    """A 4-layer tiny BERT fine-tuned for a few steps on the pair task (the teacher, and one on the topic task),
+    """A 4-layer tiny BERT fine-tuned for a few steps on each task (the teachers),
     a 2-layer student and a wider one, all with all-MiniLM-L6-v2's tokenizer."""
     root = tmp_path_factory.mktemp("task-distillation")
     (root / "base").mkdir()
     base = _tiny_bert(root / "base", minilm_dir, layers=4)
     paths = {"base": base}
-    for task in ("pair", "topic"):
+    for task in ("pair", "topic", "code"):
         out = root / f"teacher-{task}"
         code = cli.main(["finetune", "--task", task, "--model", base, "-o", str(out), "--max-steps", "3",
                          "--learning-rate", "1e-3", *SMALL_RUN])
@@ -137,8 +138,7 @@ def test_distilled_finetune_through_the_cli(capsys, tmp_path, checkpoints):
     out = tmp_path / "run"
     argv = ["finetune", "--task", "pair", "--model", checkpoints["student"], "--teacher", checkpoints["teacher-pair"],
             "-o", str(out), "--max-steps", "4", "--learning-rate", "1e-3", "--resample-pairs", "--log-every", "1",
-            *SMALL_RUN]
-    teacher_weights = (Path(checkpoints["teacher-pair"]) / "model.safetensors").read_bytes()
+            *SMALL_RUN, "--train-limit", "16"]  # 2 steps per epoch: epoch 1 trains on resampled pairs
     code, _, err = _run(capsys, *argv)
     assert code == 0, err
     assert "distilling from the fine-tuned teacher" in err and "student->teacher layer 1->2, 2->4" in err
@@ -153,12 +153,50 @@ def test_distilled_finetune_through_the_cli(capsys, tmp_path, checkpoints):
     assert teacher["student_over_teacher"] == pytest.approx(results["evaluation"]["accuracy"] / teacher["accuracy"])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if not r.get("eval")]
-    assert len(steps) == 4 and all({"hard_loss", "soft_loss", "hidden_loss"} <= set(r) for r in steps)
-    assert (Path(checkpoints["teacher-pair"]) / "model.safetensors").read_bytes() == teacher_weights
-    # a resume of the finished run finds the same teacher and evaluates the same weights
+    assert results["train"]["examples"] == 16 and len(steps) == 4
+    assert all({"hard_loss", "soft_loss", "hidden_loss"} <= set(r) for r in steps)
+    # a resume of the finished run finds the same teacher and evaluates the same weights; another loss is refused
     code, _, err = _run(capsys, *argv, "--resume")
     assert code == 0, err
     assert json.loads((out / "results.json").read_text())["evaluation"] == results["evaluation"]
+    code, _, err = _run(capsys, *argv, "--resume", "--alpha-soft", "0.25")
+    assert code == 1 and "alpha_soft" in _one_error_line(err)
+
+
+def test_the_token_task_learns_from_a_teacher(capsys, tmp_path, checkpoints):
+    code, _, err = _run(capsys, "finetune", "--task", "code", "--model", checkpoints["student"], "--teacher",
+                        checkpoints["teacher-code"], "-o", str(tmp_path / "run"), "--max-steps", "2", *SMALL_RUN)
+    assert code == 0, err
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["kind"] == "token" and results["teacher"]["accuracy"] > 0
+
+
+def test_the_teacher_is_frozen_and_deterministic(tmp_path, checkpoints, minilm_dir):
+    settings = finetune.FinetuneSettings(task="pair", output_dir=str(tmp_path), teacher=checkpoints["teacher-pair"])
+    data = finetune.pair_task(0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints["student"])
+    student = transformers.BertForSequenceClassification.from_pretrained(checkpoints["student"], num_labels=2)
+    teacher = finetune.build_teacher(settings, data, tokenizer, student.config, torch.device("cpu"))
+    assert not teacher.model.training and not any(p.requires_grad for p in teacher.model.parameters())
+    batch = finetune.encode_batch(tokenizer, data.train[:6], "sequence", 64)
+    out = student(**batch, output_hidden_states=True)
+    first, second = teacher.loss(out, batch)[1], teacher.loss(out, batch)[1]
+    assert all(torch.equal(first[name], second[name]) for name in first)  # no dropout in the teacher
+    assert first["soft_loss"].requires_grad and first["hidden_loss"].requires_grad  # gradients reach the student
+
+
+@pytest.mark.slow  # two fresh processes
+def test_resume_after_sigkill_with_a_teacher_and_resampled_pairs(tmp_path, checkpoints):
+    from tests.helpers import assert_same_final_weights, kill_and_resume, logged_losses
+
+    common = ["finetune", "--task", "pair", "--model", checkpoints["student"], "--teacher",
+              checkpoints["teacher-pair"], "--resample-pairs", "--max-steps", "8", "--save-every", "2",
+              "--batch-size", "8", "--train-limit", "16", "--eval-limit", "8", "--threads", "1", "--log-every", "1"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert cli.main([*common, "-o", str(whole)]) == 0
+    kill_and_resume([sys.executable, "-m", "fastbert.cli", *common, "-o", str(killed)], killed, 8, wait_s=180)
+    assert_same_final_weights(whole, killed)
+    assert logged_losses(killed) == logged_losses(whole)
 
 
 def test_the_teachers_soft_targets_train_the_student(tmp_path, checkpoints):
@@ -217,9 +255,31 @@ def test_teachers_that_cannot_teach_are_one_line_errors(capsys, tmp_path, checkp
     other = _different_tokenizer(tmp_path / "other-tokenizer", checkpoints["teacher-pair"])
     assert "tokenizer differs" in error("--teacher", other)
     assert "hidden size 32" in error("--teacher", checkpoints["teacher-pair"], model=checkpoints["wide-student"])
-    assert "--alpha-soft" in error("--alpha-soft", "0.3")
-    assert "--alpha-soft must be between 0 and 1" in error("--teacher", checkpoints["teacher-pair"],
-                                                           "--alpha-soft", "1.5")
+    assert "did you mean" in error("--teacher", str(Path(checkpoints["teacher-pair"]).parent))
+    headless = tmp_path / "headless"
+    shutil.copytree(checkpoints["base"], headless)
+    config = json.loads((headless / "config.json").read_text())
+    (headless / "config.json").write_text(json.dumps({**config, "id2label": {"0": "follows", "1": "random"},
+                                                      "label2id": {"follows": 0, "random": 1}}))
+    assert "no trained classification head" in error("--teacher", str(headless))
+    no_token_types = tmp_path / "no-token-types"
+    shutil.copytree(checkpoints["teacher-pair"], no_token_types)
+    tokenizer_config = json.loads((no_token_types / "tokenizer_config.json").read_text())
+    (no_token_types / "tokenizer_config.json").write_text(json.dumps(
+        {**tokenizer_config, "model_input_names": ["input_ids", "attention_mask"]}))
+    assert "token types in one only" in error("--teacher", str(no_token_types))
+    short = tmp_path / "short"
+    shutil.copytree(checkpoints["teacher-pair"], short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16}))
+    assert "16 positions, fewer than --max-length 128" in error("--teacher", str(short))
+    assert "--alpha-soft needs --teacher" in error("--alpha-soft", "0.3")
+    teacher = ("--teacher", checkpoints["teacher-pair"])
+    assert "--alpha-soft must be between 0 and 1" in error(*teacher, "--alpha-soft", "1.5")
+    assert "--temperature must be a number > 0" in error(*teacher, "--temperature", "nan")
+    assert "--alpha-hidden must be a number >= 0" in error(*teacher, "--alpha-hidden", "-1")
+    assert "would teach nothing" in error(*teacher, "--alpha-soft", "0", "--alpha-hidden", "0")
+    assert "--teacher needs a directory" in error("--teacher", "")
     code, _, err = _run(capsys, "finetune", "--task", "topic", "--model", checkpoints["student"], "-o",
                         str(tmp_path / "topic"), "--resample-pairs")
     assert code == 1 and "--resample-pairs is an option of --task pair" in _one_error_line(err)
