@@ -992,3 +992,23 @@ def assert_same_final_weights(whole: Path, resumed: Path) -> None:
 def logged_losses(output_dir: Path) -> list[float | None]:
     """The ``loss`` of each record of a training run's metrics.jsonl (None for a record without one)."""
     return [json.loads(line).get("loss") for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# Tokenizer files a tiny checkpoint copies from all-MiniLM-L6-v2 (training tests).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def save_tiny_bert(directory: Path, tokenizer_dir: str, layers: int = 2, hidden: int = 32, seed: int = 0) -> str:
+    """A tiny random BERT (2 heads, FFN 2 * hidden, 128 positions) with the tokenizer of ``tokenizer_dir``, saved as
+    an HF checkpoint in ``directory``; returns its path."""
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                                     num_attention_heads=2, intermediate_size=2 * hidden, max_position_embeddings=128)
+    transformers.BertModel(config).save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(tokenizer_dir) / name, Path(directory) / name)
+    return str(directory)

@@ -17,8 +17,7 @@ from fastbert import cli  # noqa: E402
 from fastbert.training import finetune  # noqa: E402
 from fastbert.training.corpus import prose_sentences  # noqa: E402
 from fastbert.training.finetune import Example, TaskData  # noqa: E402
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+from tests.helpers import TOKENIZER_FILES, save_tiny_bert  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +28,7 @@ def tasks() -> dict[str, TaskData]:
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory, minilm_dir) -> str:
     """A tiny random BERT (2 layers, H=32) with all-MiniLM-L6-v2's tokenizer, saved as an HF checkpoint."""
-    directory = tmp_path_factory.mktemp("tiny-bert")
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=128)
-    transformers.BertModel(config).save_pretrained(directory)
-    for name in TOKENIZER_FILES:
-        shutil.copy(Path(minilm_dir) / name, directory / name)
-    return str(directory)
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"), minilm_dir)
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

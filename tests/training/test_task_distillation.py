@@ -20,18 +20,7 @@ transformers = pytest.importorskip("transformers")
 from fastbert import cli  # noqa: E402
 from fastbert.training import finetune  # noqa: E402
 from fastbert.training.task_distillation import TeacherLoss, task_distillation_loss, uniform_layer_map  # noqa: E402
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
-
-
-def _tiny_bert(directory: Path, minilm_dir: str, layers: int, hidden: int = 32) -> str:
-    torch.manual_seed(layers)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
-                                     num_attention_heads=2, intermediate_size=2 * hidden, max_position_embeddings=128)
-    transformers.BertModel(config).save_pretrained(directory)
-    for name in TOKENIZER_FILES:
-        shutil.copy(Path(minilm_dir) / name, directory / name)
-    return str(directory)
+from tests.helpers import TOKENIZER_FILES, save_tiny_bert  # noqa: E402
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -55,8 +44,7 @@ def checkpoints(tmp_path_factory, minilm_dir) -> dict[str, str]:
     """A 4-layer tiny BERT fine-tuned for a few steps on each task (the teachers),
     a 2-layer student and a wider one, all with all-MiniLM-L6-v2's tokenizer."""
     root = tmp_path_factory.mktemp("task-distillation")
-    (root / "base").mkdir()
-    base = _tiny_bert(root / "base", minilm_dir, layers=4)
+    base = save_tiny_bert(root / "base", minilm_dir, layers=4, seed=4)
     paths = {"base": base}
     for task in ("pair", "topic", "code"):
         out = root / f"teacher-{task}"
@@ -65,8 +53,7 @@ def checkpoints(tmp_path_factory, minilm_dir) -> dict[str, str]:
         assert code == 0
         paths[f"teacher-{task}"] = str(out / "model")
     for name, hidden in (("student", 32), ("wide-student", 48)):
-        (root / name).mkdir()
-        paths[name] = _tiny_bert(root / name, minilm_dir, layers=2, hidden=hidden)
+        paths[name] = save_tiny_bert(root / name, minilm_dir, layers=2, hidden=hidden, seed=2)
     return paths
 
 
