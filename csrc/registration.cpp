@@ -9,7 +9,7 @@
 #include "fastbert.h"
 
 TORCH_LIBRARY_FRAGMENT(fastbert, m) {
-  // act(x + bias), activation in {"gelu", "gelu_tanh", "relu"}; x [..., N].
+  // act(x + bias), activation in {"gelu", "gelu_tanh", "relu", "silu"}; x [..., N].
   m.def("cpp_bias_activation(Tensor x, Tensor? bias, str activation) -> Tensor");
   // LayerNorm(x + bias + residual); x, residual [..., N].
   m.def("cpp_bias_residual_layernorm(Tensor x, Tensor? bias, Tensor residual, Tensor ln_weight, Tensor ln_bias, "
