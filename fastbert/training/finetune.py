@@ -565,8 +565,9 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
     log.write(f"fastbert finetune: task {data.name} ({data.description}): {len(train_examples)} train / "
               f"{len(test_examples)} held-out {'sentences' if data.kind == 'token' else 'examples'}, labels "
               f"{', '.join(data.labels)}; {max_steps} steps of {settings.batch_size}\n")
+    # the teacher first: its checks need only the student's config and tokenizer, and fail before a model loads
+    teacher = build_teacher(settings, data, tokenizer, config, device) if settings.teacher is not None else None
     model = build_classifier(model_dir, data, tokenizer, settings, device)
-    teacher = build_teacher(settings, data, tokenizer, model.config, device) if settings.teacher is not None else None
     if teacher is not None:
         log.write(f"fastbert finetune: {teacher.describe()}\n")
     path = describe_path(model, tokenizer, train_examples, data.kind, settings, device)
