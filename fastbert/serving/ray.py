@@ -51,11 +51,13 @@ def application(settings: ServeSettings, replicas: int = 1, threads: int | None 
 def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, threads: int | None = None) -> int:
     """Start Ray (or join the cluster of RAY_ADDRESS), serve on host:port until SIGTERM or Ctrl-C, shut down."""
     ray.init(ignore_reinit_error=True)
+    # Ray's own handler (installed by ray.init) aborts the process on SIGTERM; ours, installed before serve.run,
+    # turns a SIGTERM at any point after this one (the proxy answers before serve.run returns) into the shutdown.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(settings, replicas, threads), name="fastbert", route_prefix="/")
     print(f"fastbert serve: {replicas} replica(s) on Ray Serve at http://{host}:{port}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         stop.wait()
     except KeyboardInterrupt:
