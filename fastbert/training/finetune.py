@@ -49,6 +49,7 @@ from fastbert.training.corpus import (
 )
 from fastbert.training.distill import freeze
 from fastbert.training.loop import StepOutput, TrainingTask
+from fastbert.training.masking import IGNORE_INDEX
 from fastbert.training.task_distillation import (
     TaskTeacher,
     TeacherLoss,
@@ -62,7 +63,6 @@ TOPIC_PACKAGES = ("asyncio", "email", "importlib", "multiprocessing", "unittest"
 PAIR_LABELS = ("follows", "random")
 CODE_LABELS = ("prose", "code")
 HELD_OUT_FRACTION = 0.2
-IGNORE_INDEX = -100
 # The folders whose docstrings are left out: no prose of their own, tkinter (as in `cpython_sentences`), the tests.
 SKIPPED_DIRS = UNDOCUMENTED_DIRS | {"tkinter"} | TEST_DIRS
 _QUOTED = re.compile(r'"([^"]*)"')
