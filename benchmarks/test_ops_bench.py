@@ -5,6 +5,7 @@ replaces (written as transformers writes them), at BERT-base shapes.
     FASTBERT_BENCH_FULL=1 .venv/bin/python -m pytest benchmarks/test_ops_bench.py  # 8 x 128 CPU, 32 x 512 CUDA
     FASTBERT_BENCH_OUT=DIR .venv/bin/python -m pytest benchmarks/test_ops_bench.py     # the report into DIR
     FASTBERT_BENCH_THREADS=1 ...                                                   # torch intra-op threads
+    FASTBERT_BENCH_DTYPE=bfloat16 ...     # default float16 on CUDA, float32 on CPU; bfloat16: issue 23's per-op view
 
 Rows: "torch" (the unfused PyTorch composition) and the backends eager | cpp | triton; a backend that cannot run
 the inputs (not built, not this device; triton on CPU would only run in the interpreter) is skipped with its
@@ -26,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import backends, ops
+from fastbert import backends, ops, quantization
 from fastbert.bench import costs, machine, recording, report, timing
 from fastbert.common import resolve
 from fastbert.files import write_atomic
@@ -35,7 +36,8 @@ from fastbert.ops.qkv_rotary import qkv_rotary_cost
 if os.environ.get("FASTBERT_BENCH_THREADS"):
     torch.set_num_threads(int(os.environ["FASTBERT_BENCH_THREADS"]))
 DEVICE = torch.device(resolve.best_device())
-DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE = DTYPES[os.environ.get("FASTBERT_BENCH_DTYPE") or ("float16" if DEVICE.type == "cuda" else "float32")]
 FULL = os.environ.get("FASTBERT_BENCH_FULL", "0") in ("1", "true", "yes")
 BATCH, SEQ = (32, 512) if FULL and DEVICE.type == "cuda" else (8, 128) if FULL else (2, 128)
 HIDDEN, HEADS, INTERMEDIATE, VOCAB, EPS = 768, 12, 3072, 30522, 1e-12  # BERT-base
@@ -283,6 +285,7 @@ def _markdown_report():
               f"- BERT-base shapes: {BATCH} x {SEQ} tokens, H={HIDDEN}, heads={HEADS}, I={INTERMEDIATE}, "
               f"{str(DTYPE)[6:]}; median of pytest-benchmark rounds",
               "- speed-up: median of the unfused PyTorch ops ('torch') / median of the row, same run",
+              *_precision_note(),
               "- backends available: "
               + "; ".join(f"{k}: {v}" for k, v in recording.backend_availability().items()), ""]
     table = report.format_table(("case", "implementation", "median ms", "rate", "speed-up vs torch", "FLOPs",
@@ -291,6 +294,17 @@ def _markdown_report():
     write_atomic(path / "ops.json", json.dumps({"machine": info, "threads": torch.get_num_threads(), "rows": _ROWS},
                                                indent=1, default=str))
     _plot_speedups(baseline, path / "ops_speedup.png", info["tag"])
+
+
+def _precision_note() -> list[str]:
+    """On CPU in bfloat16, whether the CPU computes it natively: emulated figures are not what `dtype="auto"` runs."""
+    if DEVICE.type != "cpu" or DTYPE != torch.bfloat16:
+        return []
+    dtype, reason = quantization.auto_cpu_dtype()
+    if dtype == torch.bfloat16:
+        return [f"- {reason}"]
+    return [f"- bfloat16 is emulated here ({reason.split(': ', 1)[1]}): these rows compare emulations, not the "
+            "native bfloat16 that `dtype=\"auto\"` picks on an AMX or AVX-512 BF16 CPU"]
 
 
 def _plot_speedups(baseline: dict[str, float], png: Path, tag: str) -> None:
