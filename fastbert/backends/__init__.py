@@ -54,8 +54,8 @@ AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": ("cpp", "eager")}
 # those through eager on CPU; backend="cpp" still trains through cpp.
 AUTO_ORDER_AUTOGRAD = {"cuda": ("triton", "vendor", "eager"), "cpu": ("eager",)}
 # Per-op exceptions to AUTO_ORDER_AUTOGRAD: op -> {device type: order}. Attention on CPU trains through cpp, whose
-# forward and backward are C++ kernels that follow each sequence's real length (eager pads the packed batch to the
-# longest sequence for SDPA and its autograd); measured with `benchmarks/train_step_cpu.py` (README, Backends).
+# forward and backward are C++ kernels that follow each sequence's real length (eager trains through SDPA's autograd,
+# one call per sequence); measured with `benchmarks/train_step_cpu.py` (README, Backends).
 AUTO_ORDER_AUTOGRAD_BY_OP = {"attention": {"cpu": ("cpp", "eager")}}
 _BACKEND_MODULES = {"triton": "fastbert.backends.triton", "cpp": "fastbert.backends.cpp",
                     "vendor": "fastbert.backends.vendor"}

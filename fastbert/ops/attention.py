@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,35 @@ def _padded_layout(cu_seqlens, total, max_seqlen, device) -> tuple[VarlenBatch, 
     return varlen, mask.view(batch, max_seqlen)
 
 
+def _runs_per_sequence(q, cu_seqlens) -> bool:
+    """Whether the eager packed forward calls SDPA once per sequence: on CPU, on plain tensors, outside tracing.
+    It reads the sequence bounds on the host, which costs a synchronisation on CUDA and is data-dependent for
+    torch.compile, jit tracing and fake tensors; those pad to the longest sequence instead."""
+    return (q.device.type == "cpu" and type(q) is torch.Tensor and type(cu_seqlens) is torch.Tensor
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+
+
+def _per_sequence_sdpa(q, k, v, cu_seqlens, scale, window):
+    """The packed form as one SDPA call per sequence on views of its rows: every key of a sequence is real, so no
+    padding, no mask (but the window's band) and no copy in; cost follows each sequence's length. On the 2-core CPU
+    32 sequences of 8-128 tokens ran 2-3x faster this way than padded to the longest for one masked call
+    (PyTorch's CPU kernel, fp32 and bf16). The bounds must run from 0 to the number of rows, non-decreasing (ValueError
+    otherwise, as the cpp kernel checks); empty sequences are skipped."""
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in pairwise(bounds)):
+        raise ValueError(f"attention: cu_seqlens must run from 0 to total_tokens={q.shape[0]} without decreasing, "
+                         f"got {bounds}")
+    pieces = []
+    for start, end in pairwise(bounds):
+        if end == start:
+            continue
+        rows = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, length, D] views
+        allowed = _allowed_keys(None, end - start, window_half_width(window, end - start), q.device)
+        out = F.scaled_dot_product_attention(*rows, attn_mask=allowed, scale=scale)
+        pieces.append(out[0].transpose(0, 1))
+    return torch.cat(pieces) if pieces else q.new_zeros(q.shape)
+
+
 def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None, window=None,
            dropout_p=0.0, dropout_seed=0):
     """SDPA on K and V with zeros selected at masked keys, so NaN or Inf stored there never reaches a real row; the
@@ -120,6 +150,8 @@ def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, sca
             return _padded_dropout(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]),
                                    dropout_p, dropout_seed)
         return _padded_sdpa(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]))
+    if dropout_p == 0.0 and _runs_per_sequence(q, cu_seqlens):
+        return _per_sequence_sdpa(q, k, v, cu_seqlens, scale, window)
     varlen, mask = _padded_layout(cu_seqlens, q.shape[0], max_seqlen, q.device)
     padded = [pad_tokens(t, varlen) for t in (q, k, v)]
     if dropout_p > 0.0:

@@ -378,6 +378,67 @@ def test_eager_window_is_differentiable():
                                                            backend="eager")[mask], (q, k, v))
 
 
+# ===================================================================================== eager, packed form
+def _packed_qkv(lengths, dtype, heads=3, head_dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(sum(lengths), 3, heads, head_dim, generator=gen).to(dtype)
+    return (*qkv.unbind(1), cu_seqlens_of(lengths))  # strided views of one buffer, as qkv_projection returns
+
+
+def _padded_eager(monkeypatch, q, k, v, cu, max_seqlen, window=None):
+    """The eager packed form as it runs on CUDA and under tracing: padded to the longest sequence, one masked SDPA."""
+    with monkeypatch.context() as patch:
+        patch.setattr(attention_spec, "_runs_per_sequence", lambda q, cu_seqlens: False)
+        return ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, window=window, backend="eager")
+
+
+@pytest.mark.parametrize("window", [None, 7], ids=["global", "w7"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_eager_packed_runs_one_unmasked_sdpa_per_sequence(monkeypatch, dtype, window):
+    """On CPU the eager packed form calls SDPA once per non-empty sequence on that sequence's rows alone (no padded
+    row, no mask without a window) and gives what the padded computation gives, within the dtype rule."""
+    lengths = [1, 0, 7, 130, 3]
+    q, k, v, cu = _packed_qkv(lengths, dtype)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting_sdpa(query, key, value, attn_mask=None, **kwargs):
+        calls.append((query.shape[2], attn_mask is None))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+    out = ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=130, window=window, backend="eager")
+    monkeypatch.undo()
+    expected_masks = [window is None or window // 2 >= n - 1 for n in (1, 7, 130, 3)]
+    assert calls == list(zip([1, 7, 130, 3], expected_masks, strict=True))
+    assert out.shape == q.shape and out.is_contiguous()
+    padded = _padded_eager(monkeypatch, q, k, v, cu, 130, window)
+    reference = attention_spec.attention_reference(q.double(), k.double(), v.double(), cu_seqlens=cu,
+                                                   max_seqlen=130, window=window)
+    assert_accurate(out, padded, reference, what=f"eager packed {DTYPE_IDS[dtype]}")
+
+
+def test_eager_packed_gradients_equal_the_padded_form(monkeypatch):
+    q, k, v, cu = _packed_qkv([5, 0, 1, 12], torch.float64, seed=4)
+    grad = torch.randn(q.shape, dtype=torch.float64)
+    results = []
+    for run in (lambda *t: ops.attention(*t, cu_seqlens=cu, max_seqlen=12, window=6, backend="eager"),
+                lambda *t: _padded_eager(monkeypatch, *t, cu, 12, window=6)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = run(*leaves)
+        out.backward(grad)
+        results.append([out.detach(), *(t.grad for t in leaves)])
+    for per_sequence, padded in zip(*results, strict=True):
+        torch.testing.assert_close(per_sequence, padded, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bounds", [[0, 3, 8], [1, 4, 9], [0, 6, 4, 9]], ids=["short", "offset", "decreasing"])
+def test_eager_packed_bad_bounds_are_a_value_error(bounds):
+    q = torch.randn(9, 2, 4)
+    with pytest.raises(ValueError, match="cu_seqlens must run from 0 to total_tokens=9"):
+        ops.attention(q, q, q, cu_seqlens=torch.tensor(bounds, dtype=torch.int32), max_seqlen=6, backend="eager")
+
+
 # ======================================================================================== calls and checks
 def test_seven_argument_calls_still_run_global_attention():
     """The model's `table.attention(q, k, v, cu_seqlens, max_seqlen, mask, scale)` (no window) on every backend."""
