@@ -7,12 +7,13 @@ replaces (written as transformers writes them), at BERT-base shapes.
     FASTBERT_BENCH_THREADS=1 ...                                                   # torch intra-op threads
     FASTBERT_BENCH_DTYPE=bfloat16 ...     # default float16 on CUDA, float32 on CPU; bfloat16: issue 23's per-op view
 
-Rows: "torch" (the unfused PyTorch composition) and the backends eager | cpp | triton; a backend that cannot run
-the inputs (not built, not this device; triton on CPU would only run in the interpreter) is skipped with its
-reason. Each row checks its output against "torch" first, then is timed; extra_info holds the FLOP and byte
-counts (formulas in `fastbert.bench.costs`, one function per op), GB/s for the memory-bound op
-(embedding_layernorm) and TFLOP/s for the GEMMs and attention. With FASTBERT_BENCH_OUT set, the run writes there
-ops.md (a table with the speed-up of each backend over "torch", same run), ops.json (machine, versions, every row)
+Rows: "torch" (the unfused PyTorch composition) and the backends eager | triton | cpp | vendor | onednn; a backend
+that cannot run the inputs (not built, not this device; triton on CPU would only run in the interpreter) or runs an
+earlier backend's implementation (onednn's attention is cpp's) is skipped with its reason. Each row checks its
+output against "torch" first, then is timed; extra_info holds the FLOP and byte counts (formulas in
+`fastbert.bench.costs`, one function per op), GB/s for the memory-bound op (embedding_layernorm) and TFLOP/s for
+the GEMMs and attention. GEMM weights are nn.Parameters, as in models. With FASTBERT_BENCH_OUT set, the run writes
+there ops.md (a table with the speed-up of each backend over "torch", same run), ops.json (machine, versions, every row)
 and ops_speedup.png.
 """
 
@@ -55,6 +56,11 @@ def _randn(*shape, scale=1.0):
     return (torch.randn(*shape, device=DEVICE) * scale).to(DTYPE)
 
 
+def _weight(out_features: int, in_features: int) -> torch.nn.Parameter:
+    """A GEMM weight as models hold it (an nn.Parameter, which the onednn backend packs once and keeps)."""
+    return torch.nn.Parameter(_randn(out_features, in_features, scale=in_features ** -0.5), requires_grad=False)
+
+
 def _varlen_lengths() -> list[int]:
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(SEQ // 8, SEQ + 1, (BATCH,), generator=generator).tolist()
@@ -78,7 +84,7 @@ def case_embedding_layernorm():
 
 
 def case_qkv_projection():
-    args = (_randn(TOKENS, HIDDEN), _randn(3 * HIDDEN, HIDDEN, scale=HIDDEN ** -0.5), _randn(3 * HIDDEN), HEADS)
+    args = (_randn(TOKENS, HIDDEN), _weight(3 * HIDDEN, HIDDEN), _randn(3 * HIDDEN), HEADS)
 
     def unfused(x, weight, bias, heads):  # transformers: three Linear layers, then a view per head
         return tuple(F.linear(x, w, b).view(TOKENS, heads, HEAD_DIM)
@@ -95,7 +101,7 @@ def case_qkv_rotary():
 
     positions = torch.arange(SEQ, device=DEVICE).repeat(BATCH)
     cos, sin = ops.rotary_tables(160000.0, HEAD_DIM, SEQ, DEVICE)
-    args = (_randn(TOKENS, HIDDEN), _randn(3 * HIDDEN, HIDDEN, scale=HIDDEN ** -0.5), None, HEADS, positions, cos,
+    args = (_randn(TOKENS, HIDDEN), _weight(3 * HIDDEN, HIDDEN), None, HEADS, positions, cos,
             sin)
     inv_freq = 1.0 / (160000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float, device=DEVICE) / HEAD_DIM))
 
@@ -189,7 +195,7 @@ def case_attention_long_local():
 
 
 def case_linear_activation():
-    args = (_randn(TOKENS, HIDDEN), _randn(INTERMEDIATE, HIDDEN, scale=HIDDEN ** -0.5), _randn(INTERMEDIATE), "gelu")
+    args = (_randn(TOKENS, HIDDEN), _weight(INTERMEDIATE, HIDDEN), _randn(INTERMEDIATE), "gelu")
 
     def unfused(x, weight, bias, activation):
         return F.gelu(F.linear(x, weight, bias))
@@ -199,7 +205,7 @@ def case_linear_activation():
 
 
 def case_linear_residual_layernorm():
-    args = (_randn(TOKENS, INTERMEDIATE), _randn(HIDDEN, INTERMEDIATE, scale=INTERMEDIATE ** -0.5), _randn(HIDDEN),
+    args = (_randn(TOKENS, INTERMEDIATE), _weight(HIDDEN, INTERMEDIATE), _randn(HIDDEN),
             _randn(TOKENS, HIDDEN), _randn(HIDDEN), _randn(HIDDEN), EPS)
 
     def unfused(x, weight, bias, residual, ln_weight, ln_bias, eps):
@@ -211,7 +217,7 @@ def case_linear_residual_layernorm():
 
 def case_linear_glu():
     """ModernBERT's MLP input half as transformers writes it: Wi, chunk(2), act(input) * gate (GELU, no bias)."""
-    args = (_randn(TOKENS, HIDDEN), _randn(2 * GLU_INTERMEDIATE, HIDDEN, scale=HIDDEN ** -0.5), None, "gelu")
+    args = (_randn(TOKENS, HIDDEN), _weight(2 * GLU_INTERMEDIATE, HIDDEN), None, "gelu")
 
     def unfused(x, weight, bias, activation):
         projected, gate = F.linear(x, weight, bias).chunk(2, dim=-1)
@@ -222,7 +228,7 @@ def case_linear_glu():
 
 def case_linear_residual_prenorm():
     """ModernBERT's MLP output: Wo (no bias), + residual, then the next layer's attn_norm (LayerNorm without bias)."""
-    args = (_randn(TOKENS, GLU_INTERMEDIATE), _randn(HIDDEN, GLU_INTERMEDIATE, scale=GLU_INTERMEDIATE ** -0.5), None,
+    args = (_randn(TOKENS, GLU_INTERMEDIATE), _weight(HIDDEN, GLU_INTERMEDIATE), None,
             _randn(TOKENS, HIDDEN), _randn(HIDDEN), None, 1e-5)
 
     def unfused(x, weight, bias, residual, ln_weight, ln_bias, eps):
@@ -247,6 +253,14 @@ def _fused(op: str, backend: str):
         return lambda q, k, v, cu, max_seqlen, mask, scale, window=None: ops.attention(
             q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, window=window, backend=backend)
     return lambda *args: entry[op](*args, backend=backend)
+
+
+def _same_as_earlier(op: str, impl: str) -> str | None:
+    """The earlier backend of IMPLEMENTATIONS whose implementation of ``op`` is ``impl``'s very function (onednn
+    runs cpp's kernels for the ops without a GEMM of its own), if any."""
+    registered = backends.implementations(op)
+    earlier = IMPLEMENTATIONS[1:IMPLEMENTATIONS.index(impl)]
+    return next((name for name in earlier if name in registered and registered[name].fn is registered[impl].fn), None)
 
 
 def _synchronized(fn, args):
@@ -344,6 +358,9 @@ def test_op(benchmark, case, impl):
             reason = backends.why_not(op, impl, *args)
         if reason:
             pytest.skip(reason)
+        same = _same_as_earlier(op, impl)
+        if same:
+            pytest.skip(f"{impl} runs {same}'s implementation of {op}")
         fn = _fused(op, impl)
     with torch.inference_mode():
         expected, got = unfused(*args), fn(*args)

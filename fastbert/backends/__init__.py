@@ -1,4 +1,4 @@
-"""One dispatch for every fused op: backends ``eager`` | ``triton`` | ``cpp`` | ``vendor``.
+"""One dispatch for every fused op: backends ``eager`` | ``triton`` | ``cpp`` | ``vendor`` | ``onednn``.
 
 Each backend registers, per op, an implementation and a ``supports`` check that returns ``None`` when it can run
 the given inputs and otherwise the reason it cannot. ``backend="auto"`` takes, among the backends of the inputs'
@@ -17,11 +17,12 @@ torch.compile traces, and where timing cannot run (CUDA graph capture, fake tens
 `OpTable` once per (device, dtype, grad mode, backend request) and calls the implementations directly.
 
 Layout: this module is the dispatcher; each backend other than ``eager`` is a module of this package,
-`fastbert.backends.cpp` (the C++ extension ``fastbert._C``) and `fastbert.backends.triton` (the Triton kernels of
-``fastbert.kernels``), which registers its implementations when imported and says what it runs on with
-``describe()``. A backend whose kernels are torch ops names them ``torch.ops.fastbert.<backend>_<op>``
-(``cpp_attention``, ``triton_attention``), declared from the op's spec (`fastbert.ops.spec.OpSpec.define`); the
-``eager`` implementations are the specs' own (`fastbert.ops`).
+`fastbert.backends.cpp` (the C++ extension ``fastbert._C``), `fastbert.backends.triton` (the Triton kernels of
+``fastbert.kernels``), `fastbert.backends.vendor` (cuBLAS GEMMs + Triton epilogues) and `fastbert.backends.onednn`
+(oneDNN GEMMs on packed weights + cpp epilogues, CPU inference), each of which registers its implementations when
+imported and says what it runs on with ``describe()``. A backend whose kernels are torch ops names them
+``torch.ops.fastbert.<backend>_<op>`` (``cpp_attention``, ``triton_attention``), declared from the op's spec
+(`fastbert.ops.spec.OpSpec.define`); the ``eager`` implementations are the specs' own (`fastbert.ops`).
 
 Those modules are loaded lazily on first use (importing triton costs about a second), so ``import fastbert`` stays
 cheap; a backend that fails to load is remembered with the reason. A backend's torch ops exist only once it is
@@ -43,11 +44,21 @@ import torch
 
 from fastbert.backends import tuning
 
-BACKENDS = ("eager", "triton", "cpp", "vendor")
+BACKENDS = ("eager", "triton", "cpp", "vendor", "onednn")
 # The backends `auto` considers per device type (measuring takes the fastest of those that can run a call), and
 # with measuring off its preference: the static order. Triton on CPU only runs under TRITON_INTERPRET=1, which is
 # far too slow to be picked automatically, so `auto` never takes it for CPU tensors.
-AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": ("cpp", "eager")}
+def cpu_auto_order(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The CPU backends `auto` considers, given the CPU's feature flags (default: this CPU's). ``onednn`` (GEMMs on
+    packed weights) only where the CPU has AMX: there oneDNN wants its weights in VNNI tiles and, handed them as
+    stored, reorders them at every call. Elsewhere it measured level with cpp (within 5 % either way on the 2-core
+    AVX-512 VM, fp32 and bf16) while measuring it would keep a packed copy of every GEMM weight; force it with
+    ``backend="onednn"``."""
+    flags = tuning.cpu_info()[1] if flags is None else flags
+    return ("cpp", "onednn", "eager") if "amx_tile" in flags else ("cpp", "eager")
+
+
+AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": cpu_auto_order()}
 # The static order under autograd (grad mode on and an input that requires grad). The cpp backward of most ops is
 # the spec's formula in PyTorch ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256,
 # one thread, 2-core VM) measured a step at 288 ms through cpp vs 220 ms through eager, so the static order trains
@@ -58,7 +69,7 @@ AUTO_ORDER_AUTOGRAD = {"cuda": ("triton", "vendor", "eager"), "cpu": ("eager",)}
 # one call per sequence); measured with `benchmarks/train_step_cpu.py` (README, Backends).
 AUTO_ORDER_AUTOGRAD_BY_OP = {"attention": {"cpu": ("cpp", "eager")}}
 _BACKEND_MODULES = {"triton": "fastbert.backends.triton", "cpp": "fastbert.backends.cpp",
-                    "vendor": "fastbert.backends.vendor"}
+                    "vendor": "fastbert.backends.vendor", "onednn": "fastbert.backends.onednn"}
 
 
 class BackendUnavailable(RuntimeError):
@@ -318,9 +329,14 @@ def _static(op: str, device_type: str, tensors: list[torch.Tensor], args: tuple,
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         order = autograd_order(op, device_type)
         for preferred in AUTO_ORDER.get(device_type, ()):
-            if preferred not in order:
-                skipped[preferred] = ("auto trains through eager here: this backend's backward recomputes with "
-                                      "PyTorch ops and is slower than eager's autograd (force it with backend=)")
+            if preferred in order:
+                continue
+            reason = why_not(op, preferred, *args, **kwargs)
+            same = None if reason else _same_implementation(op, preferred, [*order, "eager"])
+            if same is None:  # (one that runs an ordered backend's implementation is not a choice of its own)
+                skipped[preferred] = reason or (
+                    "auto trains through eager here: this backend's backward recomputes with PyTorch ops and is "
+                    "slower than eager's autograd (force it with backend=)")
     for candidate in order + ("eager",):
         reason = why_not(op, candidate, *args, **kwargs)
         if reason is None:
@@ -371,7 +387,7 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
 def _same_implementation(op: str, candidate: str, earlier: list[str]) -> str | None:
     """The earlier candidate whose implementation of ``op`` is ``candidate``'s very function, if any."""
     fn = _REGISTRY[op][candidate].fn
-    return next((name for name in earlier if _REGISTRY[op][name].fn is fn), None)
+    return next((name for name in earlier if getattr(_REGISTRY[op].get(name), "fn", None) is fn), None)
 
 
 def dispatch(op: str, backend: str | None, *args, **kwargs):

@@ -105,12 +105,16 @@ def test_describe_available_gives_the_reasons_for_failures(monkeypatch):
     monkeypatch.setattr(cpp_backend, "EXTENSION_ERROR", "the C++ extension fastbert._C is not built (gone)")
     monkeypatch.setattr(backends, "_LOADED", {"eager", "cpp"})
     missing = "ModuleNotFoundError: No module named 'triton'"
+    onednn_dtypes = ("fp32 and bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                     else "fp32 (no oneDNN bf16 on this CPU)")
     monkeypatch.setattr(backends, "_LOAD_ERRORS", {"triton": f"triton backend failed to load: {missing}",
                                                    "vendor": f"vendor backend failed to load: {missing}"})
     assert backends.describe_available() == (
         f"eager loaded; triton not loaded ({missing}); "
         "cpp not usable (the C++ extension fastbert._C is not built (gone)); "
-        f"vendor not loaded ({missing})")
+        f"vendor not loaded ({missing}); "
+        f"onednn loaded for qkv_projection and linear_activation only (CPU inference, {onednn_dtypes}; the other "
+        "ops need the cpp backend, which is not usable)")
 
 
 def test_a_backend_that_fails_to_load_warns_once_when_an_op_wants_it(monkeypatch):
