@@ -466,7 +466,9 @@ class _Builder:
                 continue
             params = tuple(found[k] for k in theirs)
             packed_sources.setdefault(owner_name, {})[attr] = params
-            setattr(owners[owner_name], attr, nn.Parameter(_pack_as_views(params), requires_grad=False))
+            packed = nn.Parameter(_pack_as_views(params), requires_grad=False)
+            backends.declare_aliases(packed, params)  # loading into the originals changes the packed tensor
+            setattr(owners[owner_name], attr, packed)
         for owner_name, sources in packed_sources.items():
             owners[owner_name].qkv_sources = (sources["qkv_weight"], sources.get("qkv_bias", ()))
 

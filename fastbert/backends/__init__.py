@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.utils.weak
 
 from fastbert.backends import tuning
 
@@ -97,6 +98,26 @@ _GENERATION = 0
 _ENV_BACKEND = os.environ.get("FASTBERT_BACKEND", "auto") or "auto"  # read once: see `read_environment`
 _WARNED: set[str] = set()
 _DECIDED: dict[tuple, Decision] = {}  # `_call_key` -> measured decision (cleared with each generation)
+
+
+# tensor -> tensors that alias its storage with version counters of their own (parameters made views of it by
+# `param.data = ...`, as `fastbert.optimize` packs Q, K and V): an in-place change to one of them changes the tensor
+# without moving its version. A backend that keeps something derived from a weight (onednn's packed copies) reads
+# `weight_stamp`, which covers them.
+_ALIASES = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def declare_aliases(tensor: torch.Tensor, aliases: Iterable[torch.Tensor]) -> None:
+    """Record that in-place changes to ``aliases`` change ``tensor`` (they are views of its storage whose version
+    counters are their own)."""
+    _ALIASES[tensor] = tuple(aliases)
+
+
+def weight_stamp(tensor: torch.Tensor) -> tuple:
+    """What changes when ``tensor``'s values may have changed: its storage and version counter and its declared
+    aliases'. In-place writes through ``.data`` (which bypasses version counters) are not seen."""
+    return tuple((t.data_ptr(), None if t.is_inference() else t._version)
+                 for t in (tensor, *_ALIASES.get(tensor, ())))
 
 
 def register(op: str, backend: str, fn: Callable, supports: Callable[..., str | None] | None = None,

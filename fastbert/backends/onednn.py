@@ -14,11 +14,12 @@ class, so it runs only where it wins.
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
 parameter's gradient), no dropout, not under torch.compile, and weights that are ``nn.Parameter``: each is packed on
-its first call and kept beside it while it lives (one extra copy of the GEMM weights), repacked when it is changed
-in place. A temporary weight (a parameter cast for an autocast call) would be packed on every call: declined.
-The ops without a GEMM of this kind (attention, embedding_layernorm, and ModernBERT's qkv_rotary, linear_glu and
-linear_residual_prenorm, whose cpp kernels run their GEMM inside) run the cpp backend's kernels, so that a model
-forced onto ``onednn`` runs whole; `auto` does not time them twice.
+its first call and kept beside it while it lives (one extra copy of the GEMM weights), repacked when it (or a
+declared alias: `fastbert.backends.declare_aliases`) is changed in place or given other storage; writes through
+``.data`` bypass version counters and are not seen. A temporary weight (a parameter cast for an autocast call) would
+be packed on every call: declined. The ops without a GEMM of this kind (attention, embedding_layernorm, and
+ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm, whose cpp kernels run their GEMM inside) run the
+cpp backend's kernels, so that a model forced onto ``onednn`` runs whole; `auto` does not time them twice.
 """
 
 from __future__ import annotations
@@ -46,14 +47,14 @@ def _unavailable() -> str | None:
 
 
 UNAVAILABLE = _unavailable()
-# weight -> ((data pointer, version), packed copy): entries die with their weight
+# weight -> (its `weight_stamp`, packed copy): entries die with their weight
 _PACKED = torch.utils.weak.WeakIdKeyDictionary()
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor), packed on first use and again after
-    the weight changed in place (its version counter) or was given other storage."""
-    stamp = (weight.data_ptr(), None if weight.is_inference() else weight._version)
+    it or a declared alias changed in place or was given other storage (`fastbert.backends.weight_stamp`)."""
+    stamp = backends.weight_stamp(weight)
     entry = _PACKED.get(weight)
     if entry is None or entry[0] != stamp:
         with torch.no_grad():

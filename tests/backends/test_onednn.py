@@ -179,6 +179,22 @@ def test_a_model_forced_onto_onednn_matches_transformers(dtype):
         assert_accurate(got[mask], plain[mask], expected[mask], "bert bf16 forced onto onednn")
 
 
+def test_a_forced_model_sees_weights_loaded_in_place_into_its_packed_query_key_value():
+    """optimize packs Q, K and V into one tensor and makes the originals views of it, whose version counters are
+    their own: loading into them must repack (`fastbert.backends.declare_aliases`)."""
+    model, reference = tiny_model("bert").eval(), tiny_model("bert").eval()
+    inputs = optimize_inputs("bert", "Model", model)
+    fastbert.optimize(model, backend="onednn")
+    changed = {name: value * (1.5 if "attention.self" in name else 1.0) for name, value in model.state_dict().items()}
+    with torch.no_grad():
+        model(**inputs)  # packs the weights as they are
+        model.load_state_dict(changed)
+        reference.load_state_dict(changed)
+        got, expected = model(**inputs).last_hidden_state, reference(**inputs).last_hidden_state
+    mask = inputs["attention_mask"].bool()
+    assert_close(got[mask], expected[mask], "onednn after load_state_dict")
+
+
 def test_auto_times_onednn_beside_cpp_and_eager_on_an_amx_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(backends.AUTO_ORDER, "cpu", backends.cpu_auto_order(frozenset({"amx_tile"})))
