@@ -255,14 +255,6 @@ def _fused(op: str, backend: str):
     return lambda *args: entry[op](*args, backend=backend)
 
 
-def _same_as_earlier(op: str, impl: str) -> str | None:
-    """The earlier backend of IMPLEMENTATIONS whose implementation of ``op`` is ``impl``'s very function (onednn
-    runs cpp's kernels for the ops without a GEMM of its own), if any."""
-    registered = backends.implementations(op)
-    earlier = IMPLEMENTATIONS[1:IMPLEMENTATIONS.index(impl)]
-    return next((name for name in earlier if name in registered and registered[name].fn is registered[impl].fn), None)
-
-
 def _synchronized(fn, args):
     def run():
         out = fn(*args)
@@ -358,7 +350,8 @@ def test_op(benchmark, case, impl):
             reason = backends.why_not(op, impl, *args)
         if reason:
             pytest.skip(reason)
-        same = _same_as_earlier(op, impl)
+        same = backends.same_implementation(op, impl, [b for b in IMPLEMENTATIONS[1:IMPLEMENTATIONS.index(impl)]
+                                                       if b in backends.implementations(op)])
         if same:
             pytest.skip(f"{impl} runs {same}'s implementation of {op}")
         fn = _fused(op, impl)

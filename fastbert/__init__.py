@@ -3,7 +3,8 @@
 - `fastbert.from_pretrained(dir, task=None, ...)`: fastbert's own model from an HF checkpoint directory, offline;
   a task (`fastbert.TASKS`) adds that head (`fastbert.heads`) with transformers' losses.
 - `fastbert.optimize(model)`: speed up a live transformers (or sentence-transformers) model in place.
-- `fastbert.ops`: the fused ops, each with backends eager | triton | cpp (`fastbert.backends`).
+- `fastbert.ops`: the fused ops, each with backends eager | triton | cpp | vendor | onednn
+  (`fastbert.backends`).
 
 The public names load on first use (a module ``__getattr__``): ``import fastbert`` and ``fastbert.__version__`` do
 not import torch, so the ``fastbert`` command answers ``--help`` and ``--version`` at once.

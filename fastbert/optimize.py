@@ -902,8 +902,8 @@ def explain(model: nn.Module, **call_kwargs) -> str:
         if reason is None:
             reason = state.model_reason(base, state.current(base), kwargs)
         if reason is None:
-            requested = state.backend if state.backend != "auto" else ("auto: triton on CUDA, cpp on CPU (eager ops "
-                                                                        "under autograd), else eager")
+            requested = state.backend if state.backend != "auto" else ("auto: per op among the device's backends, "
+                                                                        "fastbert.backends.AUTO_ORDER")
             lines.append(f"{name}: fastbert's path (backend {requested})")
         else:
             lines.append(f"{name}: transformers' code runs: {reason}")

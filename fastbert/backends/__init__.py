@@ -46,19 +46,21 @@ import torch.utils.weak
 from fastbert.backends import tuning
 
 BACKENDS = ("eager", "triton", "cpp", "vendor", "onednn")
-# The backends `auto` considers per device type (measuring takes the fastest of those that can run a call), and
-# with measuring off its preference: the static order. Triton on CPU only runs under TRITON_INTERPRET=1, which is
-# far too slow to be picked automatically, so `auto` never takes it for CPU tensors.
+
+
 def cpu_auto_order(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The CPU backends `auto` considers, given the CPU's feature flags (default: this CPU's). ``onednn`` (GEMMs on
     packed weights) only where the CPU has AMX: there oneDNN wants its weights in VNNI tiles and, handed them as
-    stored, reorders them at every call. Elsewhere it measured level with cpp (within 5 % either way on the 2-core
-    AVX-512 VM, fp32 and bf16) while measuring it would keep a packed copy of every GEMM weight; force it with
-    ``backend="onednn"``."""
+    stored, reorders them at every call. Elsewhere whole forwards measured level with cpp within the noise (MiniLM,
+    1 x 128 and 8 x 128, fp32, 2-core AVX-512 VM) while measuring it would keep a packed copy of every GEMM weight;
+    force it with ``backend="onednn"``."""
     flags = tuning.cpu_info()[1] if flags is None else flags
     return ("cpp", "onednn", "eager") if "amx_tile" in flags else ("cpp", "eager")
 
 
+# The backends `auto` considers per device type (measuring takes the fastest of those that can run a call), and
+# with measuring off its preference: the static order. Triton on CPU only runs under TRITON_INTERPRET=1, which is
+# far too slow to be picked automatically, so `auto` never takes it for CPU tensors.
 AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": cpu_auto_order()}
 # The static order under autograd (grad mode on and an input that requires grad). The cpp backward of most ops is
 # the spec's formula in PyTorch ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256,
@@ -114,9 +116,10 @@ def declare_aliases(tensor: torch.Tensor, aliases: Iterable[torch.Tensor]) -> No
 
 
 def weight_stamp(tensor: torch.Tensor) -> tuple:
-    """What changes when ``tensor``'s values may have changed: its storage and version counter and its declared
-    aliases'. In-place writes through ``.data`` (which bypasses version counters) are not seen."""
-    return tuple((t.data_ptr(), None if t.is_inference() else t._version)
+    """What changes when ``tensor``'s values may have changed: its storage, layout and version counter and its
+    declared aliases' (version counters: plain tensors only; inference tensors have none). In-place writes through
+    ``.data`` (which bypasses version counters) are not seen."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, None if t.is_inference() else t._version)
                  for t in (tensor, *_ALIASES.get(tensor, ())))
 
 
@@ -353,7 +356,7 @@ def _static(op: str, device_type: str, tensors: list[torch.Tensor], args: tuple,
             if preferred in order:
                 continue
             reason = why_not(op, preferred, *args, **kwargs)
-            same = None if reason else _same_implementation(op, preferred, [*order, "eager"])
+            same = None if reason else same_implementation(op, preferred, [*order, "eager"])
             if same is None:  # (one that runs an ordered backend's implementation is not a choice of its own)
                 skipped[preferred] = reason or (
                     "auto trains through eager here: this backend's backward recomputes with PyTorch ops and is "
@@ -372,7 +375,7 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
     candidates = []
     for candidate in dict.fromkeys(AUTO_ORDER.get(device_type, ()) + ("eager",)):
         reason = why_not(op, candidate, *args, **kwargs)
-        same = None if reason else _same_implementation(op, candidate, candidates)
+        same = None if reason else same_implementation(op, candidate, candidates)
         if same is not None:  # e.g. vendor runs triton's kernel for ops without a GEMM: nothing to compare
             skipped[candidate] = f"runs {same}'s implementation of {op}"
         elif reason is None:
@@ -405,7 +408,7 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
     return Decision(entry.choice, skipped, how, dict(entry.times_ms), shape_class)
 
 
-def _same_implementation(op: str, candidate: str, earlier: list[str]) -> str | None:
+def same_implementation(op: str, candidate: str, earlier: list[str]) -> str | None:
     """The earlier candidate whose implementation of ``op`` is ``candidate``'s very function, if any."""
     fn = _REGISTRY[op][candidate].fn
     return next((name for name in earlier if getattr(_REGISTRY[op].get(name), "fn", None) is fn), None)

@@ -7,19 +7,21 @@ of the op fused:
 - linear_residual_layernorm: the GEMM with its bias, then residual + LayerNorm by the cpp kernel, in place.
 
 Why: `torch.addmm` (the cpp backend's GEMM) hands oneDNN or MKL the weight as it is stored, and the library reorders
-it on every call; packed once, the call reads the layout it wants. On the 2-core AVX-512 VM this measured 3-12 %
-faster than the cpp ops at 128 tokens (fp32 and bf16, MiniLM and BERT-base widths) and level at 1024; on AMX, where
-bf16 needs VNNI-packed weights, the per-call reorder is larger. `auto` measures it beside cpp and eager per shape
-class, so it runs only where it wins.
+it on every call; packed once, the call reads the layout it wants. On the 2-core AVX-512 VM (no AMX) the ops alone
+ran 3-13 % faster than the cpp ops at 128-256 rows (fp32 and emulated bf16, MiniLM and BERT-base widths) and level
+or slower at 1024, and whole MiniLM forwards came out within the VM's noise of cpp. On AMX, where bf16 needs
+VNNI-packed weights, the reorder it saves is larger: `auto` measures it beside cpp and eager per shape class on CPUs
+with AMX only (`fastbert.backends.cpu_auto_order`), so there it runs where it wins; elsewhere force it.
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
 parameter's gradient), no dropout, not under torch.compile, and weights that are ``nn.Parameter``: each is packed on
 its first call and kept beside it while it lives (one extra copy of the GEMM weights), repacked when it (or a
 declared alias: `fastbert.backends.declare_aliases`) is changed in place or given other storage; writes through
 ``.data`` bypass version counters and are not seen. A temporary weight (a parameter cast for an autocast call) would
-be packed on every call: declined. The ops without a GEMM of this kind (attention, embedding_layernorm, and
-ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm, whose cpp kernels run their GEMM inside) run the
-cpp backend's kernels, so that a model forced onto ``onednn`` runs whole; `auto` does not time them twice.
+be packed on every call, and an inference-mode weight has no version counter: both declined. The ops without a GEMM
+of this kind (attention, embedding_layernorm, and ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm,
+whose cpp kernels run their GEMM inside) run the cpp backend's kernels, so that a model forced onto ``onednn`` runs
+whole; `auto` does not time them twice.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def _unavailable() -> str | None:
 UNAVAILABLE = _unavailable()
 # weight -> (its `weight_stamp`, packed copy): entries die with their weight
 _PACKED = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def packed_count() -> int:
+    """How many packed weight copies are kept (one per live weight this backend has run)."""
+    return len(_PACKED)
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -84,6 +91,9 @@ def _why_not(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None
     if not isinstance(weight, torch.nn.Parameter):
         return ("the onednn backend packs each weight once and keeps the copy: it takes nn.Parameter weights (a "
                 "temporary weight would be packed on every call)")
+    if weight.is_inference():
+        return ("the onednn backend keeps a packed copy of each weight and needs its version counter to see it "
+                "change: an inference-mode weight (a model built under torch.inference_mode) has none")
     return None
 
 
@@ -117,6 +127,8 @@ def _linear_activation(x, weight, bias, activation):
 
 def _linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0):
     summed = _gemm(x, weight, bias)
+    if ln_bias is None:  # (the cpp kernel takes a LayerNorm bias)
+        ln_bias = ln_weight.new_zeros(ln_weight.shape)
     return cpp.bias_residual_layernorm(summed, None, residual.reshape(summed.shape), ln_weight, ln_bias, eps)
 
 

@@ -1,4 +1,4 @@
-"""Functional entries of fastbert's fused ops, one per op, each dispatched over backends eager | triton | cpp.
+"""Functional entries of fastbert's fused ops, one per op, each dispatched over the backends (`fastbert.backends`).
 
 Every op file declares its op once (`fastbert.ops.spec.OpSpec`: schema and fake of its torch op, argument
 checks, the eager implementation, the fp32 reference the other backends are checked against, its cost formula)

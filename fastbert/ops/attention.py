@@ -105,7 +105,7 @@ def _padded_layout(cu_seqlens, total, max_seqlen, device) -> tuple[VarlenBatch, 
     return varlen, mask.view(batch, max_seqlen)
 
 
-def _runs_per_sequence(q, cu_seqlens) -> bool:
+def runs_per_sequence(q: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
     """Whether the eager packed forward calls SDPA once per sequence: on CPU, on plain tensors, outside tracing.
     It reads the sequence bounds on the host, which costs a synchronisation on CUDA and is data-dependent for
     torch.compile, jit tracing and fake tensors; those pad to the longest sequence instead."""
@@ -117,7 +117,8 @@ def _per_sequence_sdpa(q, k, v, cu_seqlens, scale, window):
     """The packed form as one SDPA call per sequence on views of its rows: every key of a sequence is real, so no
     padding, no mask (but the window's band) and no copy in; cost follows each sequence's length. On the 2-core CPU
     32 sequences of 8-128 tokens ran 2-3x faster this way than padded to the longest for one masked call
-    (PyTorch's CPU kernel, fp32 and bf16). The bounds must run from 0 to the number of rows, non-decreasing (ValueError
+    (PyTorch's CPU kernel, fp32 and bf16); many tiny sequences pay the loop (256 of 4-16 tokens: about 10 %
+    slower than padded). The bounds must run from 0 to the number of rows, non-decreasing (ValueError
     otherwise, as the cpp kernel checks); empty sequences are skipped."""
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in pairwise(bounds)):
@@ -150,7 +151,7 @@ def _eager(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, sca
             return _padded_dropout(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]),
                                    dropout_p, dropout_seed)
         return _padded_sdpa(q, k, v, key_padding_mask, scale, window_half_width(window, q.shape[1]))
-    if dropout_p == 0.0 and _runs_per_sequence(q, cu_seqlens):
+    if dropout_p == 0.0 and runs_per_sequence(q, cu_seqlens):
         return _per_sequence_sdpa(q, k, v, cu_seqlens, scale, window)
     varlen, mask = _padded_layout(cu_seqlens, q.shape[0], max_seqlen, q.device)
     padded = [pad_tokens(t, varlen) for t in (q, k, v)]

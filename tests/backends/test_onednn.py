@@ -128,15 +128,18 @@ def test_a_weight_is_packed_once_and_again_after_it_changes():
         weight.data = torch.randn(96, 48, generator=gen)  # other storage
         torch.testing.assert_close(ops.linear_activation(x, weight, None, "relu", backend="onednn"),
                                    torch.relu(x @ weight.T), rtol=1e-5, atol=1e-5)
+        weight.data = weight.data.view(48, 96).t()  # the same storage read in another layout
+        torch.testing.assert_close(ops.linear_activation(x, weight, None, "relu", backend="onednn"),
+                                   torch.relu(x @ weight.T), rtol=1e-5, atol=1e-5)
 
 
 def test_the_packed_copy_is_freed_with_its_weight():
     weight = nn.Parameter(torch.randn(64, 32))
     onednn.packed_weight(weight)
-    before = len(onednn._PACKED)
+    before = onednn.packed_count()
     del weight
     gc.collect()
-    assert len(onednn._PACKED) == before - 1
+    assert onednn.packed_count() == before - 1
 
 
 # ------------------------------------------------------------------------------------------------- supports
@@ -158,6 +161,23 @@ def test_supports_reasons():
         assert "no dropout" in _why_not("linear_residual_layernorm", x, w, None, residual, ln, None, 1e-5, 0.1, 1)
     with torch.no_grad(), pytest.raises(backends.BackendUnavailable, match="takes nn.Parameter weights"):
         ops.linear_activation(x, w.detach(), None, "gelu", backend="onednn")
+    with torch.inference_mode():
+        built_here = nn.Parameter(torch.randn(16, 8))
+        assert "inference-mode weight" in _why_not("linear_activation", x, built_here, None, "gelu")
+
+
+def test_under_autograd_the_static_order_says_why_not_onednn(monkeypatch):
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", backends.cpu_auto_order(frozenset({"amx_tile"})))
+    x, w = torch.randn(3, 8), nn.Parameter(torch.randn(16, 8))
+    text = backends.explain("linear_activation", x, w, None, "gelu")
+    assert "onednn: onednn backend has no backward for linear_activation" in text, text
+
+
+def test_linear_residual_layernorm_without_a_layernorm_bias():
+    gen = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(7, 130, generator=gen), _param(48, 130, dtype=torch.float32, gen=gen)
+    residual, ln_weight = torch.randn(7, 48, generator=gen), torch.rand(48, generator=gen) + 0.5
+    _check("linear_residual_layernorm", (x, weight, None, residual, ln_weight, None, 1e-5))
 
 
 # ------------------------------------------------------------------------------------------------- models

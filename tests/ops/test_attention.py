@@ -388,7 +388,7 @@ def _packed_qkv(lengths, dtype, heads=3, head_dim=8, seed=0):
 def _padded_eager(monkeypatch, q, k, v, cu, max_seqlen, window=None):
     """The eager packed form as it runs on CUDA and under tracing: padded to the longest sequence, one masked SDPA."""
     with monkeypatch.context() as patch:
-        patch.setattr(attention_spec, "_runs_per_sequence", lambda q, cu_seqlens: False)
+        patch.setattr(attention_spec, "runs_per_sequence", lambda q, cu_seqlens: False)
         return ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, window=window, backend="eager")
 
 
