@@ -17,6 +17,8 @@ own defaults here (its BERT optimizer's default level, idle threads spinning): t
     .venv/bin/python benchmarks/cpu_bench.py --threads 2 --rounds 15 --out benchmarks/results/cpu-2core
     .venv/bin/python benchmarks/cpu_bench.py --threads 2 --rounds 15 --cases 8x128 \
         --out benchmarks/results/cpu-2core-int8
+    .venv/bin/python benchmarks/cpu_bench.py --threads 2 --rounds 15 --no-precisions --onednn \
+        --out benchmarks/results/cpu-2core-ops-onednn --name e2e    # + fastbert on the onednn backend
 
 Writes <name>.json and <name>.md (default results.*) into --out. Not a test: targets are ratios measured in the
 same run.
@@ -66,7 +68,7 @@ PRECISION_PEERS = {"ONNX Runtime int8": "onnxruntime-int8", "OpenVINO fp32": "op
 
 
 def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort: bool,
-                  precisions: bool = True):
+                  precisions: bool = True, onednn: bool = False):
     """Runner name -> callable inputs -> last_hidden_state, notes on how each runs, and {label: why not} for the
     peers that cannot run here; torch's threads."""
     runners, notes, unavailable = {}, {}, {}
@@ -83,6 +85,9 @@ def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort
     add("fastbert (from_pretrained)", "fastbert")
     add("fastbert (optimize)", "fastbert-optimize")
     notes["fastbert"] = {"backend": "cpp", "compiled_capability": cpp_backend.compiled_capability()}
+    if onednn:  # the same model with its GEMMs on oneDNN's packed weights (`fastbert.backends.onednn`)
+        runners["fastbert onednn"], notes["fastbert onednn"] = peers.build_peer(
+            "fastbert", model_dir, config, torch.float32, CPU, "onednn", quick=False, workdir=workdir)
     for label, peer in PRECISION_PEERS.items() if precisions else ():
         if skip_ort and peer.startswith("onnxruntime"):
             continue
@@ -151,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-ort", action="store_true")
     parser.add_argument("--no-precisions", action="store_true",
                         help="float32 runners only (no int8, bfloat16, OpenVINO)")
+    parser.add_argument("--onednn", action="store_true",
+                        help="also fastbert with backend='onednn' (GEMMs on packed weights), beside the cpp backend")
     parser.add_argument("--out", default=None, help="directory for <name>.json / <name>.md")
     parser.add_argument("--name", default="results", help="file name stem inside --out")
     args = parser.parse_args(argv)
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as workdir:
         runners, notes, unavailable = build_runners(model_dir, config, workdir, args.skip_ort,
-                                                    not args.no_precisions)
+                                                    not args.no_precisions, args.onednn)
         for label, reason in unavailable.items():
             print(f"  {label}: not available: {reason}")
         cosines = corpus_cosines(runners, model_dir)

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import backends, ops, quantization
+from fastbert import backends, numerics, ops, quantization
 from fastbert.bench import costs, machine, recording, report, timing
 from fastbert.common import resolve
 from fastbert.files import write_atomic
@@ -255,6 +255,22 @@ def _fused(op: str, backend: str):
     return lambda *args: entry[op](*args, backend=backend)
 
 
+def _outputs(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _check_against_unfused(case_name: str, impl: str, got, expected, unfused, args: tuple) -> None:
+    """fp32: each output within 2e-4 of the unfused ops'; fp16/bf16: `fastbert.numerics`' rule, both against the
+    unfused ops run on float32 copies of the inputs."""
+    if DTYPE == torch.float32:
+        for want, have in zip(_outputs(expected), _outputs(got), strict=True):
+            torch.testing.assert_close(have, want, atol=2e-4, rtol=2e-4)
+        return
+    upcast = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    for want, have, exact in zip(_outputs(expected), _outputs(got), _outputs(unfused(*upcast)), strict=True):
+        numerics.assert_accurate(have, want, exact, f"{case_name} {impl}")
+
+
 def _synchronized(fn, args):
     def run():
         out = fn(*args)
@@ -357,10 +373,7 @@ def test_op(benchmark, case, impl):
         fn = _fused(op, impl)
     with torch.inference_mode():
         expected, got = unfused(*args), fn(*args)
-        tolerance = dict(atol=2e-4, rtol=2e-4) if DTYPE == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-        for want, have in zip(expected if isinstance(expected, tuple) else (expected,),
-                              got if isinstance(got, tuple) else (got,), strict=True):
-            torch.testing.assert_close(have.float(), want.float(), **tolerance)
+        _check_against_unfused(case_name, impl, got, expected, unfused, args)
         benchmark.group = case_name
         benchmark.extra_info.update(op=op, impl=impl, device=DEVICE.type, dtype=str(DTYPE)[6:], tokens=TOKENS,
                                     flops=cost.flops, bytes=cost.bytes)
