@@ -69,7 +69,7 @@ AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": cpu_auto_order()}
 AUTO_ORDER_AUTOGRAD = {"cuda": ("triton", "vendor", "eager"), "cpu": ("eager",)}
 # Per-op exceptions to AUTO_ORDER_AUTOGRAD: op -> {device type: order}. Attention on CPU trains through cpp, whose
 # forward and backward are C++ kernels that follow each sequence's real length (eager trains through SDPA's autograd,
-# one call per sequence); measured with `benchmarks/train_step_cpu.py` (README, Backends).
+# called per sequence); measured with `benchmarks/train_step_cpu.py` (README, Backends).
 AUTO_ORDER_AUTOGRAD_BY_OP = {"attention": {"cpu": ("cpp", "eager")}}
 _BACKEND_MODULES = {"triton": "fastbert.backends.triton", "cpp": "fastbert.backends.cpp",
                     "vendor": "fastbert.backends.vendor", "onednn": "fastbert.backends.onednn"}

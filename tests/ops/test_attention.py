@@ -394,28 +394,48 @@ def _padded_eager(monkeypatch, q, k, v, cu, max_seqlen, window=None):
 
 @pytest.mark.parametrize("window", [None, 7], ids=["global", "w7"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_eager_packed_runs_one_unmasked_sdpa_per_sequence(monkeypatch, dtype, window):
-    """On CPU the eager packed form calls SDPA once per non-empty sequence on that sequence's rows alone (no padded
-    row, no mask without a window) and gives what the padded computation gives, within the dtype rule."""
-    lengths = [1, 0, 7, 130, 3]
+def test_eager_packed_runs_one_unmasked_sdpa_per_run_of_one_length(monkeypatch, dtype, window):
+    """On CPU the eager packed form calls SDPA once per run of consecutive non-empty sequences of one length, on
+    their rows alone (no padded row, no mask without a window), and gives what the padded computation gives, within
+    the dtype rule."""
+    lengths = [1, 0, 7, 7, 0, 7, 130, 3, 3]
     q, k, v, cu = _packed_qkv(lengths, dtype)
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def counting_sdpa(query, key, value, attn_mask=None, **kwargs):
-        calls.append((query.shape[2], attn_mask is None))
+        calls.append((query.shape[0], query.shape[2], attn_mask is None))
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
     out = ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=130, window=window, backend="eager")
     monkeypatch.undo()
-    expected_masks = [window is None or window // 2 >= n - 1 for n in (1, 7, 130, 3)]
-    assert calls == list(zip([1, 7, 130, 3], expected_masks, strict=True))
+    runs = [(1, 1), (3, 7), (1, 130), (2, 3)]  # (sequences, length): empty sequences join the runs around them
+    assert calls == [(count, n, window is None or window // 2 >= n - 1) for count, n in runs]
     assert out.shape == q.shape and out.is_contiguous()
     padded = _padded_eager(monkeypatch, q, k, v, cu, 130, window)
     reference = attention_spec.attention_reference(q.double(), k.double(), v.double(), cu_seqlens=cu,
                                                    max_seqlen=130, window=window)
     assert_accurate(out, padded, reference, what=f"eager packed {DTYPE_IDS[dtype]}")
+
+
+def test_eager_packed_many_short_sequences_take_one_padded_call(monkeypatch):
+    lengths = [2, 3] * 20  # 40 runs of 2.5 tokens on average
+    q, k, v, cu = _packed_qkv(lengths, torch.float32)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting_sdpa(query, key, value, attn_mask=None, **kwargs):
+        calls.append(tuple(query.shape))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+    out = ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=3, backend="eager")
+    monkeypatch.undo()
+    assert calls == [(40, 3, 3, 8)]  # [sequences, heads, longest, D]
+    torch.testing.assert_close(out, _padded_eager(monkeypatch, q, k, v, cu, 3))
+    reference = attention_spec.attention_reference(q.double(), k.double(), v.double(), cu_seqlens=cu, max_seqlen=3)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_eager_packed_gradients_equal_the_padded_form(monkeypatch):
