@@ -372,15 +372,21 @@ def triton_call(op: str, args: tuple, dropout_p: float = 0.0, dropout_seed: int 
 
 
 class OpsSeen(TorchDispatchMode):
-    """The names of the torch ops dispatched while it is active."""
+    """The names of the torch ops dispatched while it is active, and (op name, dtype, shape) of every floating-point
+    tensor they return."""
 
     def __init__(self):
         super().__init__()
         self.names: set[str] = set()
+        self.float_results: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.add(func._schema.name)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                self.float_results.append((func._schema.name, tensor.dtype, tuple(tensor.shape)))
+        return out
 
 
 def masked_reference(op: str, args: tuple, keep: torch.Tensor, p: float):

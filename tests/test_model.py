@@ -8,10 +8,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastbert
-from tests.helpers import FAMILIES, MAX_POSITIONS, VOCAB, padded_batch, rel_err, tiny_model
+from tests.helpers import FAMILIES, MAX_POSITIONS, VOCAB, OpsSeen, padded_batch, rel_err, tiny_model
 
 
 def _save(model, directory, safe: bool = True):
@@ -232,29 +231,14 @@ def test_from_pretrained_does_not_import_transformers(minilm_dir):
     assert result.stdout.strip() == "False"
 
 
-class _FloatResults(TorchDispatchMode):
-    """(op name, dtype, shape) of every floating-point tensor an op returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.results: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-                self.results.append((func._schema.name, tensor.dtype, tuple(tensor.shape)))
-        return out
-
-
 @pytest.mark.parametrize("backend", ["cpp", "eager"])
 def test_bf16_forward_on_cpu_stays_bf16_between_ops(backend, bert_dir):
     """The bf16 forward converts and copies no activation between ops: every op returns bf16 (LayerNorm statistics
     and softmax widen inside the kernels) and none is a dtype conversion or a copy."""
     model = fastbert.from_pretrained(bert_dir, dtype=torch.bfloat16, backend=backend)
     input_ids, attention_mask = padded_batch()
-    with torch.inference_mode(), _FloatResults() as seen:
+    with torch.inference_mode(), OpsSeen() as seen:
         model(input_ids, attention_mask=attention_mask)
-    assert seen.results, "the mode saw no op"
-    assert [r for r in seen.results if r[1] != torch.bfloat16] == []
-    assert [r for r in seen.results if r[0] in ("aten::_to_copy", "aten::copy_", "aten::clone")] == []
+    assert seen.float_results, "the mode saw no op"
+    assert [r for r in seen.float_results if r[1] != torch.bfloat16] == []
+    assert [r for r in seen.float_results if r[0] in ("aten::_to_copy", "aten::copy_", "aten::clone")] == []
