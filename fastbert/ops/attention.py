@@ -106,17 +106,19 @@ def _padded_layout(cu_seqlens, total, max_seqlen, device) -> tuple[VarlenBatch, 
 
 
 def runs_per_sequence(q: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
-    """Whether the eager packed forward calls SDPA per sequence (`_per_sequence_sdpa`): on CPU, on plain tensors,
-    outside tracing. It reads the sequence bounds on the host, which costs a synchronisation on CUDA and is
-    data-dependent for torch.compile, jit tracing and fake tensors; those pad to the longest sequence instead."""
+    """Whether the eager packed forward may call SDPA per sequence (`_per_sequence_sdpa`, which pads many runs of short
+    sequences after all): on CPU, on plain tensors, outside tracing. It reads the sequence bounds on the host, which
+    costs a synchronisation on CUDA and is data-dependent for torch.compile, jit tracing and fake tensors; those pad
+    to the longest sequence instead."""
     return (q.device.type == "cpu" and type(q) is torch.Tensor and type(cu_seqlens) is torch.Tensor
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
 
 
-# Above this many runs of sequences with fewer than SHORT_RUN_TOKENS tokens per run on average, one padded call
-# beats a call per run (see `_per_sequence_sdpa`).
+# Above this many runs, when no sequence is longer than SHORT_SEQUENCE_TOKENS, one padded call beats a call per run
+# (see `_per_sequence_sdpa`); one long sequence among them would make the padded call cost its length squared per
+# sequence.
 MANY_RUNS = 32
-SHORT_RUN_TOKENS = 32
+SHORT_SEQUENCE_TOKENS = 32
 
 
 def _equal_length_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
@@ -132,19 +134,19 @@ def _equal_length_runs(bounds: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _per_sequence_sdpa(q, k, v, cu_seqlens, scale, window):
-    """The packed form as SDPA calls on views of the sequences' rows, one call per run of consecutive sequences of
-    one length (a full batch is one call): every key of a sequence is real, so no padding, no mask (but the
-    window's band) and no copy in; cost follows each sequence's length. On the 2-core VM (fp32 and bf16, 12 heads
-    of 32) 32 sequences of 8-128 tokens ran 2.0-2.6x faster this way than padded to the longest for one masked
-    call, 8 x 128 1.4-1.7x. None (the caller pads) for many short runs, where the calls cost more than the padding (256
-    sequences of 4-16 tokens: 14.0 ms this way, 9.8 padded). The bounds must run from 0 to the number of rows,
-    non-decreasing (ValueError otherwise, as the cpp kernel checks)."""
+    """The packed form as SDPA calls on views of the sequences' rows, one call per run of consecutive sequences of one
+    length (a full batch is one call): every key of a sequence is real, so no padding, no mask (but the window's
+    band) and no copy in; cost follows each sequence's length. On the 2-core VM (fp32 and bf16, 12 heads of 32) 32
+    sequences of 8-128 tokens ran 1.8-2.2x faster this way than padded to the longest for one masked call, 8 x 128
+    1.5-1.8x, 40 short sequences and one of 512 15-31x (`benchmarks/eager_cpu.py`). None (the caller pads) for many
+    runs of short sequences only, where the calls cost more than the padding (256 sequences of 4-16 tokens). The
+    bounds must run from 0 to the number of rows, non-decreasing (ValueError otherwise, as the cpp kernel checks)."""
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q.shape[0] or any(b < a for a, b in pairwise(bounds)):
         raise ValueError(f"attention: cu_seqlens must run from 0 to total_tokens={q.shape[0]} without decreasing, "
                          f"got {bounds}")
     runs = _equal_length_runs(bounds)
-    if len(runs) > MANY_RUNS and q.shape[0] < SHORT_RUN_TOKENS * len(runs):
+    if len(runs) > MANY_RUNS and max(length for _, _, length in runs) <= SHORT_SEQUENCE_TOKENS:
         return None
     pieces = []
     for first, count, length in runs:
@@ -153,6 +155,8 @@ def _per_sequence_sdpa(q, k, v, cu_seqlens, scale, window):
         allowed = _allowed_keys(None, length, window_half_width(window, length), q.device)
         out = F.scaled_dot_product_attention(*views, attn_mask=allowed, scale=scale)
         pieces.append(out.transpose(1, 2).flatten(0, 1))
+    if len(pieces) == 1:
+        return pieces[0].contiguous()
     return torch.cat(pieces) if pieces else q.new_zeros(q.shape)
 
 

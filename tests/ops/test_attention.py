@@ -438,6 +438,23 @@ def test_eager_packed_many_short_sequences_take_one_padded_call(monkeypatch):
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
 
 
+def test_eager_packed_many_short_sequences_and_a_long_one_stay_per_run(monkeypatch):
+    """Padding 41 sequences to one of 64 tokens would cost 41 x 64^2: the runs are called one by one."""
+    q, k, v, cu = _packed_qkv([1, 2] * 20 + [64], torch.float32)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting_sdpa(query, key, value, attn_mask=None, **kwargs):
+        calls.append(query.shape[2])
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+    out = ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=64, backend="eager")
+    monkeypatch.undo()
+    assert calls == [1, 2] * 20 + [64]
+    torch.testing.assert_close(out, _padded_eager(monkeypatch, q, k, v, cu, 64))
+
+
 def test_eager_packed_gradients_equal_the_padded_form(monkeypatch):
     q, k, v, cu = _packed_qkv([5, 0, 1, 12], torch.float64, seed=4)
     grad = torch.randn(q.shape, dtype=torch.float64)
