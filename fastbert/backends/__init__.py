@@ -51,9 +51,9 @@ BACKENDS = ("eager", "triton", "cpp", "vendor", "onednn")
 def cpu_auto_order(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The CPU backends `auto` considers, given the CPU's feature flags (default: this CPU's). ``onednn`` (GEMMs on
     packed weights) only where the CPU has AMX: there oneDNN wants its weights in VNNI tiles and, handed them as
-    stored, reorders them at every call. Elsewhere whole forwards measured level with cpp within the noise (MiniLM,
-    1 x 128 and 8 x 128, fp32, 2-core AVX-512 VM) while measuring it would keep a packed copy of every GEMM weight;
-    force it with ``backend="onednn"``."""
+    stored, reorders them at every call. Elsewhere whole forwards measured level with cpp (MiniLM fp32, 8 x 128 and
+    32 mixed lengths, 2-core AVX-512 VM: `benchmarks/results/cpu-2core-ops-onednn/e2e.md`) while measuring it would
+    keep a packed copy of every GEMM weight; force it with ``backend="onednn"``."""
     flags = tuning.cpu_info()[1] if flags is None else flags
     return ("cpp", "onednn", "eager") if "amx_tile" in flags else ("cpp", "eager")
 

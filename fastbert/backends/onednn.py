@@ -7,11 +7,11 @@ of the op fused:
 - linear_residual_layernorm: the GEMM with its bias, then residual + LayerNorm by the cpp kernel, in place.
 
 Why: `torch.addmm` (the cpp backend's GEMM) hands oneDNN or MKL the weight as it is stored, and the library reorders
-it on every call; packed once, the call reads the layout it wants. On the 2-core AVX-512 VM (no AMX) the ops alone
-ran 3-13 % faster than the cpp ops at 128-256 rows (fp32 and emulated bf16, MiniLM and BERT-base widths) and level
-or slower at 1024, and whole MiniLM forwards came out within the VM's noise of cpp. On AMX, where bf16 needs
-VNNI-packed weights, the reorder it saves is larger: `auto` measures it beside cpp and eager per shape class on CPUs
-with AMX only (`fastbert.backends.cpu_auto_order`), so there it runs where it wins; elsewhere force it.
+it on every call; packed once, the call reads the layout it wants. On the 2-core AVX-512 VM (no AMX) it came out
+level with the cpp ops, per op and in whole MiniLM forwards (`benchmarks/results/cpu-2core-ops-onednn/`). On AMX,
+where bf16 needs VNNI-packed weights, the reorder it saves is larger: `auto` measures it beside cpp and eager per
+shape class on CPUs with AMX only (`fastbert.backends.cpu_auto_order`), so there it runs where it wins; elsewhere
+force it.
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
 parameter's gradient), no dropout, not under torch.compile, and weights that are ``nn.Parameter``: each is packed on
