@@ -123,6 +123,26 @@ def weight_stamp(tensor: torch.Tensor) -> tuple:
                  for t in (tensor, *_ALIASES.get(tensor, ())))
 
 
+def cpu_float_reason(backend: str, tensors: Iterable[torch.Tensor | None],
+                     dtypes: tuple[torch.dtype, ...]) -> str | None:
+    """None when the float tensors (None skipped) all lie on the CPU in one dtype of ``dtypes``; else why
+    ``backend``, a CPU backend, cannot take them."""
+    dtype = None
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cpu":
+            return f"the {backend} backend runs on CPU tensors only, got a tensor on {t.device}"
+        if dtype is None:
+            dtype = t.dtype
+            if dtype not in dtypes:
+                names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
+                return f"the {backend} backend supports {names}, got {dtype}"
+        elif t.dtype != dtype:
+            return f"the {backend} backend needs one dtype for all float tensors, got {dtype} and {t.dtype}"
+    return None
+
+
 def register(op: str, backend: str, fn: Callable, supports: Callable[..., str | None] | None = None,
              has_backward: bool = False) -> None:
     """Register ``fn`` as ``backend``'s implementation of ``op`` (called by the backend modules at import)."""

@@ -137,21 +137,7 @@ if ATTENTION_BACKWARD_ERROR is None:
 # ----------------------------------------------------------------------------------------------------- supports
 def _why_not(*tensors: torch.Tensor | None) -> str | None:
     """None when the cpp kernels can take these float tensors (one CPU device, one supported dtype)."""
-    if EXTENSION_ERROR is not None:
-        return EXTENSION_ERROR
-    dtype = None
-    for t in tensors:
-        if t is None:
-            continue
-        if t.device.type != "cpu":
-            return f"the cpp backend runs on CPU tensors only, got a tensor on {t.device}"
-        if dtype is None:
-            dtype = t.dtype
-            if dtype not in SUPPORTED_DTYPES:
-                return f"the cpp backend supports float32 and bfloat16, got {dtype}"
-        elif t.dtype != dtype:
-            return f"the cpp backend needs one dtype for all float tensors, got {dtype} and {t.dtype}"
-    return None
+    return EXTENSION_ERROR or backends.cpu_float_reason("cpp", tensors, SUPPORTED_DTYPES)
 
 
 def _ids_on_cpu(*ids: torch.Tensor | None) -> str | None:

@@ -14,14 +14,14 @@ shape class on CPUs with AMX only (`fastbert.backends.cpu_auto_order`), so there
 force it.
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
-parameter's gradient), no dropout, not under torch.compile, and weights that are ``nn.Parameter``: each is packed on
-its first call and kept beside it while it lives (one extra copy of the GEMM weights), repacked when it (or a
-declared alias: `fastbert.backends.declare_aliases`) is changed in place or given other storage; writes through
-``.data`` bypass version counters and are not seen. A temporary weight (a parameter cast for an autocast call) would
-be packed on every call, and an inference-mode weight has no version counter: both declined. The ops without a GEMM
-of this kind (attention, embedding_layernorm, and ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm,
-whose cpp kernels run their GEMM inside) run the cpp backend's kernels, so that a model forced onto ``onednn`` runs
-whole; `auto` does not time them twice.
+parameter's gradient), no dropout, not under torch.compile, and weights that are
+``nn.Parameter``: each is packed on its first call and kept beside it while it lives (one extra copy of the GEMM
+weights), repacked when it (or a declared alias: `fastbert.backends.declare_aliases`) is changed in place or given
+other storage; writes through ``.data`` bypass version counters and are not seen. A temporary weight (a parameter
+cast for an autocast call) would be packed on every call, and an inference-mode weight has no version counter: both
+declined. The ops without a GEMM of this kind (attention, embedding_layernorm, and ModernBERT's qkv_rotary,
+linear_glu and linear_residual_prenorm, whose cpp kernels run their GEMM inside) run the cpp backend's kernels, so
+that a model forced onto ``onednn`` runs whole; `auto` does not time them twice.
 """
 
 from __future__ import annotations
@@ -73,19 +73,11 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------- supports
 def _why_not(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> str | None:
     """None when oneDNN can run this GEMM-bearing op: CPU, one supported dtype, a parameter as weight."""
-    if UNAVAILABLE:
-        return UNAVAILABLE
     if torch.compiler.is_compiling():
         return "the onednn backend does not run under torch.compile (its CPU freezing packs weights itself)"
-    for t in (x, weight, *others):
-        if t is None:
-            continue
-        if t.device.type != "cpu":
-            return f"the onednn backend runs on CPU tensors only, got a tensor on {t.device}"
-        if t.dtype != x.dtype:
-            return f"the onednn backend needs one dtype for all float tensors, got {x.dtype} and {t.dtype}"
-    if x.dtype not in SUPPORTED_DTYPES:
-        return f"the onednn backend supports float32 and bfloat16, got {x.dtype}"
+    reason = UNAVAILABLE or backends.cpu_float_reason("onednn", (x, weight, *others), SUPPORTED_DTYPES)
+    if reason:
+        return reason
     if x.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN has no bfloat16 on this CPU"
     if not isinstance(weight, torch.nn.Parameter):
