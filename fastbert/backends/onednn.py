@@ -14,7 +14,7 @@ shape class on CPUs with AMX only (`fastbert.backends.cpu_auto_order`), so there
 force it.
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
-parameter's gradient), no dropout, not under torch.compile, and weights that are
+parameter's gradient), no dropout (a call torch.compile traces runs the cpp backend's op), and weights that are
 ``nn.Parameter``: each is packed on its first call and kept beside it while it lives (one extra copy of the GEMM
 weights), repacked when it (or a declared alias: `fastbert.backends.declare_aliases`) is changed in place or given
 other storage; writes through ``.data`` bypass version counters and are not seen. A temporary weight (a parameter
@@ -73,8 +73,6 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------- supports
 def _why_not(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> str | None:
     """None when oneDNN can run this GEMM-bearing op: CPU, one supported dtype, a parameter as weight."""
-    if torch.compiler.is_compiling():
-        return "the onednn backend does not run under torch.compile (its CPU freezing packs weights itself)"
     reason = UNAVAILABLE or backends.cpu_float_reason("onednn", (x, weight, *others), SUPPORTED_DTYPES)
     if reason:
         return reason
@@ -124,12 +122,26 @@ def _linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, ep
     return cpp.bias_residual_layernorm(summed, None, residual.reshape(summed.shape), ln_weight, ln_bias, eps)
 
 
+def _cpp_when_traced(op: str, impl, supports) -> tuple:
+    """(implementation, supports) of ``op`` that hand a call torch.compile traces to the cpp backend's: a packed copy
+    kept outside the graph cannot be traced, and torch.compile's CPU freezing packs the weights of a graph itself."""
+    cpp_impl = backends.implementations(op)["cpp"]
+
+    def run(*args, **kwargs):
+        return (cpp_impl.fn if torch.compiler.is_compiling() else impl)(*args, **kwargs)
+
+    def check(*args, **kwargs):
+        return (cpp_impl.supports if torch.compiler.is_compiling() else supports)(*args, **kwargs)
+
+    return run, check
+
+
 for _op, _impl, _supports in (
     ("qkv_projection", _qkv_projection, _linear_supports),
     ("linear_activation", _linear_activation, _linear_supports),
     ("linear_residual_layernorm", _linear_residual_layernorm, _linear_residual_layernorm_supports),
 ):
-    backends.register(_op, "onednn", _impl, _supports)
+    backends.register(_op, "onednn", *_cpp_when_traced(_op, _impl, _supports))
 
 # The other ops run the cpp backend's kernels (a model forced onto onednn runs whole); the dispatcher skips a
 # candidate whose function is an earlier candidate's.

@@ -199,6 +199,19 @@ def test_a_model_forced_onto_onednn_matches_transformers(dtype):
         assert_accurate(got[mask], plain[mask], expected[mask], "bert bf16 forced onto onednn")
 
 
+def test_torch_compile_of_a_model_forced_onto_onednn():
+    """A traced call cannot hold a packed copy outside its graph: it runs the cpp backend's op (it was refused, and
+    the compiled model raised); frames left to run eagerly keep the packed GEMMs."""
+    model, reference = tiny_model("bert").eval(), tiny_model("bert").eval()
+    inputs = optimize_inputs("bert", "Model", model)
+    fastbert.optimize(model, backend="onednn")
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        got, expected = compiled(**inputs).last_hidden_state, reference(**inputs).last_hidden_state
+    mask = inputs["attention_mask"].bool()
+    assert_close(got[mask], expected[mask], "onednn model under torch.compile")
+
+
 def test_a_forced_model_sees_weights_loaded_in_place_into_its_packed_query_key_value():
     """optimize packs Q, K and V into one tensor and makes the originals views of it, whose version counters are
     their own: loading into them must repack (`fastbert.backends.declare_aliases`)."""
