@@ -14,7 +14,7 @@ shape class on CPUs with AMX only (`fastbert.backends.cpu_auto_order`), so there
 force it.
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
-parameter's gradient), no dropout (a call torch.compile traces runs the cpp backend's op), and weights that are
+parameter's gradient), no dropout; a call torch.compile traces runs the cpp backend's op. Weights must be
 ``nn.Parameter``: each is packed on its first call and kept beside it while it lives (one extra copy of the GEMM
 weights), repacked when it (or a declared alias: `fastbert.backends.declare_aliases`) is changed in place or given
 other storage; writes through ``.data`` bypass version counters and are not seen. A temporary weight (a parameter
