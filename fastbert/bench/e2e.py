@@ -138,7 +138,7 @@ def _checked_workloads(settings: BenchSettings, config: FastBertConfig) -> tuple
         raise UserError("no workloads: give at least one --batch and one --seq")
     too_long = [s for s in settings.seqs if s > config.token_positions]
     if too_long:
-        raise UserError(f"--seq {too_long[0]} exceeds the model's {config.max_position_embeddings} positions")
+        raise UserError(f"--seq {too_long[0]} exceeds the model's {config.token_positions} positions")
     names = ["fastbert"] + [p for p in dict.fromkeys(settings.peers) if p != "fastbert"]
     unknown = [p for p in names if p not in PEERS + ("fastbert",)]
     if unknown:
