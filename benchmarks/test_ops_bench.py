@@ -302,6 +302,8 @@ def _markdown_report():
               f"- {info['gpu'] or info['cpu']} ({info['cpu_cores']} cores, {torch.get_num_threads()} torch threads), "
               f"{info['date']}, torch {info['versions']['torch']}, load average (1, 5, 15 min) "
               + "/".join(f"{v:.1f}" for v in info["load_average"] or []),
+              *([f"- CPU flags (of {', '.join(quantization.PRECISION_FLAGS)}): "
+                 f"{', '.join(info['cpu_flags']) or 'none'}"] if "cpu_flags" in info else []),
               "- rows run one after another (pytest-benchmark), not interleaved: on a busy machine compare "
               "ratios with care",
               f"- BERT-base shapes: {BATCH} x {SEQ} tokens, H={HIDDEN}, heads={HEADS}, I={INTERMEDIATE}, "
@@ -366,8 +368,7 @@ def test_op(benchmark, case, impl):
             reason = backends.why_not(op, impl, *args)
         if reason:
             pytest.skip(reason)
-        same = backends.same_implementation(op, impl, [b for b in IMPLEMENTATIONS[1:IMPLEMENTATIONS.index(impl)]
-                                                       if b in backends.implementations(op)])
+        same = backends.same_implementation(op, impl, list(IMPLEMENTATIONS[1:IMPLEMENTATIONS.index(impl)]))
         if same:
             pytest.skip(f"{impl} runs {same}'s implementation of {op}")
         fn = _fused(op, impl)
