@@ -64,6 +64,9 @@ OFF_FLAGS = frozenset({"output_attentions", "use_cache", "output_router_logits",
 # The transformers module type each kind of mapped tensor must live in: a subclass (bitsandbytes, a LoRA layer)
 # or a replacement (quantized Linear) may compute something else, so it is not taken.
 _OWNER_TYPES = {"embedding": nn.Embedding, "norm": nn.LayerNorm, "linear": nn.Linear}
+# PEFT adapters (LoRA, ...) wrap the Linear they adapt; merged into its weight they run at fastbert's speed.
+PEFT_HINT = (" (a PEFT adapter: for inference, merge it first with merge_and_unload() and optimize the merged "
+             "model; training through adapters runs transformers' code)")
 _OUTPUT_CLASSES: dict[type, type] = {}
 _SIGNATURES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 _TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
@@ -204,8 +207,10 @@ def _resolve(base: nn.Module, name: str, kind: str, links: dict) -> tuple[nn.Par
     owner = name.rpartition(".")[0]
     expected = _OWNER_TYPES[kind]
     if type(module) is not expected:
-        return None, (f"{owner} is a {type(module).__module__}.{type(module).__qualname__}, not torch's "
-                      f"nn.{expected.__name__}: fastbert cannot run it")
+        kind_of = type(module).__module__
+        hint = PEFT_HINT if kind_of.split(".")[0] == "peft" else ""
+        return None, (f"{owner} is a {kind_of}.{type(module).__qualname__}, not torch's "
+                      f"nn.{expected.__name__}: fastbert cannot run it{hint}")
     param = module._parameters.get(attr)
     links[(id(module._parameters), attr)] = (module._parameters, attr, param)
     if param is None:

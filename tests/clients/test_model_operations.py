@@ -188,6 +188,42 @@ def test_quantized_linears_fall_back_with_a_warning(batch):
     assert set(run(model, **batch)[1]) == FAST  # the original (quantize_dynamic copied it) is untouched
 
 
+class LowRankAdapter(nn.Module):
+    """A LoRA-style wrapper as PEFT builds one (base Linear + B @ A), from a module named like PEFT's."""
+
+    __module__ = "peft.tuners.lora.layer"
+
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def test_peft_adapters_fall_back_and_say_how_to_merge(batch):
+    reference, model = pair()
+    for target in (reference, model):
+        torch.manual_seed(0)
+        attention = target.encoder.layer[0].attention.self
+        attention.query = LowRankAdapter(attention.query)
+    with pytest.warns(UserWarning, match=r"PEFT adapter.*merge_and_unload\(\)"):
+        out, seen = run(model, **batch)
+    assert seen == {}
+    assert torch.equal(out.last_hidden_state, run(reference, **batch)[0].last_hidden_state)
+    for target in (reference, model):  # merged: a plain Linear again, fastbert's ops run
+        attention = target.encoder.layer[0].attention.self
+        adapter = attention.query
+        with torch.no_grad():
+            adapter.base_layer.weight += adapter.lora_B.weight @ adapter.lora_A.weight
+        attention.query = adapter.base_layer
+    out, seen = run(model, **batch)
+    assert set(seen) == FAST
+    assert_agree(out, run(reference, **batch)[0], batch["attention_mask"])
+
+
 def test_submodule_hooks_fire(batch):
     reference, model = pair()
     captured = []
