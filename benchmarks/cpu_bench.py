@@ -42,7 +42,7 @@ from fastbert.bench.timing import time_ms
 from fastbert.bench.workloads import Workload
 from fastbert.common.resolve import model_name, resolve_model
 from fastbert.config import FastBertConfig
-from fastbert.quantization import PRECISION_FLAGS
+from fastbert.cpu import FEATURES
 
 TARGETS = {  # case -> [(runner, peer, minimum speed-up of runner over peer)]
     "8x128": [("fastbert (from_pretrained)", "HF eager", 1.5), ("fastbert (from_pretrained)", "ONNX Runtime", 1.0),
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(report: dict) -> str:
     lines = interleaved_markdown(
-        report, "CPU benchmark: all-MiniLM-L6-v2 (float32, and int8 / bfloat16 / OpenVINO peers)",
+        report, f"CPU benchmark: {report['model']} (float32, and int8 / bfloat16 / OpenVINO peers)",
         f"(torch.set_num_threads, ORT intra_op_num_threads), torch CPU capability "
         f"{report['machine']['torch_cpu_capability']}; load average before/after "
         f"{report['machine']['loadavg_before'][0]:.2f}/{report['machine']['loadavg_after'][0]:.2f}",
@@ -211,7 +211,7 @@ def markdown(report: dict) -> str:
         "wall time per forward call; rel err = max |out - HF eager| / max |HF eager| at real (non-padded) positions.",
         ms_digits=1)
     machine = report["machine"]
-    lines += ["", f"CPU flags (of {', '.join(PRECISION_FLAGS)}): {', '.join(machine.get('cpu_flags', [])) or 'none'}"
+    lines += ["", f"CPU flags (of {', '.join(FEATURES)}): {', '.join(machine.get('cpu_flags', [])) or 'none'}"
               f"; torch CPU capability {machine['torch_cpu_capability']}.", "",
               "## Accuracy: worst cosine to HF eager float32", "",
               "200 CPython-docs sentences, mean pooling over real tokens, L2-normalised.", "",

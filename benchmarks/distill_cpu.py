@@ -58,13 +58,12 @@ NON_ASCII = ("Café, naïve façade: déjà vu in São Paulo and Zürich.", "日
 
 
 def machine() -> dict:
-    """CPU model, flags, cores, load, versions: what each result records about where it ran (``cpu_flags``: all
-    the CPU's features, space-separated)."""
-    from fastbert.backends.tuning import cpu_info
+    """CPU model, flags, cores, load, versions: what each result records about where it ran (``cpu_flags``: the
+    CPU's features among `fastbert.cpu.FEATURES`, space-separated)."""
     from fastbert.bench.machine import git_commit, machine_info
 
     info = machine_info("cpu")
-    return {"cpu": info["cpu"], "cpu_flags": " ".join(sorted(cpu_info()[1])) or "unknown", "cores": info["cpu_cores"],
+    return {"cpu": info["cpu"], "cpu_flags": " ".join(info["cpu_flags"]) or "none", "cores": info["cpu_cores"],
             "load_average": info["load_average"], "torch_threads": info["torch_threads"],
             "platform": info["platform"], "python": info["python"], "torch": info["versions"]["torch"],
             "transformers": info["versions"]["transformers"], "commit": git_commit(ROOT) or "unknown"}

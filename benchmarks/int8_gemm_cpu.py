@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from fastbert.bench.machine import machine_info
 from fastbert.bench.timing import time_ms
-from fastbert.quantization import Int8Linear, cpu_flags, int8_weight
+from fastbert.cpu import cpu_flags
+from fastbert.quantization import Int8Linear, int8_weight
 
 SHAPES = [(m, k, n) for m in (1024, 128) for k, n in ((384, 1152), (384, 384), (384, 1536), (1536, 384))]
 
@@ -115,7 +116,7 @@ def markdown(report: dict) -> str:
     lines = ["# int8 GEMM candidates vs fp32 F.linear (CPU)", "",
              f"- Date: {machine['date']}",
              f"- Machine: {machine['cpu']}, {machine['cpu_cores']} logical CPUs, {report['threads']} threads; "
-             f"CPU flags: {', '.join(report['cpu_flags']) or 'none of avx512_vnni/avx_vnni/amx/avx512_bf16'}; "
+             f"CPU flags: {', '.join(report['cpu_flags']) or 'none of fastbert.cpu.FEATURES'}; "
              f"torch CPU capability {report['torch_cpu_capability']}",
              f"- Load average before/after: {report['load_before']:.2f}/{machine['load_average'][0]:.2f} "
              "(other agents' jobs shared the 2 cores: compare the ratios, not the milliseconds)",

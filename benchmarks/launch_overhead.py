@@ -472,10 +472,10 @@ def cuda_forward_host(rounds: int, batch: int = 1, seqlen: int = 128, device: st
 
 # ------------------------------------------------------------------------------------------------ main
 def environment(device: torch.device) -> dict:
-    """Machine, vector flags, versions, date, commit, the command and the load (the VM is shared)."""
-    from fastbert.bench.machine import cpu_vector_flags, git_commit, machine_info
+    """Machine, CPU flags, versions, date, commit, the command and the load (the VM is shared)."""
+    from fastbert.bench.machine import git_commit, machine_info
 
-    return {**machine_info(device), "cpu_vector_flags": cpu_vector_flags(), "commit": git_commit(ROOT),
+    return {**machine_info(device), "commit": git_commit(ROOT),
             "command": " ".join([sys.executable, *sys.argv]), "triton_interpret": os.environ.get("TRITON_INTERPRET"),
             "torch_threads": torch.get_num_threads()}
 

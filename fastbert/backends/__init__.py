@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.weak
 
+from fastbert import cpu
 from fastbert.backends import tuning
 
 BACKENDS = ("eager", "triton", "cpp", "vendor", "onednn")
@@ -54,8 +55,8 @@ def cpu_auto_order(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     stored, reorders them at every call. Elsewhere whole forwards measured level with cpp (MiniLM fp32, 8 x 128 and
     32 mixed lengths, 2-core AVX-512 VM: `benchmarks/results/cpu-2core-ops-onednn/e2e.md`) while measuring it would
     keep a packed copy of every GEMM weight; force it with ``backend="onednn"``."""
-    flags = tuning.cpu_info()[1] if flags is None else flags
-    return ("cpp", "onednn", "eager") if "amx_tile" in flags else ("cpp", "eager")
+    flags = cpu.cpu_info()[1] if flags is None else flags
+    return ("cpp", "onednn", "eager") if cpu.AMX in flags else ("cpp", "eager")
 
 
 # The backends `auto` considers per device type (measuring takes the fastest of those that can run a call), and

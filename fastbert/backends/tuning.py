@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import functools
 import hashlib
 import json
 import os
-import platform
 import re
 import statistics
 import threading
@@ -45,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from fastbert.cpu import cpu_flags, cpu_info
 from fastbert.files import write_atomic
 
 ROUNDS = 15  # timed rounds per candidate after the warm-up call, while within BUDGET_S
@@ -54,9 +53,6 @@ BUDGET_S = 0.25  # per shape class: a first use costs a fraction of a second per
 # their GEMM differ by a few percent, less than rounds scatter on a busy machine, and a flip on noise would stick.
 MARGIN = 0.05
 FILE_SCHEMA = "fastbert-tuning/1"
-# CPU flags that change which kernels are fast (the cpp backend's ISA, BLAS paths).
-CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 _OFF = ("0", "false", "no", "off")
 _enabled = os.environ.get("FASTBERT_TUNE", "1").strip().lower() not in _OFF
 _LOCK = threading.Lock()
@@ -157,26 +153,8 @@ def shape_class(args: tuple, kwargs: dict, dropout_index: int | None) -> str:
 
 
 # -------------------------------------------------------------------------------------------- environment key
-@functools.cache
-def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, frozenset[str]]:
-    """(model name, feature flags) of the CPU, from ``path``'s first processor (x86 ``flags`` or Arm ``Features``);
-    the platform's name and no flags where it cannot be read. The one reader of /proc/cpuinfo."""
-    name, flags = platform.processor() or platform.machine(), frozenset()
-    with contextlib.suppress(OSError):
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith(("flags", "Features")):
-                    flags = frozenset(line.split(":", 1)[1].split())
-                    if flags:  # the first processor's (x86 lists its model name before its flags)
-                        break
-    return name, flags
-
-
 def _cpu() -> str:
-    name, flags = cpu_info()
-    return f"{name} [{' '.join(f for f in CPU_FLAGS if f in flags)}]"
+    return f"{cpu_info()[0]} [{' '.join(cpu_flags())}]"
 
 
 def _version(package: str) -> str | None:

@@ -1,6 +1,6 @@
 """Machine facts for a results file: a short tag ('cpu-2core', 'nvidia-h200'), CPU and GPU names, cores, load,
-library versions, the date, the CPU's vector features and the git commit. The CPU is read through
-`fastbert.backends.tuning.cpu_info`, the one reader of /proc/cpuinfo."""
+library versions, the date, the CPU's features (`fastbert.cpu`, the one reader of /proc/cpuinfo) and the git
+commit."""
 
 from __future__ import annotations
 
@@ -9,29 +9,16 @@ import os
 import platform
 import re
 import subprocess
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fastbert.backends.tuning import cpu_info
-from fastbert.quantization import cpu_flags
+from fastbert.cpu import cpu_flags, cpu_info
 
 
 def _cpu_name() -> str:
     return cpu_info()[0]
-
-
-# The vector features CPU timings depend on (SIMD width, FMA, AMX tiles), for a results file and its summary line.
-VECTOR_FLAG_PREFIXES = ("avx", "amx", "fma")
-
-
-def cpu_vector_flags(flags: Iterable[str] | None = None) -> list[str]:
-    """The features among ``flags`` (default: this CPU's, from `cpu_info`) that start with one of
-    `VECTOR_FLAG_PREFIXES`, sorted (empty where /proc/cpuinfo cannot be read)."""
-    flags = cpu_info()[1] if flags is None else flags
-    return sorted(flag for flag in flags if flag.startswith(VECTOR_FLAG_PREFIXES))
 
 
 def git_commit(root: str | Path, short: bool = True) -> str | None:
@@ -120,8 +107,9 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
         "versions": {name: package_version(name) for name in ("torch", "transformers", "triton", "onnxruntime", "onnx",
                                                        "openvino", "tokenizers", "fastbert")},
     }
-    if device.type == "cpu":  # the features each precision's speed depends on (VNNI, AMX, AVX-512 BF16)
-        info["cpu_flags"] = list(cpu_flags())
+    # the features each precision's speed depends on (VNNI, AMX, AVX-512 BF16), and a GPU's host time
+    info["cpu_flags"] = list(cpu_flags())
+    if device.type == "cpu":
         info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda

@@ -17,20 +17,11 @@ def test_busy_warning_when_the_load_is_high_or_the_threads_exceed_the_idle_cores
 
 
 def test_cpu_results_name_the_cpu_flags():
-    from fastbert.quantization import cpu_flags
+    from fastbert.cpu import cpu_flags
 
     info = machine.machine_info("cpu")
     assert info["cpu_flags"] == list(cpu_flags()) and info["torch_cpu_capability"]
     assert "openvino" in info["versions"]
-
-
-def test_cpu_vector_flags_keep_the_avx_amx_fma_features_sorted():
-    from fastbert.backends.tuning import cpu_info
-
-    assert machine.cpu_vector_flags(["sse4_2", "fma", "avx2", "fpu", "amx_tile", "avx512f"]) == [
-        "amx_tile", "avx2", "avx512f", "fma"]
-    assert machine.cpu_vector_flags([]) == []
-    assert machine.cpu_vector_flags() == machine.cpu_vector_flags(cpu_info()[1])  # default: this CPU's flags
 
 
 def test_git_commit_short_and_full_and_none_outside_a_checkout(tmp_path):
