@@ -14,12 +14,10 @@ import fastbert
 from fastbert.cuda_graphs import (
     Bucket,
     Buckets,
-    CudaGraphEncoder,
     PackedCudaGraphs,
     bucket_offsets,
     enable,
     encode_packed,
-    encode_padded,
     pack_inputs,
     token_buckets,
 )
@@ -319,28 +317,6 @@ def test_default_on_only_for_cuda():
     assert state.cuda_graphs is True and "cuda_graphs" not in state.build.fast.__dict__  # CPU: nothing attached
 
 
-# =================================================================================== the padded variant
-@pytest.mark.parametrize("family", ["bert", "roberta"])
-def test_encode_padded_matches_the_model(family):
-    model = _fast_model(family, "eager")
-    ids, mask = padded_batch(3, 9, pad_id=model.config.pad_token_id)
-    with torch.inference_mode():
-        expected = model(ids, attention_mask=mask)
-        hidden, pooled = encode_padded(model, ids, mask.bool(), None)
-    assert rel_err(hidden, expected.last_hidden_state) < 1e-5
-    assert rel_err(pooled, expected.pooler_output) < 1e-5
-
-
-def test_padded_buckets_and_cpu_refusal():
-    runner = CudaGraphEncoder(_fast_model("bert", "eager"), seq_buckets=(8, 16, 32, 64), max_graphs=2)
-    assert runner.seq_buckets == (8, 16, 32)  # tiny models have 40 positions
-    assert runner.bucket(3, 9) == (4, 16)
-    assert runner.bucket(1, 8) == (1, 8)
-    assert runner.bucket(2, 33) is None
-    with pytest.raises(RuntimeError, match="CUDA tensors"):
-        runner(torch.zeros(1, 4, dtype=torch.long))
-
-
 # ========================================================================================================= GPU
 def _random_batch(gen: torch.Generator, pad_id: int, max_batch: int = 40, max_len: int = MAX_POSITIONS - 2):
     batch = int(torch.randint(1, max_batch + 1, (1,), generator=gen))
@@ -410,16 +386,3 @@ def test_from_pretrained_on_cuda_replays_graphs_by_default():
         expected = plain(ids, mask)
     assert model.cuda_graphs.captures == 1 and model.cuda_graphs.replays == 2
     _assert_same_outputs(out, expected, tol=1e-4)
-
-
-@pytest.mark.gpu
-def test_graph_replay_matches_eager_and_stays_bounded():
-    model = _fast_model("bert", "triton").cuda()
-    runner = CudaGraphEncoder(model, seq_buckets=(8, 16, 32), max_graphs=2)
-    for batch, seqlen in [(3, 9), (1, 5), (2, 16), (3, 9), (4, 30)]:
-        ids, mask = padded_batch(batch, seqlen)
-        ids, mask = ids.cuda(), mask.cuda()
-        with torch.inference_mode():
-            expected = model(ids, attention_mask=mask).last_hidden_state
-        assert rel_err(runner(ids, mask).last_hidden_state, expected) < 1e-4
-        assert len(runner.graphs) <= 2
