@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(report: dict) -> str:
     lines = interleaved_markdown(
-        report, f"CPU benchmark: {report['model']} (float32, and int8 / bfloat16 / OpenVINO peers)",
+        report, f"CPU benchmark: {report['model']}: float32, and int8 / bfloat16 / OpenVINO peers",
         f"(torch.set_num_threads, ORT intra_op_num_threads), torch CPU capability "
         f"{report['machine']['torch_cpu_capability']}; load average before/after "
         f"{report['machine']['loadavg_before'][0]:.2f}/{report['machine']['loadavg_after'][0]:.2f}",

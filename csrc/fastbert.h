@@ -78,6 +78,8 @@ inline void check_vector(const at::Tensor& t, int64_t width, at::ScalarType dtyp
   check_cpu(t, op, name);
   TORCH_CHECK(t.dim() == 1 && t.size(0) == width, "fastbert::", op, ": ", name, " must be [", width, "], got ",
               shape_str(t));
+  TORCH_CHECK(t.stride(0) == 1 || width <= 1, "fastbert::", op, ": ", name, " must be contiguous (the kernels read ",
+              "it as a plain array), got stride ", t.stride(0));
   TORCH_CHECK(t.scalar_type() == dtype, "fastbert::", op, ": ", name, " must be ", dtype, " like the input, got ",
               t.scalar_type());
 }

@@ -3,6 +3,8 @@
 //   L1/L2-resident row: unit = (x - low) / spread, low = min(row), spread = max(row) - min(row) (> 0).
 // - int8_rescale: the GEMM's result g = unit @ W^T back to x @ W^T (+ bias), in place:
 //   g = spread * g + low * wsum (+ bias), wsum [N] the quantized weight's row sums.
+// - the same mapping back fused with what follows it: + residual + LayerNorm (post-LN), + GELU + the next GEMM's
+//   row mapping (post-LN FFN), + residual, keeping the sum, + LayerNorm (pre-LN), GEGLU + the row mapping (pre-LN).
 // float32 only (the int8 path runs float32 models).
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -206,6 +208,100 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_gelu_unit_rows_cpu(at::Tenso
   return {g, new_low, new_spread};
 }
 
+// A pre-LN block's end (ModernBERT) in one pass: the new residual stream spread * g + low * wsum + bias + residual
+// into g, and its LayerNorm (fp32 statistics; ln_bias may be absent) into a new tensor. Returns (g, normed).
+std::tuple<at::Tensor, at::Tensor> int8_rescale_prenorm_cpu(at::Tensor g, const at::Tensor& low,
+                                                           const at::Tensor& spread, const at::Tensor& wsum,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           const at::Tensor& residual, const at::Tensor& ln_weight,
+                                                           const std::optional<at::Tensor>& ln_bias, double eps) {
+  constexpr const char* op = "int8_rescale_prenorm";
+  const RowArgs a = row_args(g, low, spread, wsum, bias, op);
+  const int64_t rows = g.size(0), n = g.size(1);
+  check_cpu(residual, op, "residual");
+  TORCH_CHECK(!residual.is_same(g), "fastbert::int8_rescale_prenorm: residual must not be g (g is overwritten first)");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.size(0) == rows &&
+                  residual.size(1) == n && residual.stride(1) == 1,
+              "fastbert::int8_rescale_prenorm: residual must be float32 [", rows, ", ", n, "], got ",
+              shape_str(residual));
+  check_vector(ln_weight, n, at::kFloat, op, "ln_weight");
+  if (ln_bias.has_value()) check_vector(*ln_bias, n, at::kFloat, op, "ln_bias");
+  at::Tensor normed = at::empty({rows, n}, g.options());
+  float* gp = g.data_ptr<float>();
+  float* np = normed.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const int64_t rstride = residual.stride(0);
+  const float* wp = ln_weight.data_ptr<float>();
+  const float* bp = ln_bias.has_value() ? ln_bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = gp + r * n;
+      rescale_row(row, r, n, a);
+      const float* res = rp + r * rstride;
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, n - i);
+        store_f(row + i, load_f(row + i, count) + load_f(res + i, count), count);
+      }
+      layernorm_row(row, n, wp, bp, eps, np + r * n);
+    }
+  });
+  return {g, normed};
+}
+
+// ModernBERT's GLU middle in one pass: the rescaled rows of g [T, 2I] = [input | gate] (spread * g + low * wsum +
+// bias), GELU (exact, erf) of input times gate, each resulting row mapped onto [0, 1] by its own minimum and range
+// for the next int8 GEMM. Returns (unit [T, I], low, spread) of the new rows.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_geglu_unit_rows_cpu(const at::Tensor& g, const at::Tensor& low,
+                                                                       const at::Tensor& spread,
+                                                                       const at::Tensor& wsum,
+                                                                       const std::optional<at::Tensor>& bias) {
+  constexpr const char* op = "int8_geglu_unit_rows";
+  const RowArgs a = row_args(g, low, spread, wsum, bias, op);
+  TORCH_CHECK(g.size(1) % 2 == 0, "fastbert::int8_geglu_unit_rows: g must be [T, 2 * I], got ", shape_str(g));
+  const int64_t rows = g.size(0), width = g.size(1), n = width / 2;
+  at::Tensor unit = at::empty({rows, n}, g.options());
+  at::Tensor new_low = at::empty({rows, 1}, g.options());
+  at::Tensor new_spread = at::empty({rows, 1}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* up = unit.data_ptr<float>();
+  float* lp = new_low.data_ptr<float>();
+  float* sp = new_spread.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* in = gp + r * width;
+      float* out = up + r * n;
+      Vec lo(std::numeric_limits<float>::infinity()), hi(-std::numeric_limits<float>::infinity());
+      const Vec scale(a.spread[r]), shift(a.low[r]);
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, n - i);
+        Vec x = at::vec::fmadd(load_f(in + i, count), scale, shift * load_f(a.wsum + i, count));
+        Vec gate = at::vec::fmadd(load_f(in + n + i, count), scale, shift * load_f(a.wsum + n + i, count));
+        if (a.bias != nullptr) {
+          x = x + load_f(a.bias + i, count);
+          gate = gate + load_f(a.bias + n + i, count);
+        }
+        const Vec v = gelu_erf(x) * gate;
+        store_f(out + i, v, count);
+        // the zero-filled tail lanes hold no value of the row: keep them out of the minimum and maximum
+        const Vec valid = count == kLanes ? v : Vec::set(Vec(out[i]), v, count);
+        lo = at::vec::minimum(lo, valid);
+        hi = at::vec::maximum(hi, valid);
+      }
+      const float mn = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::minimum(x, y); }, lo);
+      const float mx = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, hi);
+      const float range = std::max(mx - mn, 1e-30f);
+      lp[r] = mn;
+      sp[r] = range;
+      const Vec offset(mn), inv(1.f / range);
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, n - i);
+        store_f(out + i, (load_f(out + i, count) - offset) * inv, count);
+      }
+    }
+  });
+  return {unit, new_low, new_spread};
+}
+
 }  // namespace
 }  // namespace fastbert
 
@@ -216,6 +312,10 @@ TORCH_LIBRARY_FRAGMENT(fastbert, m) {
         "(Tensor, Tensor, Tensor)");
   m.def("cpp_int8_unit_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("cpp_int8_rescale(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias) -> Tensor(a!)");
+  m.def("cpp_int8_rescale_prenorm(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias, "
+        "Tensor residual, Tensor ln_weight, Tensor? ln_bias, float eps) -> (Tensor(a!), Tensor)");
+  m.def("cpp_int8_geglu_unit_rows(Tensor g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastbert, CPU, m) {
@@ -223,4 +323,6 @@ TORCH_LIBRARY_IMPL(fastbert, CPU, m) {
   m.impl("cpp_int8_rescale", &fastbert::int8_rescale_cpu);
   m.impl("cpp_int8_rescale_layernorm", &fastbert::int8_rescale_layernorm_cpu);
   m.impl("cpp_int8_gelu_unit_rows", &fastbert::int8_gelu_unit_rows_cpu);
+  m.impl("cpp_int8_rescale_prenorm", &fastbert::int8_rescale_prenorm_cpu);
+  m.impl("cpp_int8_geglu_unit_rows", &fastbert::int8_geglu_unit_rows_cpu);
 }

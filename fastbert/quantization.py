@@ -11,8 +11,9 @@ range before the call and mapping the result back per row after it (range x G + 
 then the bias), which is exact algebra (the GEMM is linear per row) and keeps one scale for the whole input -- what
 made ONNX Runtime's int8 inaccurate -- out. In post-LN layers the mapping back is fused with what follows each GEMM
 (``csrc/int8.cpp``): bias + residual + LayerNorm, or bias + GELU + the next GEMM's row mapping; ModernBERT's layers
-map back alone, then run rotary, GLU, residual and LayerNorm as torch ops. Attention stays in fp32 on the model's
-own backend; LayerNorm (fp32 statistics), the activation, embeddings, pooler and task heads stay fp32.
+fuse it with GEGLU + the next GEMM's row mapping, or with + residual + LayerNorm keeping the sum, and rotate q and k
+in place after the QKV GEMM (``csrc/rotary.cpp``). Attention stays in fp32 on the model's own backend; LayerNorm
+(fp32 statistics), the activation, embeddings, pooler and task heads stay fp32.
 
 Inference only: a quantized layer raises in training mode or when its input requires grad. CPU only: FBGEMM has no
 CUDA kernels, so a model on CUDA is refused. Without AVX-512 VNNI / AVX-VNNI / AMX-INT8, FBGEMM multiplies with
@@ -86,13 +87,18 @@ def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return (x - low).mul_(spread.reciprocal()), low, spread  # (as the C++ step: the same int8 levels)
 
 
+# The C++ steps (``torch.ops.fastbert.<name>``) each layer kind uses; a build older than one of them runs that kind's
+# steps as torch ops.
+POST_LN_STEPS = ("cpp_int8_unit_rows", "cpp_int8_rescale", "cpp_int8_rescale_layernorm", "cpp_int8_gelu_unit_rows")
+PRE_LN_STEPS = (*POST_LN_STEPS[:2], "cpp_int8_rescale_prenorm", "cpp_int8_geglu_unit_rows", "cpp_rotary_qk_")
+
+
 @functools.cache
-def _fused_steps() -> bool:
-    """Whether the C++ extension has the fused per-token steps (``csrc/int8.cpp``); torch ops otherwise."""
+def _fused_steps(steps: tuple[str, ...] = POST_LN_STEPS) -> bool:
+    """Whether the C++ extension has ``steps`` (``csrc/int8.cpp``, ``csrc/rotary.cpp``); torch ops otherwise."""
     try:
         importlib.import_module("fastbert.backends.cpp")  # loads fastbert._C after declaring the specs' ops
-        return all(hasattr(torch.ops.fastbert, f"cpp_int8_{name}")
-                   for name in ("unit_rows", "rescale", "rescale_layernorm", "gelu_unit_rows"))
+        return all(hasattr(torch.ops.fastbert, name) for name in steps)
     except Exception:  # noqa: BLE001 - no extension: the same steps in torch ops
         return False
 
@@ -156,9 +162,41 @@ class Int8Linear(nn.Module):
             return torch.ops.fastbert.cpp_int8_gelu_unit_rows(g, low, spread, self.weight_sum, self.bias)
         return unit_rows(apply_activation(self.rescaled(g, low, spread), activation))
 
+    def residual_prenorm(self, g: torch.Tensor, low: torch.Tensor, spread: torch.Tensor, residual: torch.Tensor,
+                         weight: torch.Tensor, ln_bias: torch.Tensor | None,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x @ W^T + b + residual, LayerNorm of it) from `scaled`'s (G, low, spread): a pre-LN block's end;
+        fp32 statistics; one C++ pass."""
+        if _fused_steps(PRE_LN_STEPS):
+            return torch.ops.fastbert.cpp_int8_rescale_prenorm(g, low, spread, self.weight_sum, self.bias, residual,
+                                                               weight, ln_bias, eps)
+        summed = self.rescaled(g, low, spread).add_(residual)
+        return summed, F.layer_norm(summed, summed.shape[-1:], weight, ln_bias, eps)
+
+    def glu_unit_rows(self, g: torch.Tensor, low: torch.Tensor, spread: torch.Tensor,
+                      activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """act(input) * gate of [input | gate] = x @ W^T + b from `scaled`'s (G, low, spread), mapped onto [0, 1]
+        per row for the next int8 GEMM: (unit rows, low, spread); GEGLU (erf) in one C++ pass."""
+        if _fused_steps(PRE_LN_STEPS) and activation == "gelu":
+            return torch.ops.fastbert.cpp_int8_geglu_unit_rows(g, low, spread, self.weight_sum, self.bias)
+        projected, gate = self.rescaled(g, low, spread).chunk(2, dim=-1)
+        return unit_rows(apply_activation(projected, activation).mul_(gate))
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel weights, " \
                f"per-token int8 activations{' (7-bit: no VNNI)' if self.reduce_range else ''}"
+
+
+def rotate_packed_qk(packed: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     num_heads: int) -> torch.Tensor:
+    """q's and k's heads of packed [T, 3 * heads * D] rotated by RoPE at ``positions`` (cos, sin [P, D/2]), in
+    place where the C++ step exists; returns the packed rows."""
+    if _fused_steps(PRE_LN_STEPS):
+        return torch.ops.fastbert.cpp_rotary_qk_(packed, positions, cos, sin, num_heads)
+    heads = packed.view(packed.shape[0], 3, num_heads, -1)
+    index = positions.long()
+    heads[:, :2] = rotate_heads(heads[:, :2], cos[index][:, None], sin[index][:, None])
+    return packed
 
 
 def check_inference(layer: nn.Module, x: torch.Tensor) -> None:
@@ -234,18 +272,15 @@ class Int8PreNormLayer(nn.Module):
                 seeds: DropoutSeeds = EVAL) -> tuple[torch.Tensor, torch.Tensor]:
         """As `PreNormLayer.forward` (same arguments), without dropout and without gradients."""
         check_inference(self, x)
-        tokens, p = x.shape[0], self._parameters
-        q, k, v = self.qkv(normed).view(tokens, 3, self.num_heads, -1).unbind(1)
-        cos, sin = rotary[self.theta]
-        index = positions.long()
-        cos, sin = cos[index], sin[index]
-        q, k = rotate_heads(q, cos, sin), rotate_heads(k, cos, sin)
+        p = self._parameters
+        packed = rotate_packed_qk(self.qkv(normed), positions, *rotary[self.theta], self.num_heads)
+        q, k, v = packed.view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, self.window, (0.0, 0))
-        x = self.attn_out(context).add_(x)
-        normed = F.layer_norm(x, x.shape[-1:], p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps)
-        projected, gate = self.ffn_in(normed).chunk(2, dim=-1)
-        x = self.ffn_out(apply_activation(projected, self.activation).mul_(gate)).add_(x)
-        return x, F.layer_norm(x, x.shape[-1:], next_norm_weight, next_norm_bias, self.eps)
+        x, normed = self.attn_out.residual_prenorm(*self.attn_out.scaled(context), x, p["ffn_norm_weight"],
+                                                   p["ffn_norm_bias"], self.eps)
+        unit, low, spread = self.ffn_in.glu_unit_rows(*self.ffn_in.scaled(normed), self.activation)
+        return self.ffn_out.residual_prenorm(self.ffn_out.gemm(unit), low, spread, x, next_norm_weight,
+                                             next_norm_bias, self.eps)
 
 
 def int8_unavailable(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> str | None:

@@ -109,8 +109,7 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
     }
     # the features each precision's speed depends on (VNNI, AMX, AVX-512 BF16), and a GPU's host time
     info["cpu_flags"] = list(cpu_flags())
-    if device.type == "cpu":
-        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda
     return info
