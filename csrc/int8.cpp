@@ -19,6 +19,35 @@
 namespace fastbert {
 namespace {
 
+// A row's running minimum and maximum, a vector at a time, then the row mapped onto [0, 1] by them: the per-token
+// grid of the next int8 GEMM.
+struct RowRange {
+  Vec lo{std::numeric_limits<float>::infinity()};
+  Vec hi{-std::numeric_limits<float>::infinity()};
+
+  // v holds `count` values of the row; a partial load's zero-filled lanes are not the row's and are left out (their
+  // places take the vector's first value, `first`).
+  void add(const Vec& v, int64_t count, float first) {
+    const Vec valid = count == kLanes ? v : Vec::set(Vec(first), v, count);
+    lo = at::vec::minimum(lo, valid);
+    hi = at::vec::maximum(hi, valid);
+  }
+
+  // out[0, n) <- (src - min) / (max - min) (out may be src); stores min and the range (> 0).
+  void map_to_unit(const float* src, float* out, int64_t n, float* low, float* spread) const {
+    const float mn = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::minimum(x, y); }, lo);
+    const float mx = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, hi);
+    const float range = std::max(mx - mn, 1e-30f);
+    *low = mn;
+    *spread = range;
+    const Vec offset(mn), inv(1.f / range);
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const int64_t count = std::min<int64_t>(kLanes, n - i);
+      store_f(out + i, (load_f(src + i, count) - offset) * inv, count);
+    }
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_unit_rows_cpu(const at::Tensor& x) {
   constexpr const char* op = "int8_unit_rows";
   check_cpu(x, op, "x");
@@ -37,27 +66,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_unit_rows_cpu(const at::Tens
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * stride;
-      Vec lo(std::numeric_limits<float>::infinity()), hi(-std::numeric_limits<float>::infinity());
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) {
-        const Vec v = load_f(row + i);
-        lo = at::vec::minimum(lo, v);
-        hi = at::vec::maximum(hi, v);
+      RowRange range;
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const int64_t count = std::min<int64_t>(kLanes, n - i);
+        range.add(load_f(row + i, count), count, row[i]);
       }
-      float mn = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::minimum(a, b); }, lo);
-      float mx = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, hi);
-      for (; i < n; ++i) {
-        mn = std::min(mn, row[i]);
-        mx = std::max(mx, row[i]);
-      }
-      const float width = std::max(mx - mn, 1e-30f);
-      lp[r] = mn;
-      sp[r] = width;
-      const Vec shift(mn), inv(1.f / width);
-      float* out = up + r * n;
-      i = 0;
-      for (; i + kLanes <= n; i += kLanes) store_f(out + i, (load_f(row + i) - shift) * inv);
-      if (i < n) store_f(out + i, (load_f(row + i, n - i) - shift) * inv, n - i);
+      range.map_to_unit(row, up + r * n, n, lp + r, sp + r);
     }
   });
   return {unit, low, spread};
@@ -180,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_gelu_unit_rows_cpu(at::Tenso
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = gp + r * n;
-      Vec lo(std::numeric_limits<float>::infinity()), hi(-std::numeric_limits<float>::infinity());
+      RowRange range;
       const Vec scale(a.spread[r]), shift(a.low[r]);
       for (int64_t i = 0; i < n; i += kLanes) {
         const int64_t count = std::min<int64_t>(kLanes, n - i);
@@ -188,21 +202,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_gelu_unit_rows_cpu(at::Tenso
         if (a.bias != nullptr) v = v + load_f(a.bias + i, count);
         v = gelu_erf(v);
         store_f(row + i, v, count);
-        // the zero-filled tail lanes compute gelu(...) of partial sums: keep them out of the minimum and maximum
-        const Vec valid = count == kLanes ? v : Vec::set(Vec(row[i]), v, count);
-        lo = at::vec::minimum(lo, valid);
-        hi = at::vec::maximum(hi, valid);
+        range.add(v, count, row[i]);
       }
-      const float mn = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::minimum(x, y); }, lo);
-      const float mx = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, hi);
-      const float width = std::max(mx - mn, 1e-30f);
-      lp[r] = mn;
-      sp[r] = width;
-      const Vec shift2(mn), inv(1.f / width);
-      for (int64_t i = 0; i < n; i += kLanes) {
-        const int64_t count = std::min<int64_t>(kLanes, n - i);
-        store_f(row + i, (load_f(row + i, count) - shift2) * inv, count);
-      }
+      range.map_to_unit(row, row, n, lp + r, sp + r);
     }
   });
   return {g, new_low, new_spread};
@@ -270,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_geglu_unit_rows_cpu(const at
     for (int64_t r = begin; r < end; ++r) {
       const float* in = gp + r * width;
       float* out = up + r * n;
-      Vec lo(std::numeric_limits<float>::infinity()), hi(-std::numeric_limits<float>::infinity());
+      RowRange range;
       const Vec scale(a.spread[r]), shift(a.low[r]);
       for (int64_t i = 0; i < n; i += kLanes) {
         const int64_t count = std::min<int64_t>(kLanes, n - i);
@@ -282,21 +284,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_geglu_unit_rows_cpu(const at
         }
         const Vec v = gelu_erf(x) * gate;
         store_f(out + i, v, count);
-        // the zero-filled tail lanes hold no value of the row: keep them out of the minimum and maximum
-        const Vec valid = count == kLanes ? v : Vec::set(Vec(out[i]), v, count);
-        lo = at::vec::minimum(lo, valid);
-        hi = at::vec::maximum(hi, valid);
+        range.add(v, count, out[i]);
       }
-      const float mn = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::minimum(x, y); }, lo);
-      const float mx = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, hi);
-      const float range = std::max(mx - mn, 1e-30f);
-      lp[r] = mn;
-      sp[r] = range;
-      const Vec offset(mn), inv(1.f / range);
-      for (int64_t i = 0; i < n; i += kLanes) {
-        const int64_t count = std::min<int64_t>(kLanes, n - i);
-        store_f(out + i, (load_f(out + i, count) - offset) * inv, count);
-      }
+      range.map_to_unit(out, out, n, lp + r, sp + r);
     }
   });
   return {unit, new_low, new_spread};
