@@ -77,39 +77,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_unit_rows_cpu(const at::Tens
   return {unit, low, spread};
 }
 
-at::Tensor int8_rescale_cpu(at::Tensor g, const at::Tensor& low, const at::Tensor& spread, const at::Tensor& wsum,
-                            const std::optional<at::Tensor>& bias) {
-  constexpr const char* op = "int8_rescale";
-  check_cpu(g, op, "g");
-  TORCH_CHECK(g.scalar_type() == at::kFloat && g.dim() == 2 && g.is_contiguous(),
-              "fastbert::int8_rescale: g must be a contiguous float32 [T, N], got ", g.scalar_type(), " ",
-              shape_str(g));
-  const int64_t rows = g.size(0), n = g.size(1);
-  check_vector(wsum, n, at::kFloat, op, "wsum");
-  if (bias.has_value()) check_vector(*bias, n, at::kFloat, op, "bias");
-  TORCH_CHECK(low.numel() == rows && spread.numel() == rows && low.is_contiguous() && spread.is_contiguous(),
-              "fastbert::int8_rescale: low and spread must hold one value per row (", rows, ")");
-  float* gp = g.data_ptr<float>();
-  const float* wp = wsum.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const float* lp = low.data_ptr<float>();
-  const float* sp = spread.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = gp + r * n;
-      const Vec scale(sp[r]), shift(lp[r]);
-      int64_t i = 0;
-      for (; i < n; i += kLanes) {
-        const int64_t count = std::min<int64_t>(kLanes, n - i);
-        Vec v = at::vec::fmadd(load_f(row + i, count), scale, shift * load_f(wp + i, count));
-        if (bp != nullptr) v = v + load_f(bp + i, count);
-        store_f(row + i, v, count);
-      }
-    }
-  });
-  return g;
-}
-
 struct RowArgs {
   const float* wsum;
   const float* bias;
@@ -117,13 +84,14 @@ struct RowArgs {
   const float* spread;
 };
 
-// row <- spread * row + low * wsum (+ bias), in place, for row r.
-inline void rescale_row(float* row, int64_t r, int64_t n, const RowArgs& a) {
+// row <- spread * row + low * wsum (+ bias) (+ residual), in place, for row r: one pass.
+inline void rescale_row(float* row, int64_t r, int64_t n, const RowArgs& a, const float* residual = nullptr) {
   const Vec scale(a.spread[r]), shift(a.low[r]);
   for (int64_t i = 0; i < n; i += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - i);
     Vec v = at::vec::fmadd(load_f(row + i, count), scale, shift * load_f(a.wsum + i, count));
     if (a.bias != nullptr) v = v + load_f(a.bias + i, count);
+    if (residual != nullptr) v = v + load_f(residual + i, count);
     store_f(row + i, v, count);
   }
 }
@@ -142,38 +110,54 @@ RowArgs row_args(const at::Tensor& g, const at::Tensor& low, const at::Tensor& s
           spread.data_ptr<float>()};
 }
 
-// LayerNorm(spread * g + low * wsum + bias + residual) into g (fp32 statistics): the attention output's and the
-// FFN output's epilogue in one pass.
+at::Tensor int8_rescale_cpu(at::Tensor g, const at::Tensor& low, const at::Tensor& spread, const at::Tensor& wsum,
+                            const std::optional<at::Tensor>& bias) {
+  const RowArgs a = row_args(g, low, spread, wsum, bias, "int8_rescale");
+  const int64_t rows = g.size(0), n = g.size(1);
+  float* gp = g.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rescale_row(gp + r * n, r, n, a);
+  });
+  return g;
+}
+
+// The residual stream spread * g + low * wsum + bias + residual into g (one pass), then its LayerNorm (fp32
+// statistics; ln_bias may be absent) into `out`: g itself (post-LN: the sum is not needed again) or another [T, N]
+// buffer (pre-LN: the sum is the next block's residual).
+void rescale_residual_layernorm(at::Tensor& g, const RowArgs& a, const at::Tensor& residual,
+                                const at::Tensor& ln_weight, const std::optional<at::Tensor>& ln_bias, double eps,
+                                float* out, const char* op) {
+  const int64_t rows = g.size(0), n = g.size(1);
+  check_cpu(residual, op, "residual");
+  TORCH_CHECK(!residual.is_same(g), "fastbert::", op, ": residual must not be g (g is overwritten first)");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.size(0) == rows &&
+                  residual.size(1) == n && residual.stride(1) == 1,
+              "fastbert::", op, ": residual must be float32 [", rows, ", ", n, "], got ", shape_str(residual));
+  check_vector(ln_weight, n, at::kFloat, op, "ln_weight");
+  if (ln_bias.has_value()) check_vector(*ln_bias, n, at::kFloat, op, "ln_bias");
+  float* gp = g.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const int64_t rstride = residual.stride(0);
+  const float* wp = ln_weight.data_ptr<float>();
+  const float* bp = ln_bias.has_value() ? ln_bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = gp + r * n;
+      rescale_row(row, r, n, a, rp + r * rstride);
+      layernorm_row(row, n, wp, bp, eps, out + r * n);
+    }
+  });
+}
+
+// LayerNorm(spread * g + low * wsum + bias + residual) into g: the post-LN attention output's and FFN output's
+// epilogue.
 at::Tensor int8_rescale_layernorm_cpu(at::Tensor g, const at::Tensor& low, const at::Tensor& spread,
                                       const at::Tensor& wsum, const std::optional<at::Tensor>& bias,
                                       const at::Tensor& residual, const at::Tensor& ln_weight,
                                       const at::Tensor& ln_bias, double eps) {
   constexpr const char* op = "int8_rescale_layernorm";
   const RowArgs a = row_args(g, low, spread, wsum, bias, op);
-  const int64_t rows = g.size(0), n = g.size(1);
-  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.size(0) == rows &&
-                  residual.size(1) == n && residual.stride(1) == 1,
-              "fastbert::int8_rescale_layernorm: residual must be float32 [", rows, ", ", n, "], got ",
-              shape_str(residual));
-  check_vector(ln_weight, n, at::kFloat, op, "ln_weight");
-  check_vector(ln_bias, n, at::kFloat, op, "ln_bias");
-  float* gp = g.data_ptr<float>();
-  const float* rp = residual.data_ptr<float>();
-  const int64_t rstride = residual.stride(0);
-  const float* wp = ln_weight.data_ptr<float>();
-  const float* bp = ln_bias.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = gp + r * n;
-      rescale_row(row, r, n, a);
-      const float* res = rp + r * rstride;
-      for (int64_t i = 0; i < n; i += kLanes) {
-        const int64_t count = std::min<int64_t>(kLanes, n - i);
-        store_f(row + i, load_f(row + i, count) + load_f(res + i, count), count);
-      }
-      layernorm_row(row, n, wp, bp, eps, row);
-    }
-  });
+  rescale_residual_layernorm(g, a, residual, ln_weight, ln_bias, eps, g.data_ptr<float>(), op);
   return g;
 }
 
@@ -210,8 +194,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_gelu_unit_rows_cpu(at::Tenso
   return {g, new_low, new_spread};
 }
 
-// A pre-LN block's end (ModernBERT) in one pass: the new residual stream spread * g + low * wsum + bias + residual
-// into g, and its LayerNorm (fp32 statistics; ln_bias may be absent) into a new tensor. Returns (g, normed).
+// A pre-LN block's end (ModernBERT): the new residual stream spread * g + low * wsum + bias + residual into g, and
+// its LayerNorm into a new tensor. Returns (g, normed).
 std::tuple<at::Tensor, at::Tensor> int8_rescale_prenorm_cpu(at::Tensor g, const at::Tensor& low,
                                                            const at::Tensor& spread, const at::Tensor& wsum,
                                                            const std::optional<at::Tensor>& bias,
@@ -219,34 +203,8 @@ std::tuple<at::Tensor, at::Tensor> int8_rescale_prenorm_cpu(at::Tensor g, const 
                                                            const std::optional<at::Tensor>& ln_bias, double eps) {
   constexpr const char* op = "int8_rescale_prenorm";
   const RowArgs a = row_args(g, low, spread, wsum, bias, op);
-  const int64_t rows = g.size(0), n = g.size(1);
-  check_cpu(residual, op, "residual");
-  TORCH_CHECK(!residual.is_same(g), "fastbert::int8_rescale_prenorm: residual must not be g (g is overwritten first)");
-  TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.dim() == 2 && residual.size(0) == rows &&
-                  residual.size(1) == n && residual.stride(1) == 1,
-              "fastbert::int8_rescale_prenorm: residual must be float32 [", rows, ", ", n, "], got ",
-              shape_str(residual));
-  check_vector(ln_weight, n, at::kFloat, op, "ln_weight");
-  if (ln_bias.has_value()) check_vector(*ln_bias, n, at::kFloat, op, "ln_bias");
-  at::Tensor normed = at::empty({rows, n}, g.options());
-  float* gp = g.data_ptr<float>();
-  float* np = normed.data_ptr<float>();
-  const float* rp = residual.data_ptr<float>();
-  const int64_t rstride = residual.stride(0);
-  const float* wp = ln_weight.data_ptr<float>();
-  const float* bp = ln_bias.has_value() ? ln_bias->data_ptr<float>() : nullptr;
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* row = gp + r * n;
-      rescale_row(row, r, n, a);
-      const float* res = rp + r * rstride;
-      for (int64_t i = 0; i < n; i += kLanes) {
-        const int64_t count = std::min<int64_t>(kLanes, n - i);
-        store_f(row + i, load_f(row + i, count) + load_f(res + i, count), count);
-      }
-      layernorm_row(row, n, wp, bp, eps, np + r * n);
-    }
-  });
+  at::Tensor normed = at::empty(g.sizes(), g.options());
+  rescale_residual_layernorm(g, a, residual, ln_weight, ln_bias, eps, normed.data_ptr<float>(), op);
   return {g, normed};
 }
 

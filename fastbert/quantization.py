@@ -87,10 +87,10 @@ def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return (x - low).mul_(spread.reciprocal()), low, spread  # (as the C++ step: the same int8 levels)
 
 
-# The C++ steps (``torch.ops.fastbert.<name>``) each layer kind uses; a build older than one of them runs that kind's
-# steps as torch ops.
+# The C++ steps (``torch.ops.fastbert.<name>``): those every int8 layer uses (row mapping, rescale, the post-LN
+# epilogues) and those only ModernBERT's layers add; a build older than a group runs that group as torch ops.
 POST_LN_STEPS = ("cpp_int8_unit_rows", "cpp_int8_rescale", "cpp_int8_rescale_layernorm", "cpp_int8_gelu_unit_rows")
-PRE_LN_STEPS = (*POST_LN_STEPS[:2], "cpp_int8_rescale_prenorm", "cpp_int8_geglu_unit_rows", "cpp_rotary_qk_")
+PRE_LN_STEPS = ("cpp_int8_rescale_prenorm", "cpp_int8_geglu_unit_rows", "cpp_rotary_qk_")
 
 
 @functools.cache
