@@ -320,14 +320,15 @@ def _markdown_report():
 
 
 def _precision_note() -> list[str]:
-    """On CPU in bfloat16, whether the CPU computes it natively: emulated figures are not what `dtype="auto"` runs."""
+    """On CPU in bfloat16, whether the CPU computes it natively, and what `dtype="auto"` picks here."""
     if DEVICE.type != "cpu" or DTYPE != torch.bfloat16:
         return []
-    dtype, reason = quantization.auto_cpu_dtype()
-    if dtype == torch.bfloat16:
-        return [f"- {reason}"]
-    return [f"- bfloat16 is emulated here ({reason.split(': ', 1)[1]}): these rows compare emulations, not the "
-            "native bfloat16 that `dtype=\"auto\"` picks on an AMX or AVX-512 BF16 CPU"]
+    native = cpu.native_bf16()
+    if not native:
+        return ["- bfloat16 is emulated here (neither AMX nor AVX-512 BF16): these rows compare emulations, not the "
+                "native bfloat16 of an AMX or AVX-512 BF16 CPU"]
+    return [f"- bfloat16: the CPU computes it natively ({', '.join(native)}); `dtype=\"auto\"` picks "
+            f"{quantization.auto_cpu_dtype()[1]}"]
 
 
 def _plot_speedups(baseline: dict[str, float], png: Path, tag: str) -> None:

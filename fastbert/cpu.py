@@ -14,6 +14,7 @@ FEATURES = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnn
 INT8_DOT = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products accumulated in int32
 NATIVE_BF16 = ("amx_bf16", "avx512_bf16")  # bfloat16 arithmetic in hardware (elsewhere torch emulates it)
 AMX = "amx_tile"  # AMX tile registers: oneDNN wants its weights in VNNI tiles there
+AMX_BF16 = "amx_bf16"  # bfloat16 matrix products on those tiles
 
 
 @functools.cache
@@ -37,3 +38,10 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> tuple[str, ...]:
     """The CPU's features among `FEATURES`, in that order (empty where ``path`` cannot be read)."""
     present = cpu_info(path)[1]
     return tuple(flag for flag in FEATURES if flag in present)
+
+
+def native_bf16(flags: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The features among `NATIVE_BF16` that ``flags`` (default: this CPU's) has: empty where torch emulates
+    bfloat16. Native is not fast: `fastbert.quantization.auto_cpu_dtype` decides whether bfloat16 pays."""
+    flags = cpu_flags() if flags is None else flags
+    return tuple(flag for flag in NATIVE_BF16 if flag in flags)

@@ -150,8 +150,9 @@ def from_pretrained(
     fine-tuning) are initialised randomly and reported the same way.
 
     dtype: a torch dtype or its name (None: float32); "int8": the encoder's GEMMs int8 for CPU inference
-    (`fastbert.quantization.quantize_int8`); "auto": bfloat16 on a CPU that computes it natively (AMX, AVX-512
-    BF16), float32 on other CPUs, float16 on CUDA, the choice and its reason warned once.
+    (`fastbert.quantization.quantize_int8`); "auto": bfloat16 on a CPU where it is faster than float32 (AMX, or
+    AVX-512 BF16 measured faster: `fastbert.quantization.auto_cpu_dtype`), float32 on other CPUs, float16 on
+    CUDA, the choice and its reason warned once.
 
     cuda_graphs: with ``device`` a CUDA device, inference calls (eval mode, grad mode off: under
     ``torch.inference_mode()``) replay CUDA graphs of the packed encoder, one per bucket of shapes

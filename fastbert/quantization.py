@@ -20,8 +20,9 @@ CUDA kernels, so a model on CUDA is refused. Without AVX-512 VNNI / AVX-VNNI / A
 ``vpmaddubsw``, whose int16 pair sums saturate for 8-bit activations: there the activations are quantized to 7
 bits (FBGEMM's ``reduce_range``), which costs accuracy (checked in ``tests/test_quantization.py``).
 
-`cpu_flags` and `auto_cpu_dtype` read the CPU's features for ``dtype="auto"``: bfloat16 where the CPU computes it
-natively (AMX or AVX-512 BF16), float32 elsewhere.
+`auto_cpu_dtype` chooses the precision of ``dtype="auto"`` on CPU: bfloat16 where the CPU has AMX tiles; where it
+has AVX-512 BF16 without AMX, bfloat16 only if its GEMMs measure clearly faster than float32's on this machine
+(`bf16_gemm_speedup`: on the Xeon VMs this project runs on they measured 1.6x *slower*); float32 elsewhere.
 """
 
 from __future__ import annotations
@@ -34,22 +35,62 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert.cpu import INT8_DOT, NATIVE_BF16, cpu_flags
+from fastbert.backends import tuning
+from fastbert.cpu import AMX_BF16, INT8_DOT, cpu_flags, native_bf16
 from fastbert.model import EVAL, DropoutSeeds, FastBertModel, PostNormLayer, PreNormLayer, attend
 from fastbert.ops.linear_activation import apply_activation
 from fastbert.ops.padding import VarlenBatch
 from fastbert.ops.qkv_rotary import rotate_heads
 
+# The GEMM `bf16_gemm_speedup` times in both dtypes (tokens, in, out): a BERT-base FFN input GEMM at a batch of two
+# 128-token sequences, where the GEMMs are most of an encoder's time.
+BF16_PROBE = (256, 768, 3072)
+# bfloat16 costs accuracy (cosines 0.9999 instead of 1.0): "auto" takes it only where it is this much faster.
+BF16_MIN_SPEEDUP = 1.1
+
 
 def auto_cpu_dtype(flags: tuple[str, ...] | None = None) -> tuple[torch.dtype, str]:
-    """(dtype, reason) for ``dtype="auto"`` on CPU: bfloat16 where the CPU has AMX or AVX-512 BF16, else float32.
-    torch's own ``mkldnn._is_mkldnn_bf16_supported()`` is not used: it is true on any AVX-512 CPU, where bfloat16
-    is emulated and slower than float32."""
+    """(dtype, reason) for ``dtype="auto"`` on CPU: bfloat16 where the CPU has AMX tiles for it; where it has
+    AVX-512 BF16 without AMX, bfloat16 only if `bf16_gemm_speedup` measures its GEMMs at least `BF16_MIN_SPEEDUP`
+    times as fast as float32's here; else float32. torch's own ``mkldnn._is_mkldnn_bf16_supported()`` is not
+    used: it is true on any AVX-512 CPU, where bfloat16 is emulated and slower than float32."""
     flags = cpu_flags() if flags is None else flags
-    native = [flag for flag in NATIVE_BF16 if flag in flags]
-    if native:
-        return torch.bfloat16, f"bfloat16: the CPU computes it natively ({', '.join(native)})"
-    return torch.float32, "float32: the CPU has no native bfloat16 (neither AMX nor AVX-512 BF16)"
+    if AMX_BF16 in flags:
+        return torch.bfloat16, f"bfloat16: the CPU has AMX tiles for it ({AMX_BF16})"
+    if not native_bf16(flags):
+        return torch.float32, "float32: the CPU has no native bfloat16 (neither AMX nor AVX-512 BF16)"
+    speedup = bf16_gemm_speedup()
+    if speedup is None:
+        return torch.float32, ("float32: the CPU has AVX-512 BF16 without AMX, where bfloat16 is often slower, and "
+                               "measuring is off (FASTBERT_TUNE=0) so it was not timed")
+    tokens, width, out = BF16_PROBE
+    measured = f"a {tokens} x {width} -> {out} GEMM took {1 / speedup:.2f}x float32's time in bfloat16"
+    if speedup >= BF16_MIN_SPEEDUP:
+        return torch.bfloat16, f"bfloat16: AVX-512 BF16 without AMX, measured faster here ({measured})"
+    return torch.float32, f"float32: AVX-512 BF16 without AMX, bfloat16 not faster here ({measured})"
+
+
+def bf16_gemm_speedup() -> float | None:
+    """float32's time over bfloat16's for the `BF16_PROBE` GEMM (``F.linear``, torch's threads now), measured once
+    per machine and thread count and kept in the tuning cache (`fastbert.backends.tuning`: ``fastbert tune --clear``
+    forgets it); None when it is not cached and measuring is off (``FASTBERT_TUNE=0``)."""
+    cpu = torch.device("cpu")
+    tokens, width, out = BF16_PROBE
+    shape_class = f"dtype auto: linear {tokens}x{width}->{out} float32 vs bfloat16, {torch.get_num_threads()} threads"
+    entry = tuning.entries(cpu).get(shape_class)
+    if entry is None or set(entry.times_ms) != {"float32", "bfloat16"}:
+        if not tuning.enabled():
+            return None
+        generator = torch.Generator().manual_seed(0)
+        operands = [torch.randn(*shape, generator=generator) for shape in ((tokens, width), (out, width), (out,))]
+        candidates = {str(dtype).removeprefix("torch."): functools.partial(F.linear, *(t.to(dtype) for t in operands))
+                      for dtype in (torch.float32, torch.bfloat16)}
+        with torch.inference_mode():
+            times, rounds, clock = tuning.measure(candidates, (), {})
+        choice = "bfloat16" if times["float32"] >= BF16_MIN_SPEEDUP * times["bfloat16"] else "float32"
+        entry = tuning.Entry(choice, {name: round(ms, 4) for name, ms in times.items()}, rounds, clock)
+        tuning.record(cpu, shape_class, entry)
+    return entry.times_ms["float32"] / entry.times_ms["bfloat16"]
 
 
 _ANNOUNCED: set[str] = set()
@@ -333,7 +374,7 @@ PRECISIONS = ("auto", "float32", "float16", "bfloat16", "int8")
 
 def precision_for(name: str | torch.dtype | None, device: torch.device | str) -> tuple[str, str | None]:
     """A requested precision resolved for ``device``: (one of float32, float16, bfloat16, int8; the reason when
-    it was chosen for "auto", else None). "auto": on CPU bfloat16 where the CPU computes it natively, else float32
+    it was chosen for "auto", else None). "auto": on CPU bfloat16 where it is faster than float32, else float32
     (`auto_cpu_dtype`), announced once as a warning; on CUDA float16. None keeps float32. ValueError for a name
     outside `PRECISIONS`, or int8 where it cannot run (`int8_unavailable`)."""
     if isinstance(name, torch.dtype):

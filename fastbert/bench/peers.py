@@ -139,9 +139,11 @@ def build_peer(name: str, model_dir: str, config: FastBertConfig, dtype: torch.d
 def fastbert_precision_peer(name: str, model_dir: str, device: torch.device,
                             backend: str) -> tuple[Callable[[dict], torch.Tensor], list[str]]:
     """fastbert int8 (`fastbert.quantization`) or bfloat16 from_pretrained; bfloat16 on a CPU only where the CPU
-    computes it natively (AMX, AVX-512 BF16): elsewhere it is emulated, slower than float32, and not what anyone
-    would run, so the peer is "not available" with that reason."""
-    from fastbert.quantization import auto_cpu_dtype, int8_unavailable
+    computes it natively (AMX, AVX-512 BF16; `fastbert.cpu.native_bf16`), even where ``dtype="auto"`` measured it
+    slower than float32 (a user may still want its memory): elsewhere it is emulated, and not what anyone would run,
+    so the peer is "not available" with that reason."""
+    from fastbert.cpu import native_bf16
+    from fastbert.quantization import int8_unavailable
 
     if name == "fastbert-int8":
         reason = int8_unavailable(device)
@@ -150,10 +152,9 @@ def fastbert_precision_peer(name: str, model_dir: str, device: torch.device,
         model = load_fastbert(model_dir, "int8", device, backend)
         return (lambda inputs: model(**inputs).last_hidden_state), [
             f"from_pretrained(dtype='int8', backend={backend!r})"]
-    if device.type == "cpu":
-        dtype, reason = auto_cpu_dtype()
-        if dtype != torch.bfloat16:
-            raise PeerUnavailable(f"bfloat16 would be emulated on this CPU, slower than float32 ({reason})")
+    if device.type == "cpu" and not native_bf16():
+        raise PeerUnavailable("bfloat16 would be emulated on this CPU (neither AMX nor AVX-512 BF16), slower than "
+                              "float32")
     model = load_fastbert(model_dir, torch.bfloat16, device, backend)
     return (lambda inputs: model(**inputs).last_hidden_state.float()), [
         f"from_pretrained(dtype=bfloat16, backend={backend!r})"]

@@ -19,8 +19,8 @@ def add_model_options(parser: argparse.ArgumentParser, backend: bool = True) -> 
     parser.add_argument("--model", metavar="PATH", default=None,
                         help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
-    parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16, auto (bfloat16 on a CPU that "
-                        "computes it natively, else float32; float16 on CUDA) or int8 (CPU; embed and serve); "
+    parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16, auto (bfloat16 on a CPU where "
+                        "it is faster than float32, else float32; float16 on CUDA) or int8 (CPU; embed and serve); "
                         "default: float32 on CPU, float16 on CUDA (check and embed: float32)")
     if backend:
         parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,

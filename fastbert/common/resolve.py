@@ -76,9 +76,9 @@ def resolve_device(name: str | None) -> torch.device:
 
 def resolve_precision(name: str | None, device: torch.device) -> str:
     """The precision a user named, for ``device``: float32, float16, bfloat16 or int8. None: float16 on CUDA, else
-    float32; "auto": bfloat16 on a CPU that computes it natively, else float32 (float16 on CUDA), announced once
-    with its reason (`fastbert.quantization.precision_for`). UserError for anything else, or int8 where it cannot
-    run."""
+    float32; "auto": bfloat16 on a CPU where it is faster than float32 (AMX, or AVX-512 BF16 measured faster),
+    else float32 (float16 on CUDA), announced once with its reason (`fastbert.quantization.precision_for`).
+    UserError for anything else, or int8 where it cannot run."""
     if name is None:
         return "float16" if device.type == "cuda" else "float32"
     try:

@@ -35,11 +35,11 @@ def test_embed_auto_says_what_it_chose_and_why(capsys, monkeypatch):
     assert sum("dtype auto" in str(w.message) for w in record) == 1 and expected in str(record[0].message)
 
 
-def test_embed_auto_with_native_bfloat16_runs_bfloat16(capsys, monkeypatch):
-    monkeypatch.setattr(quantization, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", "avx512_bf16"))
+def test_embed_auto_with_fast_native_bfloat16_runs_bfloat16(capsys, monkeypatch):
+    monkeypatch.setattr(quantization, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", "amx_bf16"))
     monkeypatch.setattr(quantization, "_ANNOUNCED", set())
     reference, _ = _vectors(capsys, "--dtype", "float32")
-    with pytest.warns(UserWarning, match="bfloat16: the CPU computes it natively"):
+    with pytest.warns(UserWarning, match="bfloat16: the CPU has AMX tiles"):
         auto, _ = _vectors(capsys, "--dtype", "auto")
     assert float((auto * reference).sum(-1).min()) > 0.99 and not torch.equal(auto, reference)
 
