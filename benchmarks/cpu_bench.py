@@ -2,10 +2,13 @@
 cpp backend (from_pretrained and optimize) in float32, and the other precisions side by side: ONNX Runtime int8
 (``quantize_dynamic`` of its BERT-optimized graph), OpenVINO float32 (pinned) and at its default precision
 (bfloat16 on CPUs with AMX / AVX-512 BF16), fastbert int8 (`fastbert.quantization`) and fastbert bfloat16 (only
-where the CPU computes bfloat16 natively: elsewhere it is recorded "not available" with the reason).
+where the CPU computes bfloat16 natively: elsewhere it is recorded "not available" with the reason) against HF
+SDPA in bfloat16 and OpenVINO's default. "fastbert auto" in the targets is whichever of fastbert's runners
+``dtype="auto"`` picks on this CPU (`fastbert.quantization.auto_cpu_dtype`, which may measure once).
 
-Cases: ``8x128`` (batch 8 x 128 tokens, no padding) and ``varlen32`` (batch 32, lengths spread evenly over
-8..128, padded to 128; every runner gets the same padded batch + attention mask, fastbert removes padding itself).
+Cases: ``1x128`` and ``8x128`` (batch 1 or 8 x 128 tokens, no padding) and ``varlen32`` (batch 32, lengths spread
+evenly over 8..128, padded to 128; every runner gets the same padded batch + attention mask, fastbert removes
+padding itself).
 Timing rounds are interleaved (per round, every runner makes one untimed call then two timed ones, back to back;
 the order rotates each round) so that background load drifts and other runtimes' spinning threads hit all alike;
 the figures are the median and the minimum over all timed calls. Outputs are checked against HF eager at real positions,
@@ -42,17 +45,28 @@ from fastbert.bench.timing import time_ms
 from fastbert.bench.workloads import Workload
 from fastbert.common.resolve import model_name, resolve_model
 from fastbert.config import FastBertConfig
-from fastbert.cpu import FEATURES
+from fastbert.cpu import FEATURES, native_bf16
+from fastbert.quantization import auto_cpu_dtype
 
+# "fastbert auto" stands for the runner of the precision ``dtype="auto"`` picks on this CPU (`auto_runner`): each
+# runtime at its default precision.
+AUTO = "fastbert auto"
+BF16_TARGETS = [("fastbert bf16", "HF SDPA bf16", 1.2), ("fastbert bf16", "OpenVINO default", 1.0),
+                (AUTO, "OpenVINO default", 1.0)]
 TARGETS = {  # case -> [(runner, peer, minimum speed-up of runner over peer)]
     "8x128": [("fastbert (from_pretrained)", "HF eager", 1.5), ("fastbert (from_pretrained)", "ONNX Runtime", 1.0),
-              ("fastbert int8", "ONNX Runtime int8", 1.0), ("fastbert int8", "fastbert (from_pretrained)", 1.5)],
-    "varlen32": [("fastbert (from_pretrained)", "ONNX Runtime", 2.0)],
+              ("fastbert int8", "ONNX Runtime int8", 1.0), ("fastbert int8", "fastbert (from_pretrained)", 1.5),
+              *BF16_TARGETS],
+    "1x128": BF16_TARGETS,
+    "varlen32": [("fastbert (from_pretrained)", "ONNX Runtime", 2.0), ("fastbert bf16", "HF SDPA bf16", 1.5),
+                 ("fastbert bf16", "OpenVINO default", 1.5), (AUTO, "OpenVINO default", 1.5)],
 }
 CPU = torch.device("cpu")
 
 
 def make_case(name: str) -> Workload:
+    if name == "1x128":
+        return Workload(name, 1, 128, [128], False)
     if name == "8x128":
         return Workload(name, 8, 128, [128] * 8, False)
     if name == "varlen32":
@@ -65,6 +79,21 @@ def make_case(name: str) -> Workload:
 PRECISION_PEERS = {"ONNX Runtime int8": "onnxruntime-int8", "OpenVINO fp32": "openvino",
                    "OpenVINO default": "openvino-default", "fastbert int8": "fastbert-int8",
                    "fastbert bf16": "fastbert-bf16"}
+
+
+def auto_runner() -> tuple[str, str]:
+    """(the runner that stands for ``dtype="auto"`` here, the reason `fastbert.quantization.auto_cpu_dtype` gives)."""
+    dtype, reason = auto_cpu_dtype()
+    return ("fastbert bf16" if dtype == torch.bfloat16 else "fastbert (from_pretrained)"), reason
+
+
+def hf_sdpa_bf16(model_dir: str, config: FastBertConfig, workdir: str) -> tuple:
+    """HF SDPA in bfloat16 (outputs widened for the comparisons), where the CPU computes bfloat16 natively."""
+    if not native_bf16():
+        raise peers.PeerUnavailable("bfloat16 would be emulated on this CPU (neither AMX nor AVX-512 BF16)")
+    run, notes = peers.build_peer("hf-sdpa", model_dir, config, torch.bfloat16, CPU, "cpp", quick=False,
+                                  workdir=workdir)
+    return (lambda inputs: run(inputs).float()), [*notes, "bfloat16 weights and activations"]
 
 
 def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort: bool,
@@ -95,6 +124,16 @@ def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort
             add(label, peer)
         except peers.PeerUnavailable as err:
             unavailable[label] = str(err)
+    if precisions:
+        try:
+            runners["HF SDPA bf16"], notes["HF SDPA bf16"] = hf_sdpa_bf16(model_dir, config, workdir)
+        except peers.PeerUnavailable as err:
+            unavailable["HF SDPA bf16"] = str(err)
+        if onednn and "fastbert bf16" in runners:
+            runners["fastbert bf16 onednn"], notes["fastbert bf16 onednn"] = peers.fastbert_precision_peer(
+                "fastbert-bf16", model_dir, CPU, "onednn")
+        label, reason = auto_runner()
+        notes[AUTO] = [f"dtype='auto' on this CPU runs as {label!r}: {reason}"]
     return runners, notes, unavailable
 
 
@@ -157,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-precisions", action="store_true",
                         help="float32 runners only (no int8, bfloat16, OpenVINO)")
     parser.add_argument("--onednn", action="store_true",
-                        help="also fastbert with backend='onednn' (GEMMs on packed weights), beside the cpp backend")
+                        help="also fastbert with backend='onednn' (GEMMs on packed weights), beside the cpp backend, "
+                        "in float32 (and bfloat16 where the CPU has it)")
     parser.add_argument("--out", default=None, help="directory for <name>.json / <name>.md")
     parser.add_argument("--name", default="results", help="file name stem inside --out")
     args = parser.parse_args(argv)
@@ -187,10 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         if case not in cases:
             continue
         for runner, peer, needed in checks:
-            if peer not in cases[case]["runners"] or runner not in cases[case]["runners"]:
+            timed = runner if runner != AUTO else auto_runner()[0]
+            if peer not in cases[case]["runners"] or timed not in cases[case]["runners"]:
                 continue
-            speedup = cases[case]["runners"][peer]["median_ms"] / cases[case]["runners"][runner]["median_ms"]
-            targets.append({"case": case, "runner": runner, "peer": peer, "needed": needed,
+            speedup = cases[case]["runners"][peer]["median_ms"] / cases[case]["runners"][timed]["median_ms"]
+            label = runner if runner != AUTO else f"{AUTO} (= {timed})"
+            targets.append({"case": case, "runner": label, "peer": peer, "needed": needed,
                             "speedup": round(speedup, 3), "met": speedup >= needed})
     machine = machine_info(CPU)
     machine.update(threads=args.threads, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
@@ -218,7 +260,7 @@ def markdown(report: dict) -> str:
               "| runner | worst cosine |", "|---|---:|"]
     lines += [f"| {name} | {value:.5f} |" for name, value in report.get("worst_cosine_vs_hf_fp32", {}).items()]
     lines += [f"| {name} | not available: {reason} |" for name, reason in report.get("not_available", {}).items()]
-    for label in ("ONNX Runtime", "ONNX Runtime int8", "OpenVINO fp32", "OpenVINO default"):
+    for label in ("ONNX Runtime", "ONNX Runtime int8", "OpenVINO fp32", "OpenVINO default", "HF SDPA bf16", AUTO):
         if report["notes"].get(label):
             lines += ["", f"{label}: {'; '.join(report['notes'][label])}."]
     return "\n".join(lines) + "\n"
