@@ -1,4 +1,4 @@
-"""int8 GEMM candidates on CPU at all-MiniLM-L6-v2's shapes, against fp32 ``F.linear``, interleaved.
+"""int8 (and bfloat16) GEMM candidates on CPU at all-MiniLM-L6-v2's shapes, against fp32 ``F.linear``, interleaved.
 
 Each candidate computes x [M, K] @ W^T + b with W int8 per output channel (symmetric) and x quantized at run time:
 
@@ -13,12 +13,17 @@ Each candidate computes x [M, K] @ W^T + b with W int8 per output channel (symme
 - ``onednn per-token``: ``torch.ops.onednn.qlinear_pointwise`` (the x86 inductor quantizer's op) on the same
   row-normalised activations, quantized to uint8 in torch ops;
 - ``_int_mm per-token``: ``torch._int_mm`` (int8 x int8 -> int32) on per-token symmetric int8 activations, then
-  the per-row x per-channel rescale (what torchao's int8 dynamic-activation/int8-weight linear computes on CPU).
+  the per-row x per-channel rescale (what torchao's int8 dynamic-activation/int8-weight linear computes on CPU);
+- with ``--bf16``, where the CPU computes bfloat16 natively (`fastbert.cpu.native_bf16`): ``bf16``, ``F.linear`` on
+  bfloat16 x, W and b (oneDNN; x cast before the timing, as a bfloat16 model holds it), and ``bf16 onednn
+  packed``, the same GEMM on W packed once into oneDNN's blocked layout (`fastbert.backends.onednn`'s route).
 
 Accuracy: max |y - y64| / max |y64| against the float64 GEMM. Timing: per round every candidate runs one untimed
 and ``--repeats`` timed calls, the order rotated each round; the figures are medians over all timed calls.
 
     .venv/bin/python benchmarks/int8_gemm_cpu.py --threads 2 --rounds 9 --out benchmarks/results/cpu-2core-int8
+    .venv/bin/python benchmarks/int8_gemm_cpu.py --threads 2 --rounds 9 --bf16 \
+        --out benchmarks/results/cpu-2core-avx512bf16
 
 Writes gemm.json and gemm.md into --out. Not a test.
 """
@@ -37,7 +42,7 @@ import torch.nn.functional as F
 
 from fastbert.bench.machine import machine_info
 from fastbert.bench.timing import time_ms
-from fastbert.cpu import cpu_flags
+from fastbert.cpu import cpu_flags, native_bf16
 from fastbert.quantization import Int8Linear, int8_weight
 
 SHAPES = [(m, k, n) for m in (1024, 128) for k, n in ((384, 1152), (384, 384), (384, 1536), (1536, 384))]
@@ -86,24 +91,36 @@ def candidates(w: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[torch.Te
             "onednn per-token": onednn_token, "_int_mm per-token": int_mm_token}
 
 
-def bench_shape(m: int, k: int, n: int, rounds: int, repeats: int) -> dict:
+def bf16_candidates(w: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Name -> x (bfloat16) -> y: the bfloat16 GEMMs, as stored and on a weight packed once."""
+    wb, bb = w.bfloat16(), b.bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(wb, None)
+    return {"bf16": lambda x: F.linear(x, wb, bb),
+            "bf16 onednn packed": lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bb, "none", [], "")}
+
+
+def bench_shape(m: int, k: int, n: int, rounds: int, repeats: int, bf16: bool = False) -> dict:
     gen = torch.Generator().manual_seed(m * 7 + k * 3 + n)
     x = torch.randn(m, k, generator=gen)
     x[:, :4] *= 8.0  # a few outlier channels, as BERT's hidden states have
     w = torch.randn(n, k, generator=gen) / k ** 0.5
     b = torch.randn(n, generator=gen) * 0.1
     exact = F.linear(x.double(), w.double(), b.double())
-    runs = candidates(w, b)
+    runs = {name: (fn, x) for name, fn in candidates(w, b).items()}
+    if bf16:
+        runs.update({name: (fn, x.bfloat16()) for name, fn in bf16_candidates(w, b).items()})
     entry = {}
     with torch.inference_mode():
-        for name, fn in runs.items():
-            err = float((fn(x).double() - exact).abs().max() / exact.abs().max())
+        for name, (fn, inputs) in runs.items():
+            err = float((fn(inputs).double() - exact).abs().max() / exact.abs().max())
             entry[name] = {"max_rel_err": err, "times_ms": []}
         names = list(runs)
         for index in range(rounds):
             shift = index % len(names)
             for name in names[shift:] + names[:shift]:
-                entry[name]["times_ms"] += time_ms(lambda fn=runs[name]: fn(x), repeats=repeats, warmup=1)
+                fn, inputs = runs[name]
+                entry[name]["times_ms"] += time_ms(lambda fn=fn, inputs=inputs: fn(inputs), repeats=repeats,
+                                                   warmup=1)
     base = statistics.median(entry["fp32"]["times_ms"])
     for value in entry.values():
         value["median_ms"] = statistics.median(value["times_ms"])
@@ -113,13 +130,13 @@ def bench_shape(m: int, k: int, n: int, rounds: int, repeats: int) -> dict:
 
 def markdown(report: dict) -> str:
     machine = report["machine"]
-    lines = ["# int8 GEMM candidates vs fp32 F.linear (CPU)", "",
+    lines = ["# int8 (and bfloat16) GEMM candidates vs fp32 F.linear (CPU)", "",
              f"- Date: {machine['date']}",
              f"- Machine: {machine['cpu']}, {machine['cpu_cores']} logical CPUs, {report['threads']} threads; "
              f"CPU flags: {', '.join(report['cpu_flags']) or 'none of fastbert.cpu.FEATURES'}; "
              f"torch CPU capability {report['torch_cpu_capability']}",
              f"- Load average before/after: {report['load_before']:.2f}/{machine['load_average'][0]:.2f} "
-             "(other agents' jobs shared the 2 cores: compare the ratios, not the milliseconds)",
+             "(load moves the milliseconds more than the ratios of one round)",
              f"- Versions: torch {machine['versions']['torch']}, python {machine['python']}",
              f"- Command: `{report['command']}`",
              f"- {report['rounds']} interleaved rounds x {report['repeats']} timed calls; median ms; speed-up = fp32 "
@@ -139,14 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true", help="also the bfloat16 GEMMs (CPUs with native bfloat16)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.bf16 and not native_bf16():
+        parser.error("--bf16: this CPU has no native bfloat16 (neither AMX nor AVX-512 BF16): it would time emulation")
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     shapes = {}
     for m, k, n in SHAPES:
         key = f"{m} x {k} -> {n}"
-        shapes[key] = bench_shape(m, k, n, args.rounds, args.repeats)
+        shapes[key] = bench_shape(m, k, n, args.rounds, args.repeats, args.bf16)
         print(key, "  ".join(f"{name} {v['median_ms']:.2f} ms ({v['speedup_vs_fp32']:.2f}x, err {v['max_rel_err']:.1e})"
                              for name, v in shapes[key].items()), flush=True)
     command = ".venv/bin/python benchmarks/int8_gemm_cpu.py " + " ".join(argv if argv is not None else os.sys.argv[1:])
