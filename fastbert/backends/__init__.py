@@ -54,7 +54,8 @@ def cpu_auto_order(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     packed weights) only where the CPU has AMX: there oneDNN wants its weights in VNNI tiles and, handed them as
     stored, reorders them at every call. Elsewhere whole forwards measured level with cpp (MiniLM fp32, 8 x 128 and
     32 mixed lengths, 2-core AVX-512 VM: `benchmarks/results/cpu-2core-ops-onednn/e2e.md`) while measuring it would
-    keep a packed copy of every GEMM weight; force it with ``backend="onednn"``."""
+    keep a packed copy of every GEMM weight; force it with ``backend="onednn"`` (bfloat16 calls on a CPU with
+    AVX-512 BF16 measure it anyway: `AUTO_ORDER_BF16`)."""
     flags = cpu.cpu_info()[1] if flags is None else flags
     return ("cpp", "onednn", "eager") if cpu.AMX in flags else ("cpp", "eager")
 
@@ -63,6 +64,11 @@ def cpu_auto_order(flags: frozenset[str] | None = None) -> tuple[str, ...]:
 # with measuring off its preference: the static order. Triton on CPU only runs under TRITON_INTERPRET=1, which is
 # far too slow to be picked automatically, so `auto` never takes it for CPU tensors.
 AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": cpu_auto_order()}
+# Backends `auto` also considers for bfloat16 calls, per device type (after the first of AUTO_ORDER's). On a CPU with
+# native bfloat16 (AVX-512 BF16; AMX already has onednn above), oneDNN's bfloat16 GEMMs on weights packed once beat
+# cpp's on weights as stored in whole MiniLM forwards, 168.6 vs 180.3 ms at 8 x 128 and 361.1 vs 408.6 on 32 mixed
+# lengths (`benchmarks/results/cpu-2core-avx512bf16/e2e.md`); a float32 model never measures it, so keeps no copies.
+AUTO_ORDER_BF16 = {"cpu": ("onednn",) if cpu.native_bf16() else ()}
 # The static order under autograd (grad mode on and an input that requires grad). The cpp backward of most ops is
 # the spec's formula in PyTorch ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256,
 # one thread, 2-core VM) measured a step at 288 ms through cpp vs 220 ms through eager, so the static order trains
@@ -273,10 +279,20 @@ def preload(backend: str | None, device_type: str) -> None:
     if backend != "auto":
         candidates = {backend}
     else:
-        candidates = {*AUTO_ORDER.get(device_type, ()), *AUTO_ORDER_AUTOGRAD.get(device_type, ())}
+        candidates = {*auto_order(device_type, torch.bfloat16), *AUTO_ORDER_AUTOGRAD.get(device_type, ())}
         candidates.update(*(orders.get(device_type, ()) for orders in AUTO_ORDER_AUTOGRAD_BY_OP.values()))
     for name in sorted(candidates - _LOADED - set(_LOAD_ERRORS)):
         _load(name, warn=False)
+
+
+def auto_order(device_type: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The backends `auto` considers, in order, for inference calls on ``device_type`` in ``dtype``: AUTO_ORDER's,
+    with AUTO_ORDER_BF16's after its first for bfloat16."""
+    order = AUTO_ORDER.get(device_type, ())
+    if dtype != torch.bfloat16:
+        return order
+    extra = tuple(name for name in AUTO_ORDER_BF16.get(device_type, ()) if name not in order)
+    return order[:1] + extra + order[1:]
 
 
 def autograd_order(op: str, device_type: str) -> tuple[str, ...]:
@@ -366,14 +382,19 @@ def _fingerprint(value, dropout: bool, seed: bool):
     return value
 
 
+def _float_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
+    """The dtype of a call's first floating-point tensor (its ids and masks come first in some ops)."""
+    return next((t.dtype for t in tensors if t.is_floating_point()), None)
+
+
 def _static(op: str, device_type: str, tensors: list[torch.Tensor], args: tuple, kwargs: dict,
             how: str) -> Decision:
-    """`auto` by the static preference lists (AUTO_ORDER, and under autograd `autograd_order`)."""
+    """`auto` by the static preference lists (`auto_order`, and under autograd `autograd_order`)."""
     skipped: dict[str, str] = {}
-    order = AUTO_ORDER.get(device_type, ())
+    order = inference_order = auto_order(device_type, _float_dtype(tensors))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         order = autograd_order(op, device_type)
-        for preferred in AUTO_ORDER.get(device_type, ()):
+        for preferred in inference_order:
             if preferred in order:
                 continue
             reason = why_not(op, preferred, *args, **kwargs)
@@ -394,7 +415,7 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
     """`auto` by measurement among the device's backends that can run the call (`fastbert.backends.tuning`)."""
     skipped: dict[str, str] = {}
     candidates = []
-    for candidate in dict.fromkeys(AUTO_ORDER.get(device_type, ()) + ("eager",)):
+    for candidate in dict.fromkeys(auto_order(device_type, _float_dtype(tensors)) + ("eager",)):
         reason = why_not(op, candidate, *args, **kwargs)
         same = None if reason else same_implementation(op, candidate, candidates)
         if same is not None:  # e.g. vendor runs triton's kernel for ops without a GEMM: nothing to compare

@@ -10,8 +10,9 @@ Why: `torch.addmm` (the cpp backend's GEMM) hands oneDNN or MKL the weight as it
 it on every call; packed once, the call reads the layout it wants. On the 2-core AVX-512 VM (no AMX) it came out
 level with the cpp ops, per op and in whole MiniLM forwards (`benchmarks/results/cpu-2core-ops-onednn/`). On AMX,
 where bf16 needs VNNI-packed weights, the reorder it saves is larger: `auto` measures it beside cpp and eager per
-shape class on CPUs with AMX only (`fastbert.backends.cpu_auto_order`), so there it runs where it wins; elsewhere
-force it.
+shape class on CPUs with AMX (`fastbert.backends.cpu_auto_order`), and for bfloat16 calls on CPUs with AVX-512 BF16
+(`fastbert.backends.AUTO_ORDER_BF16`: there it measured 1.1x cpp's bf16 forward), so it runs where it wins;
+elsewhere force it.
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
 parameter's gradient), no dropout; a call torch.compile traces runs the cpp backend's op. Weights must be

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fastbert
-from fastbert import backends, ops
+from fastbert import backends, cpu, ops
 from fastbert.backends import onednn, tuning
 from fastbert.numerics import assert_accurate
 from fastbert.ops.linear_activation import ACTIVATIONS
@@ -242,3 +242,35 @@ def test_auto_times_onednn_beside_cpp_and_eager_on_an_amx_cpu(monkeypatch, tmp_p
         backends.set_measuring(False)
         tuning.forget()
     assert decision.how == "measured" and set(decision.times_ms) == {"cpp", "onednn", "eager"}, decision
+
+
+def test_bfloat16_calls_also_consider_onednn_where_the_cpu_has_native_bfloat16(monkeypatch, tmp_path):
+    """AVX-512 BF16 without AMX: bfloat16 calls time onednn beside cpp and eager; float32 calls never run it, so a
+    float32 model keeps no packed copies of its weights."""
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", backends.cpu_auto_order(frozenset({"avx512_bf16"})))
+    monkeypatch.setitem(backends.AUTO_ORDER_BF16, "cpu", ("onednn",))
+    assert backends.auto_order("cpu", torch.bfloat16) == ("cpp", "onednn", "eager")
+    assert backends.auto_order("cpu", torch.float32) == ("cpp", "eager")
+    tuning.forget()
+    gen = torch.Generator().manual_seed(8)
+    decisions = {}
+    backends.set_measuring(True)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.randn(64, 96, generator=gen).to(dtype), _param(128, 96, dtype=dtype, gen=gen)
+            before = onednn.packed_count()
+            with torch.no_grad():
+                decisions[dtype] = backends.decide("linear_activation", "auto", (x, w, None, "gelu"), {})
+            decisions[dtype, "packed"] = onednn.packed_count() - before
+    finally:
+        backends.set_measuring(False)
+        tuning.forget()
+    assert set(decisions[torch.float32].times_ms) == {"cpp", "eager"} and decisions[torch.float32, "packed"] == 0
+    assert set(decisions[torch.bfloat16].times_ms) == {"cpp", "onednn", "eager"}, decisions[torch.bfloat16]
+    with torch.no_grad():  # the static order (measuring off) keeps cpp first
+        assert backends.decide("linear_activation", "auto", (x, w, None, "gelu"), {}).backend == "cpp"
+
+
+def test_the_bfloat16_extra_follows_the_cpus_features():
+    assert backends.AUTO_ORDER_BF16["cpu"] == (("onednn",) if cpu.native_bf16() else ())
