@@ -4,6 +4,7 @@ line. Memory is bounded by the window (``window_rows`` texts and their embedding
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ class Progress:
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.interval = 0.25 if self.tty else log_every
         self.start = time.perf_counter()
-        self.last = 0.0
+        self.last = -math.inf  # the first update always shows (perf_counter's zero is arbitrary, e.g. boot)
 
     def update(self, stats: EmbedStats, bytes_read: int, force: bool = False) -> None:
         """Show the counts so far (at most once an interval unless ``force``)."""
