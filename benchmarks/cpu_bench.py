@@ -227,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         if case not in cases:
             continue
         for runner, peer, needed in checks:
+            if peer not in cases[case]["runners"] or (runner != AUTO and runner not in cases[case]["runners"]):
+                continue
             timed = runner if runner != AUTO else auto_runner()[0]
-            if peer not in cases[case]["runners"] or timed not in cases[case]["runners"]:
+            if timed not in cases[case]["runners"]:
                 continue
             speedup = cases[case]["runners"][peer]["median_ms"] / cases[case]["runners"][timed]["median_ms"]
             label = runner if runner != AUTO else f"{AUTO} (= {timed})"

@@ -908,7 +908,7 @@ def explain(model: nn.Module, **call_kwargs) -> str:
             reason = state.model_reason(base, state.current(base), kwargs)
         if reason is None:
             requested = state.backend if state.backend != "auto" else ("auto: per op among the device's backends, "
-                                                                        "fastbert.backends.AUTO_ORDER")
+                                                                        "fastbert.backends.auto_order")
             lines.append(f"{name}: fastbert's path (backend {requested})")
         else:
             lines.append(f"{name}: transformers' code runs: {reason}")

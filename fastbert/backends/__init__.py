@@ -60,15 +60,23 @@ def cpu_auto_order(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     return ("cpp", "onednn", "eager") if cpu.AMX in flags else ("cpp", "eager")
 
 
+def cpu_bf16_extra(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The backends `auto` also considers for bfloat16 calls on a CPU with these feature flags (default: this
+    CPU's): ``onednn`` where the CPU computes bfloat16 natively. There (AVX-512 BF16, no AMX) oneDNN's bfloat16
+    GEMMs on weights packed once beat cpp's on weights as stored in whole MiniLM forwards, 168.6 vs 180.3 ms at
+    8 x 128 and 361.1 vs 408.6 on 32 mixed lengths (`benchmarks/results/cpu-2core-avx512bf16/e2e.md`). The cost: a
+    bfloat16 model keeps a packed copy of each GEMM weight onednn was timed on, chosen or not (as every model does on
+    AMX); a float32 model never times it there, and keeps none."""
+    flags = cpu.cpu_info()[1] if flags is None else flags
+    return ("onednn",) if cpu.native_bf16(tuple(flags)) else ()
+
+
 # The backends `auto` considers per device type (measuring takes the fastest of those that can run a call), and
 # with measuring off its preference: the static order. Triton on CPU only runs under TRITON_INTERPRET=1, which is
 # far too slow to be picked automatically, so `auto` never takes it for CPU tensors.
 AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": cpu_auto_order()}
-# Backends `auto` also considers for bfloat16 calls, per device type (after the first of AUTO_ORDER's). On a CPU with
-# native bfloat16 (AVX-512 BF16; AMX already has onednn above), oneDNN's bfloat16 GEMMs on weights packed once beat
-# cpp's on weights as stored in whole MiniLM forwards, 168.6 vs 180.3 ms at 8 x 128 and 361.1 vs 408.6 on 32 mixed
-# lengths (`benchmarks/results/cpu-2core-avx512bf16/e2e.md`); a float32 model never measures it, so keeps no copies.
-AUTO_ORDER_BF16 = {"cpu": ("onednn",) if cpu.native_bf16() else ()}
+# Backends `auto` also considers for bfloat16 calls, per device type (after the first of AUTO_ORDER's).
+AUTO_ORDER_BF16 = {"cpu": cpu_bf16_extra()}
 # The static order under autograd (grad mode on and an input that requires grad). The cpp backward of most ops is
 # the spec's formula in PyTorch ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256,
 # one thread, 2-core VM) measured a step at 288 ms through cpp vs 220 ms through eager, so the static order trains
@@ -285,7 +293,7 @@ def preload(backend: str | None, device_type: str) -> None:
         _load(name, warn=False)
 
 
-def auto_order(device_type: str, dtype: torch.dtype) -> tuple[str, ...]:
+def auto_order(device_type: str, dtype: torch.dtype | None) -> tuple[str, ...]:
     """The backends `auto` considers, in order, for inference calls on ``device_type`` in ``dtype``: AUTO_ORDER's,
     with AUTO_ORDER_BF16's after its first for bfloat16."""
     order = AUTO_ORDER.get(device_type, ())

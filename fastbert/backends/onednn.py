@@ -11,7 +11,7 @@ it on every call; packed once, the call reads the layout it wants. On the 2-core
 level with the cpp ops, per op and in whole MiniLM forwards (`benchmarks/results/cpu-2core-ops-onednn/`). On AMX,
 where bf16 needs VNNI-packed weights, the reorder it saves is larger: `auto` measures it beside cpp and eager per
 shape class on CPUs with AMX (`fastbert.backends.cpu_auto_order`), and for bfloat16 calls on CPUs with AVX-512 BF16
-(`fastbert.backends.AUTO_ORDER_BF16`: there it measured 1.1x cpp's bf16 forward), so it runs where it wins;
+(`fastbert.backends.AUTO_ORDER_BF16`: there bf16 forwards ran 1.07-1.09x faster on it), so it runs where it wins;
 elsewhere force it.
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the

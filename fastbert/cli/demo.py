@@ -31,9 +31,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--repeats must be >= 1")
     model_dir, config = resolve_model(args.model)
     device = resolve_device(args.device)
+    shared.set_threads(args.threads)  # first: dtype "auto" may time a GEMM at these threads
     dtype = resolve_dtype(args.dtype, device)
     shared.need_transformers("demo")
-    shared.set_threads(args.threads)
     batch = TextEncoder(model_dir, config)(SENTENCES, device)
     mask = batch["attention_mask"].bool()
     print(f"fastbert demo: {shared.model_line(model_dir, config, device, dtype)}")

@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"FASTBERT_BACKEND={backends.requested_backend('auto')} forces a backend: nothing to measure")
     model_dir, config = resolve_model(args.model)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    shared.set_threads(args.threads)
+    backends.set_measuring(True)  # the command's purpose, even where FASTBERT_TUNE=0 turns it off for programs
+    dtype = resolve_dtype(args.dtype, device)  # (after both: "auto" may time a GEMM, at these threads)
     cuda = device.type == "cuda"
     batches, seqs = args.batch or ([1, 32, 128] if cuda else [1, 8]), args.seq or ([128, 512] if cuda else [128])
     if any(v < 1 for v in batches + seqs):
@@ -49,8 +51,6 @@ def run(args: argparse.Namespace) -> int:
     longest = config.token_positions
     if max(seqs) > longest:
         raise UserError(f"--seq {max(seqs)} exceeds the model's {longest} positions")
-    shared.set_threads(args.threads)
-    backends.set_measuring(True)  # the command's purpose, even where FASTBERT_TUNE=0 turns it off for programs
     model = shared.load_fastbert(model_dir, dtype, device, "auto")
     print(f"fastbert tune: {shared.model_line(model_dir, config, device, dtype)}, {torch.get_num_threads()} "
           f"thread(s)")

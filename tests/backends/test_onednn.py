@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fastbert
-from fastbert import backends, cpu, ops
+from fastbert import backends, ops
 from fastbert.backends import onednn, tuning
 from fastbert.numerics import assert_accurate
 from fastbert.ops.linear_activation import ACTIVATIONS
@@ -244,12 +244,13 @@ def test_auto_times_onednn_beside_cpp_and_eager_on_an_amx_cpu(monkeypatch, tmp_p
     assert decision.how == "measured" and set(decision.times_ms) == {"cpp", "onednn", "eager"}, decision
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 on this CPU")
 def test_bfloat16_calls_also_consider_onednn_where_the_cpu_has_native_bfloat16(monkeypatch, tmp_path):
     """AVX-512 BF16 without AMX: bfloat16 calls time onednn beside cpp and eager; float32 calls never run it, so a
     float32 model keeps no packed copies of its weights."""
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(backends.AUTO_ORDER, "cpu", backends.cpu_auto_order(frozenset({"avx512_bf16"})))
-    monkeypatch.setitem(backends.AUTO_ORDER_BF16, "cpu", ("onednn",))
+    monkeypatch.setitem(backends.AUTO_ORDER_BF16, "cpu", backends.cpu_bf16_extra(frozenset({"avx512_bf16"})))
     assert backends.auto_order("cpu", torch.bfloat16) == ("cpp", "onednn", "eager")
     assert backends.auto_order("cpu", torch.float32) == ("cpp", "eager")
     tuning.forget()
@@ -272,5 +273,12 @@ def test_bfloat16_calls_also_consider_onednn_where_the_cpu_has_native_bfloat16(m
         assert backends.decide("linear_activation", "auto", (x, w, None, "gelu"), {}).backend == "cpp"
 
 
-def test_the_bfloat16_extra_follows_the_cpus_features():
-    assert backends.AUTO_ORDER_BF16["cpu"] == (("onednn",) if cpu.native_bf16() else ())
+def test_the_bfloat16_extra_follows_the_cpus_features(monkeypatch):
+    assert backends.cpu_bf16_extra(frozenset({"avx512f", "avx512_bf16"})) == ("onednn",)
+    assert backends.cpu_bf16_extra(frozenset({"avx512f", "amx_tile", "amx_bf16"})) == ("onednn",)
+    assert backends.cpu_bf16_extra(frozenset({"avx512f", "avx512_vnni"})) == ()
+    assert backends.AUTO_ORDER_BF16["cpu"] == backends.cpu_bf16_extra()
+    amx = backends.cpu_auto_order(frozenset({"amx_tile"}))  # already there on AMX: not listed twice
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", amx)
+    monkeypatch.setitem(backends.AUTO_ORDER_BF16, "cpu", ("onednn",))
+    assert backends.auto_order("cpu", torch.bfloat16) == amx

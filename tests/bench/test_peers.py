@@ -40,9 +40,10 @@ def test_fastbert_bf16_peer_only_where_the_cpu_computes_bfloat16(minilm, tmp_pat
     monkeypatch.setattr(cpu, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", "avx512_vnni"))
     with pytest.raises(peers.PeerUnavailable, match="emulated"):
         _run("fastbert-bf16", minilm, tmp_path)
-    # native but measured slower than float32 (dtype="auto" then takes float32): still benchmarked
+    # native but measured slower than float32: dtype="auto" takes float32 there, the peer is still benchmarked
     monkeypatch.setattr(cpu, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", "avx512_bf16"))
     monkeypatch.setattr(quantization, "bf16_gemm_speedup", lambda: 0.6)
+    assert quantization.auto_cpu_dtype(("avx512f", "avx512_bf16"))[0] == torch.float32
     out, notes = _run("fastbert-bf16", minilm, tmp_path)
     assert out.dtype == torch.float32 and "bfloat16" in notes[0]
 
