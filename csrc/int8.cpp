@@ -257,7 +257,7 @@ TORCH_LIBRARY_FRAGMENT(fastbert, m) {
   m.def("cpp_int8_rescale_layernorm(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias, "
         "Tensor residual, Tensor ln_weight, Tensor ln_bias, float eps) -> Tensor(a!)");
   m.def("cpp_int8_gelu_unit_rows(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias) -> "
-        "(Tensor, Tensor, Tensor)");
+        "(Tensor(a!), Tensor, Tensor)");  // the unit rows are g's buffer
   m.def("cpp_int8_unit_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("cpp_int8_rescale(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias) -> Tensor(a!)");
   m.def("cpp_int8_rescale_prenorm(Tensor(a!) g, Tensor low, Tensor spread, Tensor wsum, Tensor? bias, "

@@ -139,14 +139,21 @@ POST_LN_STEPS = ("cpp_int8_unit_rows", "cpp_int8_rescale", "cpp_int8_rescale_lay
 PRE_LN_STEPS = ("cpp_int8_rescale_prenorm", "cpp_int8_geglu_unit_rows", "cpp_rotary_qk_")
 
 
-@functools.cache
+_STEPS_PRESENT: dict[tuple[str, ...], bool] = {}  # steps -> whether the extension has them (`_fused_steps`)
+
+
+# torch.compile takes the answer as a constant: traced, the import inside broke the graph at every int8 GEMM.
+@torch.compiler.assume_constant_result
 def _fused_steps(steps: tuple[str, ...] = POST_LN_STEPS) -> bool:
-    """Whether the C++ extension has ``steps`` (``csrc/int8.cpp``, ``csrc/rotary.cpp``); torch ops otherwise."""
-    try:
-        importlib.import_module("fastbert.backends.cpp")  # loads fastbert._C after declaring the specs' ops
-        return all(hasattr(torch.ops.fastbert, name) for name in steps)
-    except Exception:  # noqa: BLE001 - no extension: the same steps in torch ops
-        return False
+    """Whether the C++ extension has ``steps`` (``csrc/int8.cpp``, ``csrc/rotary.cpp``); torch ops otherwise.
+    Checked once per group."""
+    if steps not in _STEPS_PRESENT:
+        try:
+            importlib.import_module("fastbert.backends.cpp")  # loads fastbert._C after declaring the specs' ops
+            _STEPS_PRESENT[steps] = all(hasattr(torch.ops.fastbert, name) for name in steps)
+        except Exception:  # noqa: BLE001 - no extension: the same steps in torch ops
+            _STEPS_PRESENT[steps] = False
+    return _STEPS_PRESENT[steps]
 
 
 class Int8Linear(nn.Module):

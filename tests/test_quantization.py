@@ -565,3 +565,18 @@ def test_int8_pre_ln_layer_keeps_the_float_layers_settings(tmp_path):
         names = ("num_heads", "scale", "eps", "activation", "window", "theta", "dropout")
         assert [getattr(quantized, n) for n in names] == [getattr(float_layer, n) for n in names]
         assert ("attn_norm_weight" in quantized._parameters) == ("attn_norm_weight" in float_layer._parameters)
+
+
+def test_torch_compile_of_an_int8_model_matches_eager_without_the_cache_warning(minilm_int8):
+    """torch.compile runs the int8 steps between graph breaks (FBGEMM's packed weight is opaque to it); whether
+    the extension has the C++ steps is a constant to it (`_fused_steps`), not a cached function traced anew."""
+    torch._dynamo.reset()
+    ids, mask = torch.randint(1000, 20000, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    compiled = torch.compile(minilm_int8, backend="eager")
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+        expected = minilm_int8(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch._dynamo.reset()
+    assert torch.equal(got, expected)
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message)[:120] for w in caught]
