@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <utility>
 
 #include "fastbert.h"
 
@@ -48,6 +49,30 @@ struct RowRange {
   }
 };
 
+// Rows mapped onto [0, 1] for the next int8 GEMM (`unit` [T, n]: a new tensor, or a buffer the caller owns, written
+// in place) with each row's minimum and range ([T, 1] each): what every row-mapping step returns.
+struct UnitRows {
+  at::Tensor unit, low, spread;
+  float *up, *lp, *sp;
+
+  explicit UnitRows(at::Tensor out)
+      : unit(std::move(out)),
+        low(at::empty({unit.size(0), 1}, unit.options())),
+        spread(at::empty({unit.size(0), 1}, unit.options())),
+        up(unit.data_ptr<float>()),
+        lp(low.data_ptr<float>()),
+        sp(spread.data_ptr<float>()) {}
+
+  float* row(int64_t r) const { return up + r * unit.size(1); }
+
+  // Row r of unit <- src (the row's values, whose minimum and maximum `range` gathered) mapped onto [0, 1].
+  void map_row(const RowRange& range, const float* src, int64_t r) const {
+    range.map_to_unit(src, row(r), unit.size(1), lp + r, sp + r);
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> tensors() const { return {unit, low, spread}; }
+};
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_unit_rows_cpu(const at::Tensor& x) {
   constexpr const char* op = "int8_unit_rows";
   check_cpu(x, op, "x");
@@ -55,14 +80,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_unit_rows_cpu(const at::Tens
   TORCH_CHECK(x.dim() == 2, "fastbert::int8_unit_rows: x must be [T, K], got ", shape_str(x));
   const int64_t rows = x.size(0), n = x.size(1);
   const at::Tensor src = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor unit = at::empty({rows, n}, x.options());
-  at::Tensor low = at::empty({rows, 1}, x.options());
-  at::Tensor spread = at::empty({rows, 1}, x.options());
+  const UnitRows out(at::empty({rows, n}, x.options()));
   const float* xp = src.data_ptr<float>();
   const int64_t stride = src.stride(0);
-  float* up = unit.data_ptr<float>();
-  float* lp = low.data_ptr<float>();
-  float* sp = spread.data_ptr<float>();
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * stride;
@@ -71,10 +91,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_unit_rows_cpu(const at::Tens
         const int64_t count = std::min<int64_t>(kLanes, n - i);
         range.add(load_f(row + i, count), count, row[i]);
       }
-      range.map_to_unit(row, up + r * n, n, lp + r, sp + r);
+      out.map_row(range, row, r);
     }
   });
-  return {unit, low, spread};
+  return out.tensors();
 }
 
 struct RowArgs {
@@ -170,14 +190,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_gelu_unit_rows_cpu(at::Tenso
   constexpr const char* op = "int8_gelu_unit_rows";
   const RowArgs a = row_args(g, low, spread, wsum, bias, op);
   const int64_t rows = g.size(0), n = g.size(1);
-  at::Tensor new_low = at::empty({rows, 1}, g.options());
-  at::Tensor new_spread = at::empty({rows, 1}, g.options());
-  float* gp = g.data_ptr<float>();
-  float* lp = new_low.data_ptr<float>();
-  float* sp = new_spread.data_ptr<float>();
+  const UnitRows out(g);  // in place: the new rows replace g's
   at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* row = gp + r * n;
+      float* row = out.row(r);
       RowRange range;
       const Vec scale(a.spread[r]), shift(a.low[r]);
       for (int64_t i = 0; i < n; i += kLanes) {
@@ -188,10 +204,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_gelu_unit_rows_cpu(at::Tenso
         store_f(row + i, v, count);
         range.add(v, count, row[i]);
       }
-      range.map_to_unit(row, row, n, lp + r, sp + r);
+      out.map_row(range, row, r);
     }
   });
-  return {g, new_low, new_spread};
+  return out.tensors();
 }
 
 // A pre-LN block's end (ModernBERT): the new residual stream spread * g + low * wsum + bias + residual into g, and
@@ -219,17 +235,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_geglu_unit_rows_cpu(const at
   const RowArgs a = row_args(g, low, spread, wsum, bias, op);
   TORCH_CHECK(g.size(1) % 2 == 0, "fastbert::int8_geglu_unit_rows: g must be [T, 2 * I], got ", shape_str(g));
   const int64_t rows = g.size(0), width = g.size(1), n = width / 2;
-  at::Tensor unit = at::empty({rows, n}, g.options());
-  at::Tensor new_low = at::empty({rows, 1}, g.options());
-  at::Tensor new_spread = at::empty({rows, 1}, g.options());
+  const UnitRows result(at::empty({rows, n}, g.options()));
   const float* gp = g.data_ptr<float>();
-  float* up = unit.data_ptr<float>();
-  float* lp = new_low.data_ptr<float>();
-  float* sp = new_spread.data_ptr<float>();
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* in = gp + r * width;
-      float* out = up + r * n;
+      float* out = result.row(r);
       RowRange range;
       const Vec scale(a.spread[r]), shift(a.low[r]);
       for (int64_t i = 0; i < n; i += kLanes) {
@@ -244,10 +255,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int8_geglu_unit_rows_cpu(const at
         store_f(out + i, v, count);
         range.add(v, count, out[i]);
       }
-      range.map_to_unit(out, out, n, lp + r, sp + r);
+      result.map_row(range, out, r);
     }
   });
-  return {unit, new_low, new_spread};
+  return result.tensors();
 }
 
 }  // namespace
