@@ -30,6 +30,7 @@ same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -45,7 +46,7 @@ from fastbert.bench.timing import time_ms
 from fastbert.bench.workloads import Workload
 from fastbert.common.resolve import model_name, resolve_model
 from fastbert.config import FastBertConfig
-from fastbert.cpu import FEATURES, native_bf16
+from fastbert.cpu import FEATURES
 from fastbert.quantization import auto_cpu_dtype
 
 # "fastbert auto" stands for the runner of the precision ``dtype="auto"`` picks on this CPU (`auto_runner`): each
@@ -81,6 +82,7 @@ PRECISION_PEERS = {"ONNX Runtime int8": "onnxruntime-int8", "OpenVINO fp32": "op
                    "fastbert bf16": "fastbert-bf16"}
 
 
+@functools.cache
 def auto_runner() -> tuple[str, str]:
     """(the runner that stands for ``dtype="auto"`` here, the reason `fastbert.quantization.auto_cpu_dtype` gives)."""
     dtype, reason = auto_cpu_dtype()
@@ -89,8 +91,7 @@ def auto_runner() -> tuple[str, str]:
 
 def hf_sdpa_bf16(model_dir: str, config: FastBertConfig, workdir: str) -> tuple:
     """HF SDPA in bfloat16 (outputs widened for the comparisons), where the CPU computes bfloat16 natively."""
-    if not native_bf16():
-        raise peers.PeerUnavailable("bfloat16 would be emulated on this CPU (neither AMX nor AVX-512 BF16)")
+    peers.require_native_bf16(CPU)
     run, notes = peers.build_peer("hf-sdpa", model_dir, config, torch.bfloat16, CPU, "cpp", quick=False,
                                   workdir=workdir)
     return (lambda inputs: run(inputs).float()), [*notes, "bfloat16 weights and activations"]

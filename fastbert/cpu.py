@@ -7,14 +7,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+from collections.abc import Collection
 
 # Features that change which kernels are fast, as /proc/cpuinfo spells them (x86 ``flags``, Arm ``Features``).
 FEATURES = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
             "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 INT8_DOT = ("avx512_vnni", "avx_vnni", "amx_int8")  # int8 dot products accumulated in int32
-NATIVE_BF16 = ("amx_bf16", "avx512_bf16")  # bfloat16 arithmetic in hardware (elsewhere torch emulates it)
 AMX = "amx_tile"  # AMX tile registers: oneDNN wants its weights in VNNI tiles there
 AMX_BF16 = "amx_bf16"  # bfloat16 matrix products on those tiles
+NATIVE_BF16 = (AMX_BF16, "avx512_bf16")  # bfloat16 arithmetic in hardware (elsewhere torch emulates it)
 
 
 @functools.cache
@@ -40,7 +41,7 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> tuple[str, ...]:
     return tuple(flag for flag in FEATURES if flag in present)
 
 
-def native_bf16(flags: tuple[str, ...] | None = None) -> tuple[str, ...]:
+def native_bf16(flags: Collection[str] | None = None) -> tuple[str, ...]:
     """The features among `NATIVE_BF16` that ``flags`` (default: this CPU's) has: empty where torch emulates
     bfloat16. Native is not fast: `fastbert.quantization.auto_cpu_dtype` decides whether bfloat16 pays."""
     flags = cpu_flags() if flags is None else flags

@@ -68,7 +68,7 @@ def cpu_bf16_extra(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     bfloat16 model keeps a packed copy of each GEMM weight onednn was timed on, chosen or not (as every model does on
     AMX); a float32 model never times it there, and keeps none."""
     flags = cpu.cpu_info()[1] if flags is None else flags
-    return ("onednn",) if cpu.native_bf16(tuple(flags)) else ()
+    return ("onednn",) if cpu.native_bf16(flags) else ()
 
 
 # The backends `auto` considers per device type (measuring takes the fastest of those that can run a call), and
@@ -287,7 +287,8 @@ def preload(backend: str | None, device_type: str) -> None:
     if backend != "auto":
         candidates = {backend}
     else:
-        candidates = {*auto_order(device_type, torch.bfloat16), *AUTO_ORDER_AUTOGRAD.get(device_type, ())}
+        candidates = {*AUTO_ORDER.get(device_type, ()), *AUTO_ORDER_BF16.get(device_type, ()),
+                      *AUTO_ORDER_AUTOGRAD.get(device_type, ())}
         candidates.update(*(orders.get(device_type, ()) for orders in AUTO_ORDER_AUTOGRAD_BY_OP.values()))
     for name in sorted(candidates - _LOADED - set(_LOAD_ERRORS)):
         _load(name, warn=False)

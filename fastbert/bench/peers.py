@@ -19,6 +19,7 @@ from fastbert.bench.machine import package_version, version_tuple
 from fastbert.bench.workloads import Workload
 from fastbert.common.resolve import dtype_name
 from fastbert.config import FastBertConfig
+from fastbert.cpu import native_bf16
 
 # fastbert-static: fastbert's own model with `auto` by its static order (measuring off), against fastbert's `auto`
 # measured (`fastbert.backends.tuning`) in the same run.
@@ -142,7 +143,6 @@ def fastbert_precision_peer(name: str, model_dir: str, device: torch.device,
     computes it natively (AMX, AVX-512 BF16; `fastbert.cpu.native_bf16`), even where ``dtype="auto"`` measured it
     slower than float32 (a user may still want its memory): elsewhere it is emulated, and not what anyone would run,
     so the peer is "not available" with that reason."""
-    from fastbert.cpu import native_bf16
     from fastbert.quantization import int8_unavailable
 
     if name == "fastbert-int8":
@@ -152,12 +152,17 @@ def fastbert_precision_peer(name: str, model_dir: str, device: torch.device,
         model = load_fastbert(model_dir, "int8", device, backend)
         return (lambda inputs: model(**inputs).last_hidden_state), [
             f"from_pretrained(dtype='int8', backend={backend!r})"]
-    if device.type == "cpu" and not native_bf16():
-        raise PeerUnavailable("bfloat16 would be emulated on this CPU (neither AMX nor AVX-512 BF16), slower than "
-                              "float32")
+    require_native_bf16(device)
     model = load_fastbert(model_dir, torch.bfloat16, device, backend)
     return (lambda inputs: model(**inputs).last_hidden_state.float()), [
         f"from_pretrained(dtype=bfloat16, backend={backend!r})"]
+
+
+def require_native_bf16(device: torch.device) -> None:
+    """PeerUnavailable for a bfloat16 peer on a CPU that would emulate bfloat16 (neither AMX nor AVX-512 BF16)."""
+    if device.type == "cpu" and not native_bf16():
+        raise PeerUnavailable("bfloat16 would be emulated on this CPU (neither AMX nor AVX-512 BF16), slower than "
+                              "float32")
 
 
 def openvino_runner(model_dir: str, config: FastBertConfig, device: torch.device, workdir: str,
