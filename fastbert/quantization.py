@@ -65,9 +65,14 @@ def auto_cpu_dtype(flags: tuple[str, ...] | None = None) -> tuple[torch.dtype, s
                                "measuring is off (FASTBERT_TUNE=0) so it was not timed")
     tokens, width, out = BF16_PROBE
     measured = f"a {tokens} x {width} -> {out} GEMM took {1 / speedup:.2f}x float32's time in bfloat16"
-    if speedup >= BF16_MIN_SPEEDUP:
+    if bf16_pays(speedup):
         return torch.bfloat16, f"bfloat16: AVX-512 BF16 without AMX, measured faster here ({measured})"
     return torch.float32, f"float32: AVX-512 BF16 without AMX, bfloat16 not faster here ({measured})"
+
+
+def bf16_pays(speedup: float) -> bool:
+    """Whether bfloat16 GEMMs ``speedup`` times as fast as float32's are worth bfloat16's accuracy."""
+    return speedup >= BF16_MIN_SPEEDUP
 
 
 def bf16_gemm_speedup() -> float | None:
@@ -87,7 +92,7 @@ def bf16_gemm_speedup() -> float | None:
                       for dtype in (torch.float32, torch.bfloat16)}
         with torch.inference_mode(), torch.autocast("cpu", enabled=False):  # each GEMM in its own dtype
             times, rounds, clock = tuning.measure(candidates, (), {})
-        choice = "bfloat16" if times["float32"] >= BF16_MIN_SPEEDUP * times["bfloat16"] else "float32"
+        choice = "bfloat16" if bf16_pays(times["float32"] / times["bfloat16"]) else "float32"
         entry = tuning.Entry(choice, {name: round(ms, 4) for name, ms in times.items()}, rounds, clock)
         tuning.record(cpu, shape_class, entry)
     return entry.times_ms["float32"] / entry.times_ms["bfloat16"]
