@@ -20,13 +20,24 @@
 // the key blocks its rows' windows reach, and each 4-row tile only the columns of that block its rows' windows
 // cover, so a local layer costs about S * window instead of S^2; the band's edges are masked per row inside the
 // register tiles.
+//
+// bfloat16 on CPUs with AMX (`at::native::cpublas::could_pack`), without dropout or a window: each work item runs
+// its two products on oneDNN's brgemm micro-kernels through ATen (`attend_item_brgemm`), bf16 x bf16 -> fp32 on AMX
+// tiles, K and V packed per block into the VNNI layout the tiles read; the softmax stays in fp32, its probabilities
+// rounded to bf16 for the PV product (as PyTorch's own CPU flash attention does). Query rows are padded to a
+// multiple of kBrgemmRows and keys to a multiple of kBrgemmKeys, so few distinct micro-kernels are generated.
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -340,6 +351,226 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
   }
 }
 
+// ---------------------------------------------------------------------------------------------- AMX (brgemm)
+constexpr int64_t kBrgemmRows = 32;       // query rows are padded to a multiple of this
+constexpr int64_t kBrgemmKeys = 32;       // keys per block are padded to a multiple of this
+constexpr int64_t kBrgemmKeyBlock = 256;  // keys per online-softmax step (brgemm ran 5x slower at N = 512)
+constexpr int64_t kBrgemmMaxDim = 256;
+
+// Per-thread bf16 tiles and fp32 accumulators of `attend_item_brgemm` for up to `rows` query rows and `keys` keys
+// per block, allocated once per call and not initialised (every element read is written first).
+struct BrgemmScratch {
+  std::unique_ptr<c10::BFloat16[]> q, k_rows, kt, v, p;
+  std::unique_ptr<float[]> s, acc, row_max, row_sum;
+  BrgemmScratch(int64_t rows, int64_t keys, int64_t dim)
+      : q(new c10::BFloat16[rows * dim]), k_rows(new c10::BFloat16[keys * dim]), kt(new c10::BFloat16[dim * keys]),
+        v(new c10::BFloat16[keys * dim]), p(new c10::BFloat16[rows * keys]), s(new float[rows * keys]),
+        acc(new float[rows * dim]), row_max(new float[rows]), row_sum(new float[rows]) {}
+};
+
+// dst[0, n) = src[0, n) for a short bf16 row (a head's dim), inline: memmove's call costs more at these sizes.
+inline void copy_row(const c10::BFloat16* src, int64_t n, c10::BFloat16* dst) {
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) BVec::loadu(src + i).store(dst + i);
+  if (i < n) BVec::loadu(src + i, n - i).store(dst + i, n - i);
+}
+
+// out[2 i] = a[i], out[2 i + 1] = b[i] for i < n (b null: zeros): two V rows as VNNI pairs.
+inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n, c10::BFloat16* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Word indices into (a, b) for permutex2var: even outputs from a (0..31), odd from b (32..63).
+  alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t i = 0; i < n; i += 32) {
+    const int64_t m = std::min<int64_t>(32, n - i);
+    const __mmask32 in_mask = m == 32 ? ~__mmask32(0) : (__mmask32(1) << m) - 1;
+    const __m512i va = _mm512_maskz_loadu_epi16(in_mask, a + i);
+    const __m512i vb = b ? _mm512_maskz_loadu_epi16(in_mask, b + i) : _mm512_setzero_si512();
+    const int64_t first = std::min<int64_t>(32, 2 * m), second = 2 * m - first;
+    _mm512_mask_storeu_epi16(out + 2 * i, first == 32 ? ~__mmask32(0) : (__mmask32(1) << first) - 1,
+                             _mm512_permutex2var_epi16(va, low, vb));
+    if (second > 0) {
+      _mm512_mask_storeu_epi16(out + 2 * i + 32, second == 32 ? ~__mmask32(0) : (__mmask32(1) << second) - 1,
+                               _mm512_permutex2var_epi16(va, high, vb));
+    }
+  }
+#else
+  const c10::BFloat16 zero(0.f);
+  for (int64_t i = 0; i < n; ++i) out[2 * i] = a[i], out[2 * i + 1] = b ? b[i] : zero;
+#endif
+}
+
+// Pack keys [k0, k0 + nk) of one sequence and head for the two brgemms, zero past nk up to nk_padded (even):
+// kt = K^T in VNNI pairs [dim / 2][nk_padded][2], the B operand of Q K^T (a 32-bit transpose of K's rows, each
+// pair (d, d + 1) one unit); v = V in VNNI pairs [nk_padded / 2][dim][2], the B operand of P V.
+void pack_keys_vnni(const c10::BFloat16* kb, int64_t k_pos, const c10::BFloat16* vb, int64_t v_pos,
+                    const int64_t* key_positions, int64_t k0, int64_t nk, int64_t nk_padded, int64_t dim,
+                    BrgemmScratch& w) {
+  auto position = [&](int64_t j) { return key_positions ? key_positions[k0 + j] : k0 + j; };
+  c10::BFloat16* k_rows = w.k_rows.get();
+  for (int64_t j = 0; j < nk_padded; j += 2) {
+    if (j + kPrefetchRows < nk) {
+      prefetch_row(kb + position(j + kPrefetchRows) * k_pos, dim);
+      prefetch_row(vb + position(j + kPrefetchRows) * v_pos, dim);
+    }
+    const c10::BFloat16* v0 = j < nk ? vb + position(j) * v_pos : nullptr;
+    const c10::BFloat16* v1 = j + 1 < nk ? vb + position(j + 1) * v_pos : nullptr;
+    if (v0 == nullptr) {
+      std::fill(w.v.get() + j * dim, w.v.get() + (j + 2) * dim, c10::BFloat16(0.f));
+    } else {
+      interleave_rows(v0, v1, dim, w.v.get() + j * dim);
+    }
+    for (int64_t r = j; r < j + 2; ++r) {
+      if (r < nk) {
+        copy_row(kb + position(r) * k_pos, dim, k_rows + r * dim);
+      } else {
+        std::fill(k_rows + r * dim, k_rows + (r + 1) * dim, c10::BFloat16(0.f));
+      }
+    }
+  }
+  at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(k_rows), dim / 2, reinterpret_cast<float*>(w.kt.get()),
+                                nk_padded, static_cast<int>(nk_padded), static_cast<int>(dim / 2));
+}
+
+// exp(x) for the probabilities that are rounded to bf16 (8 significant bits) for the PV product: 2^(x log2 e) as
+// 2^n * p(f), n = round(x log2 e), p a degree-4 fit of 2^f on [-1/2, 1/2] (relative error 3.6e-6, far below bf16's
+// 3.9e-3; about half the instructions of at::vec's exp_u20). x = s * scale - shift, -inf or very negative -> 0.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512 exp_scaled(__m512 s, __m512 scale_log2e, __m512 shift_log2e) {
+  const __m512 x = _mm512_fmsub_ps(s, scale_log2e, shift_log2e);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(0.0096760371f), f, _mm512_set1_ps(0.0559220356f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.240221074f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.693121034f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.00000008f));
+  return _mm512_scalef_ps(poly, n);
+}
+#endif
+
+// One row's softmax step over a block of nk scores s (unscaled; zero columns up to nk_padded): the running max and
+// sum updated, the row's accumulator rescaled when the max moved, and p = exp(scale * s - max) in bf16 (zeros past
+// nk). first_block: row_max / row_sum / acc hold nothing yet.
+#if defined(CPU_CAPABILITY_AVX512)
+__attribute__((target("avx512bf16")))  // vcvtne2ps2bf16: every CPU with AMX-BF16 has it (brgemm_attention_usable)
+#endif
+inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, float scale, float& row_max,
+                               float& row_sum, float* acc, int64_t dim, bool first_block, c10::BFloat16* p) {
+  int64_t j = 0;
+  float block_max;
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; j < nk; j += 16) {
+    const __mmask16 real = nk - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nk - j)) - 1);
+    mv = _mm512_mask_max_ps(mv, real, mv, _mm512_loadu_ps(s + j));
+  }
+  block_max = _mm512_reduce_max_ps(mv);
+#else
+  Vec mv(-std::numeric_limits<float>::infinity());
+  for (; j + kLanes <= nk; j += kLanes) mv = at::vec::maximum(mv, Vec::loadu(s + j));
+  block_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+  for (; j < nk; ++j) block_max = std::max(block_max, s[j]);
+#endif
+  const float new_max = first_block ? block_max * scale : std::max(row_max, block_max * scale);
+  float block_sum;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 scale_log2e = _mm512_set1_ps(scale * static_cast<float>(M_LOG2E));
+  const __m512 shift_log2e = _mm512_set1_ps(new_max * static_cast<float>(M_LOG2E));
+  __m512 sum = _mm512_setzero_ps();
+  auto exp_at = [&](int64_t col) {  // zeros past nk
+    const __mmask16 real = nk - col >= 16 ? __mmask16(0xFFFF) : nk > col ? __mmask16((1u << (nk - col)) - 1) : 0;
+    return _mm512_maskz_mov_ps(real, exp_scaled(_mm512_loadu_ps(s + col), scale_log2e, shift_log2e));
+  };
+  for (j = 0; j < nk_padded; j += 32) {  // nk_padded is a multiple of kBrgemmKeys (32)
+    const __m512 low = exp_at(j), high = exp_at(j + 16);
+    sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
+    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  }
+  block_sum = _mm512_reduce_add_ps(sum);
+#else
+  const Vec scale_v(scale), shift(new_max);
+  Vec sum(0.f);
+  for (j = 0; j < nk_padded; j += kLanes) {
+    const int64_t m = std::min<int64_t>(kLanes, nk - j);
+    Vec e(0.f);
+    if (m > 0) {
+      e = at::vec::fmsub(Vec::loadu(s + j, m), scale_v, shift).exp_u20();
+      if (m < kLanes) e = Vec::blendv(Vec(0.f), e, Vec::arange(0.f, 1.f) < Vec(static_cast<float>(m)));
+    }
+    sum = sum + e;
+    store_f(p + j, e);
+  }
+  block_sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+#endif
+  const float alpha = first_block ? 0.f : std::exp(row_max - new_max);
+  if (!first_block && alpha != 1.f) {
+    const Vec alpha_v(alpha);
+    for (int64_t c = 0; c < dim; c += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, dim - c);
+      (Vec::loadu(acc + c, m) * alpha_v).store(acc + c, m);
+    }
+  }
+  row_sum = row_sum * alpha + block_sum;
+  row_max = new_max;
+}
+
+// `attend_item` for bf16 on AMX, without dropout or window: S = Q K^T and acc += P V on brgemm micro-kernels.
+void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
+                        const c10::BFloat16* v, const int64_t* key_positions, float scale, c10::BFloat16* out,
+                        BrgemmScratch& w) {
+  const int64_t dim = L.dim;
+  const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kBrgemmRows);
+  const c10::BFloat16* qb = q + L.q_offset(item.batch) + item.head * L.q_head;
+  const c10::BFloat16* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
+  const c10::BFloat16* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
+  c10::BFloat16* qs = w.q.get();
+  for (int64_t r = 0; r < rows_padded; ++r) {
+    if (r < rows) {
+      copy_row(qb + (item.q_begin + r) * L.q_pos, dim, qs + r * dim);
+    } else {
+      std::fill(qs + r * dim, qs + (r + 1) * dim, c10::BFloat16(0.f));
+    }
+  }
+  std::fill_n(w.row_max.get(), rows, -std::numeric_limits<float>::infinity());
+  std::fill_n(w.row_sum.get(), rows, 0.f);
+  if (item.key_end == item.key_begin) std::fill_n(w.acc.get(), rows * dim, 0.f);
+
+  for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBrgemmKeyBlock) {
+    const int64_t nk = std::min(kBrgemmKeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBrgemmKeys);
+    const bool first_block = k0 == item.key_begin;
+    pack_keys_vnni(kb, L.k_pos, vb, L.v_pos, key_positions, k0, nk, nk_padded, dim, w);
+    at::native::cpublas::brgemm(rows_padded, nk_padded, dim, dim, nk_padded, nk_padded, false, qs, w.kt.get(),
+                                w.s.get());
+    for (int64_t r = 0; r < rows_padded; ++r) {
+      c10::BFloat16* pr = w.p.get() + r * nk_padded;
+      if (r >= rows) {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
+        std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
+        continue;
+      }
+      softmax_row_brgemm(w.s.get() + r * nk_padded, nk, nk_padded, scale, w.row_max[r], w.row_sum[r],
+                         w.acc.get() + r * dim, dim, first_block, pr);
+    }
+    // acc = P V on the first block, acc += P V after (acc already rescaled per row).
+    at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, !first_block, w.p.get(),
+                                w.v.get(), w.acc.get());
+  }
+
+  const int64_t out_row0 = L.first_row(item.batch) + item.q_begin;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float total = w.row_sum[r];
+    const Vec inv(total > 0.f ? 1.f / total : 0.f);  // no real key: zeros, not NaN
+    const float* ar = w.acc.get() + r * dim;
+    c10::BFloat16* dst = out + ((out_row0 + r) * L.heads + item.head) * dim;
+    for (int64_t c = 0; c < dim; c += kLanes) {
+      const int64_t m = std::min<int64_t>(kLanes, dim - c);
+      store_f(dst + c, Vec::loadu(ar + c, m) * inv, m);
+    }
+  }
+}
+
 void check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen,
                           const std::optional<at::Tensor>& key_padding_mask) {
@@ -472,6 +703,28 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
                      dropout_p >= 1.0 ? 0.f : static_cast<float>(1.0 / (1.0 - dropout_p)),
                      packed ? *max_seqlen : L.seqlen};
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  if (!drop.active && half_width < 0 && brgemm_attention_usable(q.scalar_type(), dim)) {
+    const int64_t longest_keys = num_keys.empty() ? 0 : *std::max_element(num_keys.begin(), num_keys.end());
+    const auto* qp = q.data_ptr<c10::BFloat16>();
+    const auto* kp = k.data_ptr<c10::BFloat16>();
+    const auto* vp = v.data_ptr<c10::BFloat16>();
+    auto* op = out.data_ptr<c10::BFloat16>();
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+      BrgemmScratch scratch(std::min(kQueryChunk, round_up(longest, kBrgemmRows)),
+                            std::min(kBrgemmKeyBlock, round_up(longest_keys, kBrgemmKeys)), dim);
+      for (int64_t worker = begin; worker < end; ++worker) {
+        for (int64_t i = next++; i < n_items; i = next++) {
+          const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + items[i].batch * S;
+          attend_item_brgemm(items[i], L, qp, kp, vp, positions, softmax_scale, op, scratch);
+        }
+      }
+      at::native::cpublas::brgemm_release();  // the AMX tile state this thread configured
+    });
+    return out;
+  }
   const int64_t dp = round_up(dim, kCols);
   FASTBERT_DISPATCH_FLOAT(q.scalar_type(), "fastbert_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -479,8 +732,6 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
     const scalar_t* vp = v.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     std::atomic<int64_t> next{0};
-    const int64_t n_items = static_cast<int64_t>(items.size());
-    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch(dim, dp);
       for (int64_t worker = begin; worker < end; ++worker) {
@@ -503,6 +754,16 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
 }
 
 }  // namespace
+
+bool brgemm_attention_usable(at::ScalarType dtype, int64_t dim) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return dtype == at::kBFloat16 && dim % 2 == 0 && dim <= kBrgemmMaxDim &&
+         at::native::cpublas::could_pack(at::kBFloat16) && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;  // AMX CPUs all have AVX-512: a build for a narrower ISA never runs this path
+#endif
+}
+
 }  // namespace fastbert
 
 TORCH_LIBRARY_IMPL(fastbert, CPU, m) { m.impl("cpp_attention", &fastbert::attention_cpu); }

@@ -91,6 +91,9 @@ inline at::Tensor as_rows(const at::Tensor& t, int64_t width) {
   return rows.stride(1) == 1 ? rows : rows.contiguous();
 }
 
+// Whether the CPU attention kernel runs bf16 calls of head dim `dim` on AMX tiles (brgemm, csrc/attention.cpp).
+bool brgemm_attention_usable(at::ScalarType dtype, int64_t dim);
+
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
 // ---------------------------------------------------------------------------------------------- LayerNorm

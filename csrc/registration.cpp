@@ -34,9 +34,16 @@ PyObject* compiled_capability(PyObject*, PyObject*) {
 
 PyObject* vector_lanes(PyObject*, PyObject*) { return PyLong_FromLongLong(fastbert::kLanes); }
 
+PyObject* amx_attention(PyObject*, PyObject* head_dim) {
+  const long long dim = PyLong_AsLongLong(head_dim);
+  if (dim == -1 && PyErr_Occurred()) return nullptr;
+  return PyBool_FromLong(fastbert::brgemm_attention_usable(at::kBFloat16, dim));
+}
+
 PyMethodDef methods[] = {
     {"compiled_capability", compiled_capability, METH_NOARGS, "The at::vec CPU capability the kernels were built for."},
     {"vector_lanes", vector_lanes, METH_NOARGS, "fp32 lanes per at::vec::Vectorized<float> in this build."},
+    {"amx_attention", amx_attention, METH_O, "Whether bf16 attention of this head dim runs on AMX tiles here."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "fastbert's C++ CPU kernels (ops in torch.ops.fastbert).",

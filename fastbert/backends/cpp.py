@@ -98,12 +98,20 @@ def compiled_capability() -> str | None:
     return None if _C is None else _C.compiled_capability()
 
 
+def amx_attention(head_dim: int) -> bool:
+    """Whether bfloat16 attention of this head dim runs its two products on AMX tiles here (oneDNN's brgemm through
+    ATen, `csrc/attention.cpp`): an AVX-512 build on a CPU with AMX-BF16 and an even head dim up to 256, without
+    dropout or a window. Otherwise the vector kernel runs it, its products in fp32."""
+    return _C is not None and bool(_C.amx_attention(head_dim))
+
+
 def describe() -> str:
     """This backend in words, for `fastbert.backends.describe_available`. The module imports without its extension
     (so that `auto` can say why it skips cpp), so being loaded is not being usable."""
     if EXTENSION_ERROR:
         return f"cpp not usable ({EXTENSION_ERROR})"
-    return f"cpp loaded ({compiled_capability()})"
+    amx = ", bf16 attention on AMX" if amx_attention(64) else ""
+    return f"cpp loaded ({compiled_capability()}{amx})"
 
 
 # ----------------------------------------------------------------------------------------------------- fakes
@@ -257,4 +265,5 @@ for _op, _impl, _supports in (
 ):
     backends.register(_op, "cpp", _impl, _supports, has_backward=_op not in TORCH_OPS or SPECS[_op].has_backward)
 
-__all__ = ["EXTENSION_ERROR", "bias_activation", "bias_residual_layernorm", "compiled_capability", "pad", "unpad"]
+__all__ = ["EXTENSION_ERROR", "amx_attention", "bias_activation", "bias_residual_layernorm", "compiled_capability", "pad",
+           "unpad"]

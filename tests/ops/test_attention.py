@@ -19,7 +19,7 @@ import importlib
 import pytest
 import torch
 
-from fastbert import backends, ops
+from fastbert import backends, cpu, ops
 from fastbert.numerics import assert_accurate
 from fastbert.ops.attention import attended_pairs, attention_cost
 from tests.helpers import (
@@ -191,6 +191,31 @@ def test_cpp_padded(seqlen, dtype):
         reference = ops.attention(q.double(), k.double(), v.double(), **kwargs, backend="eager")
         assert_accurate_fp64(fast, plain, reference, f"padded S={seqlen}")
     assert torch.equal(ops.attention(q, k, v, key_padding_mask=mask, backend="cpp")[1], torch.zeros_like(q[1]))
+
+
+def test_cpp_bf16_attention_runs_on_amx_exactly_where_the_cpu_has_it():
+    """The AMX (brgemm) kernel where the CPU has AMX-BF16 and the build AVX-512, at even head dims up to 256; the
+    vector kernel at odd ones and on every other CPU (whose bf16 calls the other tests here then check)."""
+    amx_here = cpu.AMX_BF16 in cpu.cpu_info()[1] and cpp.compiled_capability() == "AVX512"
+    assert cpp.amx_attention(32) is amx_here
+    assert cpp.amx_attention(64) is amx_here
+    assert not cpp.amx_attention(7)
+    assert not cpp.amx_attention(258)
+
+
+@pytest.mark.parametrize("dim", (2, 32, 130))
+def test_cpp_bf16_key_blocks_and_row_padding(dim):
+    """Lengths around the AMX kernel's key block (256) and its row / key padding (32): one key, 31-33, 255-257 and
+    600 (three blocks, the online softmax rescaling twice), strided views, against fp64 by the numerics rule."""
+    gen = torch.Generator().manual_seed(dim)
+    lengths = [1, 31, 33, 255, 256, 257, 600]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = _qkv_views((sum(lengths),), 2, dim, torch.bfloat16, gen)
+    kwargs = dict(cu_seqlens=cu, max_seqlen=max(lengths), scale=None)
+    fast = ops.attention(q, k, v, **kwargs, backend="cpp")
+    plain = ops.attention(q, k, v, **kwargs, backend="eager")
+    reference = ops.attention(q.double(), k.double(), v.double(), **kwargs, backend="eager")
+    assert_accurate_fp64(fast, plain, reference, f"packed bf16 D={dim}")
 
 
 # ------------------------------------------------------------------------------------------- padding poison
