@@ -1,5 +1,6 @@
-"""CPU inference benchmark of all-MiniLM-L6-v2: HF eager, HF SDPA, ONNX Runtime (BERT graph optimizer) and fastbert's
-cpp backend (from_pretrained and optimize) in float32, and the other precisions side by side: ONNX Runtime int8
+"""CPU inference benchmark of all-MiniLM-L6-v2: HF eager, HF SDPA, ONNX Runtime (BERT graph optimizer) and fastbert
+(from_pretrained and optimize, backend ``auto`` as users get it: each op measured on its first call, or read from the
+tuning cache) in float32, and the other precisions side by side: ONNX Runtime int8
 (``quantize_dynamic`` of its BERT-optimized graph), OpenVINO float32 (pinned) and at its default precision
 (bfloat16 on CPUs with AMX / AVX-512 BF16), fastbert int8 (`fastbert.quantization`) and fastbert bfloat16 (only
 where the CPU computes bfloat16 natively: elsewhere it is recorded "not available" with the reason) against HF
@@ -104,7 +105,7 @@ def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort
     runners, notes, unavailable = {}, {}, {}
 
     def add(label: str, peer: str) -> None:
-        runners[label], notes[label] = peers.build_peer(peer, model_dir, config, torch.float32, CPU, "cpp",
+        runners[label], notes[label] = peers.build_peer(peer, model_dir, config, torch.float32, CPU, "auto",
                                                         quick=False, workdir=workdir)
 
     add("HF eager", "hf-eager")
@@ -114,7 +115,9 @@ def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort
             model_dir, config, torch.float32, CPU, workdir, opt_level=None, spinning=True)
     add("fastbert (from_pretrained)", "fastbert")
     add("fastbert (optimize)", "fastbert-optimize")
-    notes["fastbert"] = {"backend": "cpp", "compiled_capability": cpp_backend.compiled_capability()}
+    notes["fastbert"] = {"backend": "auto", "compiled_capability": cpp_backend.compiled_capability(),
+                         "bf16_attention_on_amx": cpp_backend.amx_attention(config.hidden_size
+                                                                            // config.num_attention_heads)}
     if onednn:  # the same model with its GEMMs on oneDNN's packed weights (`fastbert.backends.onednn`)
         runners["fastbert onednn"], notes["fastbert onednn"] = peers.build_peer(
             "fastbert", model_dir, config, torch.float32, CPU, "onednn", quick=False, workdir=workdir)
@@ -197,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-precisions", action="store_true",
                         help="float32 runners only (no int8, bfloat16, OpenVINO)")
     parser.add_argument("--onednn", action="store_true",
-                        help="also fastbert with backend='onednn' (GEMMs on packed weights), beside the cpp backend, "
-                        "in float32 (and bfloat16 where the CPU has it)")
+                        help="also fastbert forced onto backend='onednn' (GEMMs on packed weights), beside auto, in "
+                        "float32 (and bfloat16 where the CPU has it)")
     parser.add_argument("--out", default=None, help="directory for <name>.json / <name>.md")
     parser.add_argument("--name", default="results", help="file name stem inside --out")
     args = parser.parse_args(argv)
@@ -241,9 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     machine.update(threads=args.threads, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
     report = interleaved_report(machine, f"{model_name(model_dir)} ({config.family})", args.rounds, cases,
-                                targets, notes=notes, worst_cosine_vs_hf_fp32=cosines, not_available=unavailable)
+                                targets, notes=notes, worst_cosine_vs_hf_fp32=cosines, not_available=unavailable,
+                                auto_choices=auto_choices())
     write_interleaved(report, markdown(report), args.out, args.name)
     return 0
+
+
+def auto_choices() -> dict[str, dict]:
+    """What fastbert's ``auto`` runs each op on here, per shape class (the tuning table this run measured or read:
+    `fastbert.backends.tuning`), with each candidate's time."""
+    from fastbert.backends import tuning
+
+    return {shape_class: {"choice": entry.choice, "times_ms": {k: round(v, 4) for k, v in entry.times_ms.items()}}
+            for shape_class, entry in sorted(tuning.entries(CPU).items())}
 
 
 def markdown(report: dict) -> str:
@@ -266,6 +279,11 @@ def markdown(report: dict) -> str:
     for label in ("ONNX Runtime", "ONNX Runtime int8", "OpenVINO fp32", "OpenVINO default", "HF SDPA bf16", AUTO):
         if report["notes"].get(label):
             lines += ["", f"{label}: {'; '.join(report['notes'][label])}."]
+    lines += ["", "## What fastbert's auto ran each op on (tuning table; op, dtype, threads, shapes)", "",
+              "| shape class | backend | times (ms) |", "|---|---|---|"]
+    lines += [f"| {shape_class} | {entry['choice']} | "
+              + ", ".join(f"{k} {v:.3g}" for k, v in sorted(entry["times_ms"].items(), key=lambda kv: kv[1])) + " |"
+              for shape_class, entry in report.get("auto_choices", {}).items()]
     return "\n".join(lines) + "\n"
 
 
