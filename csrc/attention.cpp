@@ -360,11 +360,12 @@ constexpr int64_t kBrgemmMaxDim = 256;
 // Per-thread bf16 tiles and fp32 accumulators of `attend_item_brgemm` for up to `rows` query rows and `keys` keys
 // per block, allocated once per call and not initialised (every element read is written first).
 struct BrgemmScratch {
-  std::unique_ptr<c10::BFloat16[]> q, k_rows, kt, v, p;
+  std::unique_ptr<c10::BFloat16[]> q, k_rows, kt, v, p, p_low;
   std::unique_ptr<float[]> s, acc, row_max, row_sum;
   BrgemmScratch(int64_t rows, int64_t keys, int64_t dim)
       : q(new c10::BFloat16[rows * dim]), k_rows(new c10::BFloat16[keys * dim]), kt(new c10::BFloat16[dim * keys]),
-        v(new c10::BFloat16[keys * dim]), p(new c10::BFloat16[rows * keys]), s(new float[rows * keys]),
+        v(new c10::BFloat16[keys * dim]), p(new c10::BFloat16[rows * keys]),
+        p_low(new c10::BFloat16[rows * keys]), s(new float[rows * keys]),
         acc(new float[rows * dim]), row_max(new float[rows]), row_sum(new float[rows]) {}
 };
 
@@ -452,13 +453,17 @@ inline __m512 exp_scaled(__m512 s, __m512 scale_log2e, __m512 shift_log2e) {
 #endif
 
 // One row's softmax step over a block of nk scores s (unscaled; zero columns up to nk_padded): the running max and
-// sum updated, the row's accumulator rescaled when the max moved, and p = exp(scale * s - max) in bf16 (zeros past
-// nk). first_block: row_max / row_sum / acc hold nothing yet.
+// sum updated, the row's accumulator rescaled when the max moved, and e = exp(scale * s - max) in bf16 for the P V
+// tiles: p = bf16(e) (zeros past nk), and with p_low (not null) also the rest, p_low = bf16(e - p), so that P V
+// keeps e to about 16 bits (one bf16 rounding of the probabilities, as PyTorch's own kernel makes, put a ModernBERT
+// bf16 training step's loss past twice plain PyTorch's error). first_block: row_max / row_sum / acc hold nothing.
+// p_low: one extra P V product.
 #if defined(CPU_CAPABILITY_AVX512)
 __attribute__((target("avx512bf16")))  // vcvtne2ps2bf16: every CPU with AMX-BF16 has it (brgemm_attention_usable)
 #endif
 inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, float scale, float& row_max,
-                               float& row_sum, float* acc, int64_t dim, bool first_block, c10::BFloat16* p) {
+                               float& row_sum, float* acc, int64_t dim, bool first_block, c10::BFloat16* p,
+                               c10::BFloat16* p_low) {
   int64_t j = 0;
   float block_max;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -487,7 +492,13 @@ inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, fl
   for (j = 0; j < nk_padded; j += 32) {  // nk_padded is a multiple of kBrgemmKeys (32)
     const __m512 low = exp_at(j), high = exp_at(j + 16);
     sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
-    _mm512_storeu_si512(p + j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+    _mm512_storeu_si512(p + j, rounded);
+    if (p_low == nullptr) continue;
+    auto widen = [](__m256i half) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)); };
+    const __m512 low_rest = _mm512_sub_ps(low, widen(_mm512_castsi512_si256(rounded)));
+    const __m512 high_rest = _mm512_sub_ps(high, widen(_mm512_extracti64x4_epi64(rounded, 1)));
+    _mm512_storeu_si512(p_low + j, (__m512i)_mm512_cvtne2ps_pbh(high_rest, low_rest));
   }
   block_sum = _mm512_reduce_add_ps(sum);
 #else
@@ -502,6 +513,7 @@ inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, fl
     }
     sum = sum + e;
     store_f(p + j, e);
+    if (p_low != nullptr) store_f(p_low + j, e - load_f(p + j));
   }
   block_sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
 #endif
@@ -518,9 +530,10 @@ inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, fl
 }
 
 // `attend_item` for bf16 on AMX, without dropout or window: S = Q K^T and acc += P V on brgemm micro-kernels.
+// exact: the probabilities in two bf16 parts (`softmax_row_brgemm`), for forwards whose gradient is taken.
 void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
-                        const c10::BFloat16* v, const int64_t* key_positions, float scale, c10::BFloat16* out,
-                        BrgemmScratch& w) {
+                        const c10::BFloat16* v, const int64_t* key_positions, float scale, bool exact,
+                        c10::BFloat16* out, BrgemmScratch& w) {
   const int64_t dim = L.dim;
   const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kBrgemmRows);
   const c10::BFloat16* qb = q + L.q_offset(item.batch) + item.head * L.q_head;
@@ -546,16 +559,22 @@ void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat
                                 w.s.get());
     for (int64_t r = 0; r < rows_padded; ++r) {
       c10::BFloat16* pr = w.p.get() + r * nk_padded;
+      c10::BFloat16* pr_low = exact ? w.p_low.get() + r * nk_padded : nullptr;
       if (r >= rows) {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
         std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
+        if (exact) std::fill(pr_low, pr_low + nk_padded, c10::BFloat16(0.f));
         continue;
       }
       softmax_row_brgemm(w.s.get() + r * nk_padded, nk, nk_padded, scale, w.row_max[r], w.row_sum[r],
-                         w.acc.get() + r * dim, dim, first_block, pr);
+                         w.acc.get() + r * dim, dim, first_block, pr, pr_low);
     }
-    // acc = P V on the first block, acc += P V after (acc already rescaled per row).
+    // acc = P V on the first block, acc += P V after (acc already rescaled per row); P in its two bf16 parts.
     at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, !first_block, w.p.get(),
                                 w.v.get(), w.acc.get());
+    if (exact) {
+      at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, true, w.p_low.get(), w.v.get(),
+                                  w.acc.get());
+    }
   }
 
   const int64_t out_row0 = L.first_row(item.batch) + item.q_begin;
@@ -707,6 +726,8 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   if (!drop.active && half_width < 0 && brgemm_attention_usable(q.scalar_type(), dim)) {
     const int64_t longest_keys = num_keys.empty() ? 0 : *std::max_element(num_keys.begin(), num_keys.end());
+    // A forward whose gradient will be taken keeps the probabilities to ~16 bits: its backward recomputes them in fp32.
+    const bool exact = q_in.requires_grad() || k_in.requires_grad() || v_in.requires_grad();
     const auto* qp = q.data_ptr<c10::BFloat16>();
     const auto* kp = k.data_ptr<c10::BFloat16>();
     const auto* vp = v.data_ptr<c10::BFloat16>();
@@ -718,7 +739,7 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
       for (int64_t worker = begin; worker < end; ++worker) {
         for (int64_t i = next++; i < n_items; i = next++) {
           const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + items[i].batch * S;
-          attend_item_brgemm(items[i], L, qp, kp, vp, positions, softmax_scale, op, scratch);
+          attend_item_brgemm(items[i], L, qp, kp, vp, positions, softmax_scale, exact, op, scratch);
         }
       }
       at::native::cpublas::brgemm_release();  // the AMX tile state this thread configured
