@@ -15,6 +15,10 @@
 #include <cmath>
 #include <string>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 // Instantiate a kernel for the two supported dtypes (float32, bfloat16) as `scalar_t`.
 #define FASTBERT_DISPATCH_FLOAT(TYPE, NAME, ...) \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
@@ -30,15 +34,36 @@ constexpr int64_t kLanes = Vec::size();
 inline Vec load_f(const float* p) { return Vec::loadu(p); }
 inline Vec load_f(const float* p, int64_t n) { return Vec::loadu(p, n); }
 inline Vec load_f(const c10::BFloat16* p, int64_t n = kLanes) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // kLanes bf16 values are the high halves of kLanes fp32 ones: widen and shift (at::vec would convert 2 * kLanes).
+  const __m256i raw = n == kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                  : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+#else
   // A bf16 vector holds 2 * kLanes values; the low half converts to one fp32 vector.
   auto halves = at::vec::convert_to_float<c10::BFloat16>(BVec::loadu(p, n));
   return std::get<0>(halves);
+#endif
 }
 
 inline void store_f(float* p, const Vec& v) { v.store(p); }
 inline void store_f(float* p, const Vec& v, int64_t n) { v.store(p, n); }
 inline void store_f(c10::BFloat16* p, const Vec& v, int64_t n = kLanes) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Round to nearest even on the fp32 bits, NaN -> 0xffff (as at::vec's conversion, which converts 2 * kLanes).
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0xffff));
+  const __m256i packed = _mm512_cvtepi32_epi16(rounded);
+  if (n == kLanes) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+  } else {
+    _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1), packed);
+  }
+#else
   at::vec::convert_from_float<c10::BFloat16>(v, v).store(p, n);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------- math
