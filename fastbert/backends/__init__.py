@@ -71,12 +71,29 @@ def cpu_bf16_extra(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     return ("onednn",) if cpu.native_bf16(flags) else ()
 
 
+def cpu_packed_bf16(flags: frozenset[str] | None = None) -> str | None:
+    """The backend that alone runs bfloat16 inference GEMMs under `auto` on a CPU with these flags (default: this
+    CPU's): ``onednn`` (weights packed once) where the CPU has AMX-BF16, else None (every candidate timed). The
+    others hand oneDNN the weights as stored, which it reorders into the VNNI tiles AMX reads at every call: timed
+    alone, such a GEMM can come out ahead (cpp's MiniLM attention-output GEMM at 128 tokens, 0.072 vs 0.081 ms),
+    but the whole forward pays for it: MiniLM bf16 at 1 x 128 ran 4.25 ms with cpp's and 4.07 with onednn's
+    (interleaved medians on the 2-core AMX VM, `benchmarks/results/cpu-2core-amx/README.md`)."""
+    flags = cpu.cpu_info()[1] if flags is None else flags
+    return "onednn" if cpu.AMX_BF16 in flags else None
+
+
 # The backends `auto` considers per device type (measuring takes the fastest of those that can run a call), and
 # with measuring off its preference: the static order. Triton on CPU only runs under TRITON_INTERPRET=1, which is
 # far too slow to be picked automatically, so `auto` never takes it for CPU tensors.
 AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": cpu_auto_order()}
 # Backends `auto` also considers for bfloat16 calls, per device type (after the first of AUTO_ORDER's).
 AUTO_ORDER_BF16 = {"cpu": cpu_bf16_extra()}
+# Per device type, the backend that alone runs bfloat16 inference calls of the ops it has a GEMM of its own for,
+# wherever it can run them (`packed_bf16_choice`), or None.
+PACKED_BF16 = {"cpu": cpu_packed_bf16()}
+PACKED_BF16_HOW = "bf16 GEMM on weights packed once (PACKED_BF16)"
+UNPACKED_BF16 = ("not timed for bfloat16 here: its GEMM hands oneDNN the weight as stored, reordered for AMX at every "
+                 "call (PACKED_BF16)")
 # The static order under autograd (grad mode on and an input that requires grad). The cpp backward of most ops is
 # the spec's formula in PyTorch ops, recomputing from saved inputs: `benchmarks/train_step_cpu.py` (4 layers, H 256,
 # one thread, 2-core VM) measured a step at 288 ms through cpp vs 220 ms through eager, so the static order trains
@@ -304,6 +321,15 @@ def auto_order(device_type: str, dtype: torch.dtype | None) -> tuple[str, ...]:
     return order[:1] + extra + order[1:]
 
 
+def packed_bf16_choice(op: str, device_type: str, dtype: torch.dtype | None) -> str | None:
+    """`PACKED_BF16`'s backend for an inference call of ``op`` in ``dtype`` on ``device_type`` when it has an
+    implementation of ``op`` of its own (not one it runs for another backend), else None."""
+    backend = PACKED_BF16.get(device_type)
+    if backend is None or dtype != torch.bfloat16 or _load(backend, warn=False) or backend not in _REGISTRY.get(op, {}):
+        return None
+    return backend if same_implementation(op, backend, [b for b in _REGISTRY[op] if b != backend]) is None else None
+
+
 def autograd_order(op: str, device_type: str) -> tuple[str, ...]:
     """The backends `auto` tries, in order, for ``op`` under autograd on ``device_type`` (eager comes last anyway)."""
     return AUTO_ORDER_AUTOGRAD_BY_OP.get(op, {}).get(device_type, AUTO_ORDER_AUTOGRAD.get(device_type, ()))
@@ -401,7 +427,11 @@ def _static(op: str, device_type: str, tensors: list[torch.Tensor], args: tuple,
     """`auto` by the static preference lists (`auto_order`, and under autograd `autograd_order`)."""
     skipped: dict[str, str] = {}
     order = inference_order = auto_order(device_type, _float_dtype(tensors))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    packed = None if training else packed_bf16_choice(op, device_type, _float_dtype(tensors))
+    if packed is not None and why_not(op, packed, *args, **kwargs) is None:
+        return Decision(packed, {name: UNPACKED_BF16 for name in order if name != packed}, how)
+    if training:
         order = autograd_order(op, device_type)
         for preferred in inference_order:
             if preferred in order:
@@ -435,6 +465,10 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
             skipped[candidate] = reason
     if not candidates:
         raise BackendUnavailable(f"fastbert.ops.{op}: no backend can run these inputs: {skipped}")
+    packed = packed_bf16_choice(op, device_type, _float_dtype(tensors))
+    if packed in candidates:
+        skipped.update({name: UNPACKED_BF16 for name in candidates if name != packed})
+        return Decision(packed, skipped, PACKED_BF16_HOW)
     if len(candidates) == 1:
         return Decision(candidates[0], skipped, "only candidate")
     device = tensors[0].device
@@ -651,7 +685,8 @@ def _explain_model(model: torch.nn.Module) -> str:
 
 
 def _table_lines(name: str, device, dtype, grad: bool, training: bool, requested, table: OpTable) -> list[str]:
-    """One line per table (each op's backend), then one per measured choice (its shape class and times)."""
+    """One line per table (each op's backend), then one per measured choice (its shape class and times) and one per
+    op `PACKED_BF16` decided."""
     ops = ", ".join(f"{op} {chosen}" for op, chosen in table.chosen.items())
     mode = ("grad" if grad else "no grad") + (", training" if training else "")
     static = requested_backend(requested) == "auto" and not table.measure
@@ -662,4 +697,6 @@ def _table_lines(name: str, device, dtype, grad: bool, training: bool, requested
             if decision.times_ms:
                 lines.append(f"  {op}: {decision.backend} ({decision.describe()}) for "
                              f"{shape_class.removeprefix(op.split()[0] + ' ')}")
+            elif decision.how == PACKED_BF16_HOW:
+                lines.append(f"  {op}: {decision.backend} ({PACKED_BF16_HOW}; not timed: {', '.join(decision.skipped)})")
     return lines

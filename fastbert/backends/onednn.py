@@ -9,8 +9,10 @@ of the op fused:
 Why: `torch.addmm` (the cpp backend's GEMM) hands oneDNN or MKL the weight as it is stored, and the library reorders
 it on every call; packed once, the call reads the layout it wants. On the 2-core AVX-512 VM (no AMX) it came out
 level with the cpp ops, per op and in whole MiniLM forwards (`benchmarks/results/cpu-2core-ops-onednn/`). On AMX,
-where bf16 needs VNNI-packed weights, the reorder it saves is larger: `auto` measures it beside cpp and eager per
-shape class on CPUs with AMX (`fastbert.backends.cpu_auto_order`), and for bfloat16 calls on CPUs with AVX-512 BF16
+where bf16 needs VNNI-packed weights, the reorder it saves is larger: on CPUs with AMX-BF16 `auto` runs bfloat16
+inference GEMMs on it without timing the others (`fastbert.backends.PACKED_BF16`: timed alone, a GEMM on weights as
+stored can look faster, and the forward is slower for it), and times it beside cpp and eager per shape class for
+float32 calls on CPUs with AMX (`fastbert.backends.cpu_auto_order`) and bfloat16 calls on CPUs with AVX-512 BF16
 (`fastbert.backends.AUTO_ORDER_BF16`: there bf16 forwards ran 1.07-1.09x faster on it), so it runs where it wins;
 elsewhere force it.
 

@@ -251,6 +251,7 @@ def test_bfloat16_calls_also_consider_onednn_where_the_cpu_has_native_bfloat16(m
     monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(backends.AUTO_ORDER, "cpu", backends.cpu_auto_order(frozenset({"avx512_bf16"})))
     monkeypatch.setitem(backends.AUTO_ORDER_BF16, "cpu", backends.cpu_bf16_extra(frozenset({"avx512_bf16"})))
+    monkeypatch.setitem(backends.PACKED_BF16, "cpu", backends.cpu_packed_bf16(frozenset({"avx512_bf16"})))
     assert backends.auto_order("cpu", torch.bfloat16) == ("cpp", "onednn", "eager")
     assert backends.auto_order("cpu", torch.float32) == ("cpp", "eager")
     tuning.forget()
@@ -282,3 +283,52 @@ def test_the_bfloat16_extra_follows_the_cpus_features(monkeypatch):
     monkeypatch.setitem(backends.AUTO_ORDER, "cpu", amx)
     monkeypatch.setitem(backends.AUTO_ORDER_BF16, "cpu", ("onednn",))
     assert backends.auto_order("cpu", torch.bfloat16) == amx
+
+
+def test_packed_bf16_follows_the_cpus_features():
+    assert backends.cpu_packed_bf16(frozenset({"avx512f", "amx_tile", "amx_bf16"})) == "onednn"
+    assert backends.cpu_packed_bf16(frozenset({"avx512f", "avx512_bf16"})) is None
+    assert backends.cpu_packed_bf16(frozenset({"avx2"})) is None
+    assert backends.PACKED_BF16["cpu"] == backends.cpu_packed_bf16()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bfloat16 on this CPU")
+def test_on_amx_bf16_inference_gemms_run_on_packed_weights_without_timing_the_others(monkeypatch, tmp_path):
+    """AMX (PACKED_BF16 = onednn): a bfloat16 inference call of a GEMM op goes to onednn untimed, measuring on or
+    off; float32 calls, calls under autograd, ops onednn only borrows (attention) and weights onednn cannot take
+    are decided as before."""
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", backends.cpu_auto_order(frozenset({"amx_tile", "amx_bf16"})))
+    monkeypatch.setitem(backends.PACKED_BF16, "cpu", backends.cpu_packed_bf16(frozenset({"amx_tile", "amx_bf16"})))
+    tuning.forget()
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(64, 96, generator=gen).bfloat16(), _param(128, 96, dtype=torch.bfloat16, gen=gen)
+    args = (x, w, None, "gelu")
+    timed = []
+    real_measure = tuning.measure
+    monkeypatch.setattr(tuning, "measure", lambda fns, *a, **k: (timed.append(set(fns)), real_measure(fns, *a, **k))[1])
+    for measuring in (True, False):
+        backends.set_measuring(measuring)
+        try:
+            with torch.no_grad():
+                packed = backends.decide("linear_activation", "auto", args, {})
+                fp32 = backends.decide("linear_activation", "auto", (x.float(), w.float(), None, "gelu"), {})
+                plain_weight = backends.decide("linear_activation", "auto", (x, w.detach().clone(), None, "gelu"), {})
+                q, k, v = torch.randn(3, 20, 2, 16, generator=gen).bfloat16().unbind(0)
+                cu = torch.tensor([0, 20], dtype=torch.int32)
+                attention = backends.decide("attention", "auto", (q, k, v, cu, 20), {})
+            grad_w = _param(128, 96, dtype=torch.bfloat16, gen=gen)
+            training = backends.decide("linear_activation", "auto", (x.requires_grad_(), grad_w, None, "gelu"), {})
+            x = x.detach()
+        finally:
+            backends.set_measuring(False)
+        assert packed.backend == "onednn" and packed.times_ms is None, packed
+        assert set(packed.skipped) == {"cpp", "eager"} and "PACKED_BF16" in packed.skipped["cpp"], packed
+        assert fp32.backend != "onednn" or fp32.times_ms, fp32  # float32: timed (measuring) or the static order
+        assert plain_weight.backend != "onednn", plain_weight  # (a temporary weight: onednn declines it)
+        assert attention.backend == "cpp", attention
+        assert training.backend != "onednn", training
+    tuning.forget()
+    # Timed while measuring: the float32 call, the plain weight, attention and the training call (each once); never
+    # the bfloat16 inference call on the parameter.
+    assert len(timed) == 4, timed
