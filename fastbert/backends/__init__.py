@@ -698,5 +698,6 @@ def _table_lines(name: str, device, dtype, grad: bool, training: bool, requested
                 lines.append(f"  {op}: {decision.backend} ({decision.describe()}) for "
                              f"{shape_class.removeprefix(op.split()[0] + ' ')}")
             elif decision.how == PACKED_BF16_HOW:
-                lines.append(f"  {op}: {decision.backend} ({PACKED_BF16_HOW}; not timed: {', '.join(decision.skipped)})")
+                untimed = ", ".join(decision.skipped)
+                lines.append(f"  {op}: {decision.backend} ({PACKED_BF16_HOW}; not timed: {untimed})")
     return lines

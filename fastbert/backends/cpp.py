@@ -265,5 +265,5 @@ for _op, _impl, _supports in (
 ):
     backends.register(_op, "cpp", _impl, _supports, has_backward=_op not in TORCH_OPS or SPECS[_op].has_backward)
 
-__all__ = ["EXTENSION_ERROR", "amx_attention", "bias_activation", "bias_residual_layernorm", "compiled_capability", "pad",
-           "unpad"]
+__all__ = ["EXTENSION_ERROR", "amx_attention", "bias_activation", "bias_residual_layernorm", "compiled_capability",
+           "pad", "unpad"]
