@@ -31,6 +31,7 @@ same run.
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import os
 import statistics
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     model_dir, config = resolve_model(args.model_dir)
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as workdir:
@@ -245,18 +247,26 @@ def main(argv: list[str] | None = None) -> int:
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
     report = interleaved_report(machine, f"{model_name(model_dir)} ({config.family})", args.rounds, cases,
                                 targets, notes=notes, worst_cosine_vs_hf_fp32=cosines, not_available=unavailable,
-                                auto_choices=auto_choices())
+                                auto_choices=auto_choices(started))
     write_interleaved(report, markdown(report), args.out, args.name)
     return 0
 
 
-def auto_choices() -> dict[str, dict]:
-    """What fastbert's ``auto`` runs each op on here, per shape class (the tuning table this run measured or read:
-    `fastbert.backends.tuning`), with each candidate's time."""
+def auto_choices(started: str) -> dict[str, dict]:
+    """What fastbert's ``auto`` ran each op on here, per shape class (the tuning table this run measured or read:
+    `fastbert.backends.tuning`; ``earlier`` marks choices read from the cache, measured before ``started``), with
+    each candidate's time; and, on CPUs where bfloat16 inference GEMMs go to one backend untimed
+    (`fastbert.backends.PACKED_BF16`), that backend."""
+    from fastbert import backends
     from fastbert.backends import tuning
 
-    return {shape_class: {"choice": entry.choice, "times_ms": {k: round(v, 4) for k, v in entry.times_ms.items()}}
-            for shape_class, entry in sorted(tuning.entries(CPU).items())}
+    choices = {shape_class: {"choice": entry.choice, "times_ms": {k: round(v, 4) for k, v in entry.times_ms.items()},
+                             "earlier": entry.measured < started}
+               for shape_class, entry in sorted(tuning.entries(CPU).items())}
+    packed = backends.PACKED_BF16.get("cpu")
+    if packed:
+        choices["bfloat16 inference GEMMs (PACKED_BF16)"] = {"choice": packed, "times_ms": {}, "earlier": False}
+    return choices
 
 
 def markdown(report: dict) -> str:
@@ -282,7 +292,8 @@ def markdown(report: dict) -> str:
     lines += ["", "## What fastbert's auto ran each op on (tuning table; op, dtype, threads, shapes)", "",
               "| shape class | backend | times (ms) |", "|---|---|---|"]
     lines += [f"| {shape_class} | {entry['choice']} | "
-              + ", ".join(f"{k} {v:.3g}" for k, v in sorted(entry["times_ms"].items(), key=lambda kv: kv[1])) + " |"
+              + (", ".join(f"{k} {v:.3g}" for k, v in sorted(entry["times_ms"].items(), key=lambda kv: kv[1]))
+                 or "not timed") + (" (cached by an earlier run)" if entry.get("earlier") else "") + " |"
               for shape_class, entry in report.get("auto_choices", {}).items()]
     return "\n".join(lines) + "\n"
 

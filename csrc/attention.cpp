@@ -21,11 +21,13 @@
 // cover, so a local layer costs about S * window instead of S^2; the band's edges are masked per row inside the
 // register tiles.
 //
-// bfloat16 on CPUs with AMX (`at::native::cpublas::could_pack`), without dropout or a window: each work item runs
-// its two products on oneDNN's brgemm micro-kernels through ATen (`attend_item_brgemm`), bf16 x bf16 -> fp32 on AMX
-// tiles, K and V packed per block into the VNNI layout the tiles read; the softmax stays in fp32, its probabilities
-// rounded to bf16 for the PV product (as PyTorch's own CPU flash attention does). Query rows are padded to a
-// multiple of kBrgemmRows and keys to a multiple of kBrgemmKeys, so few distinct micro-kernels are generated.
+// bfloat16 on CPUs with AMX (`brgemm_attention_usable`: an AVX-512 build, AMX-BF16, an even head dim up to 256),
+// without dropout or a window and with a positive scale: each work item runs its two products on oneDNN's brgemm
+// micro-kernels through ATen (`attend_item_brgemm`), bf16 x bf16 -> fp32 on AMX tiles, K and V packed per block
+// into the VNNI layout the tiles read; the softmax statistics stay in fp32, the probabilities are rounded to bf16
+// for the P V product (as PyTorch's own CPU flash attention does) and each row normalised by the sum of exactly
+// those bf16 values. Query rows are padded to a multiple of kBrgemmRows and keys to a multiple of kBrgemmKeys, so
+// few distinct micro-kernels are generated.
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #if defined(CPU_CAPABILITY_AVX512)
@@ -352,6 +354,7 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
 }
 
 // ---------------------------------------------------------------------------------------------- AMX (brgemm)
+#if defined(CPU_CAPABILITY_AVX512)  // AMX CPUs all have AVX-512: builds for narrower ISAs use the vector kernel
 constexpr int64_t kBrgemmRows = 32;       // query rows are padded to a multiple of this
 constexpr int64_t kBrgemmKeys = 32;       // keys per block are padded to a multiple of this
 constexpr int64_t kBrgemmKeyBlock = 256;  // keys per online-softmax step (brgemm ran 5x slower at N = 512)
@@ -360,13 +363,17 @@ constexpr int64_t kBrgemmMaxDim = 256;
 // Per-thread bf16 tiles and fp32 accumulators of `attend_item_brgemm` for up to `rows` query rows and `keys` keys
 // per block, allocated once per call and not initialised (every element read is written first).
 struct BrgemmScratch {
-  std::unique_ptr<c10::BFloat16[]> q, k_rows, kt, v, p, p_low;
+  std::unique_ptr<c10::BFloat16[]> q, k_rows, kt, v, p;
   std::unique_ptr<float[]> s, acc, row_max, row_sum;
   BrgemmScratch(int64_t rows, int64_t keys, int64_t dim)
       : q(new c10::BFloat16[rows * dim]), k_rows(new c10::BFloat16[keys * dim]), kt(new c10::BFloat16[dim * keys]),
-        v(new c10::BFloat16[keys * dim]), p(new c10::BFloat16[rows * keys]),
-        p_low(new c10::BFloat16[rows * keys]), s(new float[rows * keys]),
+        v(new c10::BFloat16[keys * dim]), p(new c10::BFloat16[rows * keys]), s(new float[rows * keys]),
         acc(new float[rows * dim]), row_max(new float[rows]), row_sum(new float[rows]) {}
+};
+
+// Releases the AMX tile state a thread's brgemm calls configured, also when one of them throws.
+struct BrgemmRelease {
+  ~BrgemmRelease() { at::native::cpublas::brgemm_release(); }
 };
 
 // dst[0, n) = src[0, n) for a short bf16 row (a head's dim), inline: memmove's call costs more at these sizes.
@@ -378,30 +385,20 @@ inline void copy_row(const c10::BFloat16* src, int64_t n, c10::BFloat16* dst) {
 
 // out[2 i] = a[i], out[2 i + 1] = b[i] for i < n (b null: zeros): two V rows as VNNI pairs.
 inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n, c10::BFloat16* out) {
-#if defined(CPU_CAPABILITY_AVX512)
   // Word indices into (a, b) for permutex2var: even outputs from a (0..31), odd from b (32..63).
   alignas(64) static const uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  auto mask = [](int64_t count) { return count >= 32 ? ~__mmask32(0) : (__mmask32(1) << count) - 1; };
   for (int64_t i = 0; i < n; i += 32) {
     const int64_t m = std::min<int64_t>(32, n - i);
-    const __mmask32 in_mask = m == 32 ? ~__mmask32(0) : (__mmask32(1) << m) - 1;
-    const __m512i va = _mm512_maskz_loadu_epi16(in_mask, a + i);
-    const __m512i vb = b ? _mm512_maskz_loadu_epi16(in_mask, b + i) : _mm512_setzero_si512();
-    const int64_t first = std::min<int64_t>(32, 2 * m), second = 2 * m - first;
-    _mm512_mask_storeu_epi16(out + 2 * i, first == 32 ? ~__mmask32(0) : (__mmask32(1) << first) - 1,
-                             _mm512_permutex2var_epi16(va, low, vb));
-    if (second > 0) {
-      _mm512_mask_storeu_epi16(out + 2 * i + 32, second == 32 ? ~__mmask32(0) : (__mmask32(1) << second) - 1,
-                               _mm512_permutex2var_epi16(va, high, vb));
-    }
+    const __m512i va = _mm512_maskz_loadu_epi16(mask(m), a + i);
+    const __m512i vb = b ? _mm512_maskz_loadu_epi16(mask(m), b + i) : _mm512_setzero_si512();
+    _mm512_mask_storeu_epi16(out + 2 * i, mask(2 * m), _mm512_permutex2var_epi16(va, low, vb));
+    if (m > 16) _mm512_mask_storeu_epi16(out + 2 * i + 32, mask(2 * m - 32), _mm512_permutex2var_epi16(va, high, vb));
   }
-#else
-  const c10::BFloat16 zero(0.f);
-  for (int64_t i = 0; i < n; ++i) out[2 * i] = a[i], out[2 * i + 1] = b ? b[i] : zero;
-#endif
 }
 
 // Pack keys [k0, k0 + nk) of one sequence and head for the two brgemms, zero past nk up to nk_padded (even):
@@ -436,12 +433,12 @@ void pack_keys_vnni(const c10::BFloat16* kb, int64_t k_pos, const c10::BFloat16*
                                 nk_padded, static_cast<int>(nk_padded), static_cast<int>(dim / 2));
 }
 
-// exp(x) for the probabilities that are rounded to bf16 (8 significant bits) for the PV product: 2^(x log2 e) as
-// 2^n * p(f), n = round(x log2 e), p a degree-4 fit of 2^f on [-1/2, 1/2] (relative error 3.6e-6, far below bf16's
-// 3.9e-3; about half the instructions of at::vec's exp_u20). x = s * scale - shift, -inf or very negative -> 0.
-#if defined(CPU_CAPABILITY_AVX512)
+// exp(s * scale - shift) of 16 scores, computed as 2^x with x = s * scale log2(e) - shift log2(e): 2^n * p(f),
+// n = round(x), p a degree-4 fit of 2^f on [-1/2, 1/2] (relative error 3.6e-6: the result is rounded to bf16,
+// 3.9e-3, next; about half the instructions of at::vec's exp_u20). x is clamped at -150 (2^-150 is 0 in fp32), so
+// -inf gives 0; NaN stays NaN.
 inline __m512 exp_scaled(__m512 s, __m512 scale_log2e, __m512 shift_log2e) {
-  const __m512 x = _mm512_fmsub_ps(s, scale_log2e, shift_log2e);
+  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-150.f), _mm512_fmsub_ps(s, scale_log2e, shift_log2e));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 poly = _mm512_fmadd_ps(_mm512_set1_ps(0.0096760371f), f, _mm512_set1_ps(0.0559220356f));
@@ -450,73 +447,48 @@ inline __m512 exp_scaled(__m512 s, __m512 scale_log2e, __m512 shift_log2e) {
   poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.00000008f));
   return _mm512_scalef_ps(poly, n);
 }
-#endif
 
-// One row's softmax step over a block of nk scores s (unscaled; zero columns up to nk_padded): the running max and
-// sum updated, the row's accumulator rescaled when the max moved, and e = exp(scale * s - max) in bf16 for the P V
-// tiles: p = bf16(e) (zeros past nk), and with p_low (not null) also the rest, p_low = bf16(e - p), so that P V
-// keeps e to about 16 bits (one bf16 rounding of the probabilities, as PyTorch's own kernel makes, put a ModernBERT
-// bf16 training step's loss past twice plain PyTorch's error). first_block: row_max / row_sum / acc hold nothing.
-// p_low: one extra P V product.
-#if defined(CPU_CAPABILITY_AVX512)
-__attribute__((target("avx512bf16")))  // vcvtne2ps2bf16: every CPU with AMX-BF16 has it (brgemm_attention_usable)
-#endif
-inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, float scale, float& row_max,
-                               float& row_sum, float* acc, int64_t dim, bool first_block, c10::BFloat16* p,
-                               c10::BFloat16* p_low) {
-  int64_t j = 0;
-  float block_max;
-#if defined(CPU_CAPABILITY_AVX512)
+// The largest of a row's first nk scores (-inf when nk is 0).
+inline float row_block_max(const float* s, int64_t nk) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (; j < nk; j += 16) {
+  for (int64_t j = 0; j < nk; j += 16) {
     const __mmask16 real = nk - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nk - j)) - 1);
     mv = _mm512_mask_max_ps(mv, real, mv, _mm512_loadu_ps(s + j));
   }
-  block_max = _mm512_reduce_max_ps(mv);
-#else
-  Vec mv(-std::numeric_limits<float>::infinity());
-  for (; j + kLanes <= nk; j += kLanes) mv = at::vec::maximum(mv, Vec::loadu(s + j));
-  block_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
-  for (; j < nk; ++j) block_max = std::max(block_max, s[j]);
-#endif
-  const float new_max = first_block ? block_max * scale : std::max(row_max, block_max * scale);
-  float block_sum;
-#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(mv);
+}
+
+// p[0, nk_padded) = bf16(exp(s * scale - shift)) for the first nk scores and zeros after; returns the sum of the
+// bf16 values, the weights P V multiplies by, so that the output is normalised by exactly them (normalising by
+// the unrounded sum put a ModernBERT bf16 training step's loss at 2.4x plain PyTorch's error).
+__attribute__((target("avx512bf16")))  // vcvtne2ps2bf16: every CPU with AMX-BF16 has it (brgemm_attention_usable)
+inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float scale, float shift,
+                          c10::BFloat16* p) {
   const __m512 scale_log2e = _mm512_set1_ps(scale * static_cast<float>(M_LOG2E));
-  const __m512 shift_log2e = _mm512_set1_ps(new_max * static_cast<float>(M_LOG2E));
-  __m512 sum = _mm512_setzero_ps();
+  const __m512 shift_log2e = _mm512_set1_ps(shift * static_cast<float>(M_LOG2E));
   auto exp_at = [&](int64_t col) {  // zeros past nk
     const __mmask16 real = nk - col >= 16 ? __mmask16(0xFFFF) : nk > col ? __mmask16((1u << (nk - col)) - 1) : 0;
     return _mm512_maskz_mov_ps(real, exp_scaled(_mm512_loadu_ps(s + col), scale_log2e, shift_log2e));
   };
-  for (j = 0; j < nk_padded; j += 32) {  // nk_padded is a multiple of kBrgemmKeys (32)
-    const __m512 low = exp_at(j), high = exp_at(j + 16);
-    sum = _mm512_add_ps(sum, _mm512_add_ps(low, high));
-    const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(high, low);
+  auto widen = [](__m256i half) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)); };
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nk_padded; j += 32) {  // nk_padded is a multiple of kBrgemmKeys (32)
+    const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(exp_at(j + 16), exp_at(j));
     _mm512_storeu_si512(p + j, rounded);
-    if (p_low == nullptr) continue;
-    auto widen = [](__m256i half) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)); };
-    const __m512 low_rest = _mm512_sub_ps(low, widen(_mm512_castsi512_si256(rounded)));
-    const __m512 high_rest = _mm512_sub_ps(high, widen(_mm512_extracti64x4_epi64(rounded, 1)));
-    _mm512_storeu_si512(p_low + j, (__m512i)_mm512_cvtne2ps_pbh(high_rest, low_rest));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(widen(_mm512_castsi512_si256(rounded)),
+                                           widen(_mm512_extracti64x4_epi64(rounded, 1))));
   }
-  block_sum = _mm512_reduce_add_ps(sum);
-#else
-  const Vec scale_v(scale), shift(new_max);
-  Vec sum(0.f);
-  for (j = 0; j < nk_padded; j += kLanes) {
-    const int64_t m = std::min<int64_t>(kLanes, nk - j);
-    Vec e(0.f);
-    if (m > 0) {
-      e = at::vec::fmsub(Vec::loadu(s + j, m), scale_v, shift).exp_u20();
-      if (m < kLanes) e = Vec::blendv(Vec(0.f), e, Vec::arange(0.f, 1.f) < Vec(static_cast<float>(m)));
-    }
-    sum = sum + e;
-    store_f(p + j, e);
-    if (p_low != nullptr) store_f(p_low + j, e - load_f(p + j));
-  }
-  block_sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
-#endif
+  return _mm512_reduce_add_ps(sum);
+}
+
+// One query row's online-softmax step over a block of nk scores (unscaled; scale > 0): the running max and sum
+// updated, the row's accumulator rescaled when the max moved, and the block's probabilities in bf16 into p.
+// first_block: row_max / row_sum / acc hold nothing yet.
+inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, float scale, bool first_block,
+                               float& row_max, float& row_sum, float* acc, int64_t dim, c10::BFloat16* p) {
+  const float block_max = row_block_max(s, nk) * scale;
+  const float new_max = first_block ? block_max : std::max(row_max, block_max);
+  const float block_sum = exp_row_bf16(s, nk, nk_padded, scale, new_max, p);
   const float alpha = first_block ? 0.f : std::exp(row_max - new_max);
   if (!first_block && alpha != 1.f) {
     const Vec alpha_v(alpha);
@@ -529,55 +501,21 @@ inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, fl
   row_max = new_max;
 }
 
-// `attend_item` for bf16 on AMX, without dropout or window: S = Q K^T and acc += P V on brgemm micro-kernels.
-// exact: the probabilities in two bf16 parts (`softmax_row_brgemm`), for forwards whose gradient is taken.
-void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
-                        const c10::BFloat16* v, const int64_t* key_positions, float scale, bool exact,
-                        c10::BFloat16* out, BrgemmScratch& w) {
-  const int64_t dim = L.dim;
-  const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kBrgemmRows);
-  const c10::BFloat16* qb = q + L.q_offset(item.batch) + item.head * L.q_head;
-  const c10::BFloat16* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
-  const c10::BFloat16* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
-  c10::BFloat16* qs = w.q.get();
+// The item's query rows into w.q, zero rows after them up to rows_padded (a brgemm's A operand).
+void gather_queries(const c10::BFloat16* qb, int64_t q_pos, int64_t rows, int64_t rows_padded, int64_t dim,
+                    BrgemmScratch& w) {
   for (int64_t r = 0; r < rows_padded; ++r) {
     if (r < rows) {
-      copy_row(qb + (item.q_begin + r) * L.q_pos, dim, qs + r * dim);
+      copy_row(qb + r * q_pos, dim, w.q.get() + r * dim);
     } else {
-      std::fill(qs + r * dim, qs + (r + 1) * dim, c10::BFloat16(0.f));
+      std::fill(w.q.get() + r * dim, w.q.get() + (r + 1) * dim, c10::BFloat16(0.f));
     }
   }
-  std::fill_n(w.row_max.get(), rows, -std::numeric_limits<float>::infinity());
-  std::fill_n(w.row_sum.get(), rows, 0.f);
-  if (item.key_end == item.key_begin) std::fill_n(w.acc.get(), rows * dim, 0.f);
+}
 
-  for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBrgemmKeyBlock) {
-    const int64_t nk = std::min(kBrgemmKeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBrgemmKeys);
-    const bool first_block = k0 == item.key_begin;
-    pack_keys_vnni(kb, L.k_pos, vb, L.v_pos, key_positions, k0, nk, nk_padded, dim, w);
-    at::native::cpublas::brgemm(rows_padded, nk_padded, dim, dim, nk_padded, nk_padded, false, qs, w.kt.get(),
-                                w.s.get());
-    for (int64_t r = 0; r < rows_padded; ++r) {
-      c10::BFloat16* pr = w.p.get() + r * nk_padded;
-      c10::BFloat16* pr_low = exact ? w.p_low.get() + r * nk_padded : nullptr;
-      if (r >= rows) {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
-        std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
-        if (exact) std::fill(pr_low, pr_low + nk_padded, c10::BFloat16(0.f));
-        continue;
-      }
-      softmax_row_brgemm(w.s.get() + r * nk_padded, nk, nk_padded, scale, w.row_max[r], w.row_sum[r],
-                         w.acc.get() + r * dim, dim, first_block, pr, pr_low);
-    }
-    // acc = P V on the first block, acc += P V after (acc already rescaled per row); P in its two bf16 parts.
-    at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, !first_block, w.p.get(),
-                                w.v.get(), w.acc.get());
-    if (exact) {
-      at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, true, w.p_low.get(), w.v.get(),
-                                  w.acc.get());
-    }
-  }
-
-  const int64_t out_row0 = L.first_row(item.batch) + item.q_begin;
+// out rows of the item = acc / row_sum in bf16 (zeros for a row without keys).
+void store_rows(const WorkItem& item, const Layout& L, int64_t rows, const BrgemmScratch& w, c10::BFloat16* out) {
+  const int64_t dim = L.dim, out_row0 = L.first_row(item.batch) + item.q_begin;
   for (int64_t r = 0; r < rows; ++r) {
     const float total = w.row_sum[r];
     const Vec inv(total > 0.f ? 1.f / total : 0.f);  // no real key: zeros, not NaN
@@ -589,6 +527,68 @@ void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat
     }
   }
 }
+
+// `attend_item` for bf16 on AMX, without dropout or window (scale > 0): per block of keys S = Q K^T and
+// acc (+)= P V on brgemm micro-kernels, the softmax between them per row.
+void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
+                        const c10::BFloat16* v, const int64_t* key_positions, float scale, c10::BFloat16* out,
+                        BrgemmScratch& w) {
+  const int64_t dim = L.dim;
+  const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kBrgemmRows);
+  const c10::BFloat16* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
+  const c10::BFloat16* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
+  gather_queries(q + L.q_offset(item.batch) + item.head * L.q_head + item.q_begin * L.q_pos, L.q_pos, rows,
+                 rows_padded, dim, w);
+  std::fill_n(w.row_sum.get(), rows, 0.f);
+  if (item.key_end == item.key_begin) std::fill_n(w.acc.get(), rows * dim, 0.f);
+
+  for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBrgemmKeyBlock) {
+    const int64_t nk = std::min(kBrgemmKeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBrgemmKeys);
+    const bool first_block = k0 == item.key_begin;
+    pack_keys_vnni(kb, L.k_pos, vb, L.v_pos, key_positions, k0, nk, nk_padded, dim, w);
+    at::native::cpublas::brgemm(rows_padded, nk_padded, dim, dim, nk_padded, nk_padded, false, w.q.get(),
+                                w.kt.get(), w.s.get());
+    for (int64_t r = 0; r < rows_padded; ++r) {
+      c10::BFloat16* pr = w.p.get() + r * nk_padded;
+      if (r < rows) {
+        softmax_row_brgemm(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[r], w.row_sum[r],
+                           w.acc.get() + r * dim, dim, pr);
+      } else {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
+        std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
+      }
+    }
+    // acc = P V on the first block, acc += P V after (acc already rescaled per row).
+    at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, !first_block, w.p.get(),
+                                w.v.get(), w.acc.get());
+  }
+  store_rows(item, L, rows, w, out);
+}
+
+// Every item on the brgemm kernel, threads taking the next item as they finish (`attention_cpu`'s contract).
+void attend_items_brgemm(const std::vector<WorkItem>& items, const Layout& L, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const std::vector<int64_t>& key_positions, int64_t positions_stride,
+                         int64_t longest, int64_t longest_keys, float scale, at::Tensor& out) {
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  const auto* kp = k.data_ptr<c10::BFloat16>();
+  const auto* vp = v.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    BrgemmRelease release;
+    BrgemmScratch scratch(std::min(kQueryChunk, round_up(longest, kBrgemmRows)),
+                          std::min(kBrgemmKeyBlock, round_up(longest_keys, kBrgemmKeys)), L.dim);
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next++; i < n_items; i = next++) {
+        const int64_t* positions =
+            key_positions.empty() ? nullptr : key_positions.data() + items[i].batch * positions_stride;
+        attend_item_brgemm(items[i], L, qp, kp, vp, positions, scale, op, scratch);
+      }
+    }
+  });
+}
+#endif  // CPU_CAPABILITY_AVX512
 
 void check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& cu_seqlens, std::optional<int64_t> max_seqlen,
@@ -724,28 +724,13 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
-  if (!drop.active && half_width < 0 && brgemm_attention_usable(q.scalar_type(), dim)) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (!drop.active && half_width < 0 && softmax_scale > 0.f && brgemm_attention_usable(q.scalar_type(), dim)) {
     const int64_t longest_keys = num_keys.empty() ? 0 : *std::max_element(num_keys.begin(), num_keys.end());
-    // A forward whose gradient will be taken keeps the probabilities to ~16 bits: its backward recomputes them in fp32.
-    const bool exact = q_in.requires_grad() || k_in.requires_grad() || v_in.requires_grad();
-    const auto* qp = q.data_ptr<c10::BFloat16>();
-    const auto* kp = k.data_ptr<c10::BFloat16>();
-    const auto* vp = v.data_ptr<c10::BFloat16>();
-    auto* op = out.data_ptr<c10::BFloat16>();
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-      BrgemmScratch scratch(std::min(kQueryChunk, round_up(longest, kBrgemmRows)),
-                            std::min(kBrgemmKeyBlock, round_up(longest_keys, kBrgemmKeys)), dim);
-      for (int64_t worker = begin; worker < end; ++worker) {
-        for (int64_t i = next++; i < n_items; i = next++) {
-          const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + items[i].batch * S;
-          attend_item_brgemm(items[i], L, qp, kp, vp, positions, softmax_scale, exact, op, scratch);
-        }
-      }
-      at::native::cpublas::brgemm_release();  // the AMX tile state this thread configured
-    });
+    attend_items_brgemm(items, L, q, k, v, key_positions, S, longest, longest_keys, softmax_scale, out);
     return out;
   }
+#endif
   const int64_t dp = round_up(dim, kCols);
   FASTBERT_DISPATCH_FLOAT(q.scalar_type(), "fastbert_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -778,10 +763,10 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
 
 bool brgemm_attention_usable(at::ScalarType dtype, int64_t dim) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return dtype == at::kBFloat16 && dim % 2 == 0 && dim <= kBrgemmMaxDim &&
+  return dtype == at::kBFloat16 && dim > 0 && dim % 2 == 0 && dim <= kBrgemmMaxDim &&
          at::native::cpublas::could_pack(at::kBFloat16) && __builtin_cpu_supports("avx512bf16");
 #else
-  return false;  // AMX CPUs all have AVX-512: a build for a narrower ISA never runs this path
+  return false;
 #endif
 }
 

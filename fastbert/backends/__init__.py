@@ -277,7 +277,7 @@ def why_not(op: str, backend: str, *args, **kwargs) -> str | None:
     if impl is None:
         return f"{backend} backend has no implementation of {op}"
     tensors = _tensors(args, kwargs)
-    if not impl.has_backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if not impl.has_backward and _under_autograd(tensors):
         return f"{backend} backend has no backward for {op} and an input requires grad"
     if backend != "eager" and torch.compiler.is_compiling() and _dropout_p(op, args, kwargs) > 0:
         return (f"under torch.compile dropout draws from torch's traced RNG, which only the eager {op} uses (this "
@@ -321,11 +321,14 @@ def auto_order(device_type: str, dtype: torch.dtype | None) -> tuple[str, ...]:
     return order[:1] + extra + order[1:]
 
 
-def packed_bf16_choice(op: str, device_type: str, dtype: torch.dtype | None) -> str | None:
-    """`PACKED_BF16`'s backend for an inference call of ``op`` in ``dtype`` on ``device_type`` when it has an
-    implementation of ``op`` of its own (not one it runs for another backend), else None."""
+def packed_bf16_choice(op: str, device_type: str, tensors: list[torch.Tensor]) -> str | None:
+    """`PACKED_BF16`'s backend for a call of ``op`` on these tensors when the call is bfloat16 inference (no input
+    requires grad under grad mode) and the backend has an implementation of ``op`` of its own (not one it runs for
+    another backend), else None."""
     backend = PACKED_BF16.get(device_type)
-    if backend is None or dtype != torch.bfloat16 or _load(backend, warn=False) or backend not in _REGISTRY.get(op, {}):
+    if backend is None or _float_dtype(tensors) != torch.bfloat16 or _under_autograd(tensors):
+        return None
+    if _load(backend, warn=False) or backend not in _REGISTRY.get(op, {}):
         return None
     return backend if same_implementation(op, backend, [b for b in _REGISTRY[op] if b != backend]) is None else None
 
@@ -417,6 +420,10 @@ def _fingerprint(value, dropout: bool, seed: bool):
     return value
 
 
+def _under_autograd(tensors: list[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _float_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
     """The dtype of a call's first floating-point tensor (its ids and masks come first in some ops)."""
     return next((t.dtype for t in tensors if t.is_floating_point()), None)
@@ -427,11 +434,11 @@ def _static(op: str, device_type: str, tensors: list[torch.Tensor], args: tuple,
     """`auto` by the static preference lists (`auto_order`, and under autograd `autograd_order`)."""
     skipped: dict[str, str] = {}
     order = inference_order = auto_order(device_type, _float_dtype(tensors))
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    packed = None if training else packed_bf16_choice(op, device_type, _float_dtype(tensors))
+    packed = packed_bf16_choice(op, device_type, tensors)
     if packed is not None and why_not(op, packed, *args, **kwargs) is None:
-        return Decision(packed, {name: UNPACKED_BF16 for name in order if name != packed}, how)
-    if training:
+        untimed = [name for name in order if name != packed and why_not(op, name, *args, **kwargs) is None]
+        return Decision(packed, dict.fromkeys(untimed, UNPACKED_BF16), f"{how}; {PACKED_BF16_HOW}")
+    if _under_autograd(tensors):
         order = autograd_order(op, device_type)
         for preferred in inference_order:
             if preferred in order:
@@ -465,7 +472,7 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
             skipped[candidate] = reason
     if not candidates:
         raise BackendUnavailable(f"fastbert.ops.{op}: no backend can run these inputs: {skipped}")
-    packed = packed_bf16_choice(op, device_type, _float_dtype(tensors))
+    packed = packed_bf16_choice(op, device_type, tensors)
     if packed in candidates:
         skipped.update({name: UNPACKED_BF16 for name in candidates if name != packed})
         return Decision(packed, skipped, PACKED_BF16_HOW)
@@ -697,7 +704,7 @@ def _table_lines(name: str, device, dtype, grad: bool, training: bool, requested
             if decision.times_ms:
                 lines.append(f"  {op}: {decision.backend} ({decision.describe()}) for "
                              f"{shape_class.removeprefix(op.split()[0] + ' ')}")
-            elif decision.how == PACKED_BF16_HOW:
-                untimed = ", ".join(decision.skipped)
-                lines.append(f"  {op}: {decision.backend} ({PACKED_BF16_HOW}; not timed: {untimed})")
+            elif PACKED_BF16_HOW in decision.how:
+                untimed = ", ".join(decision.skipped) or "none"
+                lines.append(f"  {op}: {decision.backend} ({decision.how}; not timed: {untimed})")
     return lines

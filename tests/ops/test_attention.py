@@ -218,6 +218,23 @@ def test_cpp_bf16_key_blocks_and_row_padding(dim):
     assert_accurate_fp64(fast, plain, reference, f"packed bf16 D={dim}")
 
 
+@pytest.mark.parametrize("scale", (-40.0, 40.0), ids=("negative", "positive"))
+def test_cpp_bf16_unusual_scales(scale):
+    """Scales that spread the scores over thousands, so that most probabilities underflow to 0: positive, and
+    negative (the AMX kernel takes positive ones; others run the vector kernel): finite, and accurate by the
+    numerics rule."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 64, 130]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = _qkv_views((sum(lengths),), 2, 64, torch.bfloat16, gen)
+    kwargs = dict(cu_seqlens=cu, max_seqlen=max(lengths), scale=scale)
+    fast = ops.attention(q, k, v, **kwargs, backend="cpp")
+    assert torch.isfinite(fast).all()
+    plain = ops.attention(q, k, v, **kwargs, backend="eager")
+    reference = ops.attention(q.double(), k.double(), v.double(), **kwargs, backend="eager")
+    assert_accurate_fp64(fast, plain, reference, f"packed bf16 scale={scale}")
+
+
 # ------------------------------------------------------------------------------------------- padding poison
 def _poison_cases():
     """(backend, dtype, head_dim): eager and cpp on CPU, triton in the interpreter (its masked keys' K and V are
