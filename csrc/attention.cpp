@@ -356,6 +356,7 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
 // ---------------------------------------------------------------------------------------------- AMX (brgemm)
 #if defined(CPU_CAPABILITY_AVX512)  // AMX CPUs all have AVX-512: builds for narrower ISAs use the vector kernel
 constexpr int64_t kBrgemmRows = 32;       // query rows are padded to a multiple of this
+constexpr int64_t kBrgemmQueryChunk = 256;  // query rows per work item
 constexpr int64_t kBrgemmKeys = 32;       // keys per block are padded to a multiple of this
 constexpr int64_t kBrgemmKeyBlock = 256;  // keys per online-softmax step (brgemm ran 5x slower at N = 512)
 constexpr int64_t kBrgemmMaxDim = 256;
@@ -577,7 +578,7 @@ void attend_items_brgemm(const std::vector<WorkItem>& items, const Layout& L, co
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     BrgemmRelease release;
-    BrgemmScratch scratch(std::min(kQueryChunk, round_up(longest, kBrgemmRows)),
+    BrgemmScratch scratch(std::min(kBrgemmQueryChunk, round_up(longest, kBrgemmRows)),
                           std::min(kBrgemmKeyBlock, round_up(longest_keys, kBrgemmKeys)), L.dim);
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next++; i < n_items; i = next++) {
@@ -696,11 +697,19 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
   const int64_t longest = seq_lengths.empty() ? 0 : *std::max_element(seq_lengths.begin(), seq_lengths.end());
   const int64_t half_width = window.has_value() && *window / 2 < longest - 1 ? *window / 2 : -1;
   const int64_t S = packed ? 0 : L.seqlen;
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool amx = dropout_p == 0.0 && half_width < 0 && softmax_scale > 0.f &&
+                   brgemm_attention_usable(q.scalar_type(), dim);
+#else
+  const bool amx = false;
+#endif
+  // The AMX kernel packs each block of keys once per item: longer chunks of queries pack them fewer times.
+  const int64_t chunk = amx ? kBrgemmQueryChunk : kQueryChunk;
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + b * S;
-    for (int64_t q0 = 0; q0 < seq_lengths[b]; q0 += kQueryChunk) {
-      const int64_t q1 = std::min(seq_lengths[b], q0 + kQueryChunk);
+    for (int64_t q0 = 0; q0 < seq_lengths[b]; q0 += chunk) {
+      const int64_t q1 = std::min(seq_lengths[b], q0 + chunk);
       // The real keys that some row of q0..q1-1 may attend: a range of the sequence's key list.
       int64_t key_begin = 0, key_end = num_keys[b];
       if (half_width >= 0 && positions == nullptr) {
@@ -725,7 +734,7 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
 #if defined(CPU_CAPABILITY_AVX512)
-  if (!drop.active && half_width < 0 && softmax_scale > 0.f && brgemm_attention_usable(q.scalar_type(), dim)) {
+  if (amx) {
     const int64_t longest_keys = num_keys.empty() ? 0 : *std::max_element(num_keys.begin(), num_keys.end());
     attend_items_brgemm(items, L, q, k, v, key_positions, S, longest, longest_keys, softmax_scale, out);
     return out;
