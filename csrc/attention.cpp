@@ -461,7 +461,7 @@ inline float row_block_max(const float* s, int64_t nk) {
 
 // p[0, nk_padded) = bf16(exp(s * scale - shift)) for the first nk scores and zeros after; returns the sum of the
 // bf16 values, the weights P V multiplies by, so that the output is normalised by exactly them (normalising by
-// the unrounded sum put a ModernBERT bf16 training step's loss at 2.4x plain PyTorch's error).
+// the unrounded sum put a ModernBERT bf16 training step's loss 6.7e-3 off where plain PyTorch's was 1.1e-3).
 __attribute__((target("avx512bf16")))  // vcvtne2ps2bf16: every CPU with AMX-BF16 has it (brgemm_attention_usable)
 inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float scale, float shift,
                           c10::BFloat16* p) {
