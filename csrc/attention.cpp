@@ -700,11 +700,11 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
 #if defined(CPU_CAPABILITY_AVX512)
   const bool amx = dropout_p == 0.0 && half_width < 0 && softmax_scale > 0.f &&
                    brgemm_attention_usable(q.scalar_type(), dim);
-#else
-  const bool amx = false;
-#endif
   // The AMX kernel packs each block of keys once per item: longer chunks of queries pack them fewer times.
   const int64_t chunk = amx ? kBrgemmQueryChunk : kQueryChunk;
+#else
+  const int64_t chunk = kQueryChunk;
+#endif
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t* positions = key_positions.empty() ? nullptr : key_positions.data() + b * S;

@@ -323,10 +323,12 @@ def auto_order(device_type: str, dtype: torch.dtype | None) -> tuple[str, ...]:
 
 def packed_bf16_choice(op: str, device_type: str, tensors: list[torch.Tensor]) -> str | None:
     """`PACKED_BF16`'s backend for a call of ``op`` on these tensors when the call is bfloat16 inference (no input
-    requires grad under grad mode) and the backend has an implementation of ``op`` of its own (not one it runs for
-    another backend), else None."""
+    requires grad under grad mode, not traced: onednn hands traced calls to cpp) and the backend has an
+    implementation of ``op`` of its own (not one it runs for another backend), else None."""
     backend = PACKED_BF16.get(device_type)
     if backend is None or _float_dtype(tensors) != torch.bfloat16 or _under_autograd(tensors):
+        return None
+    if torch.compiler.is_compiling():
         return None
     if _load(backend, warn=False) or backend not in _REGISTRY.get(op, {}):
         return None
