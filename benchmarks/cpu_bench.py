@@ -117,8 +117,7 @@ def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort
     add("fastbert (from_pretrained)", "fastbert")
     add("fastbert (optimize)", "fastbert-optimize")
     notes["fastbert"] = {"backend": "auto", "compiled_capability": cpp_backend.compiled_capability(),
-                         "bf16_attention_on_amx": cpp_backend.amx_attention(config.hidden_size
-                                                                            // config.num_attention_heads)}
+                         "bf16_attention_on_amx": cpp_backend.amx_attention(config.head_dim)}
     if onednn:  # the same model with its GEMMs on oneDNN's packed weights (`fastbert.backends.onednn`)
         runners["fastbert onednn"], notes["fastbert onednn"] = peers.build_peer(
             "fastbert", model_dir, config, torch.float32, CPU, "onednn", quick=False, workdir=workdir)

@@ -471,13 +471,12 @@ inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float s
     const __mmask16 real = nk - col >= 16 ? __mmask16(0xFFFF) : nk > col ? __mmask16((1u << (nk - col)) - 1) : 0;
     return _mm512_maskz_mov_ps(real, exp_scaled(_mm512_loadu_ps(s + col), scale_log2e, shift_log2e));
   };
-  auto widen = [](__m256i half) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)); };
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < nk_padded; j += 32) {  // nk_padded is a multiple of kBrgemmKeys (32)
     const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(exp_at(j + 16), exp_at(j));
     _mm512_storeu_si512(p + j, rounded);
-    sum = _mm512_add_ps(sum, _mm512_add_ps(widen(_mm512_castsi512_si256(rounded)),
-                                           widen(_mm512_extracti64x4_epi64(rounded, 1))));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(widen_bf16(_mm512_castsi512_si256(rounded)),
+                                           widen_bf16(_mm512_extracti64x4_epi64(rounded, 1))));
   }
   return _mm512_reduce_add_ps(sum);
 }

@@ -33,12 +33,16 @@ constexpr int64_t kLanes = Vec::size();
 // load_f(p) reads kLanes elements; load_f(p, n) reads n < kLanes elements and zero-fills the rest.
 inline Vec load_f(const float* p) { return Vec::loadu(p); }
 inline Vec load_f(const float* p, int64_t n) { return Vec::loadu(p, n); }
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 bf16 values (raw bits) as fp32: each is the high half of its fp32 value.
+inline __m512 widen_bf16(__m256i raw) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)); }
+#endif
+
 inline Vec load_f(const c10::BFloat16* p, int64_t n = kLanes) {
 #if defined(CPU_CAPABILITY_AVX512)
-  // kLanes bf16 values are the high halves of kLanes fp32 ones: widen and shift (at::vec would convert 2 * kLanes).
-  const __m256i raw = n == kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                  : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  // kLanes values widened directly (at::vec would convert 2 * kLanes).
+  return widen_bf16(n == kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
 #else
   // A bf16 vector holds 2 * kLanes values; the low half converts to one fp32 vector.
   auto halves = at::vec::convert_to_float<c10::BFloat16>(BVec::loadu(p, n));

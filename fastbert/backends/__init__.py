@@ -277,7 +277,7 @@ def why_not(op: str, backend: str, *args, **kwargs) -> str | None:
     if impl is None:
         return f"{backend} backend has no implementation of {op}"
     tensors = _tensors(args, kwargs)
-    if not impl.has_backward and _under_autograd(tensors):
+    if not impl.has_backward and tuning.under_autograd(tensors):
         return f"{backend} backend has no backward for {op} and an input requires grad"
     if backend != "eager" and torch.compiler.is_compiling() and _dropout_p(op, args, kwargs) > 0:
         return (f"under torch.compile dropout draws from torch's traced RNG, which only the eager {op} uses (this "
@@ -326,7 +326,7 @@ def packed_bf16_choice(op: str, device_type: str, tensors: list[torch.Tensor]) -
     requires grad under grad mode, not traced: onednn hands traced calls to cpp) and the backend has an
     implementation of ``op`` of its own (not one it runs for another backend), else None."""
     backend = PACKED_BF16.get(device_type)
-    if backend is None or _float_dtype(tensors) != torch.bfloat16 or _under_autograd(tensors):
+    if backend is None or _float_dtype(tensors) != torch.bfloat16 or tuning.under_autograd(tensors):
         return None
     if torch.compiler.is_compiling():
         return None
@@ -422,10 +422,6 @@ def _fingerprint(value, dropout: bool, seed: bool):
     return value
 
 
-def _under_autograd(tensors: list[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _float_dtype(tensors: list[torch.Tensor]) -> torch.dtype | None:
     """The dtype of a call's first floating-point tensor (its ids and masks come first in some ops)."""
     return next((t.dtype for t in tensors if t.is_floating_point()), None)
@@ -440,7 +436,7 @@ def _static(op: str, device_type: str, tensors: list[torch.Tensor], args: tuple,
     if packed is not None and why_not(op, packed, *args, **kwargs) is None:
         untimed = [name for name in order if name != packed and why_not(op, name, *args, **kwargs) is None]
         return Decision(packed, dict.fromkeys(untimed, UNPACKED_BF16), f"{how}; {PACKED_BF16_HOW}")
-    if _under_autograd(tensors):
+    if tuning.under_autograd(tensors):
         order = autograd_order(op, device_type)
         for preferred in inference_order:
             if preferred in order:

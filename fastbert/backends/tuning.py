@@ -135,12 +135,17 @@ def _describe(value, is_dropout: bool, rows: int | None = None) -> str:
     return "."  # other floats (eps, scale) do not change which kernel is fast
 
 
+def under_autograd(tensors: list[torch.Tensor]) -> bool:
+    """Whether a call on these tensors is recorded for autograd: grad mode on and an input that requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def shape_class(args: tuple, kwargs: dict, dropout_index: int | None) -> str:
     """The class of a call: ``<dtype> <grad|no-grad> [t<threads>] <argument sizes>`` (see the module's doc)."""
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
     floats = [t for t in tensors if t.is_floating_point()]
     dtype = str(floats[0].dtype).removeprefix("torch.") if floats else "-"
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    grad = under_autograd(tensors)
     device = tensors[0].device.type if tensors else "cpu"
     threads = f" t{torch.get_num_threads()}" if device == "cpu" else ""
     # The argument after dropout_p is its seed, different at every step: not part of the class.
