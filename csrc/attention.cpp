@@ -358,7 +358,7 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
 constexpr int64_t kBrgemmRows = 32;       // query rows are padded to a multiple of this
 constexpr int64_t kBrgemmQueryChunk = 256;  // query rows per work item
 constexpr int64_t kBrgemmKeys = 32;       // keys per block are padded to a multiple of this
-constexpr int64_t kBrgemmKeyBlock = 256;  // keys per online-softmax step (brgemm ran 5x slower at N = 512)
+constexpr int64_t kBrgemmKeyBlock = 256;  // keys per online-softmax step (128 and 512 ran slower here)
 constexpr int64_t kBrgemmMaxDim = 256;
 
 // Per-thread bf16 tiles and fp32 accumulators of `attend_item_brgemm` for up to `rows` query rows and `keys` keys
