@@ -39,6 +39,7 @@ the unbucketed model for every family and backend. Capture, replay and the flat 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import threading
 import warnings
@@ -57,6 +58,7 @@ DEFAULT_MAX_GRAPHS = 16
 SMALLEST_TOKENS = 16
 SHORTEST_LONGEST = 16  # the smallest attention max_seqlen bucket
 FILLER_CHUNK = 64  # pad slots per filler sequence (at most the bucket's longest)
+_CAPTURE_LOCK = threading.Lock()
 
 
 def token_buckets(largest: int = DEFAULT_MAX_TOKENS, smallest: int = SMALLEST_TOKENS, growth: float = 1.25,
@@ -318,6 +320,8 @@ class PackedCudaGraphs:
             return None
         model = self.model
         batch, seqlen = input_ids.shape
+        if seqlen > self.buckets.limit:  # left padding can put real tokens' positions past every bucket's tables
+            return None
         mask = normalize_attention_mask(attention_mask, batch, seqlen)
         varlen = varlen_from_mask(mask, batch, seqlen, input_ids.device)
         bucket = self.buckets.choose(varlen.total_tokens, batch, varlen.max_seqlen)
@@ -326,7 +330,11 @@ class PackedCudaGraphs:
         if model.validate_inputs:
             positions = model.default_position_ids(input_ids, batch, seqlen, input_ids.device)
             model.validate_ids(input_ids, positions, token_type_ids)
-        with self.lock, torch.inference_mode(False), torch.no_grad():  # buffers usable in and out of inference mode
+        # the model's device made current: streams, the capture and Triton's launches follow the current device
+        cuda = input_ids.device.type == "cuda"
+        on_device = torch.cuda.device(input_ids.device) if cuda else contextlib.nullcontext()
+        # inference_mode off: the buffers are usable in and out of inference mode
+        with self.lock, on_device, torch.inference_mode(False), torch.no_grad():
             if self.watch is None:
                 self.watch = _ParameterWatch(model)
             unchanged, adopted = self.watch.check()
@@ -385,15 +393,18 @@ class PackedCudaGraphs:
             self.side = torch.cuda.Stream()
         side = self.side
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                encode_packed(self.model, entry.inputs)
-        torch.cuda.current_stream().wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    encode_packed(self.model, entry.inputs)
+        finally:  # the inputs are freed on a failure: nothing may still read them on the side stream
+            torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (a data loader copying the next batch) do not break the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        # thread_local: another thread's CUDA calls (a data loader copying the next batch) do not break the capture;
+        # one capture at a time in the process (two runners capturing from two threads would share one stream)
+        with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
             entry.hidden = encode_packed(self.model, entry.inputs)
         entry.graph = graph
         entry.keep = dict(self.model.__dict__.get("_rotary", {}))  # the tables it reads outlive a replacement
@@ -423,6 +434,21 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, FastBertModel):
             module.__dict__.pop("cuda_graphs", None)
     return model
+
+
+def stats(model: torch.nn.Module) -> list[dict]:
+    """What the graph runner of each fastbert encoder in ``model`` did: captures, replays, the kept buckets
+    (tokens, sequences, longest) and why capturing failed (None: it did not); empty without runners."""
+    from fastbert.backends import fastbert_encoders
+
+    found = []
+    for name, encoder in fastbert_encoders(model):
+        runner = encoder.__dict__.get("cuda_graphs")
+        if runner is not None:
+            found.append({"encoder": name, "captures": runner.captures, "replays": runner.replays,
+                          "failed": runner.failed, "capture": runner.capture,
+                          "buckets": [[b.tokens, b.sequences, b.longest] for b in runner.graphs]})
+    return found
 
 
 def enable_on_cuda(model: torch.nn.Module) -> torch.nn.Module:

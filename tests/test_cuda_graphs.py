@@ -226,6 +226,41 @@ def test_calls_a_bucket_cannot_take_run_the_normal_path():
     assert runner.replays == 1
 
 
+def test_left_padding_past_the_position_limit_runs_the_normal_path():
+    """Left padding past max_position_embeddings puts real tokens at positions past every bucket's tables (RoPE has
+    no limit: the normal path grows its tables); the runner leaves such a call to the normal path."""
+    model = _fast_model("modernbert", "eager")
+    runner = enable(model, capture=False).cuda_graphs
+    seqlen = MAX_POSITIONS + 8
+    ids = torch.randint(3, VOCAB, (2, seqlen), generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(2, seqlen, dtype=torch.long)
+    mask[:, -20:] = 1  # the last 20 tokens real: positions MAX_POSITIONS - 12 .. MAX_POSITIONS + 7
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    with torch.inference_mode():
+        assert runner.run(**inputs) is None
+        _assert_same_outputs(model(**inputs), _reference(model, inputs))
+        inside = {"input_ids": ids[:, -MAX_POSITIONS:], "attention_mask": mask[:, -MAX_POSITIONS:]}
+        _assert_same_outputs(model(**inside), _reference(model, inside))  # within the limit: a bucket's
+    assert runner.replays == 1
+
+
+def test_stats_say_what_each_runner_did():
+    optimized = fastbert.optimize(copy.deepcopy(tiny_model("bert")), backend="eager")
+    assert fastbert.cuda_graphs.stats(optimized) == []  # no encoder built before the first call
+    inputs = _inputs(optimized, 3, 7)
+    with torch.inference_mode():
+        optimized(**inputs)
+    enable(optimized.base_model._fastbert.build.fast, capture=False)
+    with torch.inference_mode():
+        optimized(**inputs)
+        optimized(**inputs)
+    (found,) = fastbert.cuda_graphs.stats(optimized)
+    assert found["encoder"].endswith("(fastbert.optimize)") and found["capture"] is False
+    assert (found["captures"], found["replays"], found["failed"]) == (0, 2, None)
+    tokens = int(inputs["attention_mask"].sum())
+    assert tokens <= 16 and found["buckets"] == [[16, 4, 16]]  # the smallest bucket; 3 sequences -> 4 slots
+
+
 def test_capturing_runner_leaves_cpu_calls_alone():
     model = _fast_model("roberta", "eager")
     runner = enable(model).cuda_graphs  # capture=True: CUDA inputs only

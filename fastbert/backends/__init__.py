@@ -647,7 +647,7 @@ def describe_available() -> str:
     return "; ".join(parts)
 
 
-def _encoders(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def fastbert_encoders(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of every fastbert encoder in ``model``, its own or one `fastbert.optimize` built."""
     encoders = []
     for module in model.modules():
@@ -664,14 +664,14 @@ def model_decisions(model: torch.nn.Module) -> list[tuple[str, Decision]]:
     """(op, `Decision`) for every op and shape class the fastbert encoders in ``model`` have resolved (the op
     carries " (dropout)" for a training call with dropout): what `explain` shows, for programs."""
     found = []
-    for _, encoder in _encoders(model):
+    for _, encoder in fastbert_encoders(model):
         for table in encoder.__dict__.get("_op_tables", {}).values():
             found.extend((op, decision) for op, by_class in table.decisions.items() for decision in by_class.values())
     return found
 
 
 def _explain_model(model: torch.nn.Module) -> str:
-    encoders = _encoders(model)
+    encoders = fastbert_encoders(model)
     if not encoders:
         return f"{type(model).__name__}: no fastbert encoder inside"
     lines = []
