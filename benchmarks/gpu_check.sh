@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of fastbert (see benchmarks/gpu_check.py), one phase per command, each at most 6 minutes on one H200
-# (section limits: correctness 300 s, timing 320 s, more 255 s; imports and setup come on top; the hard stop is
+# (section limits: correctness 270 s, timing 320 s, more 255 s; imports and setup come on top; the hard stop is
 # GPU_CHECK_TIMEOUT, default 360 s; 1800 s for a dry run). JSON is rewritten after every check, so a stopped phase
 # keeps what it did.
 #
