@@ -249,14 +249,16 @@ GPU_CONFIGS = [
     tile_config(32, 32, 128, 4, 4),
     tile_config(16, 32, 256, 3, 4),
 ]
-# fp32 (IEEE, no tensor cores): the dot runs on FMA units with its operands in registers, so large tiles take
-# BLOCK_K = 32 (at 64 the 128-wide tiles spill kilobytes).
+# fp32 (IEEE, no tensor cores): the dot runs on FMA units with its operands in registers, so the tiles take short
+# K steps (at BLOCK_K = 64 the 128-wide tiles spill kilobytes). Checked under both the GPU machine's triton 3.6 and
+# triton 3.9: 3.6 keeps more registers live (with GELU, 128x128x32, 64x64x64 at 4 warps and 32x64x128 spilled
+# 4-740 B there, and qkv_rotary's 64x128x32 at 4 warps 12 B).
 FP32_CONFIGS = [
-    tile_config(128, 128, 32, 4, 8),
+    tile_config(128, 128, 16, 4, 8),
     tile_config(128, 64, 32, 4, 4),
-    tile_config(64, 128, 32, 4, 4),
-    tile_config(64, 64, 64, 4, 4),
-    tile_config(32, 64, 128, 4, 4),
+    tile_config(64, 128, 32, 4, 8),
+    tile_config(64, 64, 64, 4, 8),
+    tile_config(32, 64, 64, 4, 4),
     tile_config(16, 64, 128, 4, 4),
     tile_config(32, 32, 64, 4, 4),
 ]
@@ -274,7 +276,7 @@ GPU_HEAVY_CONFIGS = [
 ]
 FP32_HEAVY_CONFIGS = [
     tile_config(64, 64, 32, 4, 4),
-    tile_config(32, 64, 128, 4, 4),
+    tile_config(32, 64, 64, 4, 4),
     tile_config(16, 64, 128, 4, 4),
 ]
 
@@ -339,14 +341,14 @@ def table_config(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False
     if m <= 32:
         return tile_config(16, 64, 128, 4, 4)
     if m <= 128:
-        return tile_config(32, 64, 128, 4, 4)
+        return tile_config(32, 64, 64, 4, 4) if fp32 else tile_config(32, 64, 128, 4, 4)
     if heavy and fp32:
         return tile_config(64, 64, 32, 4, 4)
     if m <= 512 or (heavy and m <= 2048):
-        return tile_config(64, 64, 64, 4, 4)
+        return tile_config(64, 64, 64, 4, 8) if fp32 else tile_config(64, 64, 64, 4, 4)
     if m <= 2048 and not heavy:
         return tile_config(128, 64, 32, 4, 4) if fp32 else tile_config(128, 64, 64, 4, 4)
-    return tile_config(128, 128, 32, 4, 8) if fp32 else tile_config(128, 128, 64, 4, 8)
+    return tile_config(128, 128, 16, 4, 8) if fp32 else tile_config(128, 128, 64, 4, 8)
 
 
 def table_meta(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False) -> dict:
