@@ -5,7 +5,8 @@ what is left is Python and dispatcher time, which on a GPU would be the whole ba
 
 Per op call, linear_activation on x [8, 32], W [32, 32] (CPU, cpp backend when built, else eager):
 - ``raw``: the registered op, ``torch.ops.fastbert.cpp_linear_activation`` (the floor);
-- ``table``: what `FastBertModel` calls, an entry of its resolved `fastbert.backends.OpTable`;
+- ``table``: what `FastBertModel` calls, an entry of its resolved `fastbert.backends.OpTable` (on the cpp backend,
+  as ``raw``: with `auto` measuring, this toy shape may resolve to eager, and the case would time eager's ops);
 - ``entry``: the functional entry ``fastbert.ops.linear_activation`` (argument checks and a backend choice on
   every call, for direct users of the ops).
 Per forward, a 12-layer BERT with H = 32 (4 heads, FFN 37) at batch 1 x 8 tokens: transformers eager, the same
@@ -42,7 +43,9 @@ CPP = backends.available()["cpp"] is None and fastbert.backends.cpp.EXTENSION_ER
 
 
 def _table() -> backends.OpTable:
-    table = backends.OpTable("auto")
+    """A model's op table on the backend ``raw`` calls: the dispatch's own cost, whatever `auto` would measure
+    fastest at this toy size (where a call's timing is mostly noise)."""
+    table = backends.OpTable("cpp" if CPP else "auto")
     table.linear_activation(X, W, B, "gelu")  # resolved on the first call
     return table
 
