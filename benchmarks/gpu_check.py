@@ -10,7 +10,9 @@ Phases (--phase; `all` runs every one, for dry runs: on the GPU run them as sepa
   2. kernel_checks_grid: the kernel tests' grid (tests/ops' shapes, fp16/bf16/fp32), called as library code;
   3. backend_checks: every backend the dispatcher may choose on CUDA for the GEMM ops (triton, and vendor: torch
      GEMM + Triton epilogue, called through `fastbert.backends` by name; a backend that is not registered or
-     declines the inputs is recorded as skipped with its reason) at BERT-base sizes in fp16 and bf16;
+     declines the inputs is recorded as skipped with its reason) at BERT-base sizes in fp16 and bf16; and the
+     dispatcher's GPU clock for a CUDA graph's calls (`tuning.for_replay`: a 4096^2 fp16 matmul's GPU time is
+     no more than its wall time);
   4. launch_checks: each op through the cached launcher (`fastbert.kernels.common.launch`: the second call replays
      the compiled kernel) bit-equal to triton's own launches (the cache switched off), and what was cached;
   5. model_checks: models in fp32 against transformers (BERT-base and BERT-large with random weights, the real
@@ -393,13 +395,31 @@ def backend_cases(dry_run: bool) -> list:
     return cases
 
 
-def backend_section(section: Section, dry_run: bool) -> None:
+def replay_clock_check(device) -> dict:
+    """The dispatcher's clock for a CUDA graph's calls (`tuning.for_replay`): GPU time alone, which for a matmul
+    queued behind a sleep must be well under the wall time of the same call with its host launch and sync."""
+    from fastbert.backends import tuning
+
+    cuda = device.type == "cuda"
+    size, dtype = (4096, torch.float16) if cuda else (64, torch.float32)
+    x = torch.randn(size, size, device=device, dtype=dtype)
+    with tuning.for_replay():
+        gpu, _, clock = tuning.measure({"matmul": torch.matmul}, (x, x), {})
+    wall, _, wall_clock = tuning.measure({"matmul": torch.matmul}, (x, x), {})
+    row = {"clock": clock, "ms": round(gpu["matmul"], 4), "wall_clock": wall_clock, "wall_ms": round(wall["matmul"], 4)}
+    if not cuda:
+        return {"ok": None, "skipped": "the GPU clock is for CUDA tensors", **row}
+    return {"ok": clock == "gpu" and 0 < gpu["matmul"] <= wall["matmul"] * 1.05, **row}
+
+
+def backend_section(section: Section, dry_run: bool, device) -> None:
     for backend, name, check in backend_cases(dry_run):
         reason = backend_reason(backend)
         if reason is not None:
             section.add({"check": name, "backend": backend, "ok": None, "skipped": reason})
             continue
         section.run(name, check, backend=backend)
+    section.run("dispatcher's GPU clock for graph calls (tuning.for_replay)", lambda: replay_clock_check(device))
 
 
 def launch_cases(device, dry_run: bool) -> dict:
@@ -800,9 +820,13 @@ def dispatcher_record(model, inputs: dict) -> dict:
     error here is recorded beside the timing, never instead of it."""
     import fastbert
     from fastbert import backends, cuda_graphs
+    from fastbert.backends import tuning
 
     try:
-        decisions = [{"op": op, "backend": d.backend, "how": d.describe(), "shape_class": d.shape_class}
+        param = next(model.parameters())
+        measured = tuning.entries(param.device)
+        decisions = [{"op": op, "backend": d.backend, "how": d.describe(), "shape_class": d.shape_class,
+                      "clock": getattr(measured.get(d.shape_class), "clock", None)}
                      for op, d in backends.model_decisions(model)]
         return {"explain": fastbert.explain(model, **inputs), "backends_explain": backends.explain(model),
                 "decisions": decisions, "cuda_graphs": cuda_graphs.stats(model)}
@@ -1178,7 +1202,7 @@ def section_runners(args: argparse.Namespace, device, kernels: str) -> dict:
     return {
         "kernel_checks_real_sizes": lambda s: kernel_section(s, real_size_cases(dry)),
         "kernel_checks_grid": lambda s: kernel_section(s, grid_cases(dry)),
-        "backend_checks": lambda s: backend_section(s, dry),
+        "backend_checks": lambda s: backend_section(s, dry, device),
         "launch_checks": lambda s: launch_section(s, dry, device),
         "model_checks": lambda s: model_section(s, dry, device, args.minilm),
         "pytest_kernels": lambda s: run_pytest(s, dry, kernels),

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastbert.backends import tuning
 from fastbert.model import EncoderOutput, FastBertModel, normalize_attention_mask
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
 
@@ -393,19 +394,24 @@ class PackedCudaGraphs:
             self.side = torch.cuda.Stream()
         side = self.side
         side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    encode_packed(self.model, entry.inputs)
-        finally:  # the inputs are freed on a failure: nothing may still read them on the side stream
-            torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (a data loader copying the next batch) do not break the capture;
-        # one capture at a time in the process (two runners capturing from two threads would share one stream)
-        with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-            entry.hidden = encode_packed(self.model, entry.inputs)
+        # for_replay: `auto` chooses these calls' backends by GPU time alone (a replay pays no host time), in shape
+        # classes of their own, resolved in the warm-ups and looked up again by the capture
+        with tuning.for_replay():
+            try:
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        encode_packed(self.model, entry.inputs)
+            finally:  # the inputs are freed on a failure: nothing may still read them on the side stream
+                torch.cuda.current_stream().wait_stream(side)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA calls (a data loader copying the next batch) do not break the
+            # capture; one capture at a time in the process (two runners capturing from two threads would share one
+            # stream)
+            with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, stream=side,
+                                                 capture_error_mode="thread_local"):
+                entry.hidden = encode_packed(self.model, entry.inputs)
         entry.graph = graph
         entry.keep = dict(self.model.__dict__.get("_rotary", {}))  # the tables it reads outlive a replacement
         self.captures += 1

@@ -290,6 +290,48 @@ def test_a_failed_capture_turns_the_runner_off(monkeypatch):
     assert runner.decline_reason(inputs["input_ids"]) == runner.failed
 
 
+def test_warm_ups_and_capture_choose_backends_for_replay(monkeypatch):
+    """The capture's warm-ups and the capture itself run inside `tuning.for_replay` (backends measured by GPU time
+    in classes of their own); the streams are joined and the flag dropped when a warm-up fails. CUDA's stream and
+    graph calls are stand-ins here (no GPU): what is checked is what the runner does around them."""
+    import contextlib
+
+    from fastbert import cuda_graphs
+    from fastbert.backends import tuning
+
+    model = _fast_model("bert", "eager")
+    runner = enable(model).cuda_graphs
+    seen, joined = [], []
+
+    class Stream:
+        def wait_stream(self, other):
+            joined.append(self)
+
+    def encode(model, inputs):
+        seen.append(tuning.replaying())
+        if fail:
+            raise RuntimeError("warm-up failed")
+        return torch.zeros(1)
+
+    monkeypatch.setattr(cuda_graphs, "encode_packed", encode)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *args, **kwargs: contextlib.nullcontext())
+    fail = False
+    entry = runner._entry(Bucket(16, 4, 16), torch.device("cpu"))
+    runner._capture(entry)
+    assert seen == [True, True, True] and not tuning.replaying() and runner.captures == 1
+    assert len(joined) == 2  # side waits for the caller's stream, then the caller for side
+    seen.clear(), joined.clear()
+    fail = True
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        runner._capture(runner._entry(Bucket(32, 4, 16), torch.device("cpu")))
+    assert seen == [True] and len(joined) == 2 and not tuning.replaying()
+
+
 def test_replaced_parameters_drop_the_graphs():
     """A graph reads the parameters where they were at capture: a replaced storage is not replayed; the new one is
     taken when two calls in a row see it; functional_call's temporaries never are."""

@@ -399,10 +399,11 @@ def decide(op: str, backend: str | None, args: tuple, kwargs: dict, measure: boo
 
 def _call_key(op: str, args: tuple, kwargs: dict) -> tuple:
     """What a measured decision depends on, cheaply: per argument its shape, dtype, device and whether it requires
-    grad (tensors), on/off (dropout_p), nothing (the dropout seed) or the value; grad mode, threads, the cache's
-    `tuning.state`. The memo of `dispatch` users, who decide at every call."""
+    grad (tensors), on/off (dropout_p), nothing (the dropout seed) or the value; grad mode, threads, whether the
+    call is for a CUDA graph (`tuning.for_replay`), the cache's `tuning.state`. The memo of `dispatch` users, who
+    decide at every call."""
     index = DROPOUT_ARGUMENT.get(op, -2)
-    parts = [op, torch.is_grad_enabled(), torch.get_num_threads(), tuning.state()]
+    parts = [op, torch.is_grad_enabled(), torch.get_num_threads(), tuning.replaying(), tuning.state()]
     for i, value in enumerate(args):
         parts.append(_fingerprint(value, i == index, i == index + 1))
     for name, value in kwargs.items():
@@ -553,9 +554,9 @@ class OpTable:
 
         def call(*args, **kwargs):
             key = None
-            if per_shape:
+            if per_shape:  # a graph's calls are measured apart (`tuning.for_replay`)
                 first = args[0] if args else None
-                key = first.shape if isinstance(first, torch.Tensor) else None
+                key = (first.shape if isinstance(first, torch.Tensor) else None, tuning.replaying())
             if index is not None:
                 key = (key, _dropout_at(index, args, kwargs) > 0)  # the index is known: no table lookup per call
             fn = resolved.get(key)

@@ -12,6 +12,10 @@ interleaved rounds (at least `MIN_ROUNDS`, more while within `BUDGET_S`). With o
 thread's CPU time, which other processes do not inflate, and each candidate's median round counts; otherwise the
 wall clock and the fastest round (load only ever adds time). The static order's choice stays unless another is
 `MARGIN` faster.
+Calls made for a CUDA graph (inside `for_replay`: `fastbert.cuda_graphs` warms up and captures there) have a class
+of their own (``replayed``) and, on CUDA, are timed by the GPU alone: a replay pays no host time, so a backend that
+launches less must not win on launches. Each timed call is queued behind `torch.cuda._sleep`, so that its launches
+are all queued before the GPU reaches them, and CUDA events around it give its GPU time (the fastest round).
 It forks the RNG (CPU and the tensors' CUDA devices) so dropout draws are what they would have been, never writes
 the inputs, and under autograd times forward + backward with a fixed gradient on detached copies of the inputs, so
 no ``.grad`` appears on the caller's tensors. It never runs while torch.compile traces, while a CUDA graph is
@@ -56,6 +60,10 @@ FILE_SCHEMA = "fastbert-tuning/1"
 _OFF = ("0", "false", "no", "off")
 _enabled = os.environ.get("FASTBERT_TUNE", "1").strip().lower() not in _OFF
 _LOCK = threading.Lock()
+_REPLAY = threading.local()  # .depth > 0: the calls are made for a CUDA graph (`for_replay`)
+# GPU cycles queued ahead of a timed call on replay (about 1 ms at H100/H200 clocks): longer than the host needs to
+# launch one op, so the events around it see the GPU's time alone
+SLEEP_CYCLES = 2_000_000
 _STORE: dict[Path, dict[str, Entry]] = {}  # file -> shape class -> entry: the process's table
 _WARNED: set[Path] = set()
 
@@ -135,13 +143,30 @@ def _describe(value, is_dropout: bool, rows: int | None = None) -> str:
     return "."  # other floats (eps, scale) do not change which kernel is fast
 
 
+@contextlib.contextmanager
+def for_replay() -> Iterator[None]:
+    """Within the block (this thread), the ops' calls are made for a CUDA graph that will replay them: their
+    choices are measured by GPU time alone, in shape classes of their own (the module's doc)."""
+    _REPLAY.depth = getattr(_REPLAY, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _REPLAY.depth -= 1
+
+
+def replaying() -> bool:
+    """Whether this thread is inside `for_replay`."""
+    return getattr(_REPLAY, "depth", 0) > 0
+
+
 def under_autograd(tensors: list[torch.Tensor]) -> bool:
     """Whether a call on these tensors is recorded for autograd: grad mode on and an input that requires grad."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def shape_class(args: tuple, kwargs: dict, dropout_index: int | None) -> str:
-    """The class of a call: ``<dtype> <grad|no-grad> [t<threads>] <argument sizes>`` (see the module's doc)."""
+    """The class of a call: ``<dtype> <grad|no-grad> [t<threads>] [replayed] <argument sizes>`` (the module's
+    doc)."""
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
     floats = [t for t in tensors if t.is_floating_point()]
     dtype = str(floats[0].dtype).removeprefix("torch.") if floats else "-"
@@ -154,7 +179,8 @@ def shape_class(args: tuple, kwargs: dict, dropout_index: int | None) -> str:
     parts = ["." if i == seed else _describe(v, i == dropout_index, rows) for i, v in enumerate(args)]
     parts += [f"{k}={'.' if k == 'dropout_seed' else _describe(v, k == 'dropout_p', rows)}"
               for k, v in sorted(kwargs.items())]
-    return f"{dtype} {'grad' if grad else 'no-grad'}{threads} " + ",".join(parts)
+    replayed = " replayed" if replaying() else ""
+    return f"{dtype} {'grad' if grad else 'no-grad'}{threads}{replayed} " + ",".join(parts)
 
 
 # -------------------------------------------------------------------------------------------- environment key
@@ -325,6 +351,18 @@ def _prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}, leaves
 
 
+def _gpu_call(fn: Callable, args: tuple, kwargs: dict) -> float:
+    """GPU ms of one call: queued behind a sleep of `SLEEP_CYCLES` (so the host has launched it all before the GPU
+    starts it), between CUDA events on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    fn(*args, **kwargs)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], sync: Callable[[], None],
           clock: Callable[[], float] = time.perf_counter) -> float:
     start = clock()
@@ -338,11 +376,12 @@ def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], s
 
 def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple[dict[str, float], int, str]:
     """Time each candidate on the call (see the module's doc): ({backend: ms}, rounds, clock): the median round by
-    the thread's CPU time, else the fastest round by the wall clock.
+    the thread's CPU time, else the fastest round by the wall clock or the GPU's.
 
     The clock: on CPU with one intra-op thread, the calling thread's CPU time (every kernel then runs on that
     thread, and time spent descheduled by other processes does not count: the choice holds on a busy machine);
-    otherwise wall time (several threads, or CUDA, synchronized around each call)."""
+    on CUDA for a graph (`for_replay`, no autograd), the GPU's time alone (`_gpu_call`); otherwise wall time
+    (several threads, or CUDA, synchronized around each call)."""
     tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
     cuda = sorted({t.device.index if t.device.index is not None else torch.cuda.current_device()
                    for t in tensors if t.is_cuda})
@@ -350,6 +389,11 @@ def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple
     thread_clock = not cuda and torch.get_num_threads() == 1
     clock = time.thread_time if thread_clock else time.perf_counter
     args, kwargs, leaves = _prepare(args, kwargs)
+    gpu_clock = bool(cuda) and not leaves and replaying() and hasattr(torch.cuda, "_sleep")
+
+    def timed(fn: Callable) -> float:
+        return _gpu_call(fn, args, kwargs) if gpu_clock else _call(fn, args, kwargs, leaves, sync, clock)
+
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.random.fork_rng(devices=cuda):
         sync()
@@ -361,12 +405,13 @@ def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple
             names = list(candidates)
             names = names[rounds % len(names):] + names[:rounds % len(names)]  # rotated order
             for name in names:
-                times[name].append(_call(candidates[name], args, kwargs, leaves, sync, clock))
+                times[name].append(timed(candidates[name]))
             rounds += 1
     # CPU time scatters both ways (caches shared with other processes): the median; wall time only gains from the
     # load: the fastest round.
     summary = statistics.median if thread_clock else min
-    return {name: summary(values) for name, values in times.items()}, rounds, "thread cpu" if thread_clock else "wall"
+    clock_name = "gpu" if gpu_clock else "thread cpu" if thread_clock else "wall"
+    return {name: summary(values) for name, values in times.items()}, rounds, clock_name
 
 
 def pick(times: dict[str, float], preferred: str | None = None) -> str:

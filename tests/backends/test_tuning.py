@@ -324,3 +324,45 @@ def test_tables_resolved_inside_measuring_false_keep_the_static_order(measuring,
     assert static.chosen[OP] == "cpp" and measured.chosen[OP] == "eager"
     assert [d.how for d in static.decisions[OP].values()] == ["static order: measuring off"]
     assert calls["cpp"] > 2  # cpp ran in the static table, and was measured once
+
+
+def test_calls_for_a_cuda_graph_are_a_class_of_their_own(measuring, monkeypatch):
+    """Inside `for_replay` (a graph's warm-ups and capture) a call has its own shape class, so a table resolves it
+    apart from the same shape outside: here cpp is slow only for graph calls, and each side takes its fast one."""
+    calls = _install(monkeypatch, {"cpp": lambda x: tuning.replaying(), "eager": lambda x: not tuning.replaying()})
+    table = backends.OpTable("auto")
+    args = _args(7)
+    table.linear_activation(*args)
+    with tuning.for_replay():
+        assert tuning.replaying()
+        table.linear_activation(*args)
+        with tuning.for_replay():  # nests
+            assert tuning.replaying()
+        assert tuning.replaying()
+    assert not tuning.replaying()
+    plain = f"{OP} float32 no-grad t{torch.get_num_threads()} 16x16,24x16,24,gelu"
+    replayed = f"{OP} float32 no-grad t{torch.get_num_threads()} replayed 16x16,24x16,24,gelu"
+    assert {c: d.backend for c, d in table.decisions[OP].items()} == {plain: "cpp", replayed: "eager"}
+    before = dict(calls)
+    with tuning.for_replay():
+        table.linear_activation(*args)
+    table.linear_activation(*args)
+    assert calls == {"cpp": before["cpp"] + 1, "eager": before["eager"] + 1}  # each resolved once, kept apart
+
+
+def test_for_replay_is_per_thread():
+    import threading
+
+    seen = []
+    with tuning.for_replay():
+        worker = threading.Thread(target=lambda: seen.append(tuning.replaying()))
+        worker.start()
+        worker.join()
+    assert seen == [False]
+
+
+def test_measuring_for_replay_on_cpu_keeps_the_cpu_clock(measuring):
+    """The GPU clock is for CUDA tensors only: on CPU a graph never replays, and the CPU clocks stay."""
+    with tuning.for_replay():
+        _, _, clock = tuning.measure({"eager": lambda x: x + 1}, (torch.randn(3, 4),), {})
+    assert clock == "thread cpu"
