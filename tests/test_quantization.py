@@ -273,18 +273,24 @@ def _train_classifier(model: torch.nn.Module, tokenizer, texts: list[str], label
         return float(((x[~train] @ weight.T + bias).argmax(-1) == labels[~train]).float().mean())
 
 
-def _argmax_agreement(directory, tokenizer, texts: list[str], **options) -> tuple[int, int]:
-    """(sentences whose int8 argmax equals fp32's, distinct fp32 labels) for the classifier saved in
-    ``directory``, both loaded by `fastbert.from_pretrained`."""
+def _classifier_logits(directory, tokenizer, texts: list[str], **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 logits, int8 logits) [len(texts), labels] of the classifier saved in ``directory``, both loaded by
+    `fastbert.from_pretrained`."""
     task = "sequence-classification"
     fp32, int8 = (fastbert.from_pretrained(directory, task=task, dtype=dtype) for dtype in ("float32", "int8"))
-    agree, labels = 0, set()
+    refs, ours = [], []
     with torch.inference_mode():
         for batch in _batches(tokenizer, texts, **options):
-            ref, ours = fp32(**batch).logits.argmax(-1), int8(**batch).logits.argmax(-1)
-            agree += int((ref == ours).sum())
-            labels.update(ref.tolist())
-    return agree, len(labels)
+            refs.append(fp32(**batch).logits)
+            ours.append(int8(**batch).logits)
+    return torch.cat(refs), torch.cat(ours)
+
+
+def _argmax_agreement(directory, tokenizer, texts: list[str], **options) -> tuple[int, int]:
+    """(sentences whose int8 argmax equals fp32's, distinct fp32 labels) for the classifier saved in
+    ``directory``."""
+    ref, ours = _classifier_logits(directory, tokenizer, texts, **options)
+    return int((ref.argmax(-1) == ours.argmax(-1)).sum()), len(set(ref.argmax(-1).tolist()))
 
 
 def test_classifier_argmax_agreement(tmp_path, tokenizer, topics):
@@ -336,8 +342,11 @@ def test_modernbert_int8_embeddings_and_classifier_match_fp32(tmp_path, tokenize
     """ModernBERT at ModernBERT-base's widths (H 768, 12 heads, GLU 2 x 1152) in 3 layers (global, sliding,
     sliding; window 16, so the sentences cross it), transformers' initialisation (seed 0; no real checkpoint
     offline), MiniLM's vocabulary: worst cosine of the mean-pooled embeddings over 240 sentences >= 0.995; its
-    classifier head trained on the 7 topics (as for BERT): argmax agreement >= 99 % (measured 278 of 280, 99.3 %:
-    random features separate the topics poorly, so more sentences sit near a boundary than on MiniLM)."""
+    classifier head trained on the 7 topics (as for BERT). Random features separate the topics poorly (held-out
+    accuracy ~0.56), so some sentences are near-ties, and which of them flip depends on the CPU's int8 kernels
+    (278 of 280 agreed on a VNNI CPU, 277 on an AMD AVX-512 BF16 one, with flips at fp32 margins 0.008-0.015 where
+    the median logit error is 0.024). So: the median logit error within 5 % of the logits' spread, argmax agreement
+    >= 98.5 %, and every flip a near-tie (fp32 margin below twice the median logit error)."""
     torch.manual_seed(0)
     config = transformers.ModernBertConfig(vocab_size=tokenizer.vocab_size, hidden_size=768, num_hidden_layers=3,
                                            num_attention_heads=12, intermediate_size=1152, local_attention=16,
@@ -350,8 +359,16 @@ def test_modernbert_int8_embeddings_and_classifier_match_fp32(tmp_path, tokenize
     fp32, int8 = fastbert.from_pretrained(tmp_path), fastbert.from_pretrained(tmp_path, dtype="int8")
     cosine = (_mean_pooled(fp32, tokenizer, sentences, **options) * _mean_pooled(int8, tokenizer, sentences, **options))
     assert float(cosine.sum(-1).min()) >= 0.995, f"worst cosine {float(cosine.sum(-1).min()):.5f}"
-    agree, distinct = _argmax_agreement(tmp_path, tokenizer, texts, **options)
-    assert distinct > 1 and agree / len(texts) >= 0.99, f"{agree} of {len(texts)} (held out {held_out_accuracy:.2f})"
+    ref, ours = _classifier_logits(tmp_path, tokenizer, texts, **options)
+    error = float((ours - ref).abs().max(-1).values.median())
+    assert error <= 0.05 * float(ref.std()), f"median logit error {error:.4f}, logits' spread {float(ref.std()):.4f}"
+    flips = ref.argmax(-1) != ours.argmax(-1)
+    top2 = ref.topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1])[flips]
+    agree = len(texts) - int(flips.sum())
+    assert len(set(ref.argmax(-1).tolist())) > 1 and agree / len(texts) >= 0.985, \
+        f"{agree} of {len(texts)} (held out {held_out_accuracy:.2f})"
+    assert bool((margins < 2 * error).all()), f"flips at fp32 margins {margins.tolist()}, median error {error:.4f}"
 
 
 def test_modernbert_int8_optimize_from_pretrained_padded_and_packed_agree(tmp_path):
