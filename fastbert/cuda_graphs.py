@@ -30,7 +30,8 @@ captured).
 
 The normal path runs instead (the runner returns None): under autograd (grad mode on) or in training mode, for
 ``inputs_embeds``, ``position_ids``, ``output_hidden_states``, under torch.compile or jit tracing, on a device other
-than CUDA (unless ``capture=False``), and past the largest bucket (more tokens, sequences or a longer sequence).
+than CUDA (unless ``capture=False``), past the largest bucket (more tokens, sequences or a longer sequence), and
+for a batch padded past the model's position limit (left padding would put real tokens past the rotary tables).
 ``capture=False`` runs the same bucketed forward without capturing, on any device: the CPU tests check it against
 the unbucketed model for every family and backend. Capture, replay and the flat memory are checked by the
 `gpu`-marked tests of tests/test_cuda_graphs.py only: not yet run on a GPU, and not timed there.
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastbert.backends import tuning
+from fastbert.backends import fastbert_encoders, tuning
 from fastbert.model import EncoderOutput, FastBertModel, normalize_attention_mask
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
 
@@ -364,6 +365,7 @@ class PackedCudaGraphs:
         whose graphs are all gone (the reason a new graph is captured before the least recent one is dropped). The
         old pool's memory goes back to the device only through the allocator's cache: emptied here (a rare event)."""
         self.graphs.clear()
+        self.side = None  # the model may have moved to another GPU: a new stream on the device it is on now
         if self.pool is not None:
             self.pool = None
             torch.cuda.empty_cache()
@@ -389,14 +391,16 @@ class PackedCudaGraphs:
 
     def _capture(self, entry: _Graph) -> None:
         """Capture the entry's forward (its inputs already hold a batch): two warm-up runs on a side stream first
-        (compiling and autotuning happen there), then the capture into the shared pool."""
+        (compiling and autotuning happen there), then the capture into the shared pool. One runner at a time in the
+        process, warm-ups included: measuring synchronizes the device, which is not allowed while another thread
+        captures on it."""
         if self.side is None:  # one stream: the allocator reuses the warm-ups' blocks on it
             self.side = torch.cuda.Stream()
         side = self.side
-        side.wait_stream(torch.cuda.current_stream())
         # for_replay: `auto` chooses these calls' backends by GPU time alone (a replay pays no host time), in shape
         # classes of their own, resolved in the warm-ups and looked up again by the capture
-        with tuning.for_replay():
+        with _CAPTURE_LOCK, tuning.for_replay():
+            side.wait_stream(torch.cuda.current_stream())
             try:
                 with torch.cuda.stream(side):
                     for _ in range(2):
@@ -407,10 +411,8 @@ class PackedCudaGraphs:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's CUDA calls (a data loader copying the next batch) do not break the
-            # capture; one capture at a time in the process (two runners capturing from two threads would share one
-            # stream)
-            with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=self.pool, stream=side,
-                                                 capture_error_mode="thread_local"):
+            # capture
+            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 entry.hidden = encode_packed(self.model, entry.inputs)
         entry.graph = graph
         entry.keep = dict(self.model.__dict__.get("_rotary", {}))  # the tables it reads outlive a replacement
@@ -445,15 +447,14 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
 def stats(model: torch.nn.Module) -> list[dict]:
     """What the graph runner of each fastbert encoder in ``model`` did: captures, replays, the kept buckets
     (tokens, sequences, longest) and why capturing failed (None: it did not); empty without runners."""
-    from fastbert.backends import fastbert_encoders
-
     found = []
     for name, encoder in fastbert_encoders(model):
         runner = encoder.__dict__.get("cuda_graphs")
         if runner is not None:
-            found.append({"encoder": name, "captures": runner.captures, "replays": runner.replays,
-                          "failed": runner.failed, "capture": runner.capture,
-                          "buckets": [[b.tokens, b.sequences, b.longest] for b in runner.graphs]})
+            with runner.lock:
+                found.append({"encoder": name, "captures": runner.captures, "replays": runner.replays,
+                              "failed": runner.failed, "capture": runner.capture,
+                              "buckets": [[b.tokens, b.sequences, b.longest] for b in runner.graphs]})
     return found
 
 

@@ -319,12 +319,17 @@ def test_warm_ups_and_capture_choose_backends_for_replay(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
-    monkeypatch.setattr(torch.cuda, "graph", lambda *args, **kwargs: contextlib.nullcontext())
+    graph_calls = []
+    monkeypatch.setattr(torch.cuda, "graph",
+                        lambda *args, **kwargs: graph_calls.append(kwargs) or contextlib.nullcontext())
     fail = False
     entry = runner._entry(Bucket(16, 4, 16), torch.device("cpu"))
     runner._capture(entry)
     assert seen == [True, True, True] and not tuning.replaying() and runner.captures == 1
     assert len(joined) == 2  # side waits for the caller's stream, then the caller for side
+    assert graph_calls[0]["stream"] is runner.side and graph_calls[0]["pool"] is runner.pool  # captured on side
+    runner._drop_all()
+    assert runner.side is None  # a model moved to another GPU gets a stream there
     seen.clear(), joined.clear()
     fail = True
     with pytest.raises(RuntimeError, match="warm-up failed"):

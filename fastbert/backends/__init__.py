@@ -535,7 +535,8 @@ class OpTable:
     resolves an op with a dropout argument twice, for calls with and without dropout (its sites differ in p).
 
     A table made while measuring is on (``measure``) with the request ``auto`` resolves an op once per shape of
-    its first argument instead (each shape maps to its measured shape class); ``chosen`` holds each op's latest
+    its first argument and per `tuning.replaying` instead (each maps to its measured shape class; a CUDA graph's
+    calls are measured apart); ``chosen`` holds each op's latest
     backend and ``decisions`` every `Decision` per op and shape class."""
 
     def __init__(self, backend: str | None, training: bool = False):

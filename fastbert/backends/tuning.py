@@ -352,15 +352,23 @@ def _prepare(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]
 
 
 def _gpu_call(fn: Callable, args: tuple, kwargs: dict) -> float:
-    """GPU ms of one call: queued behind a sleep of `SLEEP_CYCLES` (so the host has launched it all before the GPU
-    starts it), between CUDA events on the current stream."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start.record()
-    fn(*args, **kwargs)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    """GPU ms of one call: queued behind a sleep (so the host has launched it all before the GPU starts it),
+    between CUDA events on the current stream. When the GPU reached the start event before the host had launched
+    everything (the sleep was too short: host time would be in the figure), again with a sleep four times longer,
+    at most three times."""
+    cycles = SLEEP_CYCLES
+    for attempt in range(4):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        fn(*args, **kwargs)
+        caught_up = start.query()  # the GPU is already past the sleep while the host is still here
+        end.record()
+        end.synchronize()
+        if not caught_up or attempt == 3:
+            return start.elapsed_time(end)
+        cycles *= 4
+    raise AssertionError("unreachable")
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], sync: Callable[[], None],
