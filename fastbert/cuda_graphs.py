@@ -145,6 +145,7 @@ class PackedInputs:
     positions: torch.Tensor
     types: torch.Tensor | None
     cu_seqlens: torch.Tensor
+    filler_steps: torch.Tensor  # chunk, 2 chunk, ... (one per filler sequence), int32 on the device
 
     @classmethod
     def empty(cls, model: FastBertModel, bucket: Bucket, device: torch.device) -> PackedInputs:
@@ -152,7 +153,9 @@ class PackedInputs:
             return torch.zeros(bucket.tokens, dtype=torch.long, device=device)
 
         cu = torch.zeros(bucket.slots + 1, dtype=torch.int32, device=device)
-        return cls(bucket, ids(), ids(), ids() if model.config.type_vocab_size else None, cu)
+        fillers = bucket.slots - bucket.sequences
+        steps = torch.arange(1, fillers + 1, dtype=torch.int32, device=device) * bucket.chunk
+        return cls(bucket, ids(), ids(), ids() if model.config.type_vocab_size else None, cu, steps)
 
     def fill(self, model: FastBertModel, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
              varlen: VarlenBatch, pad_token: int | None = None) -> None:
@@ -171,8 +174,11 @@ class PackedInputs:
                 self.types[:total].copy_(unpad_tokens(token_type_ids, varlen))
                 self.types[total:].zero_()
         self.cu_seqlens[: batch + 1].copy_(varlen.cu_seqlens)
-        tail = bucket_offsets(total, batch, self.bucket)
-        self.cu_seqlens[batch + 1:].copy_(torch.tensor(tail, dtype=torch.int32))
+        # `bucket_offsets`, computed on the device: no host list copied in (a blocking copy from pageable memory)
+        fillers = self.filler_steps.numel()
+        ends = self.cu_seqlens[batch + 1: batch + 1 + fillers]
+        torch.add(self.filler_steps, total, out=ends).clamp_(max=self.bucket.tokens)
+        self.cu_seqlens[batch + 1 + fillers:].fill_(self.bucket.tokens)
 
 
 def encode_packed(model: FastBertModel, inputs: PackedInputs) -> torch.Tensor:

@@ -107,6 +107,30 @@ def test_bucket_offsets_cover_every_slot(lengths, bucket):
     assert sum(spans[len(lengths):]) == bucket.tokens - sum(lengths)
 
 
+@pytest.mark.parametrize("lengths, bucket", [
+    ([1], Bucket(16, 1, 16)),
+    ([3, 0, 5], Bucket(16, 4, 16)),
+    ([16], Bucket(16, 1, 16)),
+    ([7] * 130, Bucket(960, 256, 16)),
+    ([300, 1], Bucket(384, 2, 512)),
+])
+def test_filled_cu_seqlens_are_the_bucket_offsets(lengths, bucket):
+    """`PackedInputs.fill` computes the pad slots' offsets on the device; they are `bucket_offsets`' exactly, and
+    a second, smaller batch in the same buffers leaves nothing of the first."""
+    from fastbert.cuda_graphs import PackedInputs
+    from fastbert.ops.padding import varlen_from_mask
+
+    model = _fast_model("bert", "eager")
+    inputs = PackedInputs.empty(model, bucket, torch.device("cpu"))
+    for batch in (lengths, lengths[:1]):
+        seqlen = max(max(batch), 1)
+        mask = (torch.arange(seqlen)[None] < torch.tensor(batch)[:, None]).long()
+        varlen = varlen_from_mask(mask, len(batch), seqlen, mask.device)
+        inputs.fill(model, torch.full(mask.shape, 5), None, varlen)
+        real = torch.cumsum(torch.tensor([0, *batch]), 0).tolist()
+        assert inputs.cu_seqlens.tolist() == real + bucket_offsets(real[-1], len(batch), bucket)
+
+
 # =============================================================================== the bucketed packed forward
 @pytest.mark.parametrize("shape", [(7, 13), (1, 1), (130, 5)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("backend", ["eager", "cpp"])
