@@ -474,7 +474,11 @@ class TrainingRun:
         self.train_model = self.wrap_model()
         self.progress = self.start_progress(checkpoint)
         try:
-            return self.train_steps(checkpoint)
+            result = self.train_steps(checkpoint)
+            # leave together: a rank that tears the group down while another is still on its last files (rank 0's
+            # checkpoint hook) can leave one of them waiting in the teardown (seen under torchrun, 1 run in ~20)
+            self.dist.barrier()
+            return result
         finally:
             self.close()
 
