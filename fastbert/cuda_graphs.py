@@ -126,15 +126,6 @@ class Buckets:
         return Bucket(size, seqs, min(max(SHORTEST_LONGEST, _power_of_two_at_least(longest)), self.limit, size))
 
 
-def bucket_offsets(total: int, sequences: int, bucket: Bucket) -> list[int]:
-    """The entries of the bucket's ``cu_seqlens`` after the real batch's B + 1 (which end at ``total``): the filler
-    sequences' ends (chunks of at most ``bucket.chunk`` pad slots, up to ``bucket.tokens``), then the empty
-    sequences' (``bucket.tokens`` repeated) up to ``bucket.slots`` sequences in all."""
-    fillers = bucket.slots - bucket.sequences
-    ends = [min(total + bucket.chunk * k, bucket.tokens) for k in range(1, fillers + 1)]
-    return ends + [bucket.tokens] * (bucket.sequences - sequences)
-
-
 @dataclass
 class PackedInputs:
     """One batch in a bucket's static shapes: tokens, positions, types [bucket.tokens] (types None for a model
@@ -174,7 +165,9 @@ class PackedInputs:
                 self.types[:total].copy_(unpad_tokens(token_type_ids, varlen))
                 self.types[total:].zero_()
         self.cu_seqlens[: batch + 1].copy_(varlen.cu_seqlens)
-        # `bucket_offsets`, computed on the device: no host list copied in (a blocking copy from pageable memory)
+        # After the real batch's B + 1 entries: the filler sequences' ends (chunks of at most ``bucket.chunk`` pad
+        # slots, up to ``bucket.tokens``), then the empty sequences' (``bucket.tokens`` repeated); computed on the
+        # device, so no host list is copied in per call (a blocking copy from pageable memory)
         fillers = self.filler_steps.numel()
         ends = self.cu_seqlens[batch + 1: batch + 1 + fillers]
         torch.add(self.filler_steps, total, out=ends).clamp_(max=self.bucket.tokens)

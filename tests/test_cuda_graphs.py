@@ -15,7 +15,6 @@ from fastbert.cuda_graphs import (
     Bucket,
     Buckets,
     PackedCudaGraphs,
-    bucket_offsets,
     enable,
     encode_packed,
     pack_inputs,
@@ -90,45 +89,56 @@ def test_bucket_edges():
     assert odd.choose(100, 3, 39) == Bucket(112, 4, 40)  # longest capped by the model's 40 positions
 
 
-@pytest.mark.parametrize("lengths, bucket", [
+BUCKET_CASES = [
     ([1], Bucket(16, 1, 16)),
     ([3, 0, 5], Bucket(16, 4, 16)),
     ([16], Bucket(16, 1, 16)),  # no pad slot: every filler sequence is empty
     ([7] * 130, Bucket(960, 256, 16)),
     ([300, 1], Bucket(384, 2, 512)),  # fillers of 64 tokens
-])
-def test_bucket_offsets_cover_every_slot(lengths, bucket):
-    real = torch.cumsum(torch.tensor([0, *lengths]), 0).tolist()
-    cu = real + bucket_offsets(real[-1], len(lengths), bucket)
+]
+
+
+def _reference_offsets(total: int, sequences: int, bucket: Bucket) -> list[int]:
+    """The module's rule on the host: after the real batch's B + 1 entries, the filler sequences' ends (chunks of at
+    most ``bucket.chunk`` pad slots, up to ``bucket.tokens``), then ``bucket.tokens`` up to ``bucket.slots``."""
+    fillers = bucket.slots - bucket.sequences
+    ends = [min(total + bucket.chunk * k, bucket.tokens) for k in range(1, fillers + 1)]
+    return ends + [bucket.tokens] * (bucket.sequences - sequences)
+
+
+def _filled_cu_seqlens(lengths: list[int], bucket: Bucket, inputs=None):
+    """`PackedInputs.fill`'s cu_seqlens for sequences of ``lengths`` (into ``inputs``' buffers if given)."""
+    from fastbert.cuda_graphs import PackedInputs
+    from fastbert.ops.padding import varlen_from_mask
+
+    model = _fast_model("bert", "eager")
+    inputs = inputs or PackedInputs.empty(model, bucket, torch.device("cpu"))
+    seqlen = max(max(lengths), 1)
+    mask = (torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]).long()
+    inputs.fill(model, torch.full(mask.shape, 5), None, varlen_from_mask(mask, len(lengths), seqlen, mask.device))
+    return inputs.cu_seqlens.tolist(), inputs
+
+
+@pytest.mark.parametrize("lengths, bucket", BUCKET_CASES)
+def test_filled_offsets_cover_every_slot(lengths, bucket):
+    cu, _ = _filled_cu_seqlens(lengths, bucket)
     assert len(cu) == bucket.slots + 1 and cu[-1] == bucket.tokens
     spans = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+    assert spans[:len(lengths)] == lengths
     assert min(spans) >= 0 and max(spans) <= bucket.longest
     assert max(spans[len(lengths):]) <= bucket.chunk  # the pad slots' sequences
     assert sum(spans[len(lengths):]) == bucket.tokens - sum(lengths)
 
 
-@pytest.mark.parametrize("lengths, bucket", [
-    ([1], Bucket(16, 1, 16)),
-    ([3, 0, 5], Bucket(16, 4, 16)),
-    ([16], Bucket(16, 1, 16)),
-    ([7] * 130, Bucket(960, 256, 16)),
-    ([300, 1], Bucket(384, 2, 512)),
-])
-def test_filled_cu_seqlens_are_the_bucket_offsets(lengths, bucket):
-    """`PackedInputs.fill` computes the pad slots' offsets on the device; they are `bucket_offsets`' exactly, and
-    a second, smaller batch in the same buffers leaves nothing of the first."""
-    from fastbert.cuda_graphs import PackedInputs
-    from fastbert.ops.padding import varlen_from_mask
-
-    model = _fast_model("bert", "eager")
-    inputs = PackedInputs.empty(model, bucket, torch.device("cpu"))
+@pytest.mark.parametrize("lengths, bucket", BUCKET_CASES)
+def test_filled_cu_seqlens_are_the_rule_exactly(lengths, bucket):
+    """`PackedInputs.fill` computes the pad slots' offsets on the device; they are the rule's exactly, and a second,
+    smaller batch in the same buffers leaves nothing of the first."""
+    inputs = None
     for batch in (lengths, lengths[:1]):
-        seqlen = max(max(batch), 1)
-        mask = (torch.arange(seqlen)[None] < torch.tensor(batch)[:, None]).long()
-        varlen = varlen_from_mask(mask, len(batch), seqlen, mask.device)
-        inputs.fill(model, torch.full(mask.shape, 5), None, varlen)
+        cu, inputs = _filled_cu_seqlens(batch, bucket, inputs)
         real = torch.cumsum(torch.tensor([0, *batch]), 0).tolist()
-        assert inputs.cu_seqlens.tolist() == real + bucket_offsets(real[-1], len(batch), bucket)
+        assert cu == real + _reference_offsets(real[-1], len(batch), bucket)
 
 
 # =============================================================================== the bucketed packed forward
