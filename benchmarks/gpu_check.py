@@ -807,20 +807,19 @@ def e2e_contenders(section: Section, dry_run: bool, device, dtype) -> dict:
     that fails to build is recorded and the others are timed."""
     import fastbert
 
-    builders = {"hf_eager": lambda: random_bert("base", dry_run, "eager").to(device=device, dtype=dtype),
-                "hf_sdpa": lambda: random_bert("base", dry_run, "sdpa").to(device=device, dtype=dtype)}
-    fastbert_options = {"fastbert_default": {}, "fastbert_no_graphs": {"cuda_graphs": False},
-                        "fastbert_triton_no_graphs": {"backend": "triton", "cuda_graphs": False}}
     built = {}
-    for name in ("hf_eager", *fastbert_options, "hf_sdpa"):
-        if name in fastbert_options and "hf_eager" not in built:
+
+    def build(name, make):  # a failed build raises inside the check: nothing is kept under its name
+        section.run(f"build {name}", lambda: built.__setitem__(name, make()))
+
+    build("hf_eager", lambda: random_bert("base", dry_run, "eager").to(device=device, dtype=dtype))
+    for name, options in {"fastbert_default": {}, "fastbert_no_graphs": {"cuda_graphs": False},
+                          "fastbert_triton_no_graphs": {"backend": "triton", "cuda_graphs": False}}.items():
+        if "hf_eager" in built:
+            build(name, lambda o=options: fastbert.optimize(copy.deepcopy(built["hf_eager"]), **o))
+        else:
             section.add({"check": f"build {name}", "ok": None, "skipped": "hf_eager did not build"})
-            continue
-        build = builders.get(name) or (lambda o=fastbert_options[name]: fastbert.optimize(
-            copy.deepcopy(built["hf_eager"]), **o))
-        row = section.run(f"build {name}", lambda b=build, n=name: built.__setitem__(n, b()))
-        if row and row.get("ok") is not True:
-            built.pop(name, None)
+    build("hf_sdpa", lambda: random_bert("base", dry_run, "sdpa").to(device=device, dtype=dtype))
     return built
 
 
@@ -897,11 +896,10 @@ def compiled_models(sdpa, dry_run: bool) -> dict:
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
     torch._dynamo.reset()
+    options = {"default": {}, "max-autotune": {"mode": "max-autotune"}}
     if dry_run:  # no inductor on the CPU dry run: the graph capture alone
-        return {mode: torch.compile(copy.deepcopy(sdpa), backend="aot_eager", dynamic=False)
-                for mode in ("default", "max-autotune")}
-    return {mode: torch.compile(copy.deepcopy(sdpa), mode=None if mode == "default" else mode, dynamic=False)
-            for mode in ("default", "max-autotune")}
+        options = {mode: {"backend": "aot_eager"} for mode in options}
+    return {mode: torch.compile(copy.deepcopy(sdpa), dynamic=False, **o) for mode, o in options.items()}
 
 
 def dynamo_graphs() -> int:
