@@ -1,7 +1,8 @@
-"""What fastbert's build needs code for: the packages (fastbert's own, found, and the Triton kernels of kernels/
-installed as `fastbert.kernels`) and the C++ extension `fastbert._C` (skipped with FASTBERT_SKIP_EXT=1; a failed
-build warns and leaves the eager backend). Everything declarative (name, version, dependencies, extras, the
-`fastbert` command, py.typed) is in pyproject.toml."""
+"""What fastbert's build needs code for: the packages (fastbert's own, found, and the Triton kernels of kernels/,
+linked as fastbert/kernels and installed as the namespace package `fastbert.kernels`: see CONTRIBUTING.md) and the
+C++ extension `fastbert._C` (skipped with FASTBERT_SKIP_EXT=1; a failed build warns and leaves the eager backend).
+Everything declarative (name, version, dependencies, extras, the `fastbert` command, py.typed) is in
+pyproject.toml."""
 
 import glob
 import os
@@ -84,7 +85,6 @@ if os.environ.get("FASTBERT_SKIP_EXT", "0").lower() not in ("1", "true", "yes"):
 
 setup(
     packages=find_packages(include=["fastbert", "fastbert.*"]) + ["fastbert.kernels"],
-    package_dir={"fastbert.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

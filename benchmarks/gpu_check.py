@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -112,7 +113,8 @@ CHECK_LIMIT_S = {"kernel_checks_real_sizes": 60, "kernel_checks_grid": 30, "back
 
 
 def ensure_kernels_importable() -> str:
-    """`fastbert.kernels` is the repo's kernels/ dir, mapped at install time; without an install map it here."""
+    """`fastbert.kernels` is the repo's kernels/ dir, through the link fastbert/kernels; where a copy of the checkout
+    lost the link, map the folder here (a namespace package, as installed)."""
     import fastbert
 
     try:
@@ -120,13 +122,12 @@ def ensure_kernels_importable() -> str:
 
         return "installed"
     except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location("fastbert.kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        spec = importlib.machinery.ModuleSpec("fastbert.kernels", None, is_package=True)
+        spec.submodule_search_locations = [str(ROOT / "kernels")]
         module = importlib.util.module_from_spec(spec)
         sys.modules["fastbert.kernels"] = module
-        spec.loader.exec_module(module)
         fastbert.kernels = module
-        return "mapped from kernels/ (fastbert not installed)"
+        return "mapped from kernels/ (the link fastbert/kernels is missing)"
 
 
 # ------------------------------------------------------------------------------------------ report, time limits
@@ -252,10 +253,9 @@ def versions() -> dict:
 
 
 def environment(device: torch.device, dry_run: bool) -> dict:
-    from fastbert.kernels import common
-
     from fastbert import backends
     from fastbert.bench.machine import machine_info
+    from fastbert.kernels import common
 
     return {**machine_info(device), "dry_run": dry_run, "host": platform.node(), "versions": versions(),
             "triton_interpret": os.environ.get("TRITON_INTERPRET"),

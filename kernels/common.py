@@ -15,6 +15,7 @@ import inspect
 import operator
 import os
 import re
+import warnings
 
 import torch
 import triton
@@ -348,12 +349,22 @@ LAUNCH_LAYOUT_REASON: str | None = launch_layout_reason()
 """None when the installed triton launches as `launch` expects; checked at import on every machine (the tests
 read it under the interpreter too)."""
 
-if CACHED_LAUNCH and not INTERPRETER and LAUNCH_LAYOUT_REASON is not None:
-    raise RuntimeError(f"fastbert.kernels: {LAUNCH_LAYOUT_REASON}. The cached launcher would replay a launch this "
-                       "triton does not make; set FASTBERT_CACHED_LAUNCH=0 to launch through triton's own path")
 
-# Under the interpreter there is nothing compiled to replay: every launch is triton's own kernel[grid](...).
-_CACHING: bool = CACHED_LAUNCH and not INTERPRETER
+
+def replays_launches(cached_launch: bool, interpreter: bool, layout_reason: str | None) -> bool:
+    """Whether `launch` replays compiled kernels. Under the interpreter there is nothing compiled to replay. A triton
+    whose launch layout is unknown (`launch_layout_reason`) still runs every kernel, through its own
+    ``kernel[grid](...)`` (a few µs more host time per launch), and one warning line says so."""
+    if not cached_launch or interpreter:
+        return False
+    if layout_reason is not None:
+        warnings.warn(f"fastbert.kernels: {layout_reason}; every kernel launches through triton's own path "
+                      "(correct, more host time per launch)", stacklevel=2)
+        return False
+    return True
+
+
+_CACHING: bool = replays_launches(CACHED_LAUNCH, INTERPRETER, LAUNCH_LAYOUT_REASON)
 _current_device = None  # triton's driver functions, bound on the first cached launch (a GPU is needed)
 _current_stream = None
 _UNSET = object()

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import json
 import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -635,14 +633,6 @@ def check_padding_poison(backend: str, dtype: torch.dtype, head_dim: int, seqlen
     assert torch.isfinite(dirty[mask]).all(), f"{backend}: NaN/Inf at padded positions reached real rows"
     assert torch.equal(dirty[mask], clean[mask]), f"{backend}: padded positions' values changed real rows"
     assert torch.equal(dirty[2], torch.zeros_like(dirty[2])), f"{backend}: an all-masked row must give zeros"
-
-
-def loaded_attention_kernel_copies() -> list:
-    """Every loaded copy of the attention kernel module. transformers probes for the hub's `kernels` package by
-    importing `kernels`: run from the repository root, that imports this repository's kernels/ a second time, and the
-    torch op stays bound to whichever copy came first, so a spy or a patch must sit in each."""
-    importlib.import_module("fastbert.kernels.attention")
-    return [sys.modules[n] for n in ("fastbert.kernels.attention", "kernels.attention") if n in sys.modules]
 
 
 WINDOWS = (0, 1, 2, 7, 16, 128)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fastbert.kernels import gemm
 
 from fastbert import ops
+from fastbert.kernels import gemm
 from tests.helpers import ALL_DTYPES, DEVICE, check_grads, ln_op_args, rand
 from tools.op_checks import (
     check_linear_activation,

@@ -10,18 +10,20 @@ On CPU the replay path is driven with a JITFunction whose ``run`` binds its argu
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 import triton
 import triton.language as tl
-from fastbert.kernels import common
 from triton.runtime.jit import JITFunction
 
 from fastbert import kernels  # noqa: F401 (registers the triton ops)
+from fastbert.kernels import common
 
 KERNEL_MODULES = ("attention", "common", "embedding_layernorm", "gemm", "linear_activation", "linear_glu",
                   "linear_residual_layernorm", "qkv_rotary")
@@ -77,6 +79,47 @@ def tensor(dtype=torch.float16, offset=0, size=130):
 # ------------------------------------------------------------------------------------------------ the key
 def test_triton_launch_layout_is_known():
     assert common.LAUNCH_LAYOUT_REASON is None, common.LAUNCH_LAYOUT_REASON
+
+
+def test_unknown_launch_layout_is_named(monkeypatch):
+    real = inspect.getsource
+
+    def planted(obj):
+        return "def run(self):\n    return launch_differently()\n" if obj is JITFunction.run else real(obj)
+
+    monkeypatch.setattr(inspect, "getsource", planted)
+    reason = common.launch_layout_reason()
+    assert reason is not None and "unknown launch layout" in reason and "JITFunction.run launching" in reason
+    assert "Autotuner" not in reason and "CompiledKernel" not in reason
+
+
+def test_unknown_launch_layout_launches_through_triton():
+    with pytest.warns(UserWarning, match="through triton's own path"):
+        assert common.replays_launches(True, False, "triton 9.9: unknown launch layout, missing x") is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert common.replays_launches(True, False, None) is True
+        assert common.replays_launches(True, True, "unknown") is False  # the interpreter: nothing to replay
+        assert common.replays_launches(False, False, "unknown") is False
+
+
+def test_unknown_launch_layout_at_import_keeps_the_triton_backend(tmp_path):
+    """A triton release whose JITFunction.run launches differently: fastbert.kernels imports with the cached
+    launcher off and one warning, and the triton backend still loads (it used to raise, which left CUDA to eager)."""
+    script = tmp_path / "planted.py"
+    script.write_text(
+        "from triton.runtime.jit import JITFunction\n\n\n"
+        "def run(self, *args, grid, warmup, **kwargs):\n"
+        "    return self.launch_some_other_way(*args)\n\n\n"
+        "JITFunction.run = run\n"
+        "from fastbert.kernels import common\n"
+        "from fastbert.backends import triton as backend\n"
+        "print(common.INTERPRETER, common._CACHING, 'unknown launch layout' in common.LAUNCH_LAYOUT_REASON)\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "FASTBERT_CACHED_LAUNCH": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "True"]
+    assert "unknown launch layout" in done.stderr and "through triton's own path" in done.stderr
 
 
 def _samples() -> list:

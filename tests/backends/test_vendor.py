@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
-from fastbert.kernels import epilogues
 
 from fastbert import backends, ops
+from fastbert.kernels import epilogues
 from tests.helpers import ALL_DTYPES, DEVICE, HALF_DTYPES, OpsSeen, assert_accurate, ln_op_args, rand
 from tools.op_checks import (
     check_linear_activation,
@@ -207,8 +207,9 @@ def test_epilogue_launchers_say_what_is_wrong():
 
 def test_epilogue_kernels_can_be_replayed_by_the_cached_launcher():
     """Runtime parameters before constexprs in every epilogue kernel (what `common.launch` needs)."""
-    from fastbert.kernels import common
     from triton.runtime.jit import JITFunction
+
+    from fastbert.kernels import common
 
     kernels = [value for name, value in vars(epilogues).items() if name.endswith("_kernel")]
     assert len(kernels) == 4

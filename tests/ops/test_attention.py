@@ -44,7 +44,6 @@ from tests.helpers import (
     cu_seqlens_of,
     for_backend,
     gradcheck_spec,
-    loaded_attention_kernel_copies,
     on_device,
     run_grads,
     spec_function,
@@ -800,7 +799,7 @@ def test_cpp_grads_key_mask_with_holes(window):
 def test_triton_op_carries_the_triton_backward(monkeypatch):
     """The triton op's gradient runs the two Triton backward kernels (not the spec's PyTorch formula), and `supports`
     takes dropout."""
-    kernels = importlib.import_module("fastbert.kernels.attention")
+    attention_kernels = importlib.import_module("fastbert.kernels.attention")
     launched = []
 
     class Spy:
@@ -811,14 +810,13 @@ def test_triton_op_carries_the_triton_backward(monkeypatch):
             launched.append(self.name)
             return self.kernel[grid]
 
-    for module in loaded_attention_kernel_copies():
-        for name in ("_attention_backward_dq_kernel", "_attention_backward_dkdv_kernel"):
-            monkeypatch.setattr(module, name, Spy(name, getattr(module, name)))
+    for name in ("_attention_backward_dq_kernel", "_attention_backward_dkdv_kernel"):
+        monkeypatch.setattr(attention_kernels, name, Spy(name, getattr(attention_kernels, name)))
     q, k, v, cu, longest, _, _, _ = on_device(attention_args("packed", [3, 2]))
     attention_call("triton")(q, k, v, cu, longest, None, None, None).sum().backward()
     assert launched == ["_attention_backward_dq_kernel", "_attention_backward_dkdv_kernel"]
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
-    assert kernels.supports(q, k, v, cu, longest, dropout_p=0.1, dropout_seed=3) is None
+    assert attention_kernels.supports(q, k, v, cu, longest, dropout_p=0.1, dropout_seed=3) is None
 
 
 @pytest.mark.interpreter
@@ -831,8 +829,7 @@ def test_triton_backward_in_gpu_like_uneven_tiles(monkeypatch, dropout_p):
         block_d = max(16, 1 << (head_dim - 1).bit_length())
         return ({"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_D": block_d}, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_D": block_d})
 
-    for module in loaded_attention_kernel_copies():
-        monkeypatch.setattr(module, "_backward_meta", uneven)
+    monkeypatch.setattr(importlib.import_module("fastbert.kernels.attention"), "_backward_meta", uneven)
     args = attention_args("packed", [70, 9, 33], window=21)
     if dropout_p == 0:
         check_grads("attention", on_device(args), "triton", call=attention_call)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fastbert.kernels import gemm
-from fastbert.kernels import qkv_rotary as kernel
 from transformers import ModernBertConfig
 from transformers.models.modernbert.modeling_modernbert import ModernBertRotaryEmbedding, apply_rotary_pos_emb
 
 from fastbert import backends, ops
+from fastbert.kernels import gemm
+from fastbert.kernels import qkv_rotary as kernel
 from fastbert.numerics import assert_accurate
 from fastbert.ops.qkv_rotary import SPEC, qkv_rotary_cost, split_packed
 from tests.helpers import (
