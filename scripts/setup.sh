@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # Set up fastbert in ./.venv: PyTorch 2.13.0 (CPU build; pinned, since an open range pulls a multi-GB CUDA build),
 # then fastbert itself (editable; builds the C++ extension fastbert._C) with the extras in EXTRAS (tests, benchmarks,
-# embed, ray, serve).
-# Idempotent: when .venv already holds all of that, current with this checkout, a second run only checks (a few
-# seconds) and installs nothing; otherwise it says why and installs.
+# embed, ray, serve), every package at the version in constraints.txt: the stack the test suite last passed with.
+#
+#   ./scripts/setup.sh                   the tested stack (constraints.txt) in .venv
+#   VENV=.venv-newest ./scripts/setup.sh --newest
+#                                        the newest releases instead (torch still TORCH_VERSION), in VENV: what a
+#                                        user installing fastbert today gets (.ci/run runs the default tests on it)
+#   ./scripts/setup.sh --freeze          write constraints.txt from .venv (after the suite passed on it)
+#
+# Idempotent: when the venv already holds all of that, current with this checkout, a second run only checks (a few
+# seconds) and installs nothing; otherwise it says why and installs. --newest always installs (upgrading).
 # Long steps print a line every HEARTBEAT_S seconds (default 15) with the time so far, and how long they took.
 # Sourced (`source scripts/setup.sh`, as its tests do), it only defines its functions.
 PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
 TORCH_VERSION=2.13.0
 EXTRAS=dev,bench,embed,ray,serve
 HEARTBEAT_S=${HEARTBEAT_S:-15}
+CONSTRAINTS=constraints.txt
 
 elapsed_since() {  # "4m07s" since the bash time $1 (SECONDS)
   local s=$((SECONDS - $1))
@@ -46,7 +55,7 @@ pip_install() {  # pip_install LABEL ARGS...: a heartbeat while it runs, else qu
   local label=$1 log
   shift
   log=$(mktemp)
-  if ! with_heartbeat "$label" logged "$log" .venv/bin/python -m pip install --disable-pip-version-check "$@"; then
+  if ! with_heartbeat "$label" logged "$log" "$VENV/bin/python" -m pip install --disable-pip-version-check "$@"; then
     grep -v "is ignored" "$log" >&2
     echo "fastbert setup: pip install $* failed" >&2
     exit 1
@@ -54,14 +63,14 @@ pip_install() {  # pip_install LABEL ARGS...: a heartbeat while it runs, else qu
   rm -f "$log"
 }
 
-# Prints why .venv needs the full install and fails, or what it found and succeeds. pip cannot be asked this:
+# Prints why the venv needs the full install and fails, or what it found and succeeds. pip cannot be asked this:
 # every `pip install -e .` rebuilds fastbert._C (30 s to minutes on 2 cores) even when nothing changed.
 venv_is_current() {
-  if [ ! -x .venv/bin/python ]; then
-    echo "no .venv yet"
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "no $VENV yet"
     return 1
   fi
-  FASTBERT_ROOT=$PWD TORCH_VERSION=$TORCH_VERSION EXTRAS=$EXTRAS .venv/bin/python - <<'EOF'
+  FASTBERT_ROOT=$PWD TORCH_VERSION=$TORCH_VERSION EXTRAS=$EXTRAS CONSTRAINTS=$CONSTRAINTS "$VENV/bin/python" - <<'EOF'
 import json
 import os
 import sys
@@ -112,6 +121,12 @@ for line in dist.requires or []:
     have = version(req.name)
     if have is None or not req.specifier.contains(have, prereleases=True):
         stale(f"requirement {req.name}{req.specifier} not met ({'have ' + have if have else 'not installed'})")
+with open(os.path.join(root, os.environ["CONSTRAINTS"])) as pins:
+    for line in pins:
+        req = Requirement(line.split("#")[0].strip()) if line.split("#")[0].strip() else None
+        have = version(req.name) if req is not None else None
+        if have is not None and not req.specifier.contains(have, prereleases=True):
+            stale(f"{req.name} {have} is not the tested {req.specifier} of {os.environ['CONSTRAINTS']}")
 
 
 def mtime(path):
@@ -142,27 +157,56 @@ print(f"torch {torch}; fastbert editable from this checkout with {','.join(extra
 EOF
 }
 
+# Writes constraints.txt: every package in the venv but fastbert, at its version (torch without its +cpu label).
+freeze_constraints() {
+  {
+    echo "# The stack the test suite last passed with, written by scripts/setup.sh --freeze from $VENV on $(date -u +%F)"
+    echo "# (Python $("$VENV/bin/python" -c 'import platform; print(platform.python_version())')). setup.sh installs these versions; --newest ignores them."
+    "$VENV/bin/python" -m pip freeze --disable-pip-version-check --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'
+  } >"$CONSTRAINTS.new"
+  mv "$CONSTRAINTS.new" "$CONSTRAINTS"
+  echo "fastbert setup: wrote $CONSTRAINTS ($(grep -vc '^#' "$CONSTRAINTS") packages)" >&2
+}
+
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then  # sourced: the functions only
   return 0
 fi
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mode=tested
+case "${1:-}" in
+  "") ;;
+  --newest) mode=newest ;;
+  --freeze) freeze_constraints; exit 0 ;;
+  *) echo "fastbert setup: unknown option ${1}; use --newest, --freeze or nothing" >&2; exit 2 ;;
+esac
 SETUP_STARTED=$SECONDS
-if reason=$(venv_is_current); then
-  echo "fastbert setup: .venv is current, nothing to install: $reason" >&2
+if [ "$mode" = tested ] && reason=$(venv_is_current); then
+  echo "fastbert setup: $VENV is current, nothing to install: $reason" >&2
 else
-  echo "fastbert setup: installing: ${reason:-the check of .venv failed}" >&2
-  if [ ! -x .venv/bin/python ]; then
-    echo "fastbert setup: creating .venv" >&2
-    "$PYTHON" -m venv .venv
+  if [ "$mode" = newest ]; then
+    reason="--newest: the newest releases, whatever $CONSTRAINTS says"
+    pins=$(mktemp)
+    trap 'rm -f "$pins"' EXIT
+    echo "torch==$TORCH_VERSION" >"$pins"  # an open torch pulls a multi-GB CUDA build
+    upgrade=(--upgrade --upgrade-strategy eager)
+  else
+    pins=$CONSTRAINTS
+    upgrade=()
+  fi
+  echo "fastbert setup: installing: ${reason:-the check of $VENV failed}" >&2
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "fastbert setup: creating $VENV" >&2
+    "$PYTHON" -m venv "$VENV"
   fi
   echo "fastbert setup: installing torch==$TORCH_VERSION and build tools" >&2
-  pip_install "installing torch" "torch==$TORCH_VERSION" setuptools wheel ninja pybind11
+  pip_install "installing torch" -c "$pins" "${upgrade[@]}" "torch==$TORCH_VERSION" setuptools wheel ninja pybind11
   echo "fastbert setup: installing fastbert (editable, building fastbert._C: minutes on 2 cores) with its" \
-    "$EXTRAS extras" >&2
-  pip_install "installing fastbert and building fastbert._C" --no-build-isolation -e ".[$EXTRAS]"
+    "$EXTRAS extras ($mode versions)" >&2
+  pip_install "installing fastbert and building fastbert._C" -c "$pins" "${upgrade[@]}" --no-build-isolation \
+    -e ".[$EXTRAS]"
 fi
-.venv/bin/python -W "ignore:fastbert:UserWarning" -c "import torch, fastbert; print(f'fastbert setup: torch {torch.__version__}; backends: ' \
-+ fastbert.backends.describe_available())" >&2
-echo "fastbert setup: done in $(elapsed_since "$SETUP_STARTED"). Commands are in .venv/bin: run 'source .venv/bin/activate' to use fastbert, pytest" \
-  "and python bare, or call .venv/bin/fastbert etc." >&2
+"$VENV/bin/python" -W "ignore:fastbert:UserWarning" -c "import torch, transformers, fastbert; print(f'fastbert setup: torch \
+{torch.__version__}, transformers {transformers.__version__}; backends: ' + fastbert.backends.describe_available())" >&2
+echo "fastbert setup: done in $(elapsed_since "$SETUP_STARTED"). Commands are in $VENV/bin: run 'source $VENV/bin/activate' to use fastbert," \
+  "pytest and python bare, or call $VENV/bin/fastbert etc." >&2
