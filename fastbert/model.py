@@ -19,6 +19,7 @@ Positions: a model with a position table takes positions below ``max_position_em
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from fastbert import backends
+from fastbert.backends import tuning
 from fastbert.config import FastBertConfig
 from fastbert.ops.dropout import draw_seed, dropout, op_seed
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
@@ -441,8 +443,61 @@ class FastBertModel(nn.Module):
         tokens: ids [T] (or word vectors [T, E] when ``embedded``); positions, types [T]; ``varlen`` describes
         the packed batch, or the whole padded batch when ``key_padding_mask`` [B, S] is given; ``position_count``:
         positions lie below it (rotary models; ``max_position_embeddings`` at least). Returns the hidden states
-        [T, H]: the last only, or the embedding output and every layer's when ``all_states``."""
-        table = self.op_table(self.embeddings.word_embeddings)
+        [T, H]: the last only, or the embedding output and every layer's when ``all_states``.
+
+        Under ``auto``, a CPU inference forward runs the whole-model winner of its class (`whole_model_backend`)."""
+        like = self.embeddings.word_embeddings
+        call = (tokens, positions, types, varlen, key_padding_mask, embedded, all_states, position_count)
+        backend = self.whole_model_backend(tokens, like, call)
+        if backend is not None:
+            try:
+                return self._encode(self.op_table(like, backend), *call)
+            except backends.BackendUnavailable:  # a call the winner cannot run alone: the per-op table runs it
+                pass
+        return self._encode(self.op_table(like), *call)
+
+    def whole_model_backend(self, tokens: torch.Tensor, like: torch.Tensor, call: tuple) -> str | None:
+        """The backend that runs every op of this forward alone, when the whole-model decision for its class
+        (`fastbert.backends.decide_model`, made on the first such forward) is one; None for the per-op table.
+        Only ``auto`` CPU inference forwards (no grad, eval mode) are decided whole."""
+        if (self.training or torch.is_grad_enabled() or like.device.type != "cpu" or not tuning.enabled()
+                or backends.requested_backend(self.backend) != "auto"):
+            return None
+        memo = self.__dict__.setdefault("_model_choices", {})
+        choice = memo.get(self._choice_key(tokens, like))
+        if choice is None:
+            if torch.compiler.is_compiling() or torch.jit.is_tracing() or not tuning.can_measure([tokens, like]):
+                return None
+            backends.preload(self.backend, like.device.type)  # a backend's first load moves the generation
+            key = self._choice_key(tokens, like)
+
+            def run(candidate: str) -> list[torch.Tensor]:
+                table = candidate == backends.MODEL_TABLE
+                return self._encode(self.op_table(like, None if table else candidate), *call)
+
+            cls = backends.model_class(self.signature, like.dtype, tokens.shape[0])
+            decision = backends.decide_model(cls, like.device, run, self.parameters())
+            self.__dict__.setdefault("_model_decisions", {})[cls] = decision
+            if len(memo) > 64:  # stale generations and cache locations
+                memo.clear()
+            choice = memo[key] = decision.backend
+        return None if choice == backends.MODEL_TABLE else choice
+
+    @staticmethod
+    def _choice_key(tokens: torch.Tensor, like: torch.Tensor) -> tuple:
+        return (like.dtype, torch.get_num_threads(), tuning.bucket(tokens.shape[0]), tuning.state(),
+                backends.generation())
+
+    @functools.cached_property
+    def signature(self) -> str:
+        """The architecture, as the tuning cache names a model: its type and a digest of its config."""
+        digest = hashlib.sha256(repr(self.config).encode()).hexdigest()[:12]
+        return f"{self.config.model_type}-{digest}"
+
+    def _encode(self, table, tokens: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None,
+                varlen: VarlenBatch, key_padding_mask: torch.Tensor | None, embedded: bool, all_states: bool,
+                position_count: int) -> list[torch.Tensor]:
+        """`encode_tokens` on the ops of ``table``."""
         seeds = DropoutSeeds(True) if self.training else EVAL
         if embedded:
             x = self.embeddings.from_inputs_embeds(tokens, positions, types, seeds)
@@ -505,25 +560,28 @@ class FastBertModel(nn.Module):
                                              for theta in thetas})
         return held[1]
 
-    def op_table(self, like: torch.Tensor) -> backends.OpTable | backends.PerCallDispatch:
-        """The ops for tensors like ``like`` under the current grad mode: resolved once per (device, dtype, grad
-        mode, training mode, backend, `backends.generation()`), then called directly (while torch.compile traces,
-        every call dispatches instead)."""
+    def op_table(self, like: torch.Tensor, backend: str | None = None) -> backends.OpTable | backends.PerCallDispatch:
+        """The ops for tensors like ``like`` under the current grad mode, on ``backend`` (default: the model's):
+        resolved once per (device, dtype, grad mode, training mode, backend, `backends.generation()`), then called
+        directly (while torch.compile traces, every call dispatches instead)."""
+        backend = backend or self.backend
         if torch.compiler.is_compiling():
-            return backends.PerCallDispatch(self.backend)
+            return backends.PerCallDispatch(backend)
         # Training mode is part of the key: its dropout (p > 0) is an argument some kernels decline.
-        key = (like.device, like.dtype, torch.is_grad_enabled(), self.training, self.backend, backends.generation())
+        key = (like.device, like.dtype, torch.is_grad_enabled(), self.training, backend, backends.generation())
         tables = self.__dict__.setdefault("_op_tables", {})
         table = tables.get(key)
         if table is None:
             if len(tables) > 16:  # stale generations
                 tables.clear()
-            table = tables[key] = backends.OpTable(self.backend, training=self.training)
+            table = tables[key] = backends.OpTable(backend, training=self.training)
         return table
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("_op_tables", None)  # resolved per process
+        state.pop("_model_choices", None)
+        state.pop("_model_decisions", None)
         state.pop("_rotary", None)
         return state
 

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import importlib
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -49,26 +50,15 @@ from fastbert.backends import tuning
 BACKENDS = ("eager", "triton", "cpp", "vendor", "onednn")
 
 
-def cpu_auto_order(flags: frozenset[str] | None = None) -> tuple[str, ...]:
-    """The CPU backends `auto` considers, given the CPU's feature flags (default: this CPU's). ``onednn`` (GEMMs on
-    packed weights) only where the CPU has AMX: there oneDNN wants its weights in VNNI tiles and, handed them as
-    stored, reorders them at every call. Elsewhere whole forwards measured level with cpp (MiniLM fp32, 8 x 128 and
-    32 mixed lengths, 2-core AVX-512 VM: `benchmarks/results/cpu-2core-ops-onednn/e2e.md`) while measuring it would
-    keep a packed copy of every GEMM weight; force it with ``backend="onednn"`` (bfloat16 calls on a CPU with
-    AVX-512 BF16 measure it anyway: `AUTO_ORDER_BF16`)."""
-    flags = cpu.cpu_info()[1] if flags is None else flags
-    return ("cpp", "onednn", "eager") if cpu.AMX in flags else ("cpp", "eager")
-
-
-def cpu_bf16_extra(flags: frozenset[str] | None = None) -> tuple[str, ...]:
-    """The backends `auto` also considers for bfloat16 calls on a CPU with these feature flags (default: this
-    CPU's): ``onednn`` where the CPU computes bfloat16 natively. There (AVX-512 BF16, no AMX) oneDNN's bfloat16
-    GEMMs on weights packed once beat cpp's on weights as stored in whole MiniLM forwards, 168.6 vs 180.3 ms at
-    8 x 128 and 361.1 vs 408.6 on 32 mixed lengths (`benchmarks/results/cpu-2core-avx512bf16/e2e.md`). The cost: a
-    bfloat16 model keeps a packed copy of each GEMM weight onednn was timed on, chosen or not (as every model does on
-    AMX); a float32 model never times it there, and keeps none."""
-    flags = cpu.cpu_info()[1] if flags is None else flags
-    return ("onednn",) if cpu.native_bf16(flags) else ()
+def cpu_auto_order() -> tuple[str, ...]:
+    """The CPU backends `auto` considers, float32 and bfloat16 alike: cpp, onednn (GEMMs on weights packed once) and
+    eager, on every CPU. Which wins depends on the CPU and its BLAS: on AMX oneDNN wants its weights in VNNI tiles;
+    on an AMD EPYC (AVX-512, no AMX) the whole fp32 MiniLM forward ran 135 ms forced onto onednn against 177 ms
+    through cpp (issue 41); on an Intel AVX-512 VM they came out level (`benchmarks/results/cpu-2core-ops-onednn/`),
+    and with AVX-512 BF16 but no AMX onednn's bf16 forwards ran 1.07-1.09x faster
+    (`benchmarks/results/cpu-2core-avx512bf16/`). The packed copy of a weight whose op onednn did not win is
+    released (`release`)."""
+    return ("cpp", "onednn", "eager")
 
 
 def cpu_packed_bf16(flags: frozenset[str] | None = None) -> str | None:
@@ -86,8 +76,6 @@ def cpu_packed_bf16(flags: frozenset[str] | None = None) -> str | None:
 # with measuring off its preference: the static order. Triton on CPU only runs under TRITON_INTERPRET=1, which is
 # far too slow to be picked automatically, so `auto` never takes it for CPU tensors.
 AUTO_ORDER = {"cuda": ("triton", "vendor", "eager"), "cpu": cpu_auto_order()}
-# Backends `auto` also considers for bfloat16 calls, per device type (after the first of AUTO_ORDER's).
-AUTO_ORDER_BF16 = {"cpu": cpu_bf16_extra()}
 # Per device type, the backend that alone runs bfloat16 inference calls of the ops it has a GEMM of its own for,
 # wherever it can run them (`packed_bf16_choice`), or None.
 PACKED_BF16 = {"cpu": cpu_packed_bf16()}
@@ -139,6 +127,23 @@ _DECIDED: dict[tuple, Decision] = {}  # `_call_key` -> measured decision (cleare
 # without moving its version. A backend that keeps something derived from a weight (onednn's packed copies) reads
 # `weight_stamp`, which covers them.
 _ALIASES = torch.utils.weak.WeakIdKeyDictionary()
+
+
+# backend -> what drops the copies it keeps of some tensors (onednn's packed weights): `release`
+_RELEASERS: dict[str, Callable[[Iterable[torch.Tensor]], None]] = {}
+
+
+def register_release(backend: str, releaser: Callable[[Iterable[torch.Tensor]], None]) -> None:
+    """``releaser(tensors)`` drops whatever ``backend`` keeps derived from those tensors."""
+    _RELEASERS[backend] = releaser
+
+
+def release(backend: str, tensors: Iterable[torch.Tensor]) -> None:
+    """Drop what ``backend`` keeps derived from ``tensors`` (nothing for a backend that keeps nothing): called when
+    `auto` measured it and chose another, so that a copy made only to be timed does not stay."""
+    releaser = _RELEASERS.get(backend)
+    if releaser is not None:
+        releaser(tensors)
 
 
 def declare_aliases(tensor: torch.Tensor, aliases: Iterable[torch.Tensor]) -> None:
@@ -304,21 +309,16 @@ def preload(backend: str | None, device_type: str) -> None:
     if backend != "auto":
         candidates = {backend}
     else:
-        candidates = {*AUTO_ORDER.get(device_type, ()), *AUTO_ORDER_BF16.get(device_type, ()),
+        candidates = {*AUTO_ORDER.get(device_type, ()),
                       *AUTO_ORDER_AUTOGRAD.get(device_type, ())}
         candidates.update(*(orders.get(device_type, ()) for orders in AUTO_ORDER_AUTOGRAD_BY_OP.values()))
     for name in sorted(candidates - _LOADED - set(_LOAD_ERRORS)):
         _load(name, warn=False)
 
 
-def auto_order(device_type: str, dtype: torch.dtype | None) -> tuple[str, ...]:
-    """The backends `auto` considers, in order, for inference calls on ``device_type`` in ``dtype``: AUTO_ORDER's,
-    with AUTO_ORDER_BF16's after its first for bfloat16."""
-    order = AUTO_ORDER.get(device_type, ())
-    if dtype != torch.bfloat16:
-        return order
-    extra = tuple(name for name in AUTO_ORDER_BF16.get(device_type, ()) if name not in order)
-    return order[:1] + extra + order[1:]
+def auto_order(device_type: str) -> tuple[str, ...]:
+    """The backends `auto` considers, in order, for inference calls on ``device_type`` (AUTO_ORDER's)."""
+    return AUTO_ORDER.get(device_type, ())
 
 
 def packed_bf16_choice(op: str, device_type: str, tensors: list[torch.Tensor]) -> str | None:
@@ -432,7 +432,7 @@ def _static(op: str, device_type: str, tensors: list[torch.Tensor], args: tuple,
             how: str) -> Decision:
     """`auto` by the static preference lists (`auto_order`, and under autograd `autograd_order`)."""
     skipped: dict[str, str] = {}
-    order = inference_order = auto_order(device_type, _float_dtype(tensors))
+    order = inference_order = auto_order(device_type)
     packed = packed_bf16_choice(op, device_type, tensors)
     if packed is not None and why_not(op, packed, *args, **kwargs) is None:
         untimed = [name for name in order if name != packed and why_not(op, name, *args, **kwargs) is None]
@@ -460,7 +460,7 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
     """`auto` by measurement among the device's backends that can run the call (`fastbert.backends.tuning`)."""
     skipped: dict[str, str] = {}
     candidates = []
-    for candidate in dict.fromkeys(auto_order(device_type, _float_dtype(tensors)) + ("eager",)):
+    for candidate in dict.fromkeys(auto_order(device_type) + ("eager",)):
         reason = why_not(op, candidate, *args, **kwargs)
         same = None if reason else same_implementation(op, candidate, candidates)
         if same is not None:  # e.g. vendor runs triton's kernel for ops without a GEMM: nothing to compare
@@ -490,6 +490,9 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
         entry = tuning.Entry(tuning.pick(times, preferred), times, rounds, clock)
         tuning.record(device, shape_class, entry)
         how = "measured"
+    for name in candidates:
+        if name != entry.choice:
+            release(name, tensors)
     best = entry.times_ms[entry.choice]
     for name, ms in entry.times_ms.items():
         if name != entry.choice:
@@ -497,6 +500,77 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
                              f"measured {ms:.3g} ms vs {best:.3g} ms: not {tuning.MARGIN:.0%} faster than the "
                              "static order's choice")
     return Decision(entry.choice, skipped, how, dict(entry.times_ms), shape_class)
+
+
+# ------------------------------------------------------------------------------------------ whole-model decisions
+# Op by op, the fastest implementation can make a slower forward: caches and packed weights are shared between ops
+# (a GEMM faster timed alone was slower inside the forward on AMX). So `auto` also times whole inference forwards of
+# a model, per shape class: the per-op table (`MODEL_TABLE`) against each backend running every op alone, and the
+# forward runs the winner. CPU only (on CUDA every backend of the table shares the GPU's caches the same way).
+MODEL_TABLE = "per-op table"
+MODEL_MARGIN = 0.02  # a whole forward is long and steady: a backend alone replaces the table when 2 % faster
+FIRST_USE_BUDGET_S = 2.0  # the timing a model's first forward of a class may add, at most (else the table runs)
+_model_budget_s = FIRST_USE_BUDGET_S
+
+
+@contextmanager
+def model_budget(seconds: float) -> Iterator[None]:
+    """Within the block, whole-model decisions may spend up to ``seconds`` per shape class (`fastbert tune`)."""
+    global _model_budget_s
+    previous, _model_budget_s = _model_budget_s, seconds
+    try:
+        yield
+    finally:
+        _model_budget_s = previous
+
+
+def model_candidates(device_type: str) -> tuple[str, ...]:
+    """The whole-model candidates: the per-op table, then each backend `auto` considers, alone."""
+    return (MODEL_TABLE, *auto_order(device_type))
+
+
+def model_class(signature: str, dtype: torch.dtype, tokens: int) -> str:
+    """The class of a whole inference forward: the model's architecture, dtype, threads and its token count's
+    `tuning.bucket` (the GEMMs, which decide, scale with the tokens)."""
+    return (f"model {signature} {str(dtype).removeprefix('torch.')} no-grad t{torch.get_num_threads()} "
+            f"tokens<={tuning.bucket(tokens)}")
+
+
+def decide_model(cls: str, device: torch.device, run: Callable[[str], object],
+                 weights: Iterable[torch.Tensor]) -> Decision:
+    """The whole-model `Decision` for a forward of class ``cls``: cached, or measured now when its rounds fit the
+    budget (`FIRST_USE_BUDGET_S`, or `model_budget`'s). ``run(candidate)`` runs the forward on a candidate (raising
+    `BackendUnavailable` where a backend cannot run it all); ``weights``: what a backend that lost may release."""
+    entry = tuning.entries(device).get(cls)
+    if entry is not None:
+        return Decision(entry.choice, {}, "cache", dict(entry.times_ms), cls)
+    once: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    for name in model_candidates(device.type):  # the warm-up: the table's ops measure themselves here
+        start = time.perf_counter()
+        try:
+            run(name)
+        except BackendUnavailable as err:
+            skipped[name] = str(err)
+            continue
+        once[name] = time.perf_counter() - start
+    estimate = min(once.values(), default=0.0) * len(once) * tuning.MIN_ROUNDS
+    if len(once) < 2 or estimate > _model_budget_s:
+        why = (f"not timed: {tuning.MIN_ROUNDS} rounds of {len(once)} candidates take about {estimate:.1f} s, over "
+               f"the {_model_budget_s:g} s budget (fastbert tune has a larger one)") if len(once) > 1 else \
+            "only candidate"
+        decision = Decision(MODEL_TABLE, skipped, why, None, cls)
+    else:
+        candidates = {name: functools.partial(run, name) for name in once}
+        times, rounds, clock = tuning.measure(candidates, (), {}, budget_s=_model_budget_s, warm_up=False)
+        entry = tuning.Entry(tuning.pick(times, MODEL_TABLE, MODEL_MARGIN), times, rounds, clock)
+        tuning.record(device, cls, entry)
+        decision = Decision(entry.choice, skipped, "measured", dict(times), cls)
+    weights = list(weights)
+    for name in once:
+        if name != decision.backend:
+            release(name, weights)  # (a weight the table runs on that backend is packed again on its next call)
+    return decision
 
 
 def same_implementation(op: str, candidate: str, earlier: list[str]) -> str | None:
@@ -667,9 +741,26 @@ def model_decisions(model: torch.nn.Module) -> list[tuple[str, Decision]]:
     carries " (dropout)" for a training call with dropout): what `explain` shows, for programs."""
     found = []
     for _, encoder in fastbert_encoders(model):
-        for table in encoder.__dict__.get("_op_tables", {}).values():
+        for table in _own_tables(encoder).values():
             found.extend((op, decision) for op, by_class in table.decisions.items() for decision in by_class.values())
     return found
+
+
+def _own_tables(encoder: torch.nn.Module) -> dict[tuple, OpTable]:
+    """The encoder's op tables for its own backend request (not those of the backends a whole-model decision ran
+    alone: `decide_model`)."""
+    return {key: table for key, table in encoder.__dict__.get("_op_tables", {}).items() if key[4] == encoder.backend}
+
+
+def whole_model_decisions(model: torch.nn.Module) -> list[Decision]:
+    """Every whole-model `Decision` (`decide_model`) the fastbert encoders in ``model`` have made."""
+    return [decision for _, encoder in fastbert_encoders(model)
+            for decision in encoder.__dict__.get("_model_decisions", {}).values()]
+
+
+def _model_line(decision: Decision) -> str:
+    how = decision.describe() if decision.times_ms else decision.how
+    return f"  whole model: {decision.backend} ({how}) for {decision.shape_class.removeprefix('model ')}"
 
 
 def _explain_model(model: torch.nn.Module) -> str:
@@ -679,7 +770,7 @@ def _explain_model(model: torch.nn.Module) -> str:
     lines = []
     for name, encoder in encoders:
         latest: dict = {}  # per (device, dtype, grad mode, request): the table of the newest generation
-        for key, table in encoder.__dict__.get("_op_tables", {}).items():
+        for key, table in _own_tables(encoder).items():
             if table.chosen and (key[:-1] not in latest or latest[key[:-1]][0][-1] < key[-1]):
                 latest[key[:-1]] = (key, table)
         current = list(latest.values())
@@ -688,6 +779,7 @@ def _explain_model(model: torch.nn.Module) -> str:
                          f"call (loaded: {describe_available()})")
         for (device, dtype, grad, training, requested, _), table in current:
             lines.extend(_table_lines(name, device, dtype, grad, training, requested, table))
+        lines.extend(_model_line(d) for d in encoder.__dict__.get("_model_decisions", {}).values())
     return "\n".join(lines)
 
 

@@ -73,6 +73,16 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return entry[1]
 
 
+def release(tensors) -> None:
+    """Drop the packed copies of ``tensors`` (`fastbert.backends.release`: `auto` timed onednn on them and chose
+    another backend); a later onednn call packs again."""
+    for tensor in tensors:
+        _PACKED.pop(tensor, None)
+
+
+backends.register_release("onednn", release)
+
+
 # ----------------------------------------------------------------------------------------------------- supports
 def _why_not(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> str | None:
     """None when oneDNN can run this GEMM-bearing op: CPU, one supported dtype, a parameter as weight."""

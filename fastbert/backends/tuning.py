@@ -381,9 +381,11 @@ def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], s
     return (clock() - start) * 1e3
 
 
-def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple[dict[str, float], int, str]:
+def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict, budget_s: float = BUDGET_S,
+            warm_up: bool = True) -> tuple[dict[str, float], int, str]:
     """Time each candidate on the call (see the module's doc): ({backend: ms}, rounds, clock): the median round by
-    the thread's CPU time, else the fastest round by the wall clock or the GPU's.
+    the thread's CPU time, else the fastest round by the wall clock or the GPU's. ``budget_s``: rounds go on while
+    within it (`MIN_ROUNDS` at least); ``warm_up=False`` when the caller has called each candidate already.
 
     The clock: on CPU with one intra-op thread, the calling thread's CPU time (every kernel then runs on that
     thread, and time spent descheduled by other processes does not count: the choice holds on a busy machine);
@@ -404,11 +406,11 @@ def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.random.fork_rng(devices=cuda):
         sync()
-        for fn in candidates.values():
+        for fn in candidates.values() if warm_up else ():
             _call(fn, args, kwargs, leaves, sync)
         start = time.perf_counter()
         rounds = 0
-        while rounds < ROUNDS and (rounds < MIN_ROUNDS or time.perf_counter() - start < BUDGET_S):
+        while rounds < ROUNDS and (rounds < MIN_ROUNDS or time.perf_counter() - start < budget_s):
             names = list(candidates)
             names = names[rounds % len(names):] + names[:rounds % len(names)]  # rotated order
             for name in names:
@@ -421,10 +423,10 @@ def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict) -> tuple
     return {name: summary(values) for name, values in times.items()}, rounds, clock_name
 
 
-def pick(times: dict[str, float], preferred: str | None = None) -> str:
+def pick(times: dict[str, float], preferred: str | None = None, margin: float = MARGIN) -> str:
     """The fastest candidate, except that ``preferred`` (the static order's choice) stays unless another is more
-    than `MARGIN` faster."""
+    than ``margin`` faster."""
     fastest = min(times, key=lambda name: (times[name], list(times).index(name)))
-    if preferred in times and times[preferred] <= times[fastest] * (1 + MARGIN):
+    if preferred in times and times[preferred] <= times[fastest] * (1 + margin):
         return preferred
     return fastest

@@ -1,6 +1,7 @@
 """``fastbert tune``: fill the tuning cache ahead of time. Runs representative forwards (and training steps with
 --training) of a model at the given shapes with measuring on, so that ``auto`` has timed every op and shape class
-those shapes reach (`fastbert.backends.tuning`); prints each choice with its times and where the cache lives.
+those shapes reach (`fastbert.backends.tuning`), and on CPU whole inference forwards (the per-op table against each
+backend alone: `fastbert.backends.decide_model`); prints each choice with its times and where the cache lives.
 ``--clear`` empties the cache instead."""
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from fastbert.bench import report
 from fastbert.bench.workloads import make_workloads
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
+
+# What timing whole forwards may take per shape class here (a first use outside tune: `backends.FIRST_USE_BUDGET_S`)
+MODEL_BUDGET_S = 20.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     cached = set(tuning.entries(device))
     for index, workload in enumerate(make_workloads(batches, seqs, args.varlen)):
         batch = workload.inputs(config, device, index)
-        with torch.inference_mode():
+        with torch.inference_mode(), backends.model_budget(MODEL_BUDGET_S):
             model.eval()(**batch)
         if args.training:
             model.train()(**batch).last_hidden_state.float().square().mean().backward()
@@ -67,9 +71,25 @@ def run(args: argparse.Namespace) -> int:
     rows = choice_rows(backends.model_decisions(model), cached)
     print()
     print(report.format_table(("op", "shape class", "backend", "times (fastest round)", "source"), rows))
+    whole = whole_model_rows(backends.whole_model_decisions(model), cached)
+    if whole:
+        print()
+        print(report.format_table(("whole model", "runs", "times (fastest round)", "source"), whole))
     print(f"\ncache: {path} ({len(tuning.entries(device))} shape classes; FASTBERT_CACHE_DIR moves it, "
           "`fastbert tune --clear` empties it)")
     return 0
+
+
+def whole_model_rows(decisions: list, cached: set[str]) -> list[list[str]]:
+    """One row per whole-model class (CPU inference): what runs it (the per-op table or one backend alone), the
+    times behind it, and whether this run measured it."""
+    rows = []
+    for decision in decisions:
+        times = ", ".join(f"{b} {ms:.3g} ms" for b, ms in sorted((decision.times_ms or {}).items(),
+                                                                 key=lambda i: i[1])) or decision.how
+        source = ("cache" if decision.shape_class in cached else "measured now") if decision.times_ms else "-"
+        rows.append([decision.shape_class.removeprefix("model "), decision.backend, times, source])
+    return rows
 
 
 def choice_rows(decisions: list, cached: set[str]) -> list[list[str]]:

@@ -206,20 +206,23 @@ def test_a_model_measures_each_op_once_and_explains_the_times(measuring, tmp_pat
     measured = []
     original = tuning.measure
 
-    def counting(candidates, args, kwargs):
-        measured.append(1)
-        return original(candidates, args, kwargs)
+    def counting(candidates, args, kwargs, **options):
+        measured.append(bool(args))  # (a whole forward is timed with no arguments: `backends.decide_model`)
+        return original(candidates, args, kwargs, **options)
 
     ids, mask = padded_batch(3, 9)
     with torch.inference_mode(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(tuning, "measure", counting)
         model(ids, mask)
-        first = len(measured)
+        first = sum(measured)
         model(ids, mask)
-        assert len(measured) == first
+        assert sum(measured) == first
     explained = backends.explain(model)
-    sites = sum(len(classes) for table in model._op_tables.values() for classes in table.decisions.values())
-    assert first == explained.count("(measured: ") == sites
+    sites = sum(len(classes) for key, table in model._op_tables.items() if key[4] == "auto"
+                for classes in table.decisions.values())
+    # (loading a backend to time the whole model on it re-resolves the table: from the cache, "measured earlier")
+    op_lines = [line for line in explained.splitlines() if "(measured" in line and "whole model" not in line]
+    assert first == len(op_lines) == sites
     assert 4 <= sites <= 6  # embedding, qkv, attention, two linear_residual_layernorm widths, activation: not x3
     assert "static order" not in explained
 

@@ -34,9 +34,9 @@ def _run(capsys, *argv):
     return code, out, err
 
 
-def _table_rows(out: str) -> list[list[str]]:
-    """The rows of the printed table (columns split on two or more spaces)."""
-    lines = out.split("\n\n")[1].splitlines()[2:]
+def _table_rows(out: str, table: int = 1) -> list[list[str]]:
+    """The rows of a printed table (1: the ops', 2: the whole model's; columns split on two or more spaces)."""
+    lines = out.split("\n\n")[table].splitlines()[2:]
     return [[cell for cell in line.split("  ") if cell.strip()] for line in lines]
 
 
@@ -51,14 +51,17 @@ def test_tune_measures_every_op_once_then_reads_the_cache(capsys, cache, tmp_pat
     assert {"embedding_layernorm", "qkv_projection", "attention", "linear_activation",
             "linear_residual_layernorm"} <= ops
     assert all(row[-1].strip() == "measured now" for row in rows), out
-    assert all(row[2].strip() in ("cpp", "eager") for row in rows)
+    assert all(row[2].strip() in ("cpp", "onednn", "eager") for row in rows)
+    [whole] = _table_rows(out, 2)  # one whole-model class: the per-op table against each backend alone
+    assert whole[1].strip() in (backends.MODEL_TABLE, "cpp", "onednn", "eager") and whole[-1].strip() == "measured now"
+    assert all(f"{name} " in whole[2] for name in (backends.MODEL_TABLE, "cpp", "onednn", "eager")), whole
     files = list((cache / "tuning").glob("*.json"))
-    assert len(files) == 1 and f"cache: {files[0]} ({len(rows)} shape classes" in out
+    assert len(files) == 1 and f"cache: {files[0]} ({len(rows) + 1} shape classes" in out
     stored = json.loads(files[0].read_text())["entries"]
-    assert len(stored) == len(rows) and all(" no-grad t1 " in c for c in stored)
+    assert len(stored) == len(rows) + 1 and all(" no-grad t1 " in c for c in stored)
     tuning.forget()  # as a new process would
     code, again, _ = _run(capsys, *argv)
-    assert code == 0 and {row[-1].strip() for row in _table_rows(again)} == {"cache"}
+    assert code == 0 and {row[-1].strip() for row in _table_rows(again) + _table_rows(again, 2)} == {"cache"}
     assert json.loads(files[0].read_text())["entries"] == stored
 
 
