@@ -27,7 +27,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "skipped one. Texts are sorted by length within a window of rows and batched by a token budget on the "
         "padding-free encoder. A progress line and a summary go to stderr.")
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="texts to embed (none: read --input, default stdin)")
-    shared.add_model_options(parser)
+    shared.add_model_options(parser, dtype="auto")  # the fastest precision this machine runs well
     add_io_options(parser)
     add_model_run_options(parser)
     add_ray_options(parser)

@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Serve a checkpoint over HTTP: /embed and /v1/embeddings (task embed), /rerank (task rerank: a "
         "cross-encoder, a sequence-classification checkpoint with one label), /predict (rerank or classify), "
         "/health, /info, /metrics. Requests are batched across clients by a token budget; a full queue answers 429.")
-    shared.add_model_options(parser)
+    shared.add_model_options(parser, dtype="auto")  # the fastest precision this machine runs well
     parser.add_argument("--task", choices=TASKS, default="embed", help="what the server answers (default embed)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")

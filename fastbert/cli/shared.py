@@ -14,14 +14,17 @@ from fastbert.common.resolve import UserError, model_name
 from fastbert.loading import CheckpointError
 
 
-def add_model_options(parser: argparse.ArgumentParser, backend: bool = True) -> None:
-    """--model, --device, --dtype and (``backend``) --backend: the options of every command that runs a checkpoint."""
+def add_model_options(parser: argparse.ArgumentParser, backend: bool = True, dtype: str | None = None) -> None:
+    """--model, --device, --dtype (default ``dtype``) and (``backend``) --backend: the options of every command
+    that runs a checkpoint."""
     parser.add_argument("--model", metavar="PATH", default=None,
                         help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
-    parser.add_argument("--dtype", default=None, help="float32, float16, bfloat16, auto (bfloat16 on a CPU where "
-                        "it is faster than float32, else float32; float16 on CUDA) or int8 (CPU; embed and serve); "
-                        "default: float32 on CPU, float16 on CUDA (check and embed: float32)")
+    default = ("auto (said once on stderr; --dtype float32 keeps the exact path)" if dtype == "auto" else
+               "float32 on CPU, float16 on CUDA (check: float32)")
+    parser.add_argument("--dtype", default=dtype, help="float32, float16, bfloat16, auto (bfloat16 on a CPU with "
+                        "AMX, or with AVX-512 BF16 where it measures faster than float32, else float32; float16 on "
+                        f"CUDA) or int8 (CPU; embed and serve); default: {default}")
     if backend:
         parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
                             help="fastbert backend (default auto: the fastest the device allows, measured per op and "

@@ -44,6 +44,22 @@ def test_embed_auto_with_fast_native_bfloat16_runs_bfloat16(capsys, monkeypatch)
     assert float((auto * reference).sum(-1).min()) > 0.99 and not torch.equal(auto, reference)
 
 
+@pytest.mark.parametrize("command, dtype", [("embed", "auto"), ("serve", "auto"), ("check", None), ("bench", None)])
+def test_embed_and_serve_default_to_auto_and_the_others_keep_theirs(command, dtype):
+    assert cli.build_parser().parse_args([command]).dtype == dtype
+
+
+def test_embed_without_dtype_runs_autos_choice_and_float32_stays_exact(capsys, monkeypatch):
+    monkeypatch.setattr(quantization, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", "amx_bf16"))
+    monkeypatch.setattr(quantization, "_ANNOUNCED", set())
+    exact, _ = _vectors(capsys, "--dtype", "float32")
+    with pytest.warns(UserWarning, match="dtype auto on CPU: bfloat16"):
+        default, _ = _vectors(capsys)
+    assert float((default * exact).sum(-1).min()) > 0.99 and not torch.equal(default, exact)
+    again, _ = _vectors(capsys, "--dtype", "float32")
+    assert torch.equal(again, exact)
+
+
 def test_embed_unknown_dtype_is_one_line(capsys):
     code = cli.main(["embed", "--dtype", "int4", "hello"])
     _, err = capsys.readouterr()

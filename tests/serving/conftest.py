@@ -37,6 +37,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = (log_dir or Path("/tmp")) / f"fastbert-serve-{self.port}.log"
+        if "--dtype" not in args:  # the tests compare with float32 references (the default, auto, is tested apart)
+            args = [*args, "--dtype", "float32"]
         command = [sys.executable, "-m", "fastbert.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                    "--threads", "1", "--log-level", "warning", *args]
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
