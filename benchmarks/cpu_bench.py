@@ -23,6 +23,8 @@ own defaults here (its BERT optimizer's default level, idle threads spinning): t
         --out benchmarks/results/cpu-2core-int8
     .venv/bin/python benchmarks/cpu_bench.py --threads 2 --rounds 15 --no-precisions --onednn \
         --out benchmarks/results/cpu-2core-ops-onednn --name e2e    # + fastbert on the onednn backend
+    .venv/bin/python benchmarks/cpu_bench.py --threads 2 --rounds 15 --no-precisions --forced --cases 8x128 varlen32 \
+        --out benchmarks/results/cpu-2core-whole-model      # auto against fastbert on each backend alone
 
 Writes <name>.json and <name>.md (default results.*) into --out. Not a test: targets are ratios measured in the
 same run.
@@ -100,7 +102,7 @@ def hf_sdpa_bf16(model_dir: str, config: FastBertConfig, workdir: str) -> tuple:
 
 
 def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort: bool,
-                  precisions: bool = True, onednn: bool = False):
+                  precisions: bool = True, onednn: bool = False, forced: tuple[str, ...] = ()):
     """Runner name -> callable inputs -> last_hidden_state, notes on how each runs, and {label: why not} for the
     peers that cannot run here; torch's threads."""
     runners, notes, unavailable = {}, {}, {}
@@ -118,9 +120,10 @@ def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort
     add("fastbert (optimize)", "fastbert-optimize")
     notes["fastbert"] = {"backend": "auto", "compiled_capability": cpp_backend.compiled_capability(),
                          "bf16_attention_on_amx": cpp_backend.amx_attention(config.head_dim)}
-    if onednn:  # the same model with its GEMMs on oneDNN's packed weights (`fastbert.backends.onednn`)
-        runners["fastbert onednn"], notes["fastbert onednn"] = peers.build_peer(
-            "fastbert", model_dir, config, torch.float32, CPU, "onednn", quick=False, workdir=workdir)
+    # The same model forced onto one backend (onednn: its GEMMs on oneDNN's packed weights), beside auto
+    for backend in dict.fromkeys((*forced, *(("onednn",) if onednn else ()))):
+        runners[f"fastbert {backend}"], notes[f"fastbert {backend}"] = peers.build_peer(
+            "fastbert", model_dir, config, torch.float32, CPU, backend, quick=False, workdir=workdir)
     for label, peer in PRECISION_PEERS.items() if precisions else ():
         if skip_ort and peer.startswith("onnxruntime"):
             continue
@@ -202,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--onednn", action="store_true",
                         help="also fastbert forced onto backend='onednn' (GEMMs on packed weights), beside auto, in "
                         "float32 (and bfloat16 where the CPU has it)")
+    parser.add_argument("--forced", action="store_true",
+                        help="also fastbert forced onto each CPU backend alone (cpp, onednn, eager), beside auto, "
+                        "in float32: does auto's choice (the whole-model table at the end) match the fastest?")
     parser.add_argument("--out", default=None, help="directory for <name>.json / <name>.md")
     parser.add_argument("--name", default="results", help="file name stem inside --out")
     args = parser.parse_args(argv)
@@ -212,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as workdir:
         runners, notes, unavailable = build_runners(model_dir, config, workdir, args.skip_ort,
-                                                    not args.no_precisions, args.onednn)
+                                                    not args.no_precisions, args.onednn,
+                                                    ("cpp", "onednn", "eager") if args.forced else ())
         for label, reason in unavailable.items():
             print(f"  {label}: not available: {reason}")
         cosines = corpus_cosines(runners, model_dir)
@@ -288,7 +295,8 @@ def markdown(report: dict) -> str:
     for label in ("ONNX Runtime", "ONNX Runtime int8", "OpenVINO fp32", "OpenVINO default", "HF SDPA bf16", AUTO):
         if report["notes"].get(label):
             lines += ["", f"{label}: {'; '.join(report['notes'][label])}."]
-    lines += ["", "## What fastbert's auto ran each op on (tuning table; op, dtype, threads, shapes)", "",
+    lines += ["", "## What fastbert's auto ran each op on (tuning table; op, dtype, threads, shapes; `model ...`: the "
+              "whole forward, the per-op table against each backend alone)", "",
               "| shape class | backend | times (ms) |", "|---|---|---|"]
     lines += [f"| {shape_class} | {entry['choice']} | "
               + (", ".join(f"{k} {v:.3g}" for k, v in sorted(entry["times_ms"].items(), key=lambda kv: kv[1]))

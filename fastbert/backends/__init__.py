@@ -509,7 +509,7 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
 # forward runs the winner. CPU only (on CUDA every backend of the table shares the GPU's caches the same way).
 MODEL_TABLE = "per-op table"
 MODEL_MARGIN = 0.02  # a whole forward is long and steady: a backend alone replaces the table when 2 % faster
-FIRST_USE_BUDGET_S = 2.0  # the timing a model's first forward of a class may add, at most (else the table runs)
+FIRST_USE_BUDGET_S = 5.0  # the timing a model's first forward of a class may add, at most (else the table runs)
 _model_budget_s = FIRST_USE_BUDGET_S
 
 
@@ -525,8 +525,9 @@ def model_budget(seconds: float) -> Iterator[None]:
 
 
 def model_candidates(device_type: str) -> tuple[str, ...]:
-    """The whole-model candidates: the per-op table, then each backend `auto` considers, alone."""
-    return (MODEL_TABLE, *auto_order(device_type))
+    """The whole-model candidates: the per-op table, then each backend `auto` considers, alone, but eager (the
+    reference implementation: the table already runs it wherever it wins an op, and alone it is the slowest)."""
+    return (MODEL_TABLE, *(name for name in auto_order(device_type) if name != "eager"))
 
 
 def model_class(signature: str, dtype: torch.dtype, tokens: int) -> str:
