@@ -119,6 +119,8 @@ class _Build:
     watched: list[tuple[object, str, object]] = field(default_factory=list)
     # Each dropout site's p, read from transformers' modules on every call (not watched: a change needs no rebuild).
     dropout: _DropoutSites | None = None
+    # fastbert's tensors that concatenate several of the model's (Q, K, V), in storage of their own.
+    packs: list[_Pack] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers).
@@ -130,6 +132,25 @@ class _Build:
         self.watched_objects = [obj for obj, _, _ in self.watched]
         self.watched_names = [name for _, name, _ in self.watched]
         self.watched_values = tuple(value for _, _, value in self.watched)
+        self.pack_sources = [source for pack in self.packs for source in pack.sources]
+        # Inference tensors have no version counter: their packs are copied again on every call that reads them.
+        self.untracked = any(source.is_inference() for source in self.pack_sources)
+        self.pack_versions = None if self.untracked else tuple(map(_VERSION, self.pack_sources))
+
+    def sync_packs(self) -> None:
+        """Copy the model's Q/K/V into the packed tensors again where one changed in place since (an optimizer
+        step, ``load_state_dict``, ``torch.no_grad(): p.mul_(...)``): their version counters moved. A replaced
+        tensor or storage (``param.data = ...``, ``.to()``) rebuilds instead (`stale`). One C-level pass over the
+        sources' counters when nothing changed."""
+        if self.untracked:
+            for pack in self.packs:
+                pack.refresh()
+            return
+        versions = tuple(map(_VERSION, self.pack_sources))
+        if versions != self.pack_versions:
+            for pack in self.packs:
+                pack.refresh_if_changed()
+            self.pack_versions = versions
 
     def stale(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
@@ -140,6 +161,36 @@ class _Build:
 
 
 _TRAINING = operator.attrgetter("training")
+_VERSION = operator.attrgetter("_version")
+
+
+class _Pack:
+    """One tensor of fastbert's encoder that concatenates several of the model's along dim 0 (a layer's Q, K and V
+    weights, or biases), in storage of its own: were the model's parameters views of it, savers that keep one name
+    per storage (accelerate, safetensors, transformers' tied-weight checks) would drop or refuse them. It costs
+    one extra copy of the packed tensors (3 H^2 + 3 H per layer) and is kept in step with the sources in place
+    (`refresh`), so that what reads it (the onednn backend's repacked weights, CUDA graphs) sees the change."""
+
+    def __init__(self, sources: tuple[nn.Parameter, ...]):
+        self.sources = sources
+        self.tensor = nn.Parameter(torch.cat([source.detach() for source in sources]), requires_grad=False)
+        self.versions = self.source_versions()
+
+    def source_versions(self) -> tuple[int, ...] | None:
+        if any(source.is_inference() for source in self.sources):
+            return None
+        return tuple(map(_VERSION, self.sources))
+
+    def refresh_if_changed(self) -> None:
+        if self.source_versions() != self.versions:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Copy the sources in, in place (this moves the packed tensor's own version counter)."""
+        with torch.inference_mode(False), torch.no_grad():
+            torch.cat([source.detach() for source in self.sources], out=self.tensor)
+        self.versions = self.source_versions()
+
 _P = operator.attrgetter("p")
 
 
@@ -238,8 +289,8 @@ def _module(base: nn.Module, path: str) -> nn.Module | None:
 
 def _build(base: nn.Module, backend: str) -> _Build:
     """fastbert's encoder over ``base``'s current tensors, or the reason it cannot run them."""
-    # A first call often comes under inference_mode: the packed Q/K/V must still be ordinary tensors, since the
-    # model's own query/key/value parameters become views of them (and may be trained later).
+    # A first call often comes under inference_mode: the packed Q/K/V must still be ordinary tensors, with version
+    # counters that the onednn backend watches and that later refreshes (outside inference mode) may write to.
     with torch.inference_mode(False), torch.no_grad():
         return _Builder(base).build(backend)
 
@@ -267,6 +318,7 @@ class _Builder:
         self.links: dict = {}  # (id(container), key) -> (container, key, object), see `_Build.links`
         self.watched: list[tuple[object, str, object]] = []
         self.tensors: list[nn.Parameter] = []
+        self.packs: list[_Pack] = []
 
     def build(self, backend: str) -> _Build:
         """The build, or a refused one (``fast`` None, ``unsupported`` the reason)."""
@@ -295,7 +347,7 @@ class _Builder:
                inputs: tuple[str, ...] = ENCODER_INPUTS) -> _Build:
         tensors = self.tensors
         return _Build(fast, unsupported, list(self.links.values()), tensors, tuple(t.data_ptr() for t in tensors),
-                      self.submodules, output_class, inputs, self.watched)
+                      self.submodules, output_class, inputs, self.watched, packs=self.packs)
 
     def read_dropout(self, config: FastBertConfig, fast: FastBertModel) -> _DropoutSites:
         """Where transformers' modules apply dropout, site by site of ``fast`` (linked: a replaced dropout module
@@ -456,11 +508,10 @@ class _Builder:
         except Exception as err:  # noqa: BLE001 - a model transformers cannot run once is not one to take over
             raise _Refused(f"transformers' forward failed on one token: {type(err).__name__}: {err}") from None
 
-    @staticmethod
-    def share_tensors(fast: FastBertModel, pairs: list[tuple[str, list[str]]],
+    def share_tensors(self, fast: FastBertModel, pairs: list[tuple[str, list[str]]],
                       found: dict[str, nn.Parameter]) -> None:
-        """Give ``fast`` the model's parameters. Q, K and V are packed into one new tensor and the originals
-        become views of it (one copy in memory); under autograd the layer concatenates the originals instead
+        """Give ``fast`` the model's parameters. Q, K and V are packed into a tensor of fastbert's own (`_Pack`),
+        refreshed when they change; under autograd the layer concatenates the originals instead
         (``qkv_sources``), so that gradients reach the parameters the model's optimizer holds."""
         owners = dict(fast.named_modules())
         packed_sources: dict[str, dict[str, tuple[nn.Parameter, ...]]] = {}
@@ -471,9 +522,9 @@ class _Builder:
                 continue
             params = tuple(found[k] for k in theirs)
             packed_sources.setdefault(owner_name, {})[attr] = params
-            packed = nn.Parameter(_pack_as_views(params), requires_grad=False)
-            backends.declare_aliases(packed, params)  # loading into the originals changes the packed tensor
-            setattr(owners[owner_name], attr, packed)
+            pack = _Pack(params)
+            self.packs.append(pack)
+            setattr(owners[owner_name], attr, pack.tensor)
         for owner_name, sources in packed_sources.items():
             owners[owner_name].qkv_sources = (sources["qkv_weight"], sources.get("qkv_bias", ()))
 
@@ -495,17 +546,6 @@ class _Builder:
         # The padded form (torch.compile, jit.trace) computes padded rows as transformers does; keeping them makes
         # a head that reads a padded position (left padding) agree with transformers there too.
         fast.zero_padded_rows = False
-
-
-def _pack_as_views(params: tuple[nn.Parameter, ...]) -> torch.Tensor:
-    """The parameters concatenated along dim 0 into a new tensor, each parameter's data now a view of its rows."""
-    packed = torch.cat([p.detach() for p in params], dim=0)
-    offset = 0
-    for param in params:
-        rows = param.shape[0]
-        param.data = packed[offset: offset + rows]
-        offset += rows
-    return packed
 
 
 def _hook_reason(base: nn.Module, build: _Build) -> str | None:
@@ -582,6 +622,8 @@ class OptimizedState:
                     if self.dtype == "int8" and build.fast is not None:
                         _quantize(build)
                     self.build = build
+        if build.packs and not torch.is_grad_enabled():  # under autograd the layers read the sources themselves
+            build.sync_packs()
         return build
 
     def call_reason(self, base: nn.Module, arguments: dict | None) -> str | None:

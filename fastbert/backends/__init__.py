@@ -134,25 +134,12 @@ _WARNED: set[str] = set()
 _DECIDED: dict[tuple, Decision] = {}  # `_call_key` -> measured decision (cleared with each generation)
 
 
-# tensor -> tensors that alias its storage with version counters of their own (parameters made views of it by
-# `param.data = ...`, as `fastbert.optimize` packs Q, K and V): an in-place change to one of them changes the tensor
-# without moving its version. A backend that keeps something derived from a weight (onednn's packed copies) reads
-# `weight_stamp`, which covers them.
-_ALIASES = torch.utils.weak.WeakIdKeyDictionary()
-
-
-def declare_aliases(tensor: torch.Tensor, aliases: Iterable[torch.Tensor]) -> None:
-    """Record that in-place changes to ``aliases`` change ``tensor`` (they are views of its storage whose version
-    counters are their own)."""
-    _ALIASES[tensor] = tuple(aliases)
-
-
 def weight_stamp(tensor: torch.Tensor) -> tuple:
-    """What changes when ``tensor``'s values may have changed: its storage, layout and version counter and its
-    declared aliases' (version counters: plain tensors only; inference tensors have none). In-place writes through
-    ``.data`` (which bypasses version counters) are not seen."""
-    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, None if t.is_inference() else t._version)
-                 for t in (tensor, *_ALIASES.get(tensor, ())))
+    """What changes when ``tensor``'s values may have changed: its storage, layout and version counter (plain
+    tensors only; inference tensors have none). In-place writes through ``.data`` (which bypasses version counters)
+    are not seen. (fastbert.optimize's packed Q/K/V is a tensor of its own, refreshed in place: its counter moves.)"""
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
+            None if tensor.is_inference() else tensor._version)
 
 
 def cpu_float_reason(backend: str, tensors: Iterable[torch.Tensor | None],
