@@ -65,7 +65,7 @@ def child(size: str, repeats: int, batch: int, seqlen: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", action="append", required=True, help="name=path of a source tree")
+    parser.add_argument("--tree", action="append", default=[], help="name=path of a source tree (repeat it)")
     parser.add_argument("--size", choices=sorted(SIZES), default="minilm")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
@@ -81,9 +81,9 @@ def main() -> None:
     for index in range(args.rounds):
         for name, path in trees if index % 2 == 0 else trees[::-1]:
             env = {**os.environ, "PYTHONPATH": os.path.abspath(path), "FASTBERT_TUNE": "0"}
-            out = subprocess.run([sys.executable, __file__, "--child", "--size", args.size, "--repeats",
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--size", args.size, "--repeats",
                                   str(args.repeats), "--batch", str(args.batch), "--seqlen", str(args.seqlen)],
-                                 env=env, check=True, capture_output=True, text=True, cwd="/tmp").stdout
+                                 env=env, check=True, stdout=subprocess.PIPE, text=True, cwd="/tmp").stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
     for name, results in runs.items():
         medians = {key: statistics.median(r[key] for r in results) for key in ("infer_ms", "train_ms")}
