@@ -81,9 +81,9 @@ def main() -> None:
     for index in range(args.rounds):
         for name, path in trees if index % 2 == 0 else trees[::-1]:
             env = {**os.environ, "PYTHONPATH": os.path.abspath(path), "FASTBERT_TUNE": "0"}
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--size", args.size, "--repeats",
-                                  str(args.repeats), "--batch", str(args.batch), "--seqlen", str(args.seqlen)],
-                                 env=env, check=True, stdout=subprocess.PIPE, text=True, cwd="/tmp").stdout
+            command = [sys.executable, os.path.abspath(__file__), "--child", "--size", args.size, "--repeats",
+                       str(args.repeats), "--batch", str(args.batch), "--seqlen", str(args.seqlen)]
+            out = subprocess.run(command, env=env, check=True, stdout=subprocess.PIPE, text=True, cwd="/tmp").stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
     for name, results in runs.items():
         medians = {key: statistics.median(r[key] for r in results) for key in ("infer_ms", "train_ms")}

@@ -21,9 +21,10 @@ parameter's gradient), no dropout; a call torch.compile traces runs the cpp back
 ``nn.Parameter``: each is packed on its first call and kept beside it while it lives (one extra copy of the GEMM
 weights), repacked when it is changed in place or given other storage; writes through ``.data`` bypass version
 counters and are not seen. A temporary weight (a parameter cast for an autocast call) would be packed on every
-call, and an inference-mode weight has no version counter: both declined. The ops without a GEMM of this kind (attention, embedding_layernorm, and ModernBERT's qkv_rotary,
-linear_glu and linear_residual_prenorm, whose cpp kernels run their GEMM inside) run the cpp backend's kernels, so
-that a model forced onto ``onednn`` runs whole; `auto` does not time them twice.
+call, and an inference-mode weight has no version counter: both declined. The ops without a GEMM of this kind
+(attention, embedding_layernorm, and ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm, whose cpp
+kernels run their GEMM inside) run the cpp backend's kernels, so that a model forced onto ``onednn`` runs whole;
+`auto` does not time them twice.
 """
 
 from __future__ import annotations
