@@ -135,18 +135,23 @@ class _Build:
         self.pack_sources = [source for pack in self.packs for source in pack.sources]
         # Inference tensors have no version counter: their packs are copied again on every call that reads them.
         self.untracked = any(source.is_inference() for source in self.pack_sources)
-        self.pack_versions = None if self.untracked else tuple(map(_VERSION, self.pack_sources))
+        self.pack_versions = None if self.untracked else self.source_versions()
+
+    def source_versions(self) -> tuple[int, ...]:
+        """The optimizer steps so far (fused optimizers move no version counter) and the sources' counters."""
+        return backends.optimizer_steps(), *map(_VERSION, self.pack_sources)
 
     def sync_packs(self) -> None:
-        """Copy the model's Q/K/V into the packed tensors again where one changed in place since (an optimizer
-        step, ``load_state_dict``, ``torch.no_grad(): p.mul_(...)``): their version counters moved. A replaced
+        """Copy the model's Q/K/V into the packed tensors again where one changed in place since: an optimizer
+        step ran (`fastbert.backends.optimizer_steps`: fused optimizers move no version counter) or a source's
+        version counter moved (``load_state_dict``, ``torch.no_grad(): p.mul_(...)``). A replaced
         tensor or storage (``param.data = ...``, ``.to()``) rebuilds instead (`stale`). One C-level pass over the
         sources' counters when nothing changed."""
         if self.untracked:
             for pack in self.packs:
                 pack.refresh()
             return
-        versions = tuple(map(_VERSION, self.pack_sources))
+        versions = self.source_versions()
         if versions != self.pack_versions:
             for pack in self.packs:
                 pack.refresh_if_changed()
@@ -177,9 +182,10 @@ class _Pack:
         self.versions = self.source_versions()
 
     def source_versions(self) -> tuple[int, ...] | None:
+        """The optimizer steps so far and the sources' version counters (None: inference tensors have none)."""
         if any(source.is_inference() for source in self.sources):
             return None
-        return tuple(map(_VERSION, self.sources))
+        return backends.optimizer_steps(), *map(_VERSION, self.sources)
 
     def refresh_if_changed(self) -> None:
         if self.source_versions() != self.versions:

@@ -70,13 +70,18 @@ def test_transformers_tied_weights_keys_check_passes_after_optimize(family, head
     assert undeclared_ties(model) == []
 
 
-def test_the_packed_copy_follows_in_place_edits_after_a_training_step():
-    """Under autograd the layers read the model's Q/K/V; the next no-grad call sees what the optimizer wrote."""
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+def test_the_packed_copy_follows_optimizer_steps_into_the_next_no_grad_call(implementation):
+    """Under autograd the layers read the model's Q/K/V; the next no-grad call sees what the optimizer wrote, even
+    where it moves no version counter (fused AdamW: the HF Trainer's default)."""
     family, head = "bert", "ForTokenClassification"
     model = fastbert.optimize(tiny_model(family, head)).train()
     reference = tiny_model(family, head)
     inputs = optimize_inputs(family, head, model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with torch.no_grad():  # the packed copy is built and read once before the steps
+        model(**inputs)
+    options = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, **options[implementation])
     for _ in range(2):
         model(**inputs).loss.backward()
         optimizer.step()

@@ -134,12 +134,33 @@ _WARNED: set[str] = set()
 _DECIDED: dict[tuple, Decision] = {}  # `_call_key` -> measured decision (cleared with each generation)
 
 
+# Optimizer steps run in this process since `optimizer_steps` was first called: fused optimizers (torch.optim's
+# fused=True, the HF Trainer's default adamw_torch_fused) write parameters without moving their version counters,
+# so every step counts as a possible write to every weight.
+_OPTIMIZER_STEPS = [0]
+_STEP_HOOK: list = []
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def optimizer_steps() -> int:
+    """How many torch optimizer steps ran in this process (counted from the first call, by a global step hook)."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    return _OPTIMIZER_STEPS[0]
+
+
 def weight_stamp(tensor: torch.Tensor) -> tuple:
     """What changes when ``tensor``'s values may have changed: its storage, layout and version counter (plain
-    tensors only; inference tensors have none). In-place writes through ``.data`` (which bypasses version counters)
-    are not seen. (fastbert.optimize's packed Q/K/V is a tensor of its own, refreshed in place: its counter moves.)"""
+    tensors only; inference tensors have none), and the process's optimizer steps (`optimizer_steps`). In-place
+    writes through ``.data`` (which bypasses version counters) are not seen. (fastbert.optimize's packed Q/K/V is a
+    tensor of its own, refreshed in place: its counter moves.)"""
     return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
-            None if tensor.is_inference() else tensor._version)
+            None if tensor.is_inference() else tensor._version, optimizer_steps())
 
 
 def cpu_float_reason(backend: str, tensors: Iterable[torch.Tensor | None],
