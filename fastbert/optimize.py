@@ -605,6 +605,8 @@ class OptimizedState:
         self.build: _Build | None = None
         self.warned: set[str] = set()
         self.lock = threading.Lock()
+        # Set by the head model's `_padded_loss_hook` for its next encoder call: the loss reads padded positions.
+        self.padded_call = False
 
     def __getstate__(self) -> dict:
         return {"backend": self.backend, "cuda_graphs": self.cuda_graphs, "dtype": self.dtype}
@@ -817,6 +819,7 @@ def _arguments(cls: type, args: tuple, kwargs: dict) -> dict | None:
 
 def _forward(base: nn.Module, args: tuple, kwargs: dict):
     state: OptimizedState = base.__dict__["_fastbert"]
+    padded, state.padded_call = state.padded_call, False  # (taken by this call, whichever path it runs)
     arguments = _arguments(type(base), args, kwargs)
     reason = state.call_reason(base, arguments)  # first: a call that falls back anyway needs no build
     if reason is not None:
@@ -838,7 +841,79 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
     if reason is not None:
         state.warn_once(reason)
         return type(base).forward(base, *args, **kwargs)
+    if padded:
+        mask = arguments.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and _windowed(build.fast, mask.shape[-1]):
+            state.warn_once(PADDED_WINDOW_REASON)
+            return type(base).forward(base, *args, **kwargs)
+        return _run_padded(state, base, build, arguments)
     return state.run(base, build, arguments)
+
+
+PADDED_WINDOW_REASON = ("the loss reads padded positions (labels there that are not -100, or question answering's "
+                        "span positions on a padded batch), and with sliding-window attention fastbert's padded "
+                        "form computes some of them differently (a window holding no real key gives zeros)")
+
+
+def _windowed(fast: FastBertModel, seqlen: int) -> bool:
+    """Whether a layer's sliding window (``window // 2`` positions each side) is narrower than ``seqlen`` rows."""
+    config = fast.config
+    windows = [config.layer_window(index) for index in range(config.num_hidden_layers)]
+    return any(window is not None and window // 2 < seqlen - 1 for window in windows)
+
+
+def _run_padded(state: OptimizedState, base: nn.Module, build: _Build, arguments: dict):
+    """`OptimizedState.run` in the padded form, which computes padded positions as transformers does (a loss that
+    reads them then equals transformers')."""
+    fast = build.fast
+    fast.padding_free = False
+    try:
+        return state.run(base, build, arguments)
+    finally:
+        fast.padding_free = True
+
+
+# Head arguments whose loss reads the head's output at padded positions: token labels there that are not
+# ignored (a collator that does not write -100 at padding), and question answering's span positions (its softmax
+# runs over every position of the row).
+_IGNORED_LABEL = -100
+_SPAN_LABELS = ("start_positions", "end_positions")
+
+
+def _loss_reads_padding(arguments: dict) -> bool:
+    """Whether a head call's loss reads positions that ``attention_mask`` marks as padding."""
+    mask = arguments.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    labels = arguments.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
+        return bool(((mask == 0) & (labels != _IGNORED_LABEL)).any())
+    if any(arguments.get(name) is not None for name in _SPAN_LABELS):
+        return not bool(mask.all())
+    return False
+
+
+def _padded_loss_hook(head: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a head model over an optimized encoder: when this call's loss reads padded positions,
+    its encoder call runs the padded form, so that the loss equals transformers' (the padding-free form leaves
+    zeros there)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # (traced calls run the padded form anyway)
+        return
+    state = head.base_model.__dict__.get("_fastbert")
+    if state is None:
+        return
+    arguments = _arguments(type(head), args, kwargs)
+    state.padded_call = arguments is not None and _loss_reads_padding(arguments)
+
+
+def _watch_losses(model: nn.Module, base: nn.Module) -> None:
+    """Install `_padded_loss_hook` (once) on each head model in ``model`` whose encoder is ``base``."""
+    from transformers import PreTrainedModel
+
+    for head in model.modules():
+        if isinstance(head, PreTrainedModel) and head is not base and head.base_model is base:
+            if _padded_loss_hook not in head._forward_pre_hooks.values():
+                head.register_forward_pre_hook(_padded_loss_hook, with_kwargs=True)
 
 
 class OptimizedForward:
@@ -920,6 +995,7 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
         state.build = None
         if not isinstance(base.__dict__.get("forward"), OptimizedForward):
             base.forward = OptimizedForward(base)
+        _watch_losses(model, base)
         build = state.current(base)
         if build.unsupported:
             state.warn_once(build.unsupported)
