@@ -1,9 +1,14 @@
 """`fastbert.optimize`: swap the encoder computation of a live transformers model for fastbert's, in place.
 
 The model keeps its class, heads, forward signature (``inspect.signature`` reads the original), output types and
-state_dict keys. fastbert's encoder shares the transformers parameters (no copy), except Q, K and V: they are
-packed into one [3H, H] tensor and the original query/key/value parameters become views of it, so in-place
-updates (``load_state_dict``, optimizer steps) reach both.
+state_dict keys. fastbert's encoder shares the transformers parameters (no copy), except Q, K and V: each layer's
+are packed into a [3H, H] weight (and [3H] bias) of fastbert's own (`_Pack`; 3·H²+3·H extra elements per layer),
+so that no two of the model's parameters share storage (savers that keep one name per storage would drop some).
+The copy is refreshed in place before a no-grad call when a source changed in place (its version counter moved,
+or an optimizer step ran: fused optimizers move no counter); under autograd the layers read the sources.
+
+A head call whose loss reads padded positions (token labels there that are not -100, question answering's span
+positions on a padded batch) runs the padded form, which computes them as transformers does (`_padded_loss_hook`).
 
 fastbert's state belongs to the model it optimizes: it travels with ``copy.deepcopy``, pickle / ``torch.save`` /
 multiprocessing, and is rebuilt on the next call whenever a mapped tensor changed identity, storage, dtype or
