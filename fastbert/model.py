@@ -396,7 +396,8 @@ class FastBertModel(nn.Module):
         # model skips the value checks and runs the padded form with a key padding mask instead. torch.jit.trace
         # takes the padded form too: a traced graph of the padding-free form would bake in the example's lengths.
         compiling = torch.compiler.is_compiling() or torch.jit.is_tracing()
-        graphs = None if compiling else self.__dict__.get("cuda_graphs")
+        # (the graphs are of the padding-free form: a padded call, see `padding_free`, launches every op)
+        graphs = None if compiling or not self.padding_free else self.__dict__.get("cuda_graphs")
         if graphs is not None:  # `fastbert.cuda_graphs.PackedCudaGraphs`: a replayed graph, or None for this path
             replayed = graphs.run(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                   output_hidden_states)

@@ -1,9 +1,14 @@
 """`fastbert.optimize`: swap the encoder computation of a live transformers model for fastbert's, in place.
 
 The model keeps its class, heads, forward signature (``inspect.signature`` reads the original), output types and
-state_dict keys. fastbert's encoder shares the transformers parameters (no copy), except Q, K and V: they are
-packed into one [3H, H] tensor and the original query/key/value parameters become views of it, so in-place
-updates (``load_state_dict``, optimizer steps) reach both.
+state_dict keys. fastbert's encoder shares the transformers parameters (no copy), except Q, K and V: each layer's
+are packed into a [3H, H] weight (and [3H] bias) of fastbert's own (`_Pack`; 3·H²+3·H extra elements per layer),
+so that no two of the model's parameters share storage (savers that keep one name per storage would drop some).
+The copy is refreshed in place before a no-grad call when a source changed in place (its version counter moved,
+or an optimizer step ran: fused optimizers move no counter); under autograd the layers read the sources.
+
+A head call whose loss reads padded positions (token labels there that are not -100, question answering's span
+positions on a padded batch) runs the padded form, which computes them as transformers does (`_padded_loss_hook`).
 
 fastbert's state belongs to the model it optimizes: it travels with ``copy.deepcopy``, pickle / ``torch.save`` /
 multiprocessing, and is rebuilt on the next call whenever a mapped tensor changed identity, storage, dtype or
@@ -119,6 +124,8 @@ class _Build:
     watched: list[tuple[object, str, object]] = field(default_factory=list)
     # Each dropout site's p, read from transformers' modules on every call (not watched: a change needs no rebuild).
     dropout: _DropoutSites | None = None
+    # fastbert's tensors that concatenate several of the model's (Q, K, V), in storage of their own.
+    packs: list[_Pack] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers).
@@ -130,6 +137,30 @@ class _Build:
         self.watched_objects = [obj for obj, _, _ in self.watched]
         self.watched_names = [name for _, name, _ in self.watched]
         self.watched_values = tuple(value for _, _, value in self.watched)
+        self.pack_sources = [source for pack in self.packs for source in pack.sources]
+        # Inference tensors have no version counter: their packs are copied again on every call that reads them.
+        self.untracked = any(source.is_inference() for source in self.pack_sources)
+        self.pack_versions = None if self.untracked else self.source_versions()
+
+    def source_versions(self) -> tuple[int, ...]:
+        """The optimizer steps so far (fused optimizers move no version counter) and the sources' counters."""
+        return backends.optimizer_steps(), *map(_VERSION, self.pack_sources)
+
+    def sync_packs(self) -> None:
+        """Copy the model's Q/K/V into the packed tensors again where one changed in place since: an optimizer
+        step ran (`fastbert.backends.optimizer_steps`: fused optimizers move no version counter) or a source's
+        version counter moved (``load_state_dict``, ``torch.no_grad(): p.mul_(...)``). A replaced
+        tensor or storage (``param.data = ...``, ``.to()``) rebuilds instead (`stale`). One C-level pass over the
+        sources' counters when nothing changed."""
+        if self.untracked:
+            for pack in self.packs:
+                pack.refresh()
+            return
+        versions = self.source_versions()
+        if versions != self.pack_versions:
+            for pack in self.packs:
+                pack.refresh_if_changed()
+            self.pack_versions = versions
 
     def stale(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
@@ -140,6 +171,37 @@ class _Build:
 
 
 _TRAINING = operator.attrgetter("training")
+_VERSION = operator.attrgetter("_version")
+
+
+class _Pack:
+    """One tensor of fastbert's encoder that concatenates several of the model's along dim 0 (a layer's Q, K and V
+    weights, or biases), in storage of its own: were the model's parameters views of it, savers that keep one name
+    per storage (accelerate, safetensors, transformers' tied-weight checks) would drop or refuse them. It costs
+    one extra copy of the packed tensors (3 H^2 + 3 H per layer) and is kept in step with the sources in place
+    (`refresh`), so that what reads it (the onednn backend's repacked weights, CUDA graphs) sees the change."""
+
+    def __init__(self, sources: tuple[nn.Parameter, ...]):
+        self.sources = sources
+        self.tensor = nn.Parameter(torch.cat([source.detach() for source in sources]), requires_grad=False)
+        self.versions = self.source_versions()
+
+    def source_versions(self) -> tuple[int, ...] | None:
+        """The optimizer steps so far and the sources' version counters (None: inference tensors have none)."""
+        if any(source.is_inference() for source in self.sources):
+            return None
+        return backends.optimizer_steps(), *map(_VERSION, self.sources)
+
+    def refresh_if_changed(self) -> None:
+        if self.source_versions() != self.versions:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Copy the sources in, in place (this moves the packed tensor's own version counter)."""
+        with torch.inference_mode(False), torch.no_grad():
+            torch.cat([source.detach() for source in self.sources], out=self.tensor)
+        self.versions = self.source_versions()
+
 _P = operator.attrgetter("p")
 
 
@@ -238,8 +300,8 @@ def _module(base: nn.Module, path: str) -> nn.Module | None:
 
 def _build(base: nn.Module, backend: str) -> _Build:
     """fastbert's encoder over ``base``'s current tensors, or the reason it cannot run them."""
-    # A first call often comes under inference_mode: the packed Q/K/V must still be ordinary tensors, since the
-    # model's own query/key/value parameters become views of them (and may be trained later).
+    # A first call often comes under inference_mode: the packed Q/K/V must still be ordinary tensors, with version
+    # counters that the onednn backend watches and that later refreshes (outside inference mode) may write to.
     with torch.inference_mode(False), torch.no_grad():
         return _Builder(base).build(backend)
 
@@ -267,6 +329,7 @@ class _Builder:
         self.links: dict = {}  # (id(container), key) -> (container, key, object), see `_Build.links`
         self.watched: list[tuple[object, str, object]] = []
         self.tensors: list[nn.Parameter] = []
+        self.packs: list[_Pack] = []
 
     def build(self, backend: str) -> _Build:
         """The build, or a refused one (``fast`` None, ``unsupported`` the reason)."""
@@ -295,7 +358,7 @@ class _Builder:
                inputs: tuple[str, ...] = ENCODER_INPUTS) -> _Build:
         tensors = self.tensors
         return _Build(fast, unsupported, list(self.links.values()), tensors, tuple(t.data_ptr() for t in tensors),
-                      self.submodules, output_class, inputs, self.watched)
+                      self.submodules, output_class, inputs, self.watched, packs=self.packs)
 
     def read_dropout(self, config: FastBertConfig, fast: FastBertModel) -> _DropoutSites:
         """Where transformers' modules apply dropout, site by site of ``fast`` (linked: a replaced dropout module
@@ -456,11 +519,10 @@ class _Builder:
         except Exception as err:  # noqa: BLE001 - a model transformers cannot run once is not one to take over
             raise _Refused(f"transformers' forward failed on one token: {type(err).__name__}: {err}") from None
 
-    @staticmethod
-    def share_tensors(fast: FastBertModel, pairs: list[tuple[str, list[str]]],
+    def share_tensors(self, fast: FastBertModel, pairs: list[tuple[str, list[str]]],
                       found: dict[str, nn.Parameter]) -> None:
-        """Give ``fast`` the model's parameters. Q, K and V are packed into one new tensor and the originals
-        become views of it (one copy in memory); under autograd the layer concatenates the originals instead
+        """Give ``fast`` the model's parameters. Q, K and V are packed into a tensor of fastbert's own (`_Pack`),
+        refreshed when they change; under autograd the layer concatenates the originals instead
         (``qkv_sources``), so that gradients reach the parameters the model's optimizer holds."""
         owners = dict(fast.named_modules())
         packed_sources: dict[str, dict[str, tuple[nn.Parameter, ...]]] = {}
@@ -471,9 +533,9 @@ class _Builder:
                 continue
             params = tuple(found[k] for k in theirs)
             packed_sources.setdefault(owner_name, {})[attr] = params
-            packed = nn.Parameter(_pack_as_views(params), requires_grad=False)
-            backends.declare_aliases(packed, params)  # loading into the originals changes the packed tensor
-            setattr(owners[owner_name], attr, packed)
+            pack = _Pack(params)
+            self.packs.append(pack)
+            setattr(owners[owner_name], attr, pack.tensor)
         for owner_name, sources in packed_sources.items():
             owners[owner_name].qkv_sources = (sources["qkv_weight"], sources.get("qkv_bias", ()))
 
@@ -495,17 +557,6 @@ class _Builder:
         # The padded form (torch.compile, jit.trace) computes padded rows as transformers does; keeping them makes
         # a head that reads a padded position (left padding) agree with transformers there too.
         fast.zero_padded_rows = False
-
-
-def _pack_as_views(params: tuple[nn.Parameter, ...]) -> torch.Tensor:
-    """The parameters concatenated along dim 0 into a new tensor, each parameter's data now a view of its rows."""
-    packed = torch.cat([p.detach() for p in params], dim=0)
-    offset = 0
-    for param in params:
-        rows = param.shape[0]
-        param.data = packed[offset: offset + rows]
-        offset += rows
-    return packed
 
 
 def _hook_reason(base: nn.Module, build: _Build) -> str | None:
@@ -559,6 +610,8 @@ class OptimizedState:
         self.build: _Build | None = None
         self.warned: set[str] = set()
         self.lock = threading.Lock()
+        # Set by the head model's `_padded_loss_hook` for its next encoder call: the loss reads padded positions.
+        self.padded_call = False
 
     def __getstate__(self) -> dict:
         return {"backend": self.backend, "cuda_graphs": self.cuda_graphs, "dtype": self.dtype}
@@ -582,6 +635,8 @@ class OptimizedState:
                     if self.dtype == "int8" and build.fast is not None:
                         _quantize(build)
                     self.build = build
+        if build.packs and not torch.is_grad_enabled():  # under autograd the layers read the sources themselves
+            build.sync_packs()
         return build
 
     def call_reason(self, base: nn.Module, arguments: dict | None) -> str | None:
@@ -769,6 +824,7 @@ def _arguments(cls: type, args: tuple, kwargs: dict) -> dict | None:
 
 def _forward(base: nn.Module, args: tuple, kwargs: dict):
     state: OptimizedState = base.__dict__["_fastbert"]
+    padded, state.padded_call = state.padded_call, False  # (taken by this call, whichever path it runs)
     arguments = _arguments(type(base), args, kwargs)
     reason = state.call_reason(base, arguments)  # first: a call that falls back anyway needs no build
     if reason is not None:
@@ -790,7 +846,79 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
     if reason is not None:
         state.warn_once(reason)
         return type(base).forward(base, *args, **kwargs)
+    if padded:
+        mask = arguments.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and _windowed(build.fast, mask.shape[-1]):
+            state.warn_once(PADDED_WINDOW_REASON)
+            return type(base).forward(base, *args, **kwargs)
+        return _run_padded(state, base, build, arguments)
     return state.run(base, build, arguments)
+
+
+PADDED_WINDOW_REASON = ("the loss reads padded positions (labels there that are not -100, or question answering's "
+                        "span positions on a padded batch), and with sliding-window attention fastbert's padded "
+                        "form computes some of them differently (a window holding no real key gives zeros)")
+
+
+def _windowed(fast: FastBertModel, seqlen: int) -> bool:
+    """Whether a layer's sliding window (``window // 2`` positions each side) is narrower than ``seqlen`` rows."""
+    config = fast.config
+    windows = [config.layer_window(index) for index in range(config.num_hidden_layers)]
+    return any(window is not None and window // 2 < seqlen - 1 for window in windows)
+
+
+def _run_padded(state: OptimizedState, base: nn.Module, build: _Build, arguments: dict):
+    """`OptimizedState.run` in the padded form, which computes padded positions as transformers does (a loss that
+    reads them then equals transformers')."""
+    fast = build.fast
+    fast.padding_free = False
+    try:
+        return state.run(base, build, arguments)
+    finally:
+        fast.padding_free = True
+
+
+# Head arguments whose loss reads the head's output at padded positions: token labels there that are not
+# ignored (a collator that does not write -100 at padding), and question answering's span positions (its softmax
+# runs over every position of the row).
+_IGNORED_LABEL = -100
+_SPAN_LABELS = ("start_positions", "end_positions")
+
+
+def _loss_reads_padding(arguments: dict) -> bool:
+    """Whether a head call's loss reads positions that ``attention_mask`` marks as padding."""
+    mask = arguments.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    labels = arguments.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
+        return bool(((mask == 0) & (labels != _IGNORED_LABEL)).any())
+    if any(arguments.get(name) is not None for name in _SPAN_LABELS):
+        return not bool(mask.all())
+    return False
+
+
+def _padded_loss_hook(head: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a head model over an optimized encoder: when this call's loss reads padded positions,
+    its encoder call runs the padded form, so that the loss equals transformers' (the padding-free form leaves
+    zeros there)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # (traced calls run the padded form anyway)
+        return
+    state = head.base_model.__dict__.get("_fastbert")
+    if state is None:
+        return
+    arguments = _arguments(type(head), args, kwargs)
+    state.padded_call = arguments is not None and _loss_reads_padding(arguments)
+
+
+def _watch_losses(model: nn.Module, base: nn.Module) -> None:
+    """Install `_padded_loss_hook` (once) on each head model in ``model`` whose encoder is ``base``."""
+    from transformers import PreTrainedModel
+
+    for head in model.modules():
+        if isinstance(head, PreTrainedModel) and head is not base and head.base_model is base:
+            if _padded_loss_hook not in head._forward_pre_hooks.values():
+                head.register_forward_pre_hook(_padded_loss_hook, with_kwargs=True)
 
 
 class OptimizedForward:
@@ -872,6 +1000,7 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
         state.build = None
         if not isinstance(base.__dict__.get("forward"), OptimizedForward):
             base.forward = OptimizedForward(base)
+        _watch_losses(model, base)
         build = state.current(base)
         if build.unsupported:
             state.warn_once(build.unsupported)

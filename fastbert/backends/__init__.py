@@ -122,11 +122,11 @@ _WARNED: set[str] = set()
 _DECIDED: dict[tuple, Decision] = {}  # `_call_key` -> measured decision (cleared with each generation)
 
 
-# tensor -> tensors that alias its storage with version counters of their own (parameters made views of it by
-# `param.data = ...`, as `fastbert.optimize` packs Q, K and V): an in-place change to one of them changes the tensor
-# without moving its version. A backend that keeps something derived from a weight (onednn's packed copies) reads
-# `weight_stamp`, which covers them.
-_ALIASES = torch.utils.weak.WeakIdKeyDictionary()
+# Optimizer steps run in this process since `optimizer_steps` was first called: fused optimizers (torch.optim's
+# fused=True, the HF Trainer's default adamw_torch_fused) write parameters without moving their version counters,
+# so every step counts as a possible write to every weight.
+_OPTIMIZER_STEPS = [0]
+_STEP_HOOK: list = []
 
 
 # backend -> what drops the copies it keeps of some tensors (onednn's packed weights): `release`
@@ -146,18 +146,26 @@ def release(backend: str, tensors: Iterable[torch.Tensor]) -> None:
         releaser(tensors)
 
 
-def declare_aliases(tensor: torch.Tensor, aliases: Iterable[torch.Tensor]) -> None:
-    """Record that in-place changes to ``aliases`` change ``tensor`` (they are views of its storage whose version
-    counters are their own)."""
-    _ALIASES[tensor] = tuple(aliases)
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def optimizer_steps() -> int:
+    """How many torch optimizer steps ran in this process (counted from the first call, by a global step hook)."""
+    if not _STEP_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+    return _OPTIMIZER_STEPS[0]
 
 
 def weight_stamp(tensor: torch.Tensor) -> tuple:
-    """What changes when ``tensor``'s values may have changed: its storage, layout and version counter and its
-    declared aliases' (version counters: plain tensors only; inference tensors have none). In-place writes through
-    ``.data`` (which bypasses version counters) are not seen."""
-    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, None if t.is_inference() else t._version)
-                 for t in (tensor, *_ALIASES.get(tensor, ())))
+    """What changes when ``tensor``'s values may have changed: its storage, layout and version counter (plain
+    tensors only; inference tensors have none), and the process's optimizer steps (`optimizer_steps`). In-place
+    writes through ``.data`` (which bypasses version counters) are not seen. (fastbert.optimize's packed Q/K/V is a
+    tensor of its own, refreshed in place: its counter moves.)"""
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
+            None if tensor.is_inference() else tensor._version, optimizer_steps())
 
 
 def cpu_float_reason(backend: str, tensors: Iterable[torch.Tensor | None],

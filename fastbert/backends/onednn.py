@@ -19,12 +19,12 @@ elsewhere force it.
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
 parameter's gradient), no dropout; a call torch.compile traces runs the cpp backend's op. Weights must be
 ``nn.Parameter``: each is packed on its first call and kept beside it while it lives (one extra copy of the GEMM
-weights), repacked when it (or a declared alias: `fastbert.backends.declare_aliases`) is changed in place or given
-other storage; writes through ``.data`` bypass version counters and are not seen. A temporary weight (a parameter
-cast for an autocast call) would be packed on every call, and an inference-mode weight has no version counter: both
-declined. The ops without a GEMM of this kind (attention, embedding_layernorm, and ModernBERT's qkv_rotary,
-linear_glu and linear_residual_prenorm, whose cpp kernels run their GEMM inside) run the cpp backend's kernels, so
-that a model forced onto ``onednn`` runs whole; `auto` does not time them twice.
+weights), repacked when it is changed in place or given other storage; writes through ``.data`` bypass version
+counters and are not seen. A temporary weight (a parameter cast for an autocast call) would be packed on every
+call, and an inference-mode weight has no version counter: both declined. The ops without a GEMM of this kind
+(attention, embedding_layernorm, and ModernBERT's qkv_rotary, linear_glu and linear_residual_prenorm, whose cpp
+kernels run their GEMM inside) run the cpp backend's kernels, so that a model forced onto ``onednn`` runs whole;
+`auto` does not time them twice.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def packed_count() -> int:
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] in oneDNN's blocked layout (an opaque mkldnn tensor), packed on first use and again after
-    it or a declared alias changed in place or was given other storage (`fastbert.backends.weight_stamp`)."""
+    it changed in place or was given other storage (`fastbert.backends.weight_stamp`)."""
     stamp = backends.weight_stamp(weight)
     entry = _PACKED.get(weight)
     if entry is None or entry[0] != stamp:

@@ -212,8 +212,9 @@ def _clean_temporaries(output_dir: Path) -> None:
 
 
 def _state_dict_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors, each its own contiguous copy: fastbert.optimize makes Q, K and V views of one packed
-    tensor, which safetensors refuses to write as separate tensors. Tied weights are kept once by save_pretrained."""
+    """The model's tensors, each its own contiguous copy (safetensors refuses tensors that share storage; an
+    optimized model has none since issue 37, but a model edited by hand may). Tied weights are kept once by
+    save_pretrained."""
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 

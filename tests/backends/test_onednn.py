@@ -211,8 +211,8 @@ def test_torch_compile_of_a_model_forced_onto_onednn():
 
 
 def test_a_forced_model_sees_weights_loaded_in_place_into_its_packed_query_key_value():
-    """optimize packs Q, K and V into one tensor and makes the originals views of it, whose version counters are
-    their own: loading into them must repack (`fastbert.backends.declare_aliases`)."""
+    """optimize packs Q, K and V into a tensor of its own: loading into the originals refreshes it in place, and
+    onednn must see that (the packed tensor's version counter) and repack."""
     model, reference = tiny_model("bert").eval(), tiny_model("bert").eval()
     inputs = optimize_inputs("bert", "Model", model)
     fastbert.optimize(model, backend="onednn")
