@@ -453,8 +453,9 @@ class FastBertModel(nn.Module):
         if backend is not None:
             try:
                 return self._encode(self.op_table(like, backend), *call)
-            except backends.BackendUnavailable:  # a call the winner cannot run alone: the per-op table runs it
-                pass
+            except backends.BackendUnavailable:  # the winner cannot run this model alone (an inference-mode weight
+                # onednn declines, say): the per-op table runs this class from now on
+                self._model_choices[self._choice_key(tokens, like)] = backends.MODEL_TABLE
         return self._encode(self.op_table(like), *call)
 
     def whole_model_backend(self, tokens: torch.Tensor, like: torch.Tensor, call: tuple) -> str | None:
@@ -464,6 +465,8 @@ class FastBertModel(nn.Module):
         if (self.training or torch.is_grad_enabled() or like.device.type != "cpu" or not tuning.enabled()
                 or backends.requested_backend(self.backend) != "auto"):
             return None
+        if type(next(iter(self.layers._modules.values()))) not in (PostNormLayer, PreNormLayer):
+            return None  # int8 layers (`fastbert.quantization`) run GEMMs of their own: no backend to choose for them
         memo = self.__dict__.setdefault("_model_choices", {})
         choice = memo.get(self._choice_key(tokens, like))
         if choice is None:

@@ -138,13 +138,10 @@ class _Build:
         self.watched_names = [name for _, name, _ in self.watched]
         self.watched_values = tuple(value for _, _, value in self.watched)
         self.pack_sources = [source for pack in self.packs for source in pack.sources]
-        # Inference tensors have no version counter: their packs are copied again on every call that reads them.
+        # Inference tensors have no version counter: their packs are compared with them on every call that reads
+        # them (and copied where they differ).
         self.untracked = any(source.is_inference() for source in self.pack_sources)
-        self.pack_versions = None if self.untracked else self.source_versions()
-
-    def source_versions(self) -> tuple[int, ...]:
-        """The optimizer steps so far (fused optimizers move no version counter) and the sources' counters."""
-        return backends.optimizer_steps(), *map(_VERSION, self.pack_sources)
+        self.pack_versions = None if self.untracked else _stamps(self.pack_sources)
 
     def sync_packs(self) -> None:
         """Copy the model's Q/K/V into the packed tensors again where one changed in place since: an optimizer
@@ -154,9 +151,9 @@ class _Build:
         sources' counters when nothing changed."""
         if self.untracked:
             for pack in self.packs:
-                pack.refresh()
+                pack.refresh_if_different()
             return
-        versions = self.source_versions()
+        versions = _stamps(self.pack_sources)
         if versions != self.pack_versions:
             for pack in self.packs:
                 pack.refresh_if_changed()
@@ -174,6 +171,12 @@ _TRAINING = operator.attrgetter("training")
 _VERSION = operator.attrgetter("_version")
 
 
+def _stamps(sources: list[nn.Parameter] | tuple[nn.Parameter, ...]) -> tuple[int, ...]:
+    """The optimizer steps that updated each source (fused optimizers move no version counter), then their version
+    counters: what moves when a source may have changed in place."""
+    return *backends.optimizer_steps(sources), *map(_VERSION, sources)
+
+
 class _Pack:
     """One tensor of fastbert's encoder that concatenates several of the model's along dim 0 (a layer's Q, K and V
     weights, or biases), in storage of its own: were the model's parameters views of it, savers that keep one name
@@ -187,14 +190,25 @@ class _Pack:
         self.versions = self.source_versions()
 
     def source_versions(self) -> tuple[int, ...] | None:
-        """The optimizer steps so far and the sources' version counters (None: inference tensors have none)."""
+        """`_stamps` of the sources (None: inference tensors have no version counter)."""
         if any(source.is_inference() for source in self.sources):
             return None
-        return backends.optimizer_steps(), *map(_VERSION, self.sources)
+        return _stamps(self.sources)
 
     def refresh_if_changed(self) -> None:
         if self.source_versions() != self.versions:
             self.refresh()
+
+    def refresh_if_different(self) -> None:
+        """For sources without version counters (inference tensors): compare, and copy only where they differ (a
+        copy moves the packed tensor's counter, and the onednn backend would pack it again)."""
+        offset = 0
+        for source in self.sources:
+            rows = source.shape[0]
+            if not torch.equal(self.tensor[offset:offset + rows], source):
+                self.refresh()
+                return
+            offset += rows
 
     def refresh(self) -> None:
         """Copy the sources in, in place (this moves the packed tensor's own version counter)."""
@@ -610,8 +624,9 @@ class OptimizedState:
         self.build: _Build | None = None
         self.warned: set[str] = set()
         self.lock = threading.Lock()
-        # Set by the head model's `_padded_loss_hook` for its next encoder call: the loss reads padded positions.
-        self.padded_call = False
+        # .call: set by the head model's `_padded_loss_hook` for its next encoder call in the same thread (the
+        # loss reads padded positions)
+        self.padded = threading.local()
 
     def __getstate__(self) -> dict:
         return {"backend": self.backend, "cuda_graphs": self.cuda_graphs, "dtype": self.dtype}
@@ -824,7 +839,7 @@ def _arguments(cls: type, args: tuple, kwargs: dict) -> dict | None:
 
 def _forward(base: nn.Module, args: tuple, kwargs: dict):
     state: OptimizedState = base.__dict__["_fastbert"]
-    padded, state.padded_call = state.padded_call, False  # (taken by this call, whichever path it runs)
+    padded, state.padded.call = getattr(state.padded, "call", False), False  # (taken by this call, whichever path)
     arguments = _arguments(type(base), args, kwargs)
     reason = state.call_reason(base, arguments)  # first: a call that falls back anyway needs no build
     if reason is not None:
@@ -908,7 +923,7 @@ def _padded_loss_hook(head: nn.Module, args: tuple, kwargs: dict) -> None:
     if state is None:
         return
     arguments = _arguments(type(head), args, kwargs)
-    state.padded_call = arguments is not None and _loss_reads_padding(arguments)
+    state.padded.call = arguments is not None and _loss_reads_padding(arguments)
 
 
 def _watch_losses(model: nn.Module, base: nn.Module) -> None:

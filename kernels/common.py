@@ -350,7 +350,6 @@ LAUNCH_LAYOUT_REASON: str | None = launch_layout_reason()
 read it under the interpreter too)."""
 
 
-
 def replays_launches(cached_launch: bool, interpreter: bool, layout_reason: str | None) -> bool:
     """Whether `launch` replays compiled kernels. Under the interpreter there is nothing compiled to replay. A triton
     whose launch layout is unknown (`launch_layout_reason`) still runs every kernel, through its own

@@ -159,6 +159,10 @@ EOF
 
 # Writes constraints.txt: every package in the venv but fastbert, at its version (torch without its +cpu label).
 freeze_constraints() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "fastbert setup: no $VENV to freeze; run ./scripts/setup.sh first" >&2
+    return 1
+  fi
   {
     echo "# The stack the test suite last passed with, written by scripts/setup.sh --freeze from $VENV on $(date -u +%F)"
     echo "# (Python $("$VENV/bin/python" -c 'import platform; print(platform.python_version())')). setup.sh installs these versions; --newest ignores them."
@@ -192,7 +196,7 @@ else
     upgrade=(--upgrade --upgrade-strategy eager)
   else
     pins=$CONSTRAINTS
-    upgrade=()
+    upgrade=()  # (expanded as ${upgrade[@]+...}: bash before 4.4 calls an empty array unbound under set -u)
   fi
   echo "fastbert setup: installing: ${reason:-the check of $VENV failed}" >&2
   if [ ! -x "$VENV/bin/python" ]; then
@@ -200,10 +204,10 @@ else
     "$PYTHON" -m venv "$VENV"
   fi
   echo "fastbert setup: installing torch==$TORCH_VERSION and build tools" >&2
-  pip_install "installing torch" -c "$pins" "${upgrade[@]}" "torch==$TORCH_VERSION" setuptools wheel ninja pybind11
+  pip_install "installing torch" -c "$pins" ${upgrade[@]+"${upgrade[@]}"} "torch==$TORCH_VERSION" setuptools wheel ninja pybind11
   echo "fastbert setup: installing fastbert (editable, building fastbert._C: minutes on 2 cores) with its" \
     "$EXTRAS extras ($mode versions)" >&2
-  pip_install "installing fastbert and building fastbert._C" -c "$pins" "${upgrade[@]}" --no-build-isolation \
+  pip_install "installing fastbert and building fastbert._C" -c "$pins" ${upgrade[@]+"${upgrade[@]}"} --no-build-isolation \
     -e ".[$EXTRAS]"
 fi
 "$VENV/bin/python" -W "ignore:fastbert:UserWarning" -c "import torch, transformers, fastbert; print(f'fastbert setup: torch \

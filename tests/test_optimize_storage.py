@@ -92,3 +92,46 @@ def test_the_packed_copy_follows_optimizer_steps_into_the_next_no_grad_call(impl
         got, expected = model(**inputs).logits, reference(**inputs).logits
     keep = inputs["attention_mask"].bool()
     torch.testing.assert_close(got[keep], expected[keep], rtol=1e-5, atol=1e-5)
+
+
+def _packs(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [pack.tensor for pack in model.base_model.__dict__["_fastbert"].build.packs]
+
+
+def test_another_models_optimizer_step_leaves_the_packed_copy_alone():
+    """A distillation teacher beside a training student: the student's steps are not writes to the teacher."""
+    family, head = "bert", "ForTokenClassification"
+    teacher = fastbert.optimize(tiny_model(family, head))
+    student = tiny_model(family, head).train()
+    inputs = optimize_inputs(family, head, teacher)
+    with torch.no_grad():
+        teacher(**inputs)
+    versions = [t._version for t in _packs(teacher)]
+    optimizer = torch.optim.AdamW(student.parameters(), lr=0.05, fused=True)
+    student(**inputs).loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        teacher(**inputs)
+    assert [t._version for t in _packs(teacher)] == versions  # not copied again
+
+
+def test_inference_mode_weights_are_compared_not_copied_on_every_call():
+    """Weights made under inference_mode have no version counter: each call compares the packed copy with them
+    and copies only where they differ (a copy would move its counter, and onednn would pack it again)."""
+    family, head = "bert", "Model"
+    with torch.inference_mode():
+        model = fastbert.optimize(tiny_model(family, head))
+        inputs = optimize_inputs(family, head, model)
+        model(**inputs)
+        versions = [t._version for t in _packs(model)]
+        model(**inputs)
+        assert [t._version for t in _packs(model)] == versions
+        first_query = model.encoder.layer[0].attention.self.query.weight
+        first_query.mul_(2.0)  # an inference-mode write: no counter to see it
+        again = model(**inputs).last_hidden_state
+    reference = tiny_model(family, head)
+    with torch.no_grad():
+        reference.encoder.layer[0].attention.self.query.weight.mul_(2.0)
+        expected = reference(**inputs).last_hidden_state
+    keep = inputs["attention_mask"].bool()
+    torch.testing.assert_close(again[keep], expected[keep], rtol=1e-5, atol=1e-5)

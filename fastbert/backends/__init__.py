@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import importlib
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -122,10 +123,11 @@ _WARNED: set[str] = set()
 _DECIDED: dict[tuple, Decision] = {}  # `_call_key` -> measured decision (cleared with each generation)
 
 
-# Optimizer steps run in this process since `optimizer_steps` was first called: fused optimizers (torch.optim's
-# fused=True, the HF Trainer's default adamw_torch_fused) write parameters without moving their version counters,
-# so every step counts as a possible write to every weight.
-_OPTIMIZER_STEPS = [0]
+# parameter -> the optimizer steps that updated it since `optimizer_steps` was first called: fused optimizers
+# (torch.optim's fused=True, the HF Trainer's default adamw_torch_fused) write parameters without moving their
+# version counters, so each step counts as a possible write to every parameter it holds (and to no other: a
+# distillation teacher beside a training student keeps its packed copies).
+_STEPS = torch.utils.weak.WeakIdKeyDictionary()
 _STEP_HOOK: list = []
 
 
@@ -147,25 +149,28 @@ def release(backend: str, tensors: Iterable[torch.Tensor]) -> None:
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    _OPTIMIZER_STEPS[0] += 1
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            _STEPS[param] = _STEPS.get(param, 0) + 1
 
 
-def optimizer_steps() -> int:
-    """How many torch optimizer steps ran in this process (counted from the first call, by a global step hook)."""
+def optimizer_steps(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """How many torch optimizer steps updated each of ``tensors`` (counted from the first call of this function, by
+    a global step post-hook)."""
     if not _STEP_HOOK:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
-    return _OPTIMIZER_STEPS[0]
+    return tuple(_STEPS.get(tensor, 0) for tensor in tensors)
 
 
 def weight_stamp(tensor: torch.Tensor) -> tuple:
     """What changes when ``tensor``'s values may have changed: its storage, layout and version counter (plain
-    tensors only; inference tensors have none), and the process's optimizer steps (`optimizer_steps`). In-place
-    writes through ``.data`` (which bypasses version counters) are not seen. (fastbert.optimize's packed Q/K/V is a
-    tensor of its own, refreshed in place: its counter moves.)"""
+    tensors only; inference tensors have none), and the optimizer steps that updated it (`optimizer_steps`).
+    In-place writes through ``.data`` (which bypasses version counters) are not seen. (fastbert.optimize's packed
+    Q/K/V is a tensor of its own, refreshed in place: its counter moves.)"""
     return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
-            None if tensor.is_inference() else tensor._version, optimizer_steps())
+            None if tensor.is_inference() else tensor._version, *optimizer_steps((tensor,)))
 
 
 def cpu_float_reason(backend: str, tensors: Iterable[torch.Tensor | None],
@@ -498,9 +503,9 @@ def _measured(op: str, device_type: str, tensors: list[torch.Tensor], args: tupl
         entry = tuning.Entry(tuning.pick(times, preferred), times, rounds, clock)
         tuning.record(device, shape_class, entry)
         how = "measured"
-    for name in candidates:
-        if name != entry.choice:
-            release(name, tensors)
+        for name in candidates:  # (only here: a cached choice made no copy, and another class may run one)
+            if name != entry.choice:
+                release(name, tensors)
     best = entry.times_ms[entry.choice]
     for name, ms in entry.times_ms.items():
         if name != entry.choice:
@@ -519,6 +524,7 @@ MODEL_TABLE = "per-op table"
 MODEL_MARGIN = 0.02  # a whole forward is long and steady: a backend alone replaces the table when 2 % faster
 FIRST_USE_BUDGET_S = 5.0  # the timing a model's first forward of a class may add, at most (else the table runs)
 _model_budget_s = FIRST_USE_BUDGET_S
+_MODEL_LOCK = threading.RLock()
 
 
 @contextmanager
@@ -550,9 +556,16 @@ def decide_model(cls: str, device: torch.device, run: Callable[[str], object],
     """The whole-model `Decision` for a forward of class ``cls``: cached, or measured now when its rounds fit the
     budget (`FIRST_USE_BUDGET_S`, or `model_budget`'s). ``run(candidate)`` runs the forward on a candidate (raising
     `BackendUnavailable` where a backend cannot run it all); ``weights``: what a backend that lost may release."""
-    entry = tuning.entries(device).get(cls)
-    if entry is not None:
-        return Decision(entry.choice, {}, "cache", dict(entry.times_ms), cls)
+    with _MODEL_LOCK:  # one decision at a time: two timing at once would each time the other's load
+        entry = tuning.entries(device).get(cls)
+        if entry is not None:
+            return Decision(entry.choice, {}, "cache", dict(entry.times_ms), cls)
+        return _measure_model(cls, device, run, weights)
+
+
+def _measure_model(cls: str, device: torch.device, run: Callable[[str], object],
+                   weights: Iterable[torch.Tensor]) -> Decision:
+    """`decide_model` when nothing is cached: warm up each candidate, then time them if the budget allows."""
     once: dict[str, float] = {}
     skipped: dict[str, str] = {}
     for name in model_candidates(device.type):  # the warm-up: the table's ops measure themselves here

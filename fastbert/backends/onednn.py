@@ -11,10 +11,10 @@ it on every call; packed once, the call reads the layout it wants. On the 2-core
 level with the cpp ops, per op and in whole MiniLM forwards (`benchmarks/results/cpu-2core-ops-onednn/`). On AMX,
 where bf16 needs VNNI-packed weights, the reorder it saves is larger: on CPUs with AMX-BF16 `auto` runs bfloat16
 inference GEMMs on it without timing the others (`fastbert.backends.PACKED_BF16`: timed alone, a GEMM on weights as
-stored can look faster, and the forward is slower for it), and times it beside cpp and eager per shape class for
-float32 calls on CPUs with AMX (`fastbert.backends.cpu_auto_order`) and bfloat16 calls on CPUs with AVX-512 BF16
-(`fastbert.backends.AUTO_ORDER_BF16`: there bf16 forwards ran 1.07-1.09x faster on it), so it runs where it wins;
-elsewhere force it.
+stored can look faster, and the forward is slower for it). Elsewhere `auto` times it beside cpp and eager per shape
+class on every CPU, float32 and bfloat16 (`fastbert.backends.cpu_auto_order`; with AVX-512 BF16 bf16 forwards ran
+1.07-1.09x faster on it), and per whole forward (`fastbert.backends.decide_model`), so it runs where it wins; a
+packed copy made only to be timed is dropped when it loses (`release`).
 
 Limits: CPU tensors, float32 or bfloat16 (bf16 where oneDNN has it), no autograd (a packed copy does not follow the
 parameter's gradient), no dropout; a call torch.compile traces runs the cpp backend's op. Weights must be

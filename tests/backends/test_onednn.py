@@ -268,6 +268,18 @@ def test_a_packed_copy_stays_only_where_onednn_won(monkeypatch, tmp_path, onednn
     assert set(decision.times_ms) == {"cpp", "onednn", "eager"}
     assert decision.backend == ("onednn" if onednn_wins else "cpp")
     assert onednn.packed_count() - before == (1 if onednn_wins else 0)
+    # A choice read from the cache releases nothing: another class may run this weight on onednn.
+    with torch.no_grad():
+        ops.linear_activation(x, w, None, "gelu", backend="onednn")
+    packed = onednn.packed_count()
+    backends.set_measuring(True)  # (a new generation: the memo of decisions is emptied, the cache file stays)
+    try:
+        with torch.no_grad():
+            cached = backends.decide("linear_activation", "auto", (x, w, None, "gelu"), {})
+    finally:
+        backends.set_measuring(False)
+        tuning.forget()
+    assert cached.how == "cache" and onednn.packed_count() == packed
 
 
 def test_packed_bf16_follows_the_cpus_features():

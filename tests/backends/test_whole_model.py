@@ -127,3 +127,36 @@ def test_no_whole_model_decision_outside_auto_cpu_inference(measuring, monkeypat
     with torch.set_grad_enabled(case in ("grad mode", "training")):
         model(ids, mask)
     assert asked == [] and backends.whole_model_decisions(model) == []
+
+
+def test_a_cached_winner_that_cannot_run_this_model_alone_falls_back_once(measuring, monkeypatch, checkpoint):
+    """The cache says onednn alone, but this model's weights were made under inference_mode (onednn declines
+    them): the forward runs the per-op table, and later forwards go straight to it."""
+    _plant(monkeypatch, {TABLE: 2.0, "cpp": 3.0, "onednn": 1.0})
+    ids, mask = padded_batch(3, 9)
+    _forward(fastbert.from_pretrained(checkpoint), ids, mask)  # caches onednn alone for this class
+    with torch.inference_mode():
+        model = fastbert.from_pretrained(checkpoint)
+    tried = []
+    original = model._encode
+
+    def encode(table, *call):
+        tried.append(table.backend)
+        return original(table, *call)
+
+    monkeypatch.setattr(model, "_encode", encode)
+    for _ in range(2):
+        with torch.inference_mode():
+            model(ids, mask)
+    assert tried == ["onednn", "auto", "auto"]
+
+
+def test_an_int8_model_is_not_decided_whole(measuring, monkeypatch, checkpoint):
+    from fastbert.quantization import int8_unavailable, quantize_int8
+
+    if int8_unavailable(torch.device("cpu"), torch.float32):
+        pytest.skip(int8_unavailable(torch.device("cpu"), torch.float32))
+    asked = _plant(monkeypatch, {})
+    model = quantize_int8(fastbert.from_pretrained(checkpoint))
+    _forward(model, *padded_batch(3, 9))
+    assert asked == [] and backends.whole_model_decisions(model) == []
