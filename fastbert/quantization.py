@@ -389,11 +389,13 @@ def quantize_int8(model: nn.Module, flags: tuple[str, ...] | None = None, freeze
 PRECISIONS = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
-def precision_for(name: str | torch.dtype | None, device: torch.device | str) -> tuple[str, str | None]:
+def precision_for(name: str | torch.dtype | None, device: torch.device | str,
+                  announce: bool = True) -> tuple[str, str | None]:
     """A requested precision resolved for ``device``: (one of float32, float16, bfloat16, int8; the reason when
     it was chosen for "auto", else None). "auto": on CPU bfloat16 where it is faster than float32, else float32
-    (`auto_cpu_dtype`), announced once as a warning; on CUDA float16. None keeps float32. ValueError for a name
-    outside `PRECISIONS`, or int8 where it cannot run (`int8_unavailable`)."""
+    (`auto_cpu_dtype`), announced once as a warning (unless ``announce`` is False: the caller says it); on CUDA
+    float16. None keeps float32. ValueError for a name outside `PRECISIONS`, or int8 where it cannot run
+    (`int8_unavailable`)."""
     if isinstance(name, torch.dtype):
         name = str(name).removeprefix("torch.")
     name = name or "float32"
@@ -408,5 +410,6 @@ def precision_for(name: str | torch.dtype | None, device: torch.device | str) ->
     if torch.device(device).type == "cuda":
         return "float16", "float16 on CUDA"
     dtype, reason = auto_cpu_dtype()
-    announce_once(f"dtype auto on CPU: {reason}; --dtype / dtype= overrides")
+    if announce:
+        announce_once(f"dtype auto on CPU: {reason}; --dtype / dtype= overrides")
     return str(dtype).removeprefix("torch."), reason

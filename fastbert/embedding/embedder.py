@@ -60,7 +60,7 @@ class Embedder:
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).replace("torch.", "")
         # "int8" (CPU: int8 GEMMs) or a float dtype's name; "auto" resolved here (`fastbert.quantization`)
-        self.precision = self._precision(dtype)
+        self.precision = self._precision(dtype, load_model)
         self.dtype = resolve_dtype("float32" if self.precision == "int8" else self.precision, self.device)
         self.max_length = self._max_length(max_length)
         self.max_batch_tokens = self._max_batch_tokens(max_batch_tokens)
@@ -85,13 +85,19 @@ class Embedder:
             raise UserError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
         return pooling, normalize
 
-    def _precision(self, dtype: str | None) -> str:
+    def _precision(self, dtype: str | None, load_model: bool) -> str:
+        """The precision to run: as given, or for "auto" the float one `precision_for` picks, or int8 where it
+        measured faster and accurate for this checkpoint (`fastbert.embedding.precision`; not on a Ray driver,
+        which loads no model: its actors run what it resolved)."""
+        from fastbert.embedding.precision import auto_precision
         from fastbert.quantization import precision_for
 
+        considers_int8 = dtype == "auto" and load_model
         try:
-            return precision_for(dtype or "float32", self.device)[0]
+            resolved, reason = precision_for(dtype or "float32", self.device, announce=not considers_int8)
         except ValueError as err:
             raise UserError(str(err)) from err
+        return auto_precision(self.model_dir, resolved, reason, self.device) if considers_int8 else resolved
 
     @staticmethod
     def _device(device: str | torch.device | None, load_model: bool) -> torch.device:

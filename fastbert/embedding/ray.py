@@ -95,6 +95,7 @@ class RayClusterEmbedder:
         self.cpus_per_actor, self.gpus_per_actor = cpus_per_actor, gpus_per_actor
         # The driver reads the checkpoint's config only (no model): the width and the settings of the output.
         self.local = Embedder(**{**self.options, "load_model": False})
+        self.options["dtype"] = self.local.precision  # every actor runs what the driver resolved ("auto" included)
         self.dimension = self.local.dimension
 
     def settings(self) -> dict:

@@ -29,7 +29,7 @@ def test_embed_int8_is_close_to_float32(capsys):
 
 def test_embed_auto_says_what_it_chose_and_why(capsys, monkeypatch):
     monkeypatch.setattr(quantization, "_ANNOUNCED", set())
-    with pytest.warns(UserWarning, match="dtype auto on CPU: (float32|bfloat16)") as record:
+    with pytest.warns(UserWarning, match="dtype auto for embeddings: (float32|bfloat16)") as record:
         _vectors(capsys, "--dtype", "auto")
     expected = "bfloat16" if quantization.auto_cpu_dtype()[0] == torch.bfloat16 else "float32"
     assert sum("dtype auto" in str(w.message) for w in record) == 1 and expected in str(record[0].message)
@@ -53,7 +53,7 @@ def test_embed_without_dtype_runs_autos_choice_and_float32_stays_exact(capsys, m
     monkeypatch.setattr(quantization, "cpu_flags", lambda path="/proc/cpuinfo": ("avx512f", "amx_bf16"))
     monkeypatch.setattr(quantization, "_ANNOUNCED", set())
     exact, _ = _vectors(capsys, "--dtype", "float32")
-    with pytest.warns(UserWarning, match="dtype auto on CPU: bfloat16"):
+    with pytest.warns(UserWarning, match="dtype auto for embeddings: bfloat16"):
         default, _ = _vectors(capsys)
     assert float((default * exact).sum(-1).min()) > 0.99 and not torch.equal(default, exact)
     again, _ = _vectors(capsys, "--dtype", "float32")
@@ -88,6 +88,6 @@ def test_auto_is_announced_as_one_plain_line_and_a_file_path_text_gets_a_note(tm
         assert main(["embed", str(corpus), "-o", str(out), "--dtype", "auto"]) == 0
     err = capsys.readouterr().err
     assert f"note: TEXT '{corpus}' names a file" in err
-    assert "fastbert: dtype auto on CPU: " in err
+    assert "fastbert: dtype auto for embeddings: " in err
     assert "embedder.py" not in err and "UserWarning" not in err
     assert len(out.read_text().splitlines()) == 1
