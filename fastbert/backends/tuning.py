@@ -8,10 +8,10 @@ all). All layers of a model share one class per op site, so a model measures eac
 batch and never again.
 
 Measuring (`measure`) calls each candidate once to warm up (Triton compiles there), then up to `ROUNDS`
-interleaved rounds (at least `MIN_ROUNDS`, more while within `BUDGET_S`). With one CPU thread the clock is the
-thread's CPU time, which other processes do not inflate, and each candidate's median round counts; otherwise the
-wall clock and the fastest round (load only ever adds time). The static order's choice stays unless another is
-`MARGIN` faster.
+interleaved rounds (at least `MIN_ROUNDS`, more while the next one is expected to end within `BUDGET_S`). With one
+CPU thread the clock is the thread's CPU time, which other processes do not inflate, and each candidate's median
+round counts; otherwise the wall clock and the fastest round (load only ever adds time). The static order's choice
+stays unless another is `MARGIN` faster.
 Calls made for a CUDA graph (inside `for_replay`: `fastbert.cuda_graphs` warms up and captures there) have a class
 of their own (``replayed``) and, on CUDA, are timed by the GPU alone: a replay pays no host time, so a backend that
 launches less must not win on launches. Each timed call is queued behind `torch.cuda._sleep`, so that its launches
@@ -384,8 +384,9 @@ def _call(fn: Callable, args: tuple, kwargs: dict, leaves: list[torch.Tensor], s
 def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict, budget_s: float = BUDGET_S,
             warm_up: bool = True) -> tuple[dict[str, float], int, str]:
     """Time each candidate on the call (see the module's doc): ({backend: ms}, rounds, clock): the median round by
-    the thread's CPU time, else the fastest round by the wall clock or the GPU's. ``budget_s``: rounds go on while
-    within it (`MIN_ROUNDS` at least); ``warm_up=False`` when the caller has called each candidate already.
+    the thread's CPU time, else the fastest round by the wall clock or the GPU's. ``budget_s``: a round starts
+    while it is expected (by the last round's time) to end within it (`MIN_ROUNDS` at least); ``warm_up=False``
+    when the caller has called each candidate already.
 
     The clock: on CPU with one intra-op thread, the calling thread's CPU time (every kernel then runs on that
     thread, and time spent descheduled by other processes does not count: the choice holds on a busy machine);
@@ -409,12 +410,15 @@ def measure(candidates: dict[str, Callable], args: tuple, kwargs: dict, budget_s
         for fn in candidates.values() if warm_up else ():
             _call(fn, args, kwargs, leaves, sync)
         start = time.perf_counter()
-        rounds = 0
-        while rounds < ROUNDS and (rounds < MIN_ROUNDS or time.perf_counter() - start < budget_s):
+        rounds, last_round_s = 0, 0.0
+        # a round starts only if it is expected to end within the budget (MIN_ROUNDS whatever it costs)
+        while rounds < ROUNDS and (rounds < MIN_ROUNDS or time.perf_counter() - start + last_round_s <= budget_s):
             names = list(candidates)
             names = names[rounds % len(names):] + names[:rounds % len(names)]  # rotated order
+            round_start = time.perf_counter()
             for name in names:
                 times[name].append(timed(candidates[name]))
+            last_round_s = time.perf_counter() - round_start
             rounds += 1
     # CPU time scatters both ways (caches shared with other processes): the median; wall time only gains from the
     # load: the fastest round.

@@ -369,3 +369,16 @@ def test_measuring_for_replay_on_cpu_keeps_the_cpu_clock(measuring):
     with tuning.for_replay():
         _, _, clock = tuning.measure({"eager": lambda x: x + 1}, (torch.randn(3, 4),), {})
     assert clock == "thread cpu"
+
+
+def test_a_round_starts_only_if_it_is_expected_to_end_within_the_budget():
+    """Rounds of 50 ms under a 0.32 s budget: after the third (MIN_ROUNDS), a round starts only while the elapsed
+    time plus the last round's fits, so the timing stops at about 0.30 s, not one round past the budget."""
+    def sleeper() -> None:
+        time.sleep(0.05)
+
+    start = time.perf_counter()
+    _, rounds, _ = tuning.measure({"sleeper": sleeper}, (), {}, budget_s=0.32, warm_up=False)
+    elapsed = time.perf_counter() - start
+    assert tuning.MIN_ROUNDS <= rounds <= 6
+    assert elapsed <= 0.32 + 0.01
