@@ -254,7 +254,7 @@ def interleaved_markdown(report: dict[str, Any], title: str, machine_note: str, 
         lines += [f"## {case}: batch {data['batch'][0]} x {data['batch'][1]} ({data['real_tokens']} real tokens)", "",
                   format_table(("runner", "median ms", "min ms", "speed-up vs HF eager (median)", "rel err"), rows,
                                markdown=True), ""]
-    rows = [[t["case"], t["runner"], t["peer"], f"{t['needed']:.1f}x", f"{t['speedup']:.2f}x",
+    rows = [[t["case"], t["runner"], t["peer"], f"{t['needed']:.{1 if round(t['needed'], 1) == t['needed'] else 2}f}x", f"{t['speedup']:.2f}x",
              "yes" if t["met"] else "NO"] for t in report["targets"]]
     lines += ["## Targets", "", format_table(("case", "runner", "peer", "needed", "measured (median)", "met"), rows,
                                              markdown=True)]
