@@ -256,28 +256,41 @@ def main(argv: list[str] | None = None) -> int:
             label = runner if runner != AUTO else f"{AUTO} (= {timed})"
             targets.append({"case": case, "runner": label, "peer": peer, "needed": needed,
                             "speedup": round(speedup, 3), "met": speedup >= needed})
-    targets += [row for case, entry in cases.items() if (row := forced_comparison(case, entry["runners"]))]
+    choices = auto_choices(started)
+    for case, entry in cases.items():
+        row = forced_comparison(case, entry["runners"], whole_model_choice(choices, entry["real_tokens"]))
+        targets += [row] if row else []
     machine = machine_info(CPU)
     machine.update(threads=args.threads, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
     report = interleaved_report(machine, f"{model_name(model_dir)} ({config.family})", args.rounds, cases,
                                 targets, notes=notes, worst_cosine_vs_hf_fp32=cosines, not_available=unavailable,
-                                auto_choices=auto_choices(started))
+                                auto_choices=choices)
     write_interleaved(report, markdown(report), args.out, args.name)
     return 0
 
 
-def forced_comparison(case: str, runners: dict) -> dict | None:
+def whole_model_choice(choices: dict, tokens: int) -> str | None:
+    """What auto's whole-model decision ran for float32 forwards of ``tokens`` tokens (their class), if it made one."""
+    from fastbert.backends import tuning
+
+    suffix = f"float32 no-grad t{torch.get_num_threads()} tokens<={tuning.bucket(tokens)}"
+    return next((e["choice"] for name, e in choices.items() if name.startswith("model ") and name.endswith(suffix)),
+                None)
+
+
+def forced_comparison(case: str, runners: dict, chose: str | None = None) -> dict | None:
     """The target row of ``auto`` (float32, as from_pretrained runs it) against the fastest of the backends forced
     alone in this case: auto's speed over the best one's (>= `WITHIN_BEST_FORCED` meets it), every forced median
-    beside it; None without forced runners."""
+    and what auto's whole-model decision ran (``chose``) beside it; None without forced runners."""
     forced = {b: runners[f"fastbert {b}"]["median_ms"] for b in FORCED_BACKENDS if f"fastbert {b}" in runners}
     if not forced or AUTO_FLOAT32 not in runners:
         return None
     best = min(forced, key=forced.get)
     ratio = forced[best] / runners[AUTO_FLOAT32]["median_ms"]
     return {"case": case, "runner": AUTO_FLOAT32, "peer": f"fastbert {best} (fastest forced: "
-            + ", ".join(f"{b} {ms:.1f}" for b, ms in sorted(forced.items(), key=lambda kv: kv[1])) + " ms)",
+            + ", ".join(f"{b} {ms:.1f}" for b, ms in sorted(forced.items(), key=lambda kv: kv[1]))
+            + f" ms; auto ran: {chose or 'not decided whole'})",
             "needed": WITHIN_BEST_FORCED, "speedup": round(ratio, 3), "met": ratio >= WITHIN_BEST_FORCED}
 
 

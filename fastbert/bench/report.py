@@ -229,6 +229,11 @@ def interleaved_report(machine: dict[str, Any], model: str, rounds: int, cases: 
     }
 
 
+def ratio_text(ratio: float) -> str:
+    """A needed ratio as written: one decimal (1.5x), two where one would round it (0.97x)."""
+    return f"{ratio:.1f}x" if round(ratio, 1) == ratio else f"{ratio:.2f}x"
+
+
 def interleaved_markdown(report: dict[str, Any], title: str, machine_note: str, protocol: str,
                          ms_digits: int) -> list[str]:
     """The Markdown lines every interleaved benchmark shares: header (date, machine, versions, command, protocol),
@@ -254,7 +259,7 @@ def interleaved_markdown(report: dict[str, Any], title: str, machine_note: str, 
         lines += [f"## {case}: batch {data['batch'][0]} x {data['batch'][1]} ({data['real_tokens']} real tokens)", "",
                   format_table(("runner", "median ms", "min ms", "speed-up vs HF eager (median)", "rel err"), rows,
                                markdown=True), ""]
-    rows = [[t["case"], t["runner"], t["peer"], f"{t['needed']:.{1 if round(t['needed'], 1) == t['needed'] else 2}f}x", f"{t['speedup']:.2f}x",
+    rows = [[t["case"], t["runner"], t["peer"], ratio_text(t["needed"]), f"{t['speedup']:.2f}x",
              "yes" if t["met"] else "NO"] for t in report["targets"]]
     lines += ["## Targets", "", format_table(("case", "runner", "peer", "needed", "measured (median)", "met"), rows,
                                              markdown=True)]

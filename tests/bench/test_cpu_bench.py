@@ -29,8 +29,9 @@ def medians(**ms: float) -> dict:
 
 
 def test_auto_is_judged_against_the_fastest_forced_backend(cpu_bench: ModuleType) -> None:
-    row = cpu_bench.forced_comparison("8x128", medians(auto=120.0, cpp=134.0, onednn=118.0, eager=141.0, ort=90.0))
-    assert row["peer"].startswith("fastbert onednn (fastest forced: onednn 118.0, cpp 134.0, eager 141.0")
+    row = cpu_bench.forced_comparison("8x128", medians(auto=120.0, cpp=134.0, onednn=118.0, eager=141.0, ort=90.0),
+                                      "onednn")
+    assert row["peer"] == "fastbert onednn (fastest forced: onednn 118.0, cpp 134.0, eager 141.0 ms; auto ran: onednn)"
     assert row["speedup"] == pytest.approx(118.0 / 120.0, abs=1e-3)
     assert row["met"] and row["needed"] == 0.97
 
@@ -42,3 +43,13 @@ def test_auto_more_than_three_percent_slower_misses(cpu_bench: ModuleType) -> No
 
 def test_no_forced_runners_no_row(cpu_bench: ModuleType) -> None:
     assert cpu_bench.forced_comparison("1x128", medians(auto=10.0, ort=12.0)) is None
+
+
+def test_the_whole_model_choice_of_the_cases_class_is_named(cpu_bench: ModuleType) -> None:
+    threads = cpu_bench.torch.get_num_threads()
+    choices = {f"model bert-1 float32 no-grad t{threads} tokens<=1024": {"choice": "onednn"},
+               f"model bert-1 float32 no-grad t{threads} tokens<=4096": {"choice": "per-op table"},
+               f"model bert-1 bfloat16 no-grad t{threads} tokens<=1024": {"choice": "cpp"}}
+    assert cpu_bench.whole_model_choice(choices, 1024) == "onednn"
+    assert cpu_bench.whole_model_choice(choices, 2176) == "per-op table"
+    assert cpu_bench.whole_model_choice(choices, 128) is None
