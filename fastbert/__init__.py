@@ -24,8 +24,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from fastbert.config import FastBertConfig
     from fastbert.heads import TASKS, build_task_model, supported_tasks
     from fastbert.loading import CheckpointError, from_pretrained
-    from fastbert.model import EncoderOutput, FastBertModel
+    from fastbert.model import EncoderOutput, FastBertModel, PackedEncoderOutput
     from fastbert.optimize import explain, is_optimized, optimize
+    from fastbert.packing import PackedBatch
 
 try:  # the one version is pyproject.toml's, as installed
     __version__ = metadata.version("fastbert")
@@ -47,6 +48,8 @@ _EXPORTS = {
     "is_optimized": "fastbert.optimize",
     "ops": None,
     "optimize": "fastbert.optimize",
+    "PackedBatch": "fastbert.packing",
+    "PackedEncoderOutput": "fastbert.model",
     "supported_tasks": "fastbert.heads",
 }
 
@@ -56,6 +59,8 @@ __all__ = [  # `_EXPORTS`' names (a literal list: linters and type checkers read
     "EncoderOutput",
     "FastBertConfig",
     "FastBertModel",
+    "PackedBatch",
+    "PackedEncoderOutput",
     "TASKS",
     "backends",
     "build_task_model",

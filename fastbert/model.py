@@ -31,12 +31,24 @@ from fastbert.backends import tuning
 from fastbert.config import FastBertConfig
 from fastbert.ops.dropout import draw_seed, dropout, op_seed
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
+from fastbert.packing import PackedBatch
 
 
 @dataclass
 class EncoderOutput:
     """last_hidden_state [B, S, H] (zeros at padded positions); pooler_output [B, H] or None; hidden_states: the
     embedding output and every layer's output, each [B, S, H], when asked for."""
+
+    last_hidden_state: torch.Tensor
+    pooler_output: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class PackedEncoderOutput:
+    """`FastBertModel.forward_packed`'s result: last_hidden_state [T, H], the packed batch's rows; pooler_output
+    [B, H] (the pooler on each sequence's first token) or None; hidden_states: the embedding output and every
+    layer's output, each [T, H], when asked for."""
 
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
@@ -423,6 +435,21 @@ class FastBertModel(nn.Module):
         states = self._restore_padding(states, varlen, key_padding_mask)
         hidden = states[-1]
         return EncoderOutput(hidden, self.pool(hidden), tuple(states) if output_hidden_states else None)
+
+    def forward_packed(self, batch: PackedBatch, output_hidden_states: bool = False) -> PackedEncoderOutput:
+        """Encode a `fastbert.packing.PackedBatch` (on the model's device): no padding, and no tensor value read
+        back from the device (its checks were made on the host when it was packed)."""
+        if batch.device != self.embeddings.word_embeddings.device:
+            raise ValueError(f"the packed batch is on {batch.device}, the model on "
+                             f"{self.embeddings.word_embeddings.device}: move it with batch.to(device)")
+        varlen = VarlenBatch(None, batch.cu_seqlens, batch.max_seqlen, batch.batch_size, batch.max_seqlen)
+        states = self.encode_tokens(batch.input_ids, batch.position_ids, batch.token_type_ids, varlen, None,
+                                    all_states=output_hidden_states, position_count=batch.position_count)
+        hidden = states[-1]
+        pooled = None
+        if self.pooler is not None:
+            pooled = torch.tanh(self.pooler(hidden.index_select(0, batch.cu_seqlens[:-1].long())))
+        return PackedEncoderOutput(hidden, pooled, tuple(states) if output_hidden_states else None)
 
     def _restore_padding(self, states: list[torch.Tensor], varlen: VarlenBatch,
                          key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:

@@ -171,7 +171,29 @@ class Embedder:
         return token_budget_batches(lengths, self.max_batch_tokens, self.max_batch_size)
 
     def embed_batch(self, token_lists: Sequence[list[int]]) -> torch.Tensor:
-        """Pooled (and normalised) embeddings [n, H] float32 on the CPU of one batch of token lists."""
+        """Pooled (and normalised) embeddings [n, H] float32 on the CPU of one batch of token lists: packed once
+        on the host (`fastbert.packing.PackedBatch`) and encoded without padding; on CUDA with graphs, through the
+        padded entry, which replays the captured packed graphs (`fastbert.cuda_graphs`)."""
+        if self.device.type == "cuda" and self.cuda_graphs:
+            return self._embed_padded(token_lists)
+        from fastbert.packing import PackedBatch
+
+        batch = PackedBatch.from_token_lists(self.config, token_lists, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model.forward_packed(batch).last_hidden_state
+            if self.pooling == "cls":
+                pooled = hidden.index_select(0, batch.cu_seqlens[:-1].long()).float()
+            else:  # mean over each sequence's rows (fp32 sums), as sentence-transformers pools
+                owner = torch.repeat_interleave(torch.arange(batch.batch_size), torch.tensor(batch.lengths))
+                sums = hidden.new_zeros(batch.batch_size, hidden.shape[1], dtype=torch.float32)
+                sums.index_add_(0, owner.to(hidden.device), hidden.float())
+                pooled = sums / torch.tensor(batch.lengths, dtype=torch.float32, device=hidden.device)[:, None]
+            if self.normalize:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+        return pooled.cpu()
+
+    def _embed_padded(self, token_lists: Sequence[list[int]]) -> torch.Tensor:
+        """`embed_batch` through the model's [B, S] entry."""
         ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(tokens) for tokens in token_lists], batch_first=True,
                                               padding_value=self.config.pad_token_id)
         lengths = torch.tensor([len(tokens) for tokens in token_lists])

@@ -1,0 +1,125 @@
+"""`fastbert.packing.PackedBatch` and `FastBertModel.forward_packed`: packed and padded execution agree for every
+layer architecture and position scheme, the packed forward reads no tensor value back (no device sync), and bad
+token lists fail on the host with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import fastbert
+from fastbert import PackedBatch
+from tests.helpers import tiny_model
+
+FAMILIES = ("bert", "roberta", "distilbert", "albert", "modernbert")
+LENGTHS = [(1,), (7, 1, 3), (130, 7, 1)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request, tmp_path_factory) -> fastbert.FastBertModel:
+    """A tiny random checkpoint of the family (positions for 130 tokens), loaded by fastbert, eval mode."""
+    directory = tmp_path_factory.mktemp(request.param)
+    tiny_model(request.param, max_position_embeddings=160).save_pretrained(directory)
+    return fastbert.from_pretrained(str(directory)).eval()
+
+
+def token_lists(config, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    low = config.pad_token_id + 1  # real tokens are never the pad id (RoBERTa's positions skip it)
+    return [torch.randint(low, config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=pad)
+    lengths = torch.tensor([len(r) for r in rows])
+    return ids, (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+def test_packed_equals_padded(model, lengths):
+    rows = token_lists(model.config, lengths)
+    ids, mask = padded(rows, model.config.pad_token_id)
+    with torch.inference_mode():
+        reference = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        out = model.forward_packed(PackedBatch.from_token_lists(model.config, rows), output_hidden_states=True)
+    real = mask.bool()
+    torch.testing.assert_close(out.last_hidden_state, reference.last_hidden_state[real], rtol=1e-5, atol=1e-5)
+    for got, expected in zip(out.hidden_states, reference.hidden_states, strict=True):
+        torch.testing.assert_close(got, expected[real], rtol=1e-5, atol=1e-5)
+    if reference.pooler_output is None:
+        assert out.pooler_output is None
+    else:
+        torch.testing.assert_close(out.pooler_output, reference.pooler_output, rtol=1e-5, atol=1e-5)
+
+
+def test_from_padded_reads_the_mask_once_and_matches(model):
+    rows = token_lists(model.config, (5, 2, 9), seed=3)
+    ids, mask = padded(rows, model.config.pad_token_id)
+    left = torch.stack([torch.roll(r, int(n)) for r, n in zip(ids, (ids.shape[1] - mask.sum(1)), strict=True)])
+    left_mask = torch.stack([torch.roll(m, int(n)) for m, n in zip(mask, (ids.shape[1] - mask.sum(1)), strict=True)])
+    for batch in (PackedBatch.from_padded(model.config, ids, mask),
+                  PackedBatch.from_padded(model.config, left, left_mask)):
+        assert batch.lengths == (5, 2, 9) and batch.input_ids.tolist() == sum(rows, [])
+        assert batch.cu_seqlens.tolist() == [0, 5, 7, 16] and batch.max_seqlen == 9
+
+
+def test_roberta_positions_follow_transformers():
+    config = fastbert.FastBertConfig.from_hf_dict(tiny_model("roberta").config.to_dict())
+    batch = PackedBatch.from_token_lists(config, [[5, 6, 7], [8]])
+    pad = config.pad_token_id
+    assert batch.position_ids.tolist() == [pad + 1, pad + 2, pad + 3, pad + 1]
+    assert batch.position_count == pad + 4
+
+
+class NoHostReads(TorchFunctionMode):
+    """Fails on every way Python reads a tensor's values back (each one a device sync on a GPU)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu, torch.nonzero,
+             torch.Tensor.nonzero, torch.Tensor.__array__}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise AssertionError(f"a packed forward read tensor values back: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_packed_forward_reads_no_value_back(model):
+    """On CPU with the cpp backend (as `auto` runs attention there): no .item(), .tolist(), bool(), nonzero...
+    (the GPU run checks the same with torch.cuda.set_sync_debug_mode("error")). The padded entry does read (its
+    mask), which the same mode catches: the test can fail."""
+    rows = token_lists(model.config, (7, 1, 3))
+    batch = PackedBatch.from_token_lists(model.config, rows)
+    model.backend = "cpp"
+    try:
+        with torch.inference_mode():
+            model.forward_packed(batch)  # the first call of a shape class may measure: not part of the check
+            with NoHostReads():
+                model.forward_packed(batch)
+            ids, mask = padded(rows, model.config.pad_token_id)
+            with pytest.raises(AssertionError, match="read tensor values back"), NoHostReads():
+                model(input_ids=ids, attention_mask=mask)
+    finally:
+        model.backend = "auto"
+
+
+@pytest.mark.parametrize("rows, types, message", [
+    ([], None, "at least one sequence"),
+    ([[5], []], None, "sequence 1 is empty"),
+    ([[5, 97]], None, "outside the vocabulary"),
+    ([[5] * 200], None, "at most"),
+    ([[5, 6]], [[0]], "one type per token"),
+    ([[5, 6]], [[0, 2]], "must lie in"),
+])
+def test_bad_token_lists_fail_on_the_host(rows, types, message):
+    config = fastbert.FastBertConfig.from_hf_dict(tiny_model("bert").config.to_dict())
+    with pytest.raises(ValueError, match=message):
+        PackedBatch.from_token_lists(config, rows, types)
+
+
+def test_a_batch_on_another_device_is_refused(model):
+    batch = PackedBatch.from_token_lists(model.config, [[5, 6]])
+    object.__setattr__(batch, "input_ids", batch.input_ids.to("meta"))
+    with pytest.raises(ValueError, match="batch.to"):
+        model.forward_packed(batch)
