@@ -72,8 +72,8 @@ def add_model_run_options(parser: argparse.ArgumentParser) -> None:
                         help="tokens per text, longer texts truncated and counted (default: the checkpoint's "
                         "sentence-transformers max_seq_length, else the model's limit)")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
-                        help="token budget per batch: texts x longest text of the batch (default 4096 on CPU, 16384 "
-                        "on CUDA, at least --max-length)")
+                        help="token budget per batch, real tokens (default 4096 on CPU, 16384 on CUDA, at least "
+                        "--max-length)")
     parser.add_argument("--batch-size", type=int, default=None, help="at most this many texts per batch")
     parser.add_argument("--window-rows", type=int, default=None,
                         help="rows read, sorted and written together; one shard each with --output-dir (default "

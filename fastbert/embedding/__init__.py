@@ -10,7 +10,7 @@
 
 Import the public names from this package."""
 
-from fastbert.embedding.batching import token_budget_batches, windows
+from fastbert.embedding.batching import real_token_batches, windows
 from fastbert.embedding.checkpoint import default_max_length, sentence_transformers_head
 from fastbert.embedding.embedder import DEFAULT_BATCH_TOKENS, POOLINGS, Embedder, NonFiniteEmbedding
 from fastbert.embedding.formats import FORMATS
@@ -22,5 +22,5 @@ from fastbert.embedding.stats import EmbedStats, truncation_note
 __all__ = [
     "DEFAULT_BATCH_TOKENS", "FORMATS", "MANIFEST", "POOLINGS", "EmbedStats", "Embedder", "FileOutput", "InputError",
     "NonFiniteEmbedding", "Progress", "Row", "ShardedOutput", "default_max_length", "open_input", "read_output",
-    "read_rows", "run", "sentence_transformers_head", "skip_rows", "token_budget_batches", "truncation_note", "windows",
+    "read_rows", "run", "sentence_transformers_head", "skip_rows", "real_token_batches", "truncation_note", "windows",
 ]

@@ -27,21 +27,24 @@ def windows(rows: Iterator[Row], size: int) -> Iterator[tuple[list[Row], InputEr
         yield window, None
 
 
-def token_budget_batches(lengths: Sequence[int], max_batch_tokens: int,
-                         max_batch_size: int | None = None) -> list[list[int]]:
-    """Indices of the texts of token counts ``lengths``, longest first, cut into batches of at most
-    ``max_batch_tokens`` tokens counted padded (texts x longest text of the batch) and at most ``max_batch_size``
-    texts. Sorting by length keeps the padding small; a text longer than the budget is a batch on its own."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+def real_token_batches(lengths: Sequence[int], max_batch_tokens: int, max_batch_size: int | None = None,
+                       longest_first: bool = True) -> list[list[int]]:
+    """Indices of the texts of token counts ``lengths`` cut into batches of at most ``max_batch_tokens`` real
+    tokens (the encoder runs packed, without padding: a forward's cost follows its real tokens) and at most
+    ``max_batch_size`` texts; a text longer than the budget is a batch on its own. ``longest_first``: sorted by
+    length first (`fastbert embed`: similar lengths share a batch); else in the order given (the server: jobs
+    finish in queue order)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if longest_first else range(len(lengths))
     batches: list[list[int]] = []
     current: list[int] = []
+    total = 0
     for index in order:
-        longest = lengths[current[0]] if current else lengths[index]
         full = max_batch_size is not None and len(current) >= max_batch_size
-        if current and (full or (len(current) + 1) * longest > max_batch_tokens):
+        if current and (full or total + lengths[index] > max_batch_tokens):
             batches.append(current)
-            current = []
+            current, total = [], 0
         current.append(index)
+        total += lengths[index]
     if current:
         batches.append(current)
     return batches

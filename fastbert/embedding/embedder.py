@@ -1,7 +1,7 @@
 """The `Embedder`: a checkpoint's tokenizer and fastbert model, embedding lists of texts in the order given.
 
 `Embedder.embed(texts)` tokenizes the texts, sorts them by length, cuts batches by a token budget
-(`fastbert.embedding.batching.token_budget_batches`), runs the padding-free encoder, pools (mean or cls),
+(`fastbert.embedding.batching.real_token_batches`), runs the padding-free encoder, pools (mean or cls),
 normalises, and returns one row per text (NaN for a blank text) with the counts of the call."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from fastbert.common.resolve import UserError
 from fastbert.common.text import mean_pool
-from fastbert.embedding.batching import token_budget_batches
+from fastbert.embedding.batching import real_token_batches
 from fastbert.embedding.checkpoint import config_digest, default_max_length, sentence_transformers_head
 from fastbert.embedding.reading import InputError
 from fastbert.embedding.stats import TRUNCATED_LINES_KEPT, EmbedStats
@@ -41,8 +41,8 @@ class Embedder:
     a Normalize module), else mean and normalised. max_length: tokens per text after truncation (default: the
     checkpoint's sentence-transformers ``max_seq_length``, else the model's limit); a longer text is truncated and
     counted.
-    max_batch_tokens: a batch holds at most this many tokens counted padded (texts x longest text of the batch;
-    texts are sorted by length first, so padding is small); default `DEFAULT_BATCH_TOKENS` of the device, at least
+    max_batch_tokens: a batch holds at most this many real tokens (texts sorted by length first; the encoder runs
+    them packed, without padding); default `DEFAULT_BATCH_TOKENS` of the device, at least
     max_length. max_batch_size caps the texts per batch.
     load_model False (a Ray driver): read the checkpoint's settings and width only, the actors hold the models; the
     device may then be one only the actors have. cuda_graphs: on CUDA, batches replay CUDA graphs of the packed
@@ -166,9 +166,9 @@ class Embedder:
         return cut, [len(ids) > self.max_length for ids in full]
 
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Indices of the texts, longest first, cut into batches of at most max_batch_tokens padded tokens (and at
+        """Indices of the texts, longest first, cut into batches of at most max_batch_tokens real tokens (and at
         most max_batch_size texts)."""
-        return token_budget_batches(lengths, self.max_batch_tokens, self.max_batch_size)
+        return real_token_batches(lengths, self.max_batch_tokens, self.max_batch_size)
 
     def embed_batch(self, token_lists: Sequence[list[int]]) -> torch.Tensor:
         """Pooled (and normalised) embeddings [n, H] float32 on the CPU of one batch of token lists: packed once
