@@ -149,7 +149,7 @@ def measure(model_dir: str, float_precision: str) -> dict:
     from fastbert.embedding.embedder import Embedder
 
     precisions = dict.fromkeys(("float32", "int8", float_precision))
-    made = {p: Embedder(model_dir, dtype=p, normalize=True) for p in precisions}
+    made = {p: Embedder(model_dir, device="cpu", dtype=p, normalize=True) for p in precisions}
     reference = made["float32"].embed(list(PROBE_TEXTS))[0]
     int8_rows = made["int8"].embed(list(PROBE_TEXTS))[0]
     worst = float(np.min(np.sum(reference * int8_rows, axis=1)))  # both L2-normalised

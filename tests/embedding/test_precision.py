@@ -88,3 +88,12 @@ def test_the_real_probe_measures_the_checkpoint(fresh, tiny_dir):
     assert -1.0 <= found["worst_cosine"] <= 1.0 + 1e-6
     assert found["int8_ms"] > 0 and found["float_ms"] > 0 and found["float"] == "float32"
     assert np.isfinite([found["int8_ms"], found["float_ms"]]).all()
+
+
+def test_the_probe_runs_on_the_cpu_even_where_a_gpu_is_the_default(fresh, monkeypatch, tiny_dir):
+    """`Embedder(device="cpu", dtype="auto")` on a GPU machine: the probe's models are CPU models too."""
+    from fastbert.common import resolve
+
+    monkeypatch.setattr(resolve, "best_device", lambda: "cuda")
+    found = precision.measure(tiny_dir, "float32")
+    assert found["int8_ms"] > 0
