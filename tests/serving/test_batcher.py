@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, fifo_batches
+from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, token_batches
 from fastbert.serving.engines import Tokens
 
 
@@ -19,12 +19,14 @@ class SumEngine:
 
     def __init__(self):
         self.padded: list[int] = []
+        self.real: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
 
     def run(self, batch):
         self.gate.wait(10)
         self.padded.append(len(batch) * max(len(t) for t in batch))
+        self.real.append(sum(len(t) for t in batch))
         return np.array([[t.ids[0], len(t), sum(t.ids)] for t in batch], dtype=np.float64)
 
 
@@ -56,7 +58,7 @@ def test_each_job_gets_its_own_rows_within_the_budget():
         batcher.stop()
     for job, rows in zip(jobs, results, strict=True):
         np.testing.assert_array_equal(rows, expected(job))
-    assert max(engine.padded) <= 1024 and len(engine.padded) < 30  # several jobs share forwards
+    assert max(engine.real) <= 1024 and len(engine.real) < 30  # several jobs share forwards
 
 
 def test_full_queue_refuses_at_once_and_stop_drains():
@@ -107,27 +109,27 @@ def test_a_timed_out_job_is_skipped():
 
 
 @pytest.mark.parametrize("sizes", [[1], [7, 1, 130], [130] * 3 + [1] * 7, [768]])
-def test_fifo_batches_keep_queue_order_and_the_budget(sizes):
+def test_token_batches_keep_queue_order_and_the_real_token_budget(sizes):
     rng = np.random.default_rng(len(sizes))
     lengths = [list(rng.integers(1, 200, size=n)) for n in sizes]
     budget = 512
-    batches = fifo_batches(lengths, budget)
+    batches = token_batches(lengths, budget)
     flat = [length for job in lengths for length in job]
     order = [i for batch in batches for i in batch]
-    assert sorted(order) == list(range(len(flat)))  # every input once
-    owner = np.repeat(np.arange(len(lengths)), [len(job) for job in lengths])
-    assert list(owner[order]) == sorted(owner[order])  # job after job: jobs finish in queue order
-    for batch in batches:
-        padded = len(batch) * max(flat[i] for i in batch)
-        assert padded <= budget or len(batch) == 1
-    starts = np.cumsum([0] + [len(job) for job in lengths])
-    for k, job in enumerate(lengths):  # each job's longest first
-        mine = [flat[i] for i in order if owner[i] == k]
-        assert mine == sorted(job, reverse=True) and len(mine) == starts[k + 1] - starts[k]
+    assert order == list(range(len(flat)))  # every input once, job after job: jobs finish in queue order
+    for k, batch in enumerate(batches):
+        assert sum(flat[i] for i in batch) <= budget or len(batch) == 1
+        if k + 1 < len(batches):  # full: the next input would not have fitted
+            assert sum(flat[i] for i in batch) + flat[batches[k + 1][0]] > budget
 
 
-def test_fifo_batches_cut_a_text_over_the_budget_alone():
-    assert fifo_batches([[3, 900, 5], [2]], 64) == [[1], [2, 0, 3]]
+def test_token_batches_count_real_tokens_not_padded_ones():
+    # padded, [100, 5, 5, 5] would cost 400 tokens > 200; real, 115
+    assert token_batches([[100, 5], [5, 5]], 200) == [[0, 1, 2, 3]]
+
+
+def test_token_batches_cut_a_text_over_the_budget_alone():
+    assert token_batches([[3, 900, 5], [2]], 64) == [[0], [1], [2, 3]]
 
 
 class SteppedEngine(SumEngine):
@@ -146,10 +148,11 @@ class SteppedEngine(SumEngine):
 
 
 def test_a_job_is_answered_once_its_own_forward_has_run():
-    """One window of three queued jobs (80 real tokens) that the budget cuts into two forwards: the first job is
-    answered while the second forward is still held, the other two after it."""
+    """Three queued jobs (70, 10 and 10 real tokens) that the budget of 75 puts in two forwards (the second one
+    cut while the first runs): the first job is answered while the second forward is still held, the other two
+    after it."""
     engine = SteppedEngine()
-    batcher = Batcher(engine, max_batch_tokens=130, max_queue=10)
+    batcher = Batcher(engine, max_batch_tokens=75, max_queue=10)
     jobs = [[Tokens(list(range(1, 71)))], [Tokens(list(range(2, 12)))], [Tokens(list(range(3, 13)))]]
 
     async def scenario():
@@ -174,4 +177,4 @@ def test_a_job_is_answered_once_its_own_forward_has_run():
         batcher.stop(timeout=10)
     for job, rows in zip(jobs, results, strict=True):
         np.testing.assert_array_equal(rows, expected(job))
-    assert engine.padded == [70, 20]  # one window, cut into two forwards
+    assert engine.real == [70, 20]
