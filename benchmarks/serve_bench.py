@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-texts", type=int, default=8, help="texts per request at most (default 8)")
     parser.add_argument("--servers", default="fastbert,baseline", help=f"comma-separated, of {', '.join(SERVERS)}")
     parser.add_argument("--infinity-venv", default=None, help="a venv with infinity-emb installed (its own)")
+    parser.add_argument("--fastbert-root", default=None,
+                        help="serve fastbert from this checkout (its .venv): an older commit beside this one")
     parser.add_argument("--serve-args", default="", help="more options for fastbert serve (e.g. '--dtype auto')")
     parser.add_argument("--merge", nargs="*", default=None,
                         help="results.json files of earlier --servers runs: join them (with --out) and judge targets")
@@ -135,16 +137,15 @@ class Server:
 def start_server(name: str, args: argparse.Namespace) -> Server:
     port = free_port()
     if name == "fastbert":
-        command = [sys.executable, "-m", "fastbert.cli", "serve", "--port", str(port), "--threads", str(args.threads),
+        python = str(Path(args.fastbert_root) / ".venv" / "bin" / "python") if args.fastbert_root else sys.executable
+        command = [python, "-m", "fastbert.cli", "serve", "--port", str(port), "--threads", str(args.threads),
                    "--max-queue", str(args.max_queue), "--log-level", "warning", *args.serve_args.split()]
         command += ["--model", args.model] if args.model else []
         command += [] if "--dtype" in args.serve_args else ["--dtype", "float32"]
     elif name in INFINITY_ENGINES:
-        from fastbert.common.resolve import default_model_dir
-
-        command = [str(Path(args.infinity_venv) / "bin" / "infinity_emb"), "v2", "--model-id",
-                   args.model or default_model_dir(), "--served-model-name", "minilm", "--engine",
-                   INFINITY_ENGINES[name], "--device", "cpu", "--port", str(port), "--no-model-warmup"]
+        command = [str(Path(args.infinity_venv) / "bin" / "infinity_emb"), "v2", "--model-id", model_copy(args),
+                   "--served-model-name", "minilm", "--engine", INFINITY_ENGINES[name], "--device", "cpu",
+                   "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads),
                "INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"}
         process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -154,10 +155,25 @@ def start_server(name: str, args: argparse.Namespace) -> Server:
     else:
         command = [sys.executable, __file__, "--baseline-server", "--port", str(port), "--threads", str(args.threads)]
         command += ["--model", args.model] if args.model else []
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    root = args.fastbert_root if name == "fastbert" and args.fastbert_root else ROOT
+    process = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     server = Server(name, process, f"http://127.0.0.1:{port}")
     wait_ready(server)
     return server
+
+
+def model_copy(args: argparse.Namespace) -> str:
+    """The model directory copied once under /tmp: infinity's ONNX engine exports the model next to its weights,
+    and the packaged one lies in the venv's site-packages."""
+    import shutil
+    import tempfile
+
+    from fastbert.common.resolve import default_model_dir
+
+    if getattr(args, "model_copy", None) is None:
+        args.model_copy = str(Path(tempfile.mkdtemp(prefix="serve-bench-")) / "all-MiniLM-L6-v2")
+        shutil.copytree(args.model or default_model_dir(), args.model_copy)
+    return args.model_copy
 
 
 def wait_ready(server: Server, timeout: float = 180) -> None:
@@ -567,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
               "embeddings", flush=True)
         workload, reference = make_workload(args.pool, args.max_texts)
         results = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "settings": {
-            k: v for k, v in vars(args).items() if k not in ("baseline_server", "port")}, "servers": {}}
+            k: v for k, v in vars(args).items() if k not in ("baseline_server", "port", "model_copy")}, "servers": {}}
         for name in args.servers:
             results["servers"][name] = run_server(name, args, workload, reference)
         results["machine"] = machine(args)

@@ -22,6 +22,7 @@ import asyncio
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -213,8 +214,10 @@ class Batcher:
                 self.warmup()
         except Exception as err:  # noqa: BLE001 - kept for /health and the log; the server stays unready
             self.warmup_error = err
-            raise
-        self.ready.set()
+            self.accepting = False  # new requests are answered 503; the queued ones below
+            traceback.print_exc()
+        else:
+            self.ready.set()
         while True:
             batch = self.batches.get()
             if batch is None:
@@ -226,6 +229,8 @@ class Batcher:
             if not batch.items:
                 continue
             try:
+                if self.warmup_error is not None:
+                    raise ShuttingDown(f"the server's warm-up failed ({self.warmup_error!r}); see its log")
                 self.run(batch)
             except Exception as err:  # noqa: BLE001 - a failed forward fails its requests, never the worker
                 for job, _ in batch.items:

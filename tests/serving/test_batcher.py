@@ -178,3 +178,82 @@ def test_a_job_is_answered_once_its_own_forward_has_run():
     for job, rows in zip(jobs, results, strict=True):
         np.testing.assert_array_equal(rows, expected(job))
     assert engine.real == [70, 20]
+
+
+def test_the_next_batch_is_cut_while_the_current_one_runs():
+    """Job B arrives while job A's forward runs: the planner cuts B's batch at once (prefetch), and B still counts
+    as queued (a full queue refuses) until its forward starts."""
+    engine = SteppedEngine()
+    batcher = Batcher(engine, max_batch_tokens=1000, max_queue=2)
+    batcher.start()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(batcher.infer(tokens(1, 3), timeout=30))
+        assert await loop.run_in_executor(None, engine.waiting.wait, 10)  # A's forward holds
+        second = asyncio.ensure_future(batcher.infer(tokens(2, 2), timeout=30))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if batcher.batches.qsize() == 1:
+                break
+        assert batcher.batches.qsize() == 1 and not batcher.pending  # B is cut, ready for the model
+        assert batcher.depth() == 1  # and still counted as waiting
+        batcher.submit(tokens(3, 1), loop)  # the second place of the queue
+        with pytest.raises(QueueFull):
+            batcher.check_room()
+        for _ in range(3):
+            engine.step.release()
+        return await asyncio.gather(first, second)
+
+    try:
+        a, b = asyncio.run(scenario())
+    finally:
+        batcher.stop(timeout=10)
+    np.testing.assert_array_equal(a, expected(tokens(1, 3)))
+    np.testing.assert_array_equal(b, expected(tokens(2, 2)))
+
+
+def test_ready_only_after_the_warm_up_and_jobs_wait_for_it():
+    engine = SumEngine()
+    release = threading.Event()
+    warmed = []
+    batcher = Batcher(engine, max_batch_tokens=256, max_queue=4,
+                      warmup=lambda: (release.wait(10), warmed.append(engine.run([Tokens([5, 6])]))))
+    batcher.start()
+
+    async def scenario():
+        job = asyncio.ensure_future(batcher.infer(tokens(9, 2), timeout=30))
+        await asyncio.sleep(0.2)
+        assert not batcher.ready.is_set() and not job.done()  # queued, not run, while the warm-up goes on
+        release.set()
+        return await job
+
+    try:
+        rows = asyncio.run(scenario())
+    finally:
+        batcher.stop(timeout=10)
+    assert batcher.ready.is_set() and len(warmed) == 1 and engine.real[0] == 2  # the warm-up's forward came first
+    np.testing.assert_array_equal(rows, expected(tokens(9, 2)))
+
+
+def test_a_failed_warm_up_leaves_the_batcher_unready():
+    def broken():
+        raise RuntimeError("no memory")
+
+    engine = SumEngine()
+    engine.gate.clear()
+    batcher = Batcher(engine, max_batch_tokens=64, max_queue=4, warmup=broken)
+
+    async def scenario():
+        queued = asyncio.ensure_future(batcher.infer(tokens(1, 2), timeout=30))  # before the warm-up fails
+        await asyncio.sleep(0)
+        batcher.start()
+        with pytest.raises(ShuttingDown):
+            await queued
+        with pytest.raises(ShuttingDown):
+            batcher.check_room()
+
+    asyncio.run(scenario())
+    batcher.stop(timeout=10)
+    assert not batcher.ready.is_set() and isinstance(batcher.warmup_error, RuntimeError)
+    assert not batcher.thread.is_alive() and not engine.real  # stopped cleanly, nothing run
