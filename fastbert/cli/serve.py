@@ -30,8 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="token budget of one forward (default 4096 on CPU, 16384 on CUDA)")
-    parser.add_argument("--max-queue", type=int, default=64,
-                        help="requests waiting at most; more are answered 429 at once (default 64)")
+    parser.add_argument("--max-queue", type=int, default=512,
+                        help="requests waiting at most; more are answered 429 at once (default 512)")
     parser.add_argument("--max-input-length", type=int, default=None,
                         help="tokens per input; longer ones are cut with truncate: true, else answered 413 (default: "
                         "the checkpoint's sentence-transformers max_seq_length, else the model's limit)")

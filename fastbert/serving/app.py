@@ -65,7 +65,7 @@ class ServeSettings:
     dtype: str | None = None
     backend: str = "auto"
     max_batch_tokens: int | None = None
-    max_queue: int = 64
+    max_queue: int = 512  # TEI's max_concurrent_requests: closed-loop clients past it are refused and retry at once
     max_input_length: int | None = None
     max_client_batch_size: int = 32
     request_timeout: float = 30.0
