@@ -17,6 +17,7 @@ from fastbert.common.resolve import UserError
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``serve`` to the ``fastbert`` parser."""
     from fastbert.serving.engines import TASKS
+    from fastbert.serving.warmup import WARMUPS
 
     parser = subparsers.add_parser(
         "serve", help="an embedding / rerank / classification HTTP server with token-budget dynamic batching",
@@ -29,8 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="token budget of one forward (default 4096 on CPU, 16384 on CUDA)")
-    parser.add_argument("--max-queue", type=int, default=64,
-                        help="requests waiting at most; more are answered 429 at once (default 64)")
+    parser.add_argument("--max-queue", type=int, default=512,
+                        help="requests waiting at most; more are answered 429 at once (default 512)")
     parser.add_argument("--max-input-length", type=int, default=None,
                         help="tokens per input; longer ones are cut with truncate: true, else answered 413 (default: "
                         "the checkpoint's sentence-transformers max_seq_length, else the model's limit)")
@@ -44,6 +45,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
                         "FASTBERT_API_KEY environment variable; unset: no key)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="threads that tokenize requests and write answers, off the event loop and the model's "
+                        "thread (default 2)")
+    parser.add_argument("--warmup", choices=WARMUPS, default="quick",
+                        help="forwards run before /health says ready (503 until then): none, quick (a few token "
+                        "counts, default) or full (more text lengths and token counts)")
+    parser.add_argument("--warmup-seconds", type=float, default=60.0,
+                        help="stop the warm-up after the forward that passes this many seconds (default 60)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default info)")
     parser.add_argument("--ray", action="store_true",
@@ -61,6 +70,10 @@ def settings_from(args: argparse.Namespace):
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         raise UserError("--max-batch-tokens must be >= 1")
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers must be >= 1")
+    if args.warmup_seconds < 0:
+        raise UserError("--warmup-seconds must be >= 0")
     if args.request_timeout <= 0:
         raise UserError("--request-timeout must be > 0")
     if not 0 <= args.port <= 65535:
@@ -69,7 +82,8 @@ def settings_from(args: argparse.Namespace):
                          backend=args.backend, max_batch_tokens=args.max_batch_tokens, max_queue=args.max_queue,
                          max_input_length=args.max_input_length, max_client_batch_size=args.max_client_batch_size,
                          request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, workers=args.workers,
+                         warmup=args.warmup, warmup_seconds=args.warmup_seconds)
 
 
 def run(args: argparse.Namespace) -> int:

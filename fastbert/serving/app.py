@@ -10,12 +10,14 @@ queue is full; 503 while shutting down; 504 past the request timeout. Errors rea
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import json
 import os
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,6 +36,7 @@ from fastbert.serving import schemas
 from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown
 from fastbert.serving.engines import EmbedEngine, InputTooLong, load_engine
 from fastbert.serving.metrics import CONTENT_TYPE, Metrics
+from fastbert.serving.warmup import WARMUPS, warm
 
 try:
     import orjson
@@ -42,7 +45,8 @@ except ImportError:  # the serve extra installs it; without it the answers are t
 
 API_KEY_ENV = "FASTBERT_API_KEY"
 OPEN_PATHS = ("/health",)  # answered without the API key: what a load balancer probes
-ROUTES = ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/predict", "/health", "/info", "/metrics")
+ROUTES = ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/predict", "/similarity", "/tokenize", "/decode",
+          "/embed_all", "/embed_sparse", "/health", "/info", "/metrics")
 # exception -> (status, TEI's error_type)
 ERRORS: dict[type, tuple[int, str]] = {
     schemas.InputError: (422, "Validation"), schemas.TooManyInputs: (413, "Validation"),
@@ -61,12 +65,17 @@ class ServeSettings:
     dtype: str | None = None
     backend: str = "auto"
     max_batch_tokens: int | None = None
-    max_queue: int = 64
+    max_queue: int = 512  # TEI's max_concurrent_requests: closed-loop clients past it are refused and retry at once
     max_input_length: int | None = None
     max_client_batch_size: int = 32
     request_timeout: float = 30.0
     max_body_bytes: int = 2 * 1024 * 1024
     api_key: str | None = None
+    # threads that tokenize requests and write answers, off the event loop and off the model's thread (the
+    # tokenizers library and orjson release the GIL); None: 2
+    workers: int | None = None
+    warmup: str = "quick"  # none, quick or full: the forwards the model's thread runs before /health says ready
+    warmup_seconds: float = 60.0  # the warm-up stops after its forward that passes this
 
 
 class WrongTask(Exception):
@@ -79,13 +88,25 @@ class Service:
     def __init__(self, settings: ServeSettings, engine: Any = None):
         if settings.max_queue < 1 or settings.max_client_batch_size < 1 or settings.request_timeout <= 0:
             raise ValueError("max_queue and max_client_batch_size must be >= 1, request_timeout > 0")
+        if settings.warmup not in WARMUPS or settings.warmup_seconds < 0 or (settings.workers or 1) < 1:
+            raise ValueError(f"warmup must be one of {WARMUPS}, warmup_seconds >= 0, workers >= 1")
         self.settings = settings
         self.engine = engine or load_engine(settings.task, settings.model_dir, settings.device, settings.dtype,
                                             settings.backend, settings.max_input_length)
         self.max_batch_tokens = settings.max_batch_tokens or DEFAULT_BATCH_TOKENS[self.engine.device.type]
         self.metrics = Metrics(lambda: self.batcher.depth())
-        self.batcher = Batcher(self.engine, self.max_batch_tokens, settings.max_queue, observer=self.metrics)
+        self.batcher = Batcher(self.engine, self.max_batch_tokens, settings.max_queue, observer=self.metrics,
+                               warmup=lambda: warm(self.engine, self.max_batch_tokens, settings.warmup,
+                                                   settings.warmup_seconds))
+        self.has_mlm_head = self.engine.task == "embed" and self.engine.has_mlm_head()
+        self.workers = settings.workers or 2
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fastbert-io")
         self.app = build_app(self)
+
+    async def offload(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` in the worker pool: tokenizing and writing answers leave the event loop free to
+        accept and parse the next requests, and the model's thread free to run."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, function, *args)
 
     def require(self, *tasks: str) -> None:
         if self.engine.task not in tasks:
@@ -96,7 +117,7 @@ class Service:
         """The engine's rows for texts (or pairs) through the batcher, and their token count; a too-long input is
         cut at the end ``direction`` (TEI's truncation_direction) names when ``truncate``."""
         self.batcher.check_room()
-        tokens = self.engine.encode(items, truncate, direction.lower())
+        tokens = await self.offload(self.engine.encode, items, truncate, direction.lower())
         return await self.batcher.infer(tokens, self.settings.request_timeout), sum(len(t) for t in tokens)
 
     def info(self) -> dict[str, Any]:
@@ -109,6 +130,7 @@ class Service:
                 "max_client_batch_size": self.settings.max_client_batch_size, "max_queue": self.settings.max_queue,
                 "request_timeout_s": self.settings.request_timeout, "max_body_bytes": self.settings.max_body_bytes,
                 "auth": self.settings.api_key is not None, "version": __version__,
+                "warmup": self.settings.warmup, "ready": self.batcher.ready.is_set(), "workers": self.workers,
                 "pid": os.getpid()}  # tells replicas apart behind a load balancer
 
 
@@ -118,14 +140,17 @@ def build_app(service: Service) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        service.batcher.start()
+        service.batcher.start()  # its model thread warms up first; /health answers 503 until it is done
         yield
         service.batcher.stop()
+        service.pool.shutdown(wait=False)
 
     app = FastAPI(title="fastbert serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service = service
     for path, handler in (("/embed", embed), ("/v1/embeddings", openai_embeddings), ("/embeddings", openai_embeddings),
-                          ("/rerank", rerank), ("/predict", predict)):
+                          ("/rerank", rerank), ("/predict", predict), ("/similarity", similarity),
+                          ("/tokenize", tokenize), ("/decode", decode), ("/embed_all", embed_all),
+                          ("/embed_sparse", embed_sparse)):
         app.add_api_route(path, handler, methods=["POST"])
     for path, handler in (("/health", health), ("/info", info), ("/metrics", metrics)):
         app.add_api_route(path, handler, methods=["GET"])
@@ -162,23 +187,36 @@ def normalized(rows: np.ndarray) -> np.ndarray:
     return torch.nn.functional.normalize(torch.from_numpy(rows), p=2, dim=1).numpy()
 
 
+def embedding_rows(rows: np.ndarray, normalize: bool, dimensions: int | None) -> np.ndarray:
+    """The answer's rows: the first ``dimensions`` of each (Matryoshka), then L2-normalised when ``normalize``."""
+    if dimensions is not None:
+        rows = rows[:, :dimensions]
+    return normalized(rows) if normalize else rows
+
+
+def check_dimensions(dimensions: int | None, engine: EmbedEngine) -> None:
+    if dimensions is not None and not 1 <= dimensions <= engine.dimension:
+        raise schemas.InputError(f"dimensions {dimensions}: this model gives 1 to {engine.dimension}")
+
+
 async def embed(body: schemas.EmbedRequest, request: Request) -> Response:
     """TEI's /embed: one embedding (a list of floats) per input, in order."""
     service: Service = request.app.state.service
     service.require("embed")
+    check_dimensions(body.dimensions, service.engine)
     texts = schemas.texts_of(body.inputs, service.settings.max_client_batch_size)
     texts = service.engine.with_prompt(texts, body.prompt_name)
     rows, _ = await service.rows(texts, body.truncate, body.truncation_direction)
-    return json_response(normalized(rows) if body.normalize else rows)
+    return await service.offload(lambda: json_response(embedding_rows(rows, body.normalize, body.dimensions)))
 
 
 async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Request) -> Response:
-    """OpenAI's embeddings API: texts or token ids in; floats or base64 (little-endian float32) out."""
+    """OpenAI's embeddings API: texts or token ids in; floats or base64 (little-endian float32) out; ``dimensions``
+    keeps the first dimensions of each embedding (then renormalises it when the model's embeddings are)."""
     service: Service = request.app.state.service
     service.require("embed")
     engine: EmbedEngine = service.engine
-    if body.dimensions is not None and body.dimensions != engine.dimension:
-        raise schemas.InputError(f"dimensions {body.dimensions}: this model gives {engine.dimension} only")
+    check_dimensions(body.dimensions, engine)
     limit = service.settings.max_client_batch_size
     if isinstance(body.input, list) and body.input and isinstance(body.input[0], (int, list)):
         rows_of_ids = [body.input] if isinstance(body.input[0], int) else body.input
@@ -191,14 +229,81 @@ async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Reque
         count = sum(len(t) for t in tokens)
     else:
         rows, count = await service.rows(schemas.texts_of(body.input, limit), truncate=False)
-    rows = normalized(rows) if engine.default_normalize else rows
-    if body.encoding_format == "base64":
+    name = body.model or model_name(engine.model_dir)
+    return await service.offload(openai_answer, embedding_rows(rows, engine.default_normalize, body.dimensions),
+                                 body.encoding_format, name, count)
+
+
+def openai_answer(rows: np.ndarray, encoding_format: str, model: str, count: int) -> Response:
+    if encoding_format == "base64":
         vectors: list = [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in rows]
     else:
         vectors = list(rows)
     data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
-    return json_response({"object": "list", "data": data, "model": body.model or model_name(engine.model_dir),
+    return json_response({"object": "list", "data": data, "model": model,
                           "usage": {"prompt_tokens": count, "total_tokens": count}})
+
+
+async def similarity(body: schemas.SimilarityRequest, request: Request) -> Response:
+    """TEI's /similarity: the cosine similarity of the source sentence to each sentence, in order."""
+    service: Service = request.app.state.service
+    service.require("embed")
+    params = body.parameters or schemas.SimilarityParameters()
+    schemas.check_text(body.inputs.source_sentence, "source_sentence")
+    texts = [body.inputs.source_sentence,
+             *schemas.texts_of(body.inputs.sentences, service.settings.max_client_batch_size)]
+    texts = service.engine.with_prompt(texts, params.prompt_name)
+    rows, _ = await service.rows(texts, bool(params.truncate), params.truncation_direction)
+    unit = normalized(rows)
+    return json_response((unit[1:] @ unit[0]).tolist())
+
+
+async def tokenize(body: schemas.TokenizeRequest, request: Request) -> Response:
+    """TEI's /tokenize: each text's tokens (id, text, special, start, stop), not truncated."""
+    service: Service = request.app.state.service
+    service.require("embed")
+    texts = service.engine.with_prompt(schemas.texts_of(body.inputs, service.settings.max_client_batch_size),
+                                       body.prompt_name)
+    return json_response(await service.offload(service.engine.tokenize_details, texts, body.add_special_tokens))
+
+
+async def decode(body: schemas.DecodeRequest, request: Request) -> Response:
+    """TEI's /decode: the text of each row of token ids."""
+    service: Service = request.app.state.service
+    service.require("embed")
+    rows = schemas.id_rows(body.ids, service.settings.max_client_batch_size)
+    return json_response(await service.offload(service.engine.decode, rows, body.skip_special_tokens))
+
+
+async def token_level(service: Service, body: schemas.TokenLevelRequest, method: str) -> Any:
+    """The engine's ``method`` (token_embeddings or sparse) on the request's texts, in the worker pool while the
+    model's thread holds no batch (these forwards are not batched across requests)."""
+    service.require("embed")
+    texts = service.engine.with_prompt(schemas.texts_of(body.inputs, service.settings.max_client_batch_size),
+                                       body.prompt_name)
+    service.batcher.check_room()
+    tokens = await service.offload(service.engine.encode, texts, body.truncate, body.truncation_direction.lower())
+    return await service.offload(service.batcher.exclusive, getattr(service.engine, method), tokens)
+
+
+async def embed_all(body: schemas.TokenLevelRequest, request: Request) -> Response:
+    """TEI's /embed_all: each text's token embeddings (the last hidden states, special tokens included)."""
+    service: Service = request.app.state.service
+    rows = await token_level(service, body, "token_embeddings")
+    return await service.offload(json_response, rows)
+
+
+async def embed_sparse(body: schemas.TokenLevelRequest, request: Request) -> Response:
+    """TEI's /embed_sparse: SPLADE weights (index, value) per text; needs a checkpoint with a masked-LM head."""
+    service: Service = request.app.state.service
+    service.require("embed")
+    if not service.has_mlm_head:
+        raise WrongTask(f"/embed_sparse needs a checkpoint with a masked-LM head (SPLADE); {service.engine.model_dir} "
+                        "has none")
+    pairs = await token_level(service, body, "sparse")
+    answer = [[{"index": int(i), "value": float(v)} for i, v in zip(index, values, strict=True)]
+              for index, values in pairs]
+    return await service.offload(json_response, answer)
 
 
 async def rerank(body: schemas.RerankRequest, request: Request) -> Response:
@@ -231,6 +336,9 @@ async def predict(body: schemas.PredictRequest, request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     service: Service = request.app.state.service
+    if not service.batcher.ready.is_set():  # a readiness probe: not before the warm-up forwards have run
+        failed = service.batcher.warmup_error is not None or not service.batcher.thread.is_alive()
+        return json_response({"status": "unavailable" if failed else "warming up"}, status=503)
     if not service.batcher.accepting or not service.batcher.thread.is_alive():
         return json_response({"status": "unavailable"}, status=503)
     return json_response({"status": "ok"})

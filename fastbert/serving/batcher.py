@@ -1,26 +1,32 @@
-"""Dynamic batching across requests by a token budget: one worker thread owns the model.
+"""Dynamic batching across requests by a real-token budget, in two stages: a planner thread forms the next batch
+while the model's thread runs the current one.
 
 A request's tokenized inputs enter a bounded queue as one `Job` (`Batcher.submit`; a full queue raises `QueueFull`
-at once, so that the server answers 429 instead of letting clients pile up). The worker takes whole jobs from the
+at once, so that the server answers 429 instead of letting clients pile up). The planner takes whole jobs from the
 head of the queue until the next would pass ``max_batch_tokens`` real tokens (always at least one), cuts their
-inputs, job after job (each job's longest first), into batches of at most ``max_batch_tokens`` padded tokens
-(`fifo_batches`), runs one padding-free forward per batch, and hands each job its own rows in its own order as soon
-as its last batch has run: the jobs finish in the order they came, and the first ones do not wait for the forwards
-of the later ones. While a batch runs, new requests queue, so the next batch is as full as the load allows without
-any waiting on purpose.
+inputs, job after job, into batches of at most ``max_batch_tokens`` real tokens (`token_batches`: the encoder is
+padding-free, so padded tokens cost nothing and are not counted), and hands them to the model's thread through a
+queue of ``prefetch`` batches: while a forward runs, the next batch is already cut and waiting. The model's thread
+runs one forward per batch and hands each job its own rows, in its own order, as soon as its last batch has run: the
+jobs finish in the order they came, and the first ones do not wait for the forwards of the later ones. Whatever
+comes after the rows (normalising, encoding the answer) happens on the request's side, not in the model's thread.
+
+Before the first batch, the model's thread runs ``warmup`` (the server's warm-up forwards) and then sets `ready`.
 
 The asyncio side (`Batcher.infer`) waits for its job's result with a timeout; a job whose client gave up before
-the worker reached it is skipped."""
+the planner reached it is skipped."""
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
+import traceback
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,18 +57,33 @@ class RequestTimeout(Exception):
     """A job waited longer than the request timeout."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """One request's inputs, waiting for their rows. ``future`` belongs to the event loop ``loop``."""
+    """One request's inputs, waiting for their rows. ``future`` belongs to the event loop ``loop``; ``rows`` fills
+    as its batches run (``left`` inputs still to run)."""
 
     inputs: list[Tokens]
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     queued_at: float = field(default_factory=time.perf_counter)
+    rows: np.ndarray | None = None
+    left: int = 0
 
     @property
     def tokens(self) -> int:
         return sum(len(t) for t in self.inputs)
+
+
+@dataclass
+class Batch:
+    """One forward's inputs: (job, index of the input in the job) per row; ``starts``: the jobs whose first
+    input it holds (they count as queued until it runs)."""
+
+    items: list[tuple[Job, int]]
+    starts: int = 0
+
+    def inputs(self) -> list[Tokens]:
+        return [job.inputs[i] for job, i in self.items]
 
 
 @dataclass
@@ -76,26 +97,34 @@ class BatchRecord:
 
 
 class Batcher:
-    """The queue and its worker; ``observer`` (optional) hears of each job's wait and each forward, in the
-    worker."""
+    """The queue, the planner and the model's thread; ``observer`` (optional) hears of each job's wait and each
+    forward; ``warmup`` (optional) runs in the model's thread before any job, and `ready` is set after it."""
 
-    def __init__(self, engine: Engine, max_batch_tokens: int, max_queue: int, observer: Observer | None = None):
-        if max_batch_tokens < 1 or max_queue < 1:
-            raise ValueError("max_batch_tokens and max_queue must be >= 1")
+    def __init__(self, engine: Engine, max_batch_tokens: int, max_queue: int, observer: Observer | None = None,
+                 warmup: Callable[[], None] | None = None, prefetch: int = 1):
+        if max_batch_tokens < 1 or max_queue < 1 or prefetch < 1:
+            raise ValueError("max_batch_tokens, max_queue and prefetch must be >= 1")
         self.engine, self.max_batch_tokens, self.max_queue = engine, max_batch_tokens, max_queue
-        self.observer = observer
+        self.observer, self.warmup = observer, warmup
         self.pending: deque[Job] = deque()
+        self.planned = 0  # jobs the planner took whose first forward has not started: still queued for a client
         self.condition = threading.Condition()
+        self.batches: queue.Queue[Batch | None] = queue.Queue(maxsize=prefetch)
         self.accepting = True
         self.stopped = False
-        self.thread = threading.Thread(target=self.work, name="fastbert-batcher", daemon=True)
+        self.ready = threading.Event()
+        self.model_lock = threading.Lock()  # one forward at a time: a batch's or an `exclusive` call's
+        self.warmup_error: BaseException | None = None
+        self.thread = threading.Thread(target=self.work, name="fastbert-model", daemon=True)
+        self.planner = threading.Thread(target=self.plan, name="fastbert-planner", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
+        self.planner.start()
 
     def depth(self) -> int:
-        """Jobs waiting (not counting the batch that runs)."""
-        return len(self.pending)
+        """Jobs waiting: queued, or cut into a batch that has not started."""
+        return len(self.pending) + self.planned
 
     def submit(self, inputs: list[Tokens], loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a job; QueueFull when the queue is full, ShuttingDown after `stop`."""
@@ -111,25 +140,32 @@ class Batcher:
         asks before tokenizing, so that a refusal costs the server (and the client's wait) as little as it can."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
-        if len(self.pending) >= self.max_queue:
+        if self.depth() >= self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
 
     async def infer(self, inputs: list[Tokens], timeout: float) -> np.ndarray:
-        """The rows [len(inputs), D] of ``inputs``, in order, once the worker has run them."""
+        """The rows [len(inputs), D] of ``inputs``, in order, once the model's thread has run them."""
         job = self.submit(inputs, asyncio.get_running_loop())
         try:
             return await asyncio.wait_for(job.future, timeout)
-        except asyncio.TimeoutError as err:  # wait_for cancelled the future: the worker will skip the job
+        except asyncio.TimeoutError as err:  # wait_for cancelled the future: the planner will skip the job
             raise RequestTimeout(f"no result within the request timeout of {timeout:g} s") from err
 
+    def exclusive(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` while no batch runs (what the unbatched token-level endpoints use); in the
+        caller's thread."""
+        with self.model_lock:
+            return function(*args)
+
     def stop(self, timeout: float | None = None) -> None:
-        """Accept no more jobs, let the worker finish the queued ones, and wait for it."""
+        """Accept no more jobs, let the threads finish the queued ones, and wait for them."""
         with self.condition:
             self.accepting = False
             self.stopped = True
             self.condition.notify_all()
-        if self.thread.is_alive():
-            self.thread.join(timeout)
+        for thread in (self.planner, self.thread):
+            if thread.is_alive():
+                thread.join(timeout)
 
     def take(self) -> list[Job]:
         """Whole jobs from the head of the queue, up to the token budget (at least one); [] once stopped and
@@ -148,67 +184,95 @@ class Batcher:
                     break
                 jobs.append(self.pending.popleft())
                 total += job.tokens
+            self.planned += len(jobs)
             return jobs
 
-    def work(self) -> None:
+    def plan(self) -> None:
+        """The planner: jobs into batches, into the model's queue (which holds ``prefetch`` of them)."""
         while True:
             jobs = self.take()
             if not jobs:
                 if self.stopped and not self.pending:
+                    self.batches.put(None)
                     return
                 continue
             if self.observer is not None:
                 now = time.perf_counter()
                 for job in jobs:
                     self.observer.record_wait(now - job.queued_at)
+            owners = [(job, i) for job in jobs for i in range(len(job.inputs))]
+            for job in jobs:
+                job.left = len(job.inputs)
+            for batch in token_batches([[len(t) for t in job.inputs] for job in jobs], self.max_batch_tokens):
+                items = [owners[i] for i in batch]
+                self.batches.put(Batch(items, starts=sum(1 for _, i in items if i == 0)))
+
+    def work(self) -> None:
+        """The model's thread: the warm-up, then one forward per batch until the planner says it is done."""
+        try:
+            if self.warmup is not None:
+                self.warmup()
+        except Exception as err:  # noqa: BLE001 - kept for /health and the log; the server stays unready
+            self.warmup_error = err
+            self.accepting = False  # new requests are answered 503; the queued ones below
+            traceback.print_exc()
+        else:
+            self.ready.set()
+        while True:
+            batch = self.batches.get()
+            if batch is None:
+                return
+            with self.condition:
+                self.planned -= batch.starts
+            # a job whose client gave up after it was cut (timeout, disconnect) is not run
+            batch.items = [(job, i) for job, i in batch.items if not job.future.cancelled()]
+            if not batch.items:
+                continue
             try:
-                for job, rows in self.run(jobs):
-                    job.loop.call_soon_threadsafe(settle, job.future, rows, None)
+                if self.warmup_error is not None:
+                    raise ShuttingDown(f"the server's warm-up failed ({self.warmup_error!r}); see its log")
+                self.run(batch)
             except Exception as err:  # noqa: BLE001 - a failed forward fails its requests, never the worker
-                for job in jobs:  # those answered already keep their rows: settle skips a done future
+                for job, _ in batch.items:
+                    job.left = -1  # its other batches' rows no longer answer it
                     job.loop.call_soon_threadsafe(settle, job.future, None, err)
 
-    def run(self, jobs: list[Job]) -> Iterator[tuple[Job, np.ndarray]]:
-        """Each job with its rows, as soon as the forward of its last input has run (`fifo_batches`)."""
-        inputs = [t for job in jobs for t in job.inputs]
-        owner = [k for k, job in enumerate(jobs) for _ in job.inputs]
-        left = [len(job.inputs) for job in jobs]
-        bounds = np.cumsum([0] + left)
-        out: np.ndarray | None = None
-        for batch in fifo_batches([[len(t) for t in job.inputs] for job in jobs], self.max_batch_tokens):
-            start = time.perf_counter()
-            rows = self.engine.run([inputs[i] for i in batch])
-            if out is None:
-                out = np.empty((len(inputs), rows.shape[1]), dtype=rows.dtype)
-            out[batch] = rows
-            if self.observer is not None:
-                lengths = [len(inputs[i]) for i in batch]
-                self.observer.record_batch(BatchRecord(len(batch), sum(lengths), len(batch) * max(lengths),
-                                          time.perf_counter() - start))
-            for i in batch:
-                k = owner[i]
-                left[k] -= 1
-                if left[k] == 0:
-                    yield jobs[k], out[bounds[k]:bounds[k + 1]]
+    def run(self, batch: Batch) -> None:
+        """One forward; each job whose last input this was gets its rows."""
+        inputs = batch.inputs()
+        start = time.perf_counter()
+        with self.model_lock:
+            rows = self.engine.run(inputs)
+        if self.observer is not None:
+            lengths = [len(t) for t in inputs]
+            self.observer.record_batch(BatchRecord(len(inputs), sum(lengths), len(inputs) * max(lengths),
+                                                   time.perf_counter() - start))
+        for (job, index), row in zip(batch.items, rows, strict=True):
+            if job.left <= 0:
+                continue
+            if job.rows is None:
+                job.rows = np.empty((len(job.inputs), rows.shape[1]), dtype=rows.dtype)
+            job.rows[index] = row
+            job.left -= 1
+            if job.left == 0:
+                job.loop.call_soon_threadsafe(settle, job.future, job.rows, None)
 
 
-def fifo_batches(lengths: Sequence[Sequence[int]], max_batch_tokens: int) -> list[list[int]]:
-    """Indices into the jobs' inputs laid end to end (``lengths``: each job's token counts, in queue order), cut
-    into batches of at most ``max_batch_tokens`` tokens counted padded (texts x longest text of the batch): job
-    after job, each job's longest input first, so that a job's inputs share as few batches as they can and the
-    batches finish the jobs in queue order. An input longer than the budget is a batch on its own."""
+def token_batches(lengths: Sequence[Sequence[int]], max_batch_tokens: int) -> list[list[int]]:
+    """Indices into the jobs' inputs laid end to end (``lengths``: each job's token counts, in queue order), cut in
+    that order into batches of at most ``max_batch_tokens`` real tokens (the encoder runs without padding, so the
+    padded count says nothing of a forward's cost): the batches finish the jobs in queue order. An input longer
+    than the budget is a batch on its own. (The one place the server cuts; `fastbert.embedding.batching` is to
+    give the shared rule.)"""
     batches: list[list[int]] = []
     current: list[int] = []
-    longest, start = 0, 0
-    for job in lengths:
-        for index in sorted(range(start, start + len(job)), key=lambda i: -job[i - start]):
-            size = job[index - start]
-            if current and (len(current) + 1) * max(longest, size) > max_batch_tokens:
-                batches.append(current)
-                current, longest = [], 0
-            current.append(index)
-            longest = max(longest, size)
-        start += len(job)
+    total = 0
+    for index, size in enumerate(size for job in lengths for size in job):
+        if current and total + size > max_batch_tokens:
+            batches.append(current)
+            current, total = [], 0
+        current.append(index)
+        total += size
     if current:
         batches.append(current)
     return batches

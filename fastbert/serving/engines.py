@@ -68,6 +68,8 @@ class EmbedEngine:
         self.labels: list[str] = []
         self.prompts = checkpoint_prompts(self.model_dir)
         self.left = PairTokenizer(self.model_dir, self.max_length, "left")
+        self.mlm: torch.nn.Module | None = None
+        self.plain = plain_tokenizer(self.model_dir)
 
     def encode(self, texts: Sequence[Text], truncate: bool, direction: str = "right") -> list[Tokens]:
         """Token ids of each text (special tokens added); InputTooLong for the first too-long one unless
@@ -103,6 +105,72 @@ class EmbedEngine:
 
     def run(self, batch: Sequence[Tokens]) -> np.ndarray:
         return self.embedder.embed_batch([t.ids for t in batch]).numpy()
+
+    def token_embeddings(self, batch: Sequence[Tokens]) -> list[np.ndarray]:
+        """The last hidden states [len(t), H] float32 of each input, special tokens included (TEI's /embed_all,
+        sentence-transformers' ``output_value="token_embeddings"``): what the pooling averages."""
+        ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(t.ids) for t in batch], batch_first=True,
+                                              padding_value=self.config.pad_token_id)
+        lengths = [len(t) for t in batch]
+        mask = (torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]).long()
+        inputs = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        if self.config.type_vocab_size:
+            inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+        with torch.inference_mode():
+            hidden = self.embedder.model(**inputs).last_hidden_state.float().cpu().numpy()
+        return [hidden[i, :n] for i, n in enumerate(lengths)]
+
+    def has_mlm_head(self) -> bool:
+        """Whether the checkpoint holds a masked-LM head's weights (what /embed_sparse needs)."""
+        return checkpoint_has_mlm_head(self.model_dir)
+
+    def sparse(self, batch: Sequence[Tokens]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """SPLADE: log(1 + relu(MLM logits)) max-pooled over each input's tokens, as (vocabulary ids, values) of
+        its non-zero entries. The masked-LM model is loaded at the first call."""
+        if self.mlm is None:
+            import fastbert
+
+            self.mlm = fastbert.from_pretrained(self.model_dir, task="masked-lm", device=self.device,
+                                                dtype=self.dtype).eval()
+        out = []
+        with torch.inference_mode():
+            for tokens in batch:  # one at a time: [len, vocab] logits per text are large
+                logits = self.mlm(input_ids=torch.tensor([tokens.ids], device=self.device)).logits[0].float()
+                weights = torch.log1p(torch.relu(logits)).amax(dim=0).cpu()
+                index = torch.nonzero(weights > 0).flatten()
+                out.append((index.numpy(), weights[index].numpy()))
+        return out
+
+
+    def tokenize_details(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[dict]]:
+        """TEI's /tokenize: per text, each token's id, text, whether it is special, and its character span in the
+        text (none for a special token); not truncated."""
+        tokenizer = self.require_plain()
+        answers = []
+        for text, encoding in zip(texts, tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens),
+                                  strict=True):
+            row = []
+            for token_id, token, special, (start, stop) in zip(encoding.ids, encoding.tokens,
+                                                               encoding.special_tokens_mask, encoding.offsets,
+                                                               strict=True):
+                row.append({"id": token_id, "text": token if special else text[start:stop], "special": bool(special),
+                            "start": None if special else start, "stop": None if special else stop})
+            answers.append(row)
+        return answers
+
+    def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
+        """TEI's /decode: the text of each row of ids; InputError for an id outside the vocabulary."""
+        tokenizer = self.require_plain()
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        for index, row in enumerate(rows):
+            if any(i >= size for i in row):
+                raise InputError(f"input {index}: token ids must lie in [0, {size})")
+        return tokenizer.decode_batch([list(row) for row in rows], skip_special_tokens=skip_special_tokens)
+
+    def require_plain(self):
+        if self.plain is None:
+            raise InputError(f"{self.model_dir} has no tokenizer.json: /tokenize and /decode need one")
+        return self.plain
 
 
 class ClassifyEngine:
@@ -191,6 +259,35 @@ class PairTokenizer:
         out = self.slow(first, pairs, truncation=True, max_length=self.max_length)
         types = out.get("token_type_ids") or [[0] * len(ids) for ids in out["input_ids"]]
         return out["input_ids"], types, [len(ids) > self.max_length for ids in full]
+
+
+def plain_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer.json without truncation or padding (what /tokenize and /decode show), or None."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(path)
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def checkpoint_has_mlm_head(model_dir: str) -> bool:
+    """Whether the checkpoint's weights (safetensors or pytorch_model.bin) hold a masked-LM head."""
+    names: list[str] = []
+    for file in sorted(os.listdir(model_dir)):
+        path = os.path.join(model_dir, file)
+        if file.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:
+                names += list(f.keys())
+        elif file == "pytorch_model.bin":
+            names += list(torch.load(path, map_location="meta", weights_only=True))
+    heads = ("cls.predictions.", "lm_head.", "decoder.", "vocab_projector.")  # BERT, RoBERTa, ModernBERT, DistilBERT
+    return any(name.startswith(heads) for name in names)
 
 
 def check_lengths(truncated: Sequence[bool], ids: Sequence[list[int]], truncate: bool, limit: int) -> None:

@@ -32,6 +32,7 @@ class EmbedRequest(BaseModel):
     truncate: bool = False
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
+    dimensions: int | None = None  # Matryoshka: the first this many dimensions, renormalised when normalize
 
 
 class OpenAIEmbeddingRequest(BaseModel):
@@ -107,3 +108,65 @@ def predict_items(inputs: str | list[str | list[str]], limit: int) -> tuple[list
         for part in (item,) if isinstance(item, str) else item:
             check_text(part, f"input {index}")
     return items, True
+
+
+class TokenizeRequest(BaseModel):
+    """TEI's /tokenize."""
+
+    model_config = STRICT
+    inputs: str | list[str]
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+
+
+class DecodeRequest(BaseModel):
+    """TEI's /decode: one row of ids or a batch of rows."""
+
+    model_config = STRICT
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
+class SimilarityInput(BaseModel):
+    model_config = STRICT
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityParameters(BaseModel):
+    model_config = STRICT
+    truncate: bool | None = None
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
+
+
+class SimilarityRequest(BaseModel):
+    """TEI's /similarity: the cosine similarity of the source sentence to each of the sentences."""
+
+    model_config = STRICT
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+
+
+class TokenLevelRequest(BaseModel):
+    """TEI's /embed_all and /embed_sparse."""
+
+    model_config = STRICT
+    inputs: str | list[str]
+    truncate: bool = False
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
+
+
+def id_rows(ids: list[int] | list[list[int]], limit: int) -> list[list[int]]:
+    """The rows of a /decode body: one row or a batch, 1 to ``limit`` of them, ids >= 0."""
+    if not ids:
+        raise InputError("no ids: send a list of token ids or a list of such lists")
+    rows = [ids] if isinstance(ids[0], int) else ids
+    if len(rows) > limit:
+        raise TooManyInputs(f"{len(rows)} inputs in one request; this server takes at most {limit} "
+                            "(--max-client-batch-size)")
+    for index, row in enumerate(rows):
+        if any(i < 0 for i in row):  # type: ignore[union-attr]
+            raise InputError(f"input {index}: token ids must be >= 0")
+    return rows  # type: ignore[return-value]

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, fifo_batches
+from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, token_batches
 from fastbert.serving.engines import Tokens
 
 
@@ -19,12 +19,14 @@ class SumEngine:
 
     def __init__(self):
         self.padded: list[int] = []
+        self.real: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
 
     def run(self, batch):
         self.gate.wait(10)
         self.padded.append(len(batch) * max(len(t) for t in batch))
+        self.real.append(sum(len(t) for t in batch))
         return np.array([[t.ids[0], len(t), sum(t.ids)] for t in batch], dtype=np.float64)
 
 
@@ -56,7 +58,7 @@ def test_each_job_gets_its_own_rows_within_the_budget():
         batcher.stop()
     for job, rows in zip(jobs, results, strict=True):
         np.testing.assert_array_equal(rows, expected(job))
-    assert max(engine.padded) <= 1024 and len(engine.padded) < 30  # several jobs share forwards
+    assert max(engine.real) <= 1024 and len(engine.real) < 30  # several jobs share forwards
 
 
 def test_full_queue_refuses_at_once_and_stop_drains():
@@ -107,27 +109,27 @@ def test_a_timed_out_job_is_skipped():
 
 
 @pytest.mark.parametrize("sizes", [[1], [7, 1, 130], [130] * 3 + [1] * 7, [768]])
-def test_fifo_batches_keep_queue_order_and_the_budget(sizes):
+def test_token_batches_keep_queue_order_and_the_real_token_budget(sizes):
     rng = np.random.default_rng(len(sizes))
     lengths = [list(rng.integers(1, 200, size=n)) for n in sizes]
     budget = 512
-    batches = fifo_batches(lengths, budget)
+    batches = token_batches(lengths, budget)
     flat = [length for job in lengths for length in job]
     order = [i for batch in batches for i in batch]
-    assert sorted(order) == list(range(len(flat)))  # every input once
-    owner = np.repeat(np.arange(len(lengths)), [len(job) for job in lengths])
-    assert list(owner[order]) == sorted(owner[order])  # job after job: jobs finish in queue order
-    for batch in batches:
-        padded = len(batch) * max(flat[i] for i in batch)
-        assert padded <= budget or len(batch) == 1
-    starts = np.cumsum([0] + [len(job) for job in lengths])
-    for k, job in enumerate(lengths):  # each job's longest first
-        mine = [flat[i] for i in order if owner[i] == k]
-        assert mine == sorted(job, reverse=True) and len(mine) == starts[k + 1] - starts[k]
+    assert order == list(range(len(flat)))  # every input once, job after job: jobs finish in queue order
+    for k, batch in enumerate(batches):
+        assert sum(flat[i] for i in batch) <= budget or len(batch) == 1
+        if k + 1 < len(batches):  # full: the next input would not have fitted
+            assert sum(flat[i] for i in batch) + flat[batches[k + 1][0]] > budget
 
 
-def test_fifo_batches_cut_a_text_over_the_budget_alone():
-    assert fifo_batches([[3, 900, 5], [2]], 64) == [[1], [2, 0, 3]]
+def test_token_batches_count_real_tokens_not_padded_ones():
+    # padded, [100, 5, 5, 5] would cost 400 tokens > 200; real, 115
+    assert token_batches([[100, 5], [5, 5]], 200) == [[0, 1, 2, 3]]
+
+
+def test_token_batches_cut_a_text_over_the_budget_alone():
+    assert token_batches([[3, 900, 5], [2]], 64) == [[0], [1], [2, 3]]
 
 
 class SteppedEngine(SumEngine):
@@ -146,10 +148,11 @@ class SteppedEngine(SumEngine):
 
 
 def test_a_job_is_answered_once_its_own_forward_has_run():
-    """One window of three queued jobs (80 real tokens) that the budget cuts into two forwards: the first job is
-    answered while the second forward is still held, the other two after it."""
+    """Three queued jobs (70, 10 and 10 real tokens) that the budget of 75 puts in two forwards (the second one
+    cut while the first runs): the first job is answered while the second forward is still held, the other two
+    after it."""
     engine = SteppedEngine()
-    batcher = Batcher(engine, max_batch_tokens=130, max_queue=10)
+    batcher = Batcher(engine, max_batch_tokens=75, max_queue=10)
     jobs = [[Tokens(list(range(1, 71)))], [Tokens(list(range(2, 12)))], [Tokens(list(range(3, 13)))]]
 
     async def scenario():
@@ -174,4 +177,83 @@ def test_a_job_is_answered_once_its_own_forward_has_run():
         batcher.stop(timeout=10)
     for job, rows in zip(jobs, results, strict=True):
         np.testing.assert_array_equal(rows, expected(job))
-    assert engine.padded == [70, 20]  # one window, cut into two forwards
+    assert engine.real == [70, 20]
+
+
+def test_the_next_batch_is_cut_while_the_current_one_runs():
+    """Job B arrives while job A's forward runs: the planner cuts B's batch at once (prefetch), and B still counts
+    as queued (a full queue refuses) until its forward starts."""
+    engine = SteppedEngine()
+    batcher = Batcher(engine, max_batch_tokens=1000, max_queue=2)
+    batcher.start()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(batcher.infer(tokens(1, 3), timeout=30))
+        assert await loop.run_in_executor(None, engine.waiting.wait, 10)  # A's forward holds
+        second = asyncio.ensure_future(batcher.infer(tokens(2, 2), timeout=30))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if batcher.batches.qsize() == 1:
+                break
+        assert batcher.batches.qsize() == 1 and not batcher.pending  # B is cut, ready for the model
+        assert batcher.depth() == 1  # and still counted as waiting
+        batcher.submit(tokens(3, 1), loop)  # the second place of the queue
+        with pytest.raises(QueueFull):
+            batcher.check_room()
+        for _ in range(3):
+            engine.step.release()
+        return await asyncio.gather(first, second)
+
+    try:
+        a, b = asyncio.run(scenario())
+    finally:
+        batcher.stop(timeout=10)
+    np.testing.assert_array_equal(a, expected(tokens(1, 3)))
+    np.testing.assert_array_equal(b, expected(tokens(2, 2)))
+
+
+def test_ready_only_after_the_warm_up_and_jobs_wait_for_it():
+    engine = SumEngine()
+    release = threading.Event()
+    warmed = []
+    batcher = Batcher(engine, max_batch_tokens=256, max_queue=4,
+                      warmup=lambda: (release.wait(10), warmed.append(engine.run([Tokens([5, 6])]))))
+    batcher.start()
+
+    async def scenario():
+        job = asyncio.ensure_future(batcher.infer(tokens(9, 2), timeout=30))
+        await asyncio.sleep(0.2)
+        assert not batcher.ready.is_set() and not job.done()  # queued, not run, while the warm-up goes on
+        release.set()
+        return await job
+
+    try:
+        rows = asyncio.run(scenario())
+    finally:
+        batcher.stop(timeout=10)
+    assert batcher.ready.is_set() and len(warmed) == 1 and engine.real[0] == 2  # the warm-up's forward came first
+    np.testing.assert_array_equal(rows, expected(tokens(9, 2)))
+
+
+def test_a_failed_warm_up_leaves_the_batcher_unready():
+    def broken():
+        raise RuntimeError("no memory")
+
+    engine = SumEngine()
+    engine.gate.clear()
+    batcher = Batcher(engine, max_batch_tokens=64, max_queue=4, warmup=broken)
+
+    async def scenario():
+        queued = asyncio.ensure_future(batcher.infer(tokens(1, 2), timeout=30))  # before the warm-up fails
+        await asyncio.sleep(0)
+        batcher.start()
+        with pytest.raises(ShuttingDown):
+            await queued
+        with pytest.raises(ShuttingDown):
+            batcher.check_room()
+
+    asyncio.run(scenario())
+    batcher.stop(timeout=10)
+    assert not batcher.ready.is_set() and isinstance(batcher.warmup_error, RuntimeError)
+    assert not batcher.thread.is_alive() and not engine.real  # stopped cleanly, nothing run

@@ -95,7 +95,9 @@ BAD_BODIES = [  # (route, body, status, words of the message)
     ("/v1/embeddings", {"input": "a", "encoding_format": "hex"}, 422, "encoding_format"),
     ("/v1/embeddings", {"input": [10**9]}, 422, "token ids"),
     ("/v1/embeddings", {"input": [[101, 102], []]}, 422, "token ids"),
-    ("/v1/embeddings", {"input": "a", "dimensions": 12}, 422, "dimensions"),
+    ("/v1/embeddings", {"input": "a", "dimensions": 385}, 422, "dimensions"),
+    ("/v1/embeddings", {"input": "a", "dimensions": 0}, 422, "dimensions"),
+    ("/embed", {"inputs": "a", "dimensions": 400}, 422, "dimensions"),
     ("/v1/embeddings", {"input": ["x"] * 40}, 413, "at most 32"),
 ]
 
