@@ -29,8 +29,13 @@ from torch import nn
 from fastbert import backends
 from fastbert.backends import tuning
 from fastbert.config import FastBertConfig
+from fastbert.ops.backward import activation_grad
 from fastbert.ops.dropout import draw_seed, dropout, op_seed
+from fastbert.ops.linear_glu import glu_grad
+from fastbert.ops.low_rank import AdapterGroup, add_to_heads, augmented_linear, residual_with_update
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
+from fastbert.ops.qkv_rotary import rotate_heads, split_packed
+from fastbert.ops.spec import SPECS
 from fastbert.packing import PackedBatch
 
 
@@ -190,19 +195,29 @@ class PostNormLayer(nn.Module):
         # ``qkv_bias`` pack. Under autograd the packed tensors are concatenated from them on every call, so the
         # gradients reach the parameters the model's optimizer holds.
         self.qkv_sources: tuple[tuple[nn.Parameter, ...], tuple[nn.Parameter, ...]] | None = None
+        # Set by `fastbert.optimize` for a PEFT model: role ("qkv", "attn_out", "ffn_in", "ffn_out") -> the LoRA
+        # adapters of that linear. The role's parameter then holds the merged weight (inference reads it); under
+        # autograd or adapter dropout `forward_adapted` runs the frozen weight and the update inside the ops.
+        self.low_rank: dict[str, AdapterGroup] | None = None
 
     def packed_qkv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv_weight [3H, H], qkv_bias [3H]) as the forward uses them, in ``dtype`` (the activations')."""
         p = self._parameters
         if self.qkv_sources is not None and torch.is_grad_enabled():
-            weights, biases = self.qkv_sources
-            return torch.cat(weights).to(dtype), (torch.cat(biases).to(dtype) if biases else p["qkv_bias"])
+            return self.source_qkv(dtype)
         return p["qkv_weight"], p["qkv_bias"]
+
+    def source_qkv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed Q/K/V weight and bias concatenated from the model's own parameters (differentiably)."""
+        weights, biases = self.qkv_sources
+        return torch.cat(weights).to(dtype), (torch.cat(biases).to(dtype) if biases else self._parameters["qkv_bias"])
 
     def forward(self, x: torch.Tensor, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,
                 table: backends.OpTable, seeds: DropoutSeeds = EVAL) -> torch.Tensor:
         """x: [T, H] packed tokens (padding_free) or [B*S, H] with key_padding_mask [B, S]. ``table`` holds the
         ops (argument order of `fastbert.backends.dispatch`); ``seeds`` the forward's dropout."""
+        if self.low_rank is not None and runs_adapted(self):
+            return self.forward_adapted(x, varlen, key_padding_mask, table, seeds)
         p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
         attention_p, attention_output_p, ffn_p = self.dropout
         qkv_weight, qkv_bias = self.packed_qkv(x.dtype)
@@ -214,6 +229,63 @@ class PostNormLayer(nn.Module):
         inner = table.linear_activation(x, p["ffn_in_weight"], p["ffn_in_bias"], self.activation)
         return table.linear_residual_layernorm(inner, p["ffn_out_weight"], p["ffn_out_bias"], x,
                                                p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps, *seeds(ffn_p))
+
+    def forward_adapted(self, x: torch.Tensor, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,
+                        table: backends.OpTable, seeds: DropoutSeeds = EVAL) -> torch.Tensor:
+        """`forward` with the LoRA adapters of ``low_rank`` inside the ops (`fastbert.ops.low_rank`), on the
+        frozen weights: autograd computes no gradient for them."""
+        p = self._parameters
+        groups = self.low_rank
+        attention_p, attention_output_p, ffn_p = self.dropout
+        qkv_weight, qkv_bias = self.source_qkv(x.dtype)
+        q, k, v = table.qkv_projection(x, qkv_weight, qkv_bias, self.num_heads)
+        if "qkv" in groups:
+            q, k, v = add_to_heads((q, k, v), groups["qkv"].update(x))
+        context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, None, seeds(attention_p))
+        x = adapted_residual(self, table, "linear_residual_layernorm", "attn_out", context, x,
+                             p["attn_norm_weight"], p["attn_norm_bias"], seeds(attention_output_p))
+        inner = adapted_epilogue(self, table.linear_activation, activation_grad, "ffn_in", x, self.activation)
+        return adapted_residual(self, table, "linear_residual_layernorm", "ffn_out", inner, x, p["ffn_norm_weight"],
+                                p["ffn_norm_bias"], seeds(ffn_p))
+
+
+# ------------------------------------------------------------------------------- LoRA adapters inside the layers
+def runs_adapted(layer: nn.Module) -> bool:
+    """Whether ``layer`` runs `forward_adapted`: it holds adapters and autograd records or an adapter's input
+    dropout acts (inference without dropout reads the merged weights instead)."""
+    groups = layer.low_rank
+    return groups is not None and (torch.is_grad_enabled() or any(group.dropping() for group in groups.values()))
+
+
+def frozen_weight(layer: nn.Module, role: str, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of the linear ``role`` without its adapters' update, in ``dtype``."""
+    group = layer.low_rank.get(role)
+    return (group.base if group is not None else layer._parameters[f"{role}_weight"]).to(dtype)
+
+
+def adapted_residual(layer: nn.Module, table: backends.OpTable, op_name: str, role: str, x: torch.Tensor,
+                     residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
+                     dropout_site: tuple[float, int]):
+    """The residual op ``op_name`` (linear_residual_layernorm / _prenorm) of the linear ``role``, its adapters'
+    update added before the op's dropout (through the residual, with the same mask)."""
+    op = getattr(table, op_name)
+    group = layer.low_rank.get(role)
+    if group is not None:
+        residual = residual_with_update(residual, group.update(x), *dropout_site)
+        if dropout_site[0] > 0:  # the op must draw the mask residual_with_update drew (`keep_mask`)
+            op = SPECS[op_name].eager
+    return op(x, frozen_weight(layer, role, x.dtype), layer._parameters[f"{role}_bias"], residual, ln_weight,
+              ln_bias, layer.eps, *dropout_site)
+
+
+def adapted_epilogue(layer: nn.Module, op, epilogue_grad, role: str, x: torch.Tensor, activation: str):
+    """A linear with a nonlinear epilogue (``op``: linear_activation / linear_glu) of ``role``, its adapters'
+    update added before the epilogue (`augmented_linear`)."""
+    weight, bias = frozen_weight(layer, role, x.dtype), layer._parameters[f"{role}_bias"]
+    group = layer.low_rank.get(role)
+    if group is None:
+        return op(x, weight, bias, activation)
+    return augmented_linear(op, epilogue_grad, x, weight, bias, group, activation)
 
 
 class PreNormLayer(nn.Module):
@@ -250,6 +322,7 @@ class PreNormLayer(nn.Module):
             del shapes["attn_norm"]
         for role, (shape, has_bias) in shapes.items():
             _weight_and_bias(self, role, shape, has_bias)
+        self.low_rank: dict[str, AdapterGroup] | None = None  # LoRA adapters, as `PostNormLayer.low_rank`
 
     def forward(self, x: torch.Tensor, normed: torch.Tensor, varlen: VarlenBatch,
                 key_padding_mask: torch.Tensor | None, table: backends.OpTable, positions: torch.Tensor,
@@ -270,6 +343,31 @@ class PreNormLayer(nn.Module):
                         *seeds(glu_p))  # (unfused: ModernBERT's mlp_dropout, 0 in its released configs)
         return table.linear_residual_prenorm(inner, p["ffn_out_weight"], p["ffn_out_bias"], x, next_norm_weight,
                                              next_norm_bias, self.eps, *seeds(ffn_p))
+
+    def forward_adapted(self, x: torch.Tensor, normed: torch.Tensor, varlen: VarlenBatch,
+                        key_padding_mask: torch.Tensor | None, table: backends.OpTable, positions: torch.Tensor,
+                        rotary: dict, next_norm_weight: torch.Tensor, next_norm_bias: torch.Tensor | None,
+                        seeds: DropoutSeeds = EVAL) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the LoRA adapters of ``low_rank`` inside the ops, on the frozen weights (the QKV
+        update rotated like the projection: the rotary embedding is linear)."""
+        p = self._parameters
+        groups = self.low_rank
+        attention_p, attention_output_p, glu_p, ffn_p = self.dropout
+        cos, sin = rotary[self.theta]
+        q, k, v = table.qkv_rotary(normed, frozen_weight(self, "qkv", normed.dtype), p["qkv_bias"], self.num_heads,
+                                   positions, cos, sin)
+        if "qkv" in groups:
+            update_q, update_k, update_v = split_packed(groups["qkv"].update(normed), self.num_heads)
+            index = positions.long()
+            c, s = cos[index], sin[index]
+            q, k, v = q + rotate_heads(update_q, c, s), k + rotate_heads(update_k, c, s), v + update_v
+        context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, self.window, seeds(attention_p))
+        x, normed = adapted_residual(self, table, "linear_residual_prenorm", "attn_out", context, x,
+                                     p["ffn_norm_weight"], p["ffn_norm_bias"], seeds(attention_output_p))
+        inner = dropout(adapted_epilogue(self, table.linear_glu, glu_grad, "ffn_in", normed, self.activation),
+                        *seeds(glu_p))
+        return adapted_residual(self, table, "linear_residual_prenorm", "ffn_out", inner, x, next_norm_weight,
+                                next_norm_bias, seeds(ffn_p))
 
 
 def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int,

@@ -58,6 +58,7 @@ from fastbert.config import FastBertConfig
 from fastbert.cuda_graphs import enable_on_cuda
 from fastbert.loading import encoder_key_map
 from fastbert.model import FastBertModel
+from fastbert.ops.low_rank import AdaptedLinear, AdapterGroup, LowRankAdapter
 from fastbert.quantization import int8_unavailable, quantize_int8
 
 ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
@@ -69,9 +70,14 @@ OFF_FLAGS = frozenset({"output_attentions", "use_cache", "output_router_logits",
 # The transformers module type each kind of mapped tensor must live in: a subclass (bitsandbytes, a LoRA layer)
 # or a replacement (quantized Linear) may compute something else, so it is not taken.
 _OWNER_TYPES = {"embedding": nn.Embedding, "norm": nn.LayerNorm, "linear": nn.Linear}
-# PEFT adapters (LoRA, ...) wrap the Linear they adapt; merged into its weight they run at fastbert's speed.
-PEFT_HINT = (" (a PEFT adapter: for inference, merge it first with merge_and_unload() and optimize the merged "
-             "model; training through adapters runs transformers' code)")
+# PEFT adapters wrap the Linear they adapt: fastbert runs plain LoRA (`peft.tuners.lora.layer.Linear`) inside its
+# ops; other adapter types merged into the weight (merge_and_unload()) run at fastbert's speed too.
+PEFT_HINT = (" (a PEFT adapter fastbert does not run: fastbert runs plain LoRA on nn.Linear layers; merge this one "
+             "with merge_and_unload() for fastbert's speed)")
+_LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")
+# fastbert's parameters whose linear may carry LoRA adapters, by the role `PostNormLayer.low_rank` names.
+_ADAPTED_ROLES = {"qkv_weight": "qkv", "attn_out_weight": "attn_out", "ffn_in_weight": "ffn_in",
+                  "ffn_out_weight": "ffn_out"}
 _OUTPUT_CLASSES: dict[type, type] = {}
 _SIGNATURES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 _TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
@@ -184,10 +190,17 @@ class _Pack:
     one extra copy of the packed tensors (3 H^2 + 3 H per layer) and is kept in step with the sources in place
     (`refresh`), so that what reads it (the onednn backend's repacked weights, CUDA graphs) sees the change."""
 
-    def __init__(self, sources: tuple[nn.Parameter, ...]):
-        self.sources = sources
-        self.tensor = nn.Parameter(torch.cat([source.detach() for source in sources]), requires_grad=False)
+    def __init__(self, rows: tuple[nn.Parameter, ...], adapters: AdapterGroup | None = None):
+        self.rows = rows
+        self.adapters = adapters  # LoRA adapters of the rows: the pack holds the merged weight (`AdapterGroup`)
+        extra = () if adapters is None else tuple(t for a in adapters.present for t in (a.down, a.up))
+        self.sources = rows + extra  # everything the pack is computed from
+        self.tensor = nn.Parameter(self.compute(), requires_grad=False)
         self.versions = self.source_versions()
+
+    def compute(self) -> torch.Tensor:
+        packed = torch.cat([row.detach() for row in self.rows])
+        return packed if self.adapters is None else self.adapters.merged(packed)
 
     def source_versions(self) -> tuple[int, ...] | None:
         """`_stamps` of the sources (None: inference tensors have no version counter)."""
@@ -202,8 +215,12 @@ class _Pack:
     def refresh_if_different(self) -> None:
         """For sources without version counters (inference tensors): compare, and copy only where they differ (a
         copy moves the packed tensor's counter, and the onednn backend would pack it again)."""
+        if self.adapters is not None:
+            if not torch.equal(self.tensor, self.compute()):
+                self.refresh()
+            return
         offset = 0
-        for source in self.sources:
+        for source in self.rows:
             rows = source.shape[0]
             if not torch.equal(self.tensor[offset:offset + rows], source):
                 self.refresh()
@@ -211,9 +228,13 @@ class _Pack:
             offset += rows
 
     def refresh(self) -> None:
-        """Copy the sources in, in place (this moves the packed tensor's own version counter)."""
+        """Compute the pack from its sources again, in place (this moves the packed tensor's own version
+        counter)."""
         with torch.inference_mode(False), torch.no_grad():
-            torch.cat([source.detach() for source in self.sources], out=self.tensor)
+            if self.adapters is None:
+                torch.cat([source.detach() for source in self.rows], out=self.tensor)
+            else:
+                self.tensor.copy_(self.compute())
         self.versions = self.source_versions()
 
 _P = operator.attrgetter("p")
@@ -270,8 +291,10 @@ def _walk(base: nn.Module, path: str, links: dict) -> nn.Module | None:
     return module
 
 
-def _resolve(base: nn.Module, name: str, kind: str, links: dict) -> tuple[nn.Parameter | None, str | None]:
-    """Walk ``name`` ("encoder.layer.0.output.dense.weight") from ``base``, recording each link."""
+def _resolve(base: nn.Module, name: str, kind: str, links: dict,
+             wrappers: dict[str, nn.Module]) -> tuple[nn.Parameter | None, str | None]:
+    """Walk ``name`` ("encoder.layer.0.output.dense.weight") from ``base``, recording each link. A Linear that a
+    PEFT LoRA layer wraps is taken from its ``base_layer``, the LoRA layer recorded in ``wrappers`` by ``name``."""
     *path, attr = name.split(".")
     module = base
     for part in path:
@@ -282,6 +305,10 @@ def _resolve(base: nn.Module, name: str, kind: str, links: dict) -> tuple[nn.Par
         module = child
     owner = name.rpartition(".")[0]
     expected = _OWNER_TYPES[kind]
+    if kind == "linear" and (type(module).__module__, type(module).__qualname__) == _LORA_LINEAR:
+        wrappers[name] = module
+        module = _link(links, module._modules, "base_layer")
+        owner += ".base_layer"
     if type(module) is not expected:
         kind_of = type(module).__module__
         hint = PEFT_HINT if kind_of.split(".")[0] == "peft" else ""
@@ -303,6 +330,22 @@ def _link(links: dict, container: dict, key: str) -> object:
     value = container.get(key)
     links[(id(container), key)] = (container, key, value)
     return value
+
+
+class _AdapterState:
+    """What a PEFT LoRA layer's forward reads besides its modules, as one comparable value (a `_Build.watched`
+    entry): PEFT edits its lists and dicts in place (``merge`` appends to ``merged_adapters``, ``set_scale``
+    rewrites ``scaling``), which a watched reference would not see."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    @property
+    def value(self) -> tuple:
+        layer = self.layer
+        return (layer.disable_adapters, tuple(layer.active_adapters), tuple(layer.merged_adapters),
+                tuple(sorted(layer.scaling.items())), tuple(sorted(layer.use_dora.items())),
+                tuple(sorted(layer.lora_bias.items())), tuple(sorted(getattr(layer, "lora_variant", {}))))
 
 
 def _module(base: nn.Module, path: str) -> nn.Module | None:
@@ -344,6 +387,8 @@ class _Builder:
         self.watched: list[tuple[object, str, object]] = []
         self.tensors: list[nn.Parameter] = []
         self.packs: list[_Pack] = []
+        self.wrappers: dict[str, nn.Module] = {}  # transformers weight name -> the PEFT LoRA layer around it
+        self.adapters: dict[str, LowRankAdapter] = {}  # transformers weight name -> its active LoRA adapter
 
     def build(self, backend: str) -> _Build:
         """The build, or a refused one (``fast`` None, ``unsupported`` the reason)."""
@@ -357,6 +402,7 @@ class _Builder:
             with torch.device("meta"):
                 fast = FastBertModel(config, backend=backend)
             self.check_shapes(fast, pairs, found)
+            self.read_adapters(fast, pairs, found)
             output_class = self.output_class()
             dropout = self.read_dropout(config, fast)
         except _Refused as refusal:
@@ -438,7 +484,7 @@ class _Builder:
         found: dict[str, nn.Parameter] = {}
         for ours, theirs in pairs:
             for name in theirs:
-                param, reason = _resolve(self.base, name, _owner_kind(ours), self.links)
+                param, reason = _resolve(self.base, name, _owner_kind(ours), self.links, self.wrappers)
                 if reason is not None:
                     raise _Refused(reason)
                 found[name] = param
@@ -527,6 +573,65 @@ class _Builder:
         if bad:
             raise _Refused("tensors of unexpected shape: " + "; ".join(bad[:3]))
 
+    def read_adapters(self, fast: FastBertModel, pairs: list[tuple[str, list[str]]],
+                      found: dict[str, nn.Parameter]) -> None:
+        """The active LoRA adapter of each wrapped Linear (`_resolve`) into ``adapters``, watching what PEFT's
+        forward reads; refused where fastbert would not compute what PEFT does."""
+        roles = {name: ours for ours, theirs in pairs for name in theirs}
+        modules = dict(fast.named_modules())
+        for name, wrapper in self.wrappers.items():
+            owner, _, attr = name.rpartition(".")
+            if attr != "weight":  # (the bias of a wrapped Linear: the same wrapper)
+                continue
+            adapter = self.read_adapter(wrapper, owner, found[name])
+            if adapter is None:
+                continue
+            ours_owner, _, ours_attr = roles[name].rpartition(".")
+            if ours_attr not in _ADAPTED_ROLES and type(modules.get(ours_owner)) is not nn.Linear:
+                raise _Refused(f"a LoRA adapter on {owner}: fastbert runs adapters on linear layers only")
+            self.adapters[name] = adapter
+            self.tensors += [adapter.down, adapter.up]
+
+    def read_adapter(self, wrapper: nn.Module, owner: str, weight: nn.Parameter) -> LowRankAdapter | None:
+        """The adapter a PEFT LoRA Linear adds in its forward now (None: it adds none), or _Refused."""
+        state = _AdapterState(wrapper)
+        self.watched.append((state, "value", state.value))
+        if wrapper.disable_adapters:
+            if wrapper.merged:
+                raise _Refused(f"{owner}: adapters disabled while merged (PEFT unmerges them on its next call)")
+            return None
+        active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+        if wrapper.merged or not active:  # a merged adapter is in the base weight already
+            return None
+        if len(active) > 1:
+            raise _Refused(f"{owner} has {len(active)} active LoRA adapters ({', '.join(active)}): fastbert runs one")
+        name = active[0]
+        if wrapper.use_dora.get(name) or name in getattr(wrapper, "lora_variant", {}):
+            raise _Refused(f"{owner}: adapter {name!r} is a LoRA variant (DoRA, ...): fastbert runs plain LoRA")
+        if wrapper.lora_bias.get(name):
+            raise _Refused(f"{owner}: adapter {name!r} has a bias (lora_bias=True): fastbert runs plain LoRA")
+        down = self.adapter_weight(wrapper, "lora_A", name, owner, weight)
+        up = self.adapter_weight(wrapper, "lora_B", name, owner, weight)
+        dropout = _link(self.links, wrapper.lora_dropout._modules, name)
+        if not isinstance(dropout, (nn.Dropout, nn.Identity)):
+            raise _Refused(f"{owner}: adapter {name!r} has dropout {type(dropout).__name__}, not nn.Dropout")
+        scaling = wrapper.scaling[name]
+        if isinstance(scaling, torch.Tensor):
+            raise _Refused(f"{owner}: adapter {name!r} has a tensor scaling")
+        return LowRankAdapter(down, up, float(scaling), dropout if isinstance(dropout, nn.Dropout) else None)
+
+    def adapter_weight(self, wrapper: nn.Module, table: str, name: str, owner: str,
+                       weight: nn.Parameter) -> nn.Parameter:
+        """lora_A / lora_B [name]'s weight, linked, checked to be a bias-free nn.Linear on the base's device."""
+        linear = _link(self.links, getattr(wrapper, table)._modules, name)
+        if type(linear) is not nn.Linear or linear.bias is not None:
+            raise _Refused(f"{owner}: {table}[{name!r}] is not a bias-free torch nn.Linear")
+        param = _link(self.links, linear._parameters, "weight")
+        if not isinstance(param, nn.Parameter) or param.device != weight.device or not param.is_floating_point():
+            raise _Refused(f"{owner}: {table}[{name!r}].weight is not a floating-point parameter on "
+                           f"{weight.device}")
+        return param
+
     def output_class(self) -> type:
         try:
             return _output_class(self.base)
@@ -540,18 +645,33 @@ class _Builder:
         (``qkv_sources``), so that gradients reach the parameters the model's optimizer holds."""
         owners = dict(fast.named_modules())
         packed_sources: dict[str, dict[str, tuple[nn.Parameter, ...]]] = {}
+        adapted_linears: dict[str, AdapterGroup] = {}  # fastbert's nn.Linear modules (pooler, ...) with adapters
         for ours, theirs in pairs:
             owner_name, _, attr = ours.rpartition(".")
-            if len(theirs) == 1:
+            params = tuple(found[k] for k in theirs)
+            adapters = [self.adapters.get(k) for k in theirs]
+            group = None
+            if any(adapters):
+                group = AdapterGroup(adapters, [p.shape[0] for p in params], params[0] if len(params) == 1 else None)
+                owner = owners[owner_name]
+                if attr in _ADAPTED_ROLES:
+                    owner.low_rank = {**(owner.low_rank or {}), _ADAPTED_ROLES[attr]: group}
+                else:
+                    adapted_linears[owner_name] = group
+            elif len(theirs) == 1:
                 setattr(owners[owner_name], attr, found[theirs[0]])
                 continue
-            params = tuple(found[k] for k in theirs)
-            packed_sources.setdefault(owner_name, {})[attr] = params
-            pack = _Pack(params)
+            if len(theirs) > 1:
+                packed_sources.setdefault(owner_name, {})[attr] = params
+            pack = _Pack(params, group)
             self.packs.append(pack)
             setattr(owners[owner_name], attr, pack.tensor)
         for owner_name, sources in packed_sources.items():
             owners[owner_name].qkv_sources = (sources["qkv_weight"], sources.get("qkv_bias", ()))
+        for owner_name, group in adapted_linears.items():
+            parent, _, child = owner_name.rpartition(".")
+            linear = owners[owner_name]
+            setattr(owners[parent], child, AdaptedLinear(linear.weight, linear.bias, group))
 
     def copy_module_settings(self, fast: FastBertModel, config: FastBertConfig,
                              attention: list[tuple[int, float]]) -> None:

@@ -61,12 +61,17 @@ def _backward(ctx, grad):
     are the linear layer's upstream gradient."""
     x, weight, bias = ctx.saved_tensors
     compute = compute_dtype(x.dtype)
-    projected_input, gate = F.linear(x, weight, bias).to(compute).chunk(2, dim=-1)
-    grad = grad.to(compute)
-    grad_input = activation_grad(grad * gate, projected_input, ctx.activation)
-    grad_gate = grad * apply_activation(projected_input, ctx.activation)
-    return (*linear_grads(torch.cat((grad_input, grad_gate), dim=-1), x, weight, bias, ctx.needs_input_grad[:3]),
-            None)
+    grad_projected = glu_grad(grad.to(compute), F.linear(x, weight, bias).to(compute), ctx.activation)
+    return (*linear_grads(grad_projected, x, weight, bias, ctx.needs_input_grad[:3]), None)
+
+
+def glu_grad(grad: torch.Tensor, projected: torch.Tensor, activation: str) -> torch.Tensor:
+    """dL/d(projection) [..., 2I] of act(input) * gate, [input | gate] = ``projected``, given dL/d(output) ``grad``
+    [..., I] (pass both in fp32)."""
+    projected_input, gate = projected.chunk(2, dim=-1)
+    grad_input = activation_grad(grad * gate, projected_input, activation)
+    grad_gate = grad * apply_activation(projected_input, activation)
+    return torch.cat((grad_input, grad_gate), dim=-1)
 
 
 SPEC = declare(OpSpec(

@@ -1,0 +1,170 @@
+"""Low-rank adapters (LoRA) inside the fused ops: the op's epilogue applied to x @ W^T + b + s * B(A(dropout(x))).
+
+PEFT's LoRA adds ``lora_B(lora_A(lora_dropout(x))) * scaling`` beside a frozen linear layer. fastbert computes that
+sum inside the layer's fused op, so that the op's epilogue (head split, rotary embedding, activation, GLU, dropout +
+residual + LayerNorm) follows the sum, and no gradient is computed for the frozen weight:
+
+- an epilogue that is linear in the projection (the QKV head split, the rotary embedding) or that adds a residual
+  (dropout, + residual, LayerNorm): the update d = B(u), u = s * A(dropout(x)), is computed beside the op and added
+  to its output, or to its residual through the op's own dropout mask (drop(z + d) + r = drop(z) + (drop(d) + r));
+  the frozen GEMM runs inside the op as before;
+- a nonlinear epilogue (GELU, GLU): the op runs once on the augmented input [x | u] and weight [W | B] (r more
+  columns of K), so the fused kernel applies the epilogue to the sum; `augmented_linear`'s backward gives
+  gradients to x, u, B and the bias, and none to W unless it asks for one.
+
+The adapters of one weight's row blocks form an `AdapterGroup`: for Q, K and V packed into one [3H, H] weight, one
+concatenated update (u = [u_q | u_k | u_v] in one GEMM when no dropout acts, then a block-diagonal up-projection).
+
+Dropout acts as PEFT's: the adapter's own ``nn.Dropout`` module on its input (its p and mode at call time), a mask
+per adapter drawn from torch's generator. Inference without dropout does not come here: `fastbert.optimize` gives
+the layer merged weights W + s * B @ A in storage of its own (`AdapterGroup.merged`), so an unmerged adapter runs at
+the merged model's speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert.ops.backward import compute_dtype, linear_grads
+from fastbert.ops.dropout import dropout
+
+
+@dataclass(frozen=True, eq=False)
+class LowRankAdapter:
+    """One LoRA adapter of a linear layer [out, in]: down (A) [r, in], up (B) [out, r], the update's scaling, and
+    the dropout module applied to its input (None: none; its p and training mode are read at call time)."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    scaling: float
+    dropout: nn.Dropout | None = None
+
+    def dropping(self) -> bool:
+        """Whether the input dropout acts now."""
+        module = self.dropout
+        return module is not None and module.training and module.p > 0
+
+    def delta_weight(self) -> torch.Tensor:
+        """s * B @ A [out, in]: what merging adds to the frozen weight."""
+        return (self.up @ self.down) * self.scaling
+
+
+class AdapterGroup:
+    """The adapters beside the row blocks of one weight (Q, K and V of the packed QKV weight, each optional, or a
+    single block): ``widths`` are the blocks' rows, ``base`` the frozen weight the group adapts (None where the
+    layer reads it otherwise: the packed QKV's sources)."""
+
+    def __init__(self, adapters: Sequence[LowRankAdapter | None], widths: Sequence[int],
+                 base: torch.Tensor | None = None):
+        if len(adapters) != len(widths) or not any(adapters):
+            raise ValueError("AdapterGroup: one entry (an adapter or None) per row block, at least one adapter")
+        self.adapters = tuple(adapters)
+        self.widths = tuple(widths)
+        self.present = tuple(adapter for adapter in adapters if adapter is not None)
+        self.base = base
+
+    def dropping(self) -> bool:
+        """Whether any adapter's input dropout acts now."""
+        return any(adapter.dropping() for adapter in self.present)
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        """u = [s_i * A_i(dropout_i(x))] concatenated over the adapters -> [..., sum of ranks], in x's dtype."""
+        if not self.dropping():
+            stacked = torch.cat([adapter.down.to(x.dtype) * adapter.scaling for adapter in self.present])
+            return F.linear(x, stacked)
+        parts = [F.linear(adapter.dropout(x) if adapter.dropping() else x, adapter.down.to(x.dtype))
+                 * adapter.scaling for adapter in self.present]
+        return torch.cat(parts, dim=-1)
+
+    def up_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The up-projections as one [sum of widths, sum of ranks] weight: block-diagonal, zero rows for a block
+        without an adapter."""
+        if len(self.adapters) == 1:
+            return self.present[0].up.to(dtype)
+        blocks = [adapter.up.to(dtype) if adapter is not None else self.present[0].up.new_zeros((width, 0), dtype=dtype)
+                  for adapter, width in zip(self.adapters, self.widths, strict=True)]
+        return torch.block_diag(*blocks)
+
+    def update(self, x: torch.Tensor) -> torch.Tensor:
+        """The low-rank update B(u) [..., sum of widths] for input x."""
+        return F.linear(self.down(x), self.up_weight(x.dtype))
+
+    def merged(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight (the blocks stacked, [sum of widths, in]) plus each block's s * B @ A, as a new tensor."""
+        out = weight.detach().clone()
+        offset = 0
+        for adapter, width in zip(self.adapters, self.widths, strict=True):
+            if adapter is not None:
+                out[offset:offset + width] += adapter.delta_weight().detach().to(out.dtype)
+            offset += width
+        return out
+
+
+def add_to_heads(heads: Sequence[torch.Tensor], update: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v [T, heads, D] plus the packed QKV update [T, 3 * heads * D] (its three blocks in order)."""
+    blocks = update.view(*update.shape[:-1], len(heads), *heads[0].shape[-2:]).unbind(-3)
+    return tuple(head + block for head, block in zip(heads, blocks, strict=True))
+
+
+def residual_with_update(residual: torch.Tensor, update: torch.Tensor, dropout_p: float,
+                         dropout_seed: int) -> torch.Tensor:
+    """residual + dropout(update) with the mask a residual op draws from (dropout_p, dropout_seed) (`keep_mask`),
+    so that the op computes LN(drop(x @ W^T + b + update) + residual). Only exact for ops that draw `keep_mask`
+    (the eager implementations and the spec's formulas: callers with dropout run those)."""
+    return residual + dropout(update, dropout_p, dropout_seed).to(residual.dtype)
+
+
+class _AugmentedLinear(torch.autograd.Function):
+    """op([x | u], [W | B], bias, *args), differentiable with a backward that asks ``epilogue_grad`` for the
+    gradient of the op's pre-epilogue result (recomputed with one GEMM) and computes W's gradient only if W needs
+    one."""
+
+    @staticmethod
+    def forward(ctx, op, epilogue_grad, args, x, u, weight, up, bias):
+        ctx.epilogue_grad, ctx.args = epilogue_grad, args
+        ctx.save_for_backward(x, u, weight, up, bias)
+        return op(torch.cat((x, u), dim=-1), torch.cat((weight, up), dim=1), bias, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, u, weight, up, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        compute = compute_dtype(x.dtype)
+        projected = (F.linear(x, weight, bias) + F.linear(u, up)).to(compute)
+        grad_projected = ctx.epilogue_grad(grad.to(compute), projected, *ctx.args)
+        grad_x, grad_weight, grad_bias = linear_grads(grad_projected, x, weight, bias, (needs[3], needs[5], needs[7]))
+        rows = grad_projected.reshape(-1, grad_projected.shape[-1]).to(u.dtype)
+        grad_u = (rows @ up).view(u.shape) if needs[4] else None
+        grad_up = rows.t() @ u.reshape(-1, u.shape[-1]) if needs[6] else None
+        return None, None, None, grad_x, grad_u, grad_weight, grad_up, grad_bias
+
+
+def augmented_linear(op: Callable, epilogue_grad: Callable, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None, group: AdapterGroup, *args) -> torch.Tensor:
+    """``op(x, weight, bias, *args)`` (a fused linear whose epilogue is nonlinear) with the group's update added
+    before the epilogue: the op runs on [x | u] and [weight | B]. ``epilogue_grad(grad, projected, *args)`` is the
+    epilogue's backward: the gradient of x @ W^T + b (fp32) given the op's output gradient."""
+    return _AugmentedLinear.apply(op, epilogue_grad, args, x, group.down(x), weight, group.up_weight(x.dtype), bias)
+
+
+class AdaptedLinear(nn.Module):
+    """A Linear of fastbert's model with LoRA adapters (the pooler, ALBERT's embedding projection): ``weight`` holds
+    the merged weight, which inference reads; under autograd or adapter dropout it runs the frozen weight plus the
+    update."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, adapters: AdapterGroup):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.adapters = adapters
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        adapters = self.adapters
+        if torch.is_grad_enabled() or adapters.dropping():
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, adapters.base.to(x.dtype), bias) + adapters.update(x)
+        return F.linear(x, self.weight, self.bias)
