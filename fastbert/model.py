@@ -331,6 +331,9 @@ class PreNormLayer(nn.Module):
         """x: the residual stream [T, H] (packed, or [B*S, H] with key_padding_mask [B, S]); normed: x through
         this layer's attention norm; positions [T]: each token's position in its sequence; rotary: theta ->
         (cos, sin) tables. Returns (x after the layer, that x through the next norm)."""
+        if self.low_rank is not None and runs_adapted(self):
+            return self.forward_adapted(x, normed, varlen, key_padding_mask, table, positions, rotary,
+                                        next_norm_weight, next_norm_bias, seeds)
         p = self._parameters  # a dict look-up per weight instead of nn.Module.__getattr__ (host time at batch 1)
         attention_p, attention_output_p, glu_p, ffn_p = self.dropout
         cos, sin = rotary[self.theta]
