@@ -30,6 +30,12 @@ read once when they were built; `fastbert.families.Family.dropout_sites`), and g
 model's own parameters (the packed Q/K/V is concatenated from them under autograd). What it cannot train falls
 back with the reason in a warning: gradient checkpointing.
 
+PEFT LoRA: a Linear wrapped by PEFT's LoRA layer is read through its ``base_layer``, and its active adapter runs
+inside fastbert's ops (`fastbert.ops.low_rank`): the layer's parameter holds the merged weight (a `_Pack` of
+fastbert's own, refreshed like Q/K/V) for inference, and under autograd the layer runs the frozen weight plus the
+update. What PEFT's forward reads beside the modules (active adapter, disabled, merged, scaling) is watched: a
+change rebuilds. Several active adapters, DoRA and other variants fall back with the reason.
+
 Under ``torch.autocast`` (mixed-precision training: the Trainer's fp16/bf16) the encoder runs in the autocast
 dtype: the parameters are cast for the call (differentiably, so the fp32 master weights get the gradients) and the
 outputs come back in the parameters' dtype, as transformers' LayerNorm outputs do under autocast.
@@ -67,8 +73,8 @@ OUTPUT_OPTIONS = ("output_hidden_states", "return_dict")
 LOSS_ONLY = frozenset({"num_items_in_batch"})
 # Flags whose False asks for nothing extra; True asks for something fastbert does not compute.
 OFF_FLAGS = frozenset({"output_attentions", "use_cache", "output_router_logits", "is_causal"})
-# The transformers module type each kind of mapped tensor must live in: a subclass (bitsandbytes, a LoRA layer)
-# or a replacement (quantized Linear) may compute something else, so it is not taken.
+# The transformers module type each kind of mapped tensor must live in: a subclass (bitsandbytes) or a replacement
+# (quantized Linear) may compute something else, so it is not taken (PEFT's plain LoRA Linear is read through it).
 _OWNER_TYPES = {"embedding": nn.Embedding, "norm": nn.LayerNorm, "linear": nn.Linear}
 # PEFT adapters wrap the Linear they adapt: fastbert runs plain LoRA (`peft.tuners.lora.layer.Linear`) inside its
 # ops; other adapter types merged into the weight (merge_and_unload()) run at fastbert's speed too.
