@@ -30,7 +30,9 @@ INT8_MIN_COSINE = 0.995  # the accuracy int8 must keep to be chosen unasked
 INT8_MIN_SPEEDUP = 1.05  # and the speed-up over the float precision, beyond a few rounds' noise
 PROBE_BATCH = (8, 128)  # texts x tokens of the timed batch
 PROBE_ROUNDS = 5
-PROCESS_PROBES: dict[str, dict] = {}  # probe key -> probe, for this process
+# (the tuning cache's state, probe key) -> probe, for this process: `tuning.forget` / `tuning.clear` (``fastbert
+# tune --clear``) and a move of the cache directory change the state, so this process measures (or reads) again
+PROCESS_PROBES: dict[tuple[tuple, str], dict] = {}
 # Varied prose, short and long (sentence embeddings' usual inputs): the accuracy probe.
 PROBE_TEXTS = (
     "The quick brown fox jumps over the lazy dog.",
@@ -95,13 +97,14 @@ def int8_probe(model_dir: str, float_precision: str, device: torch.device) -> tu
     if not any(flag in cpu_flags() for flag in INT8_DOT):
         return None, "the CPU has no int8 dot products (VNNI, AMX)"
     key = probe_key(model_dir, float_precision)
-    found = PROCESS_PROBES.get(key) or read_probes().get(key)
+    kept = (tuning.state(), key)
+    found = PROCESS_PROBES.get(kept) or read_probes().get(key)
     if found is None:
         if not tuning.enabled() or not tuning.can_measure([]):
             return None, "not measured for this model yet, and measuring is off (FASTBERT_TUNE=0)"
         found = measure(model_dir, float_precision)
         write_probe(key, found)
-    PROCESS_PROBES[key] = found
+    PROCESS_PROBES[kept] = found
     return found, None
 
 

@@ -97,3 +97,20 @@ def test_the_probe_runs_on_the_cpu_even_where_a_gpu_is_the_default(fresh, monkey
     monkeypatch.setattr(resolve, "best_device", lambda: "cuda")
     found = precision.measure(tiny_dir, "float32")
     assert found["int8_ms"] > 0
+
+
+@pytest.mark.parametrize("clearing", ["forget", "clear"])
+def test_clearing_the_tuning_cache_forgets_the_process_probe(fresh, monkeypatch, tiny_dir, clearing):
+    """`tuning.forget` / `tuning.clear` (``fastbert tune --clear``) in the same process: the next auto decision
+    reads or measures again instead of the probe the process kept."""
+    monkeypatch.setattr(precision, "measure", lambda *args: probe(0.999, 10.0, 20.0))
+    assert choose(tiny_dir)[0] == "int8"
+    getattr(tuning, clearing)()
+    precision.write_probe(precision.probe_key(tiny_dir, "float32"), probe(0.999, 30.0, 20.0))  # what is kept now
+    monkeypatch.setattr(precision, "measure", lambda *args: pytest.fail("measured: the file holds a probe"))
+    assert choose(tiny_dir)[0] == "float32"
+    if clearing == "clear":
+        tuning.clear()
+        monkeypatch.setattr(precision, "measure", lambda *args: probe(0.999, 10.0, 20.0))
+        assert choose(tiny_dir)[0] == "int8"
+
