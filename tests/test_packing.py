@@ -4,6 +4,8 @@ token lists fail on the host with a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -12,7 +14,7 @@ import fastbert
 from fastbert import PackedBatch
 from tests.helpers import tiny_model
 
-FAMILIES = ("bert", "roberta", "distilbert", "albert", "modernbert")
+FAMILIES = ("bert", "roberta", "distilbert", "albert", "electra", "modernbert")
 LENGTHS = [(1,), (7, 1, 3), (130, 7, 1)]
 
 
@@ -51,6 +53,32 @@ def test_packed_equals_padded(model, lengths):
         assert out.pooler_output is None
     else:
         torch.testing.assert_close(out.pooler_output, reference.pooler_output, rtol=1e-5, atol=1e-5)
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` padded on the left (as decoder-style tokenizers pad): the real tokens end each row."""
+    ids, mask = padded(rows, pad)
+    shifts = (ids.shape[1] - mask.sum(1)).tolist()
+    return (torch.stack([torch.roll(r, n) for r, n in zip(ids, shifts, strict=True)]),
+            torch.stack([torch.roll(m, n) for m, n in zip(mask, shifts, strict=True)]))
+
+
+def test_packed_equals_left_padded(model):
+    """A left-padded batch through the padded entry gives each real token what the packed forward gives it, once
+    the packed batch carries the positions transformers gives those tokens: BERT-style absolute positions count the
+    pads before them (the padded index), RoBERTa's skip pads (as `from_token_lists` makes them), rotary ones only
+    matter relatively. (The pooler reads position 0, a pad here: not compared; heads refuse such batches.)"""
+    rows = token_lists(model.config, (7, 1, 3), seed=5)
+    ids, mask = left_padded(rows, model.config.pad_token_id)
+    assert mask[:, 0].tolist() == [1, 0, 0]  # padding on the left indeed
+    batch = PackedBatch.from_token_lists(model.config, rows)
+    if model.config.position_offset is None:
+        index = torch.arange(ids.shape[1]).expand_as(ids)[mask.bool()]
+        batch = dataclasses.replace(batch, position_ids=index, position_count=ids.shape[1])
+    with torch.inference_mode():
+        reference = model(input_ids=ids, attention_mask=mask)
+        out = model.forward_packed(batch)
+    torch.testing.assert_close(out.last_hidden_state, reference.last_hidden_state[mask.bool()], rtol=1e-5, atol=1e-5)
 
 
 def test_from_padded_reads_the_mask_once_and_matches(model):

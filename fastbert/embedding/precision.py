@@ -30,7 +30,9 @@ INT8_MIN_COSINE = 0.995  # the accuracy int8 must keep to be chosen unasked
 INT8_MIN_SPEEDUP = 1.05  # and the speed-up over the float precision, beyond a few rounds' noise
 PROBE_BATCH = (8, 128)  # texts x tokens of the timed batch
 PROBE_ROUNDS = 5
-PROCESS_PROBES: dict[str, dict] = {}  # probe key -> probe, for this process
+# (the tuning cache's state, probe key) -> probe, for this process: `tuning.forget` / `tuning.clear` (``fastbert
+# tune --clear``) and a move of the cache directory change the state, so this process measures (or reads) again
+PROCESS_PROBES: dict[tuple[tuple, str], dict] = {}
 # Varied prose, short and long (sentence embeddings' usual inputs): the accuracy probe.
 PROBE_TEXTS = (
     "The quick brown fox jumps over the lazy dog.",
@@ -71,16 +73,24 @@ PROBE_TEXTS = (
 def auto_precision(model_dir: str, float_precision: str, float_reason: str | None, device: torch.device) -> str:
     """What ``--dtype auto`` runs embeddings of ``model_dir`` in: int8 where it pays (see the module), else
     ``float_precision`` (what `fastbert.quantization.precision_for` resolved "auto" to, for ``float_reason``).
-    Announced once, in one line."""
-    found, why_not = int8_probe(model_dir, float_precision, device)
-    if found is None:
-        choice, reason = float_precision, f"{float_reason or float_precision}; not int8: {why_not}"
+    Announced once, in one line: the float precision and why, and int8's verdict where int8 was considered (on
+    CPU only: int8 never runs elsewhere, and a line on CUDA states the float choice alone)."""
+    float_text = float_reason or float_precision
+    if device.type != "cpu":
+        choice, reason = float_precision, float_text
     else:
-        choice = "int8" if int8_pays(found) else float_precision
-        reason = (f"{choice}: int8 {found['int8_ms']:.1f} ms against {float_precision} {found['float_ms']:.1f} ms "
-                  f"for {PROBE_BATCH[0]} x {PROBE_BATCH[1]} tokens, worst cosine {found['worst_cosine']:.4f} to "
-                  f"float32 on {len(PROBE_TEXTS)} probe sentences (int8 needs >= {INT8_MIN_COSINE} and "
-                  f"{INT8_MIN_SPEEDUP}x)")
+        found, why_not = int8_probe(model_dir, float_precision, device)
+        if found is None:
+            choice, reason = float_precision, f"{float_text}; not int8: {why_not}"
+        else:
+            verdict = (f"int8 {found['int8_ms']:.1f} ms against {float_precision} {found['float_ms']:.1f} ms for "
+                       f"{PROBE_BATCH[0]} x {PROBE_BATCH[1]} tokens, worst cosine {found['worst_cosine']:.4f} to "
+                       f"float32 on {len(PROBE_TEXTS)} probe sentences (int8 needs >= {INT8_MIN_COSINE} and "
+                       f"{INT8_MIN_SPEEDUP}x)")
+            if int8_pays(found):
+                choice, reason = "int8", f"int8: {verdict}; the float precision otherwise: {float_text}"
+            else:
+                choice, reason = float_precision, f"{float_text}; not int8: {verdict}"
     announce_once(f"dtype auto for embeddings: {reason}; --dtype overrides")
     return choice
 
@@ -88,20 +98,19 @@ def auto_precision(model_dir: str, float_precision: str, float_reason: str | Non
 def int8_probe(model_dir: str, float_precision: str, device: torch.device) -> tuple[dict | None, str | None]:
     """(the probe of int8 against ``float_precision`` for this checkpoint: kept, or measured now; None and why
     when int8 is not considered here)."""
-    if device.type != "cpu":
-        return None, f"the device is {device.type}"
-    if int8_unavailable(device) is not None:
+    if int8_unavailable(device) is not None:  # (a device other than the CPU among others)
         return None, int8_unavailable(device)
     if not any(flag in cpu_flags() for flag in INT8_DOT):
         return None, "the CPU has no int8 dot products (VNNI, AMX)"
     key = probe_key(model_dir, float_precision)
-    found = PROCESS_PROBES.get(key) or read_probes().get(key)
+    kept = (tuning.state(), key)
+    found = PROCESS_PROBES.get(kept) or read_probes().get(key)
     if found is None:
         if not tuning.enabled() or not tuning.can_measure([]):
             return None, "not measured for this model yet, and measuring is off (FASTBERT_TUNE=0)"
         found = measure(model_dir, float_precision)
         write_probe(key, found)
-    PROCESS_PROBES[key] = found
+    PROCESS_PROBES[kept] = found
     return found, None
 
 

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fastbert.embedding.batching import real_token_batches
 from fastbert.serving.engines import Tokens
 
 
@@ -260,22 +261,11 @@ class Batcher:
 
 def token_batches(lengths: Sequence[Sequence[int]], max_batch_tokens: int) -> list[list[int]]:
     """Indices into the jobs' inputs laid end to end (``lengths``: each job's token counts, in queue order), cut in
-    that order into batches of at most ``max_batch_tokens`` real tokens (the encoder runs without padding, so the
-    padded count says nothing of a forward's cost): the batches finish the jobs in queue order. An input longer
-    than the budget is a batch on its own. (The one place the server cuts; `fastbert.embedding.batching` is to
-    give the shared rule.)"""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for index, size in enumerate(size for job in lengths for size in job):
-        if current and total + size > max_batch_tokens:
-            batches.append(current)
-            current, total = [], 0
-        current.append(index)
-        total += size
-    if current:
-        batches.append(current)
-    return batches
+    that order into batches of at most ``max_batch_tokens`` real tokens: the batches finish the jobs in queue order.
+    The rule is `fastbert embed`'s (`fastbert.embedding.batching.real_token_batches`: real tokens, an input longer
+    than the budget alone) in arrival order rather than longest first."""
+    flat = [size for job in lengths for size in job]
+    return real_token_batches(flat, max_batch_tokens, longest_first=False)
 
 
 def settle(future: asyncio.Future, rows: np.ndarray | None, error: BaseException | None) -> None:

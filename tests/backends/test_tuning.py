@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -371,14 +372,16 @@ def test_measuring_for_replay_on_cpu_keeps_the_cpu_clock(measuring):
     assert clock == "thread cpu"
 
 
-def test_a_round_starts_only_if_it_is_expected_to_end_within_the_budget():
-    """Rounds of 50 ms under a 0.32 s budget: after the third (MIN_ROUNDS), a round starts only while the elapsed
-    time plus the last round's fits, so the timing stops at about 0.30 s, not one round past the budget."""
-    def sleeper() -> None:
-        time.sleep(0.05)
+def test_a_round_starts_only_if_it_is_expected_to_end_within_the_budget(monkeypatch):
+    """Rounds of 1/16 s under a 0.4 s budget, on a fake clock (the one `measure` reads the budget with) that only
+    the rounds move: after the third (MIN_ROUNDS), a round starts only while the elapsed time plus the last round's
+    fits, so the timing stops after six rounds at 0.375 s, not one round past the budget."""
+    now = [0.0]  # tuning's `time` alone is replaced: nothing else in the process sees the fake clock
+    monkeypatch.setattr(tuning, "time", SimpleNamespace(perf_counter=lambda: now[0], thread_time=lambda: now[0]))
 
-    start = time.perf_counter()
-    _, rounds, _ = tuning.measure({"sleeper": sleeper}, (), {}, budget_s=0.32, warm_up=False)
-    elapsed = time.perf_counter() - start
-    assert tuning.MIN_ROUNDS <= rounds <= 6
-    assert elapsed <= 0.32 + 0.01
+    def round_of_a_sixteenth() -> None:
+        now[0] += 1 / 16  # exact in binary: no rounding at the edge
+
+    _, rounds, _ = tuning.measure({"sleeper": round_of_a_sixteenth}, (), {}, budget_s=0.4, warm_up=False)
+    assert tuning.MIN_ROUNDS < rounds == 6
+    assert now[0] == 0.375 <= 0.4

@@ -97,3 +97,43 @@ def test_the_probe_runs_on_the_cpu_even_where_a_gpu_is_the_default(fresh, monkey
     monkeypatch.setattr(resolve, "best_device", lambda: "cuda")
     found = precision.measure(tiny_dir, "float32")
     assert found["int8_ms"] > 0
+
+
+@pytest.mark.parametrize("clearing", ["forget", "clear"])
+def test_clearing_the_tuning_cache_forgets_the_process_probe(fresh, monkeypatch, tiny_dir, clearing):
+    """`tuning.forget` / `tuning.clear` (``fastbert tune --clear``) in the same process: the next auto decision
+    reads or measures again instead of the probe the process kept."""
+    monkeypatch.setattr(precision, "measure", lambda *args: probe(0.999, 10.0, 20.0))
+    assert choose(tiny_dir)[0] == "int8"
+    getattr(tuning, clearing)()
+    precision.write_probe(precision.probe_key(tiny_dir, "float32"), probe(0.999, 30.0, 20.0))  # what is kept now
+    monkeypatch.setattr(precision, "measure", lambda *args: pytest.fail("measured: the file holds a probe"))
+    assert choose(tiny_dir)[0] == "float32"
+    if clearing == "clear":
+        tuning.clear()
+        monkeypatch.setattr(precision, "measure", lambda *args: probe(0.999, 10.0, 20.0))
+        assert choose(tiny_dir)[0] == "int8"
+
+
+@pytest.mark.parametrize("cosine, int8_ms, expected", [(0.998, 50.0, "int8"), (0.998, 98.0, "float32")])
+def test_the_line_gives_the_float_precision_and_why_beside_int8s_verdict(fresh, monkeypatch, tiny_dir, cosine,
+                                                                        int8_ms, expected):
+    monkeypatch.setattr(precision, "measure", lambda model_dir, float_precision: probe(cosine, int8_ms, 100.0))
+    choice, messages = choose(tiny_dir)
+    assert choice == expected and len(messages) == 1
+    assert "float32: no native bfloat16" in messages[0]  # the float precision's reason, whichever runs
+    assert f"int8 {int8_ms:.1f} ms against float32 100.0 ms" in messages[0] and "worst cosine 0.9980" in messages[0]
+
+
+def test_on_cuda_auto_states_the_float_choice_alone(fresh, monkeypatch, tiny_dir):
+    """int8 never runs on CUDA: ``Embedder(dtype="auto")`` there announces float16 and why, with no word of int8
+    (no GPU here: the device the Embedder resolves is replaced, and so is loading the model on it)."""
+    monkeypatch.setattr(precision, "int8_probe", lambda *args: pytest.fail("int8 considered on CUDA"))
+    monkeypatch.setattr(Embedder, "_device", staticmethod(lambda device, load_model: torch.device("cuda")))
+    monkeypatch.setattr(Embedder, "_load_model", lambda self, backend: None)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        embedder = Embedder(tiny_dir, dtype="auto")
+    messages = [str(w.message) for w in record if "dtype auto" in str(w.message)]
+    assert embedder.precision == "float16"
+    assert messages == ["fastbert: dtype auto for embeddings: float16 on CUDA; --dtype overrides"]

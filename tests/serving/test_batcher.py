@@ -132,6 +132,22 @@ def test_token_batches_cut_a_text_over_the_budget_alone():
     assert token_batches([[3, 900, 5], [2]], 64) == [[0], [1], [2, 3]]
 
 
+def test_the_server_cuts_by_the_rule_fastbert_embed_uses(monkeypatch):
+    """One batcher: the server's cut is `real_token_batches` (in arrival order), not a copy of its logic."""
+    from fastbert.embedding import batching
+    from fastbert.serving import batcher as serving_batcher
+
+    calls = []
+
+    def spy(lengths, max_batch_tokens, max_batch_size=None, longest_first=True):
+        calls.append((list(lengths), max_batch_tokens, max_batch_size, longest_first))
+        return batching.real_token_batches(lengths, max_batch_tokens, max_batch_size, longest_first)
+
+    monkeypatch.setattr(serving_batcher, "real_token_batches", spy, raising=False)
+    assert token_batches([[3, 900, 5], [2]], 64) == [[0], [1], [2, 3]]
+    assert calls == [([3, 900, 5, 2], 64, None, False)]
+
+
 class SteppedEngine(SumEngine):
     """SumEngine that holds each forward until the test releases it, and says when one is waiting."""
 
