@@ -32,7 +32,7 @@ from fastbert.config import FastBertConfig
 from fastbert.ops.backward import activation_grad
 from fastbert.ops.dropout import draw_seed, dropout, op_seed
 from fastbert.ops.linear_glu import glu_grad
-from fastbert.ops.low_rank import AdapterGroup, add_to_heads, augmented_linear, residual_with_update
+from fastbert.ops.low_rank import AdapterGroup, add_to_heads, augmented_linear
 from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
 from fastbert.ops.qkv_rotary import rotate_heads, split_packed
 from fastbert.ops.spec import SPECS
@@ -235,18 +235,15 @@ class PostNormLayer(nn.Module):
         """`forward` with the LoRA adapters of ``low_rank`` inside the ops (`fastbert.ops.low_rank`), on the
         frozen weights: autograd computes no gradient for them."""
         p = self._parameters
-        groups = self.low_rank
         attention_p, attention_output_p, ffn_p = self.dropout
         qkv_weight, qkv_bias = self.source_qkv(x.dtype)
-        q, k, v = table.qkv_projection(x, qkv_weight, qkv_bias, self.num_heads)
-        if "qkv" in groups:
-            q, k, v = add_to_heads((q, k, v), groups["qkv"].update(x))
+        q, k, v = adapted_op(self, table, "qkv_projection", "qkv", x, qkv_weight, qkv_bias, self.num_heads)
         context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, None, seeds(attention_p))
-        x = adapted_residual(self, table, "linear_residual_layernorm", "attn_out", context, x,
-                             p["attn_norm_weight"], p["attn_norm_bias"], seeds(attention_output_p))
-        inner = adapted_epilogue(self, table.linear_activation, activation_grad, "ffn_in", x, self.activation)
-        return adapted_residual(self, table, "linear_residual_layernorm", "ffn_out", inner, x, p["ffn_norm_weight"],
-                                p["ffn_norm_bias"], seeds(ffn_p))
+        x = adapted_op(self, table, "linear_residual_layernorm", "attn_out", context, *frozen(self, "attn_out", x),
+                       x, p["attn_norm_weight"], p["attn_norm_bias"], self.eps, *seeds(attention_output_p))
+        inner = adapted_op(self, table, "linear_activation", "ffn_in", x, *frozen(self, "ffn_in", x), self.activation)
+        return adapted_op(self, table, "linear_residual_layernorm", "ffn_out", inner, *frozen(self, "ffn_out", inner),
+                          x, p["ffn_norm_weight"], p["ffn_norm_bias"], self.eps, *seeds(ffn_p))
 
 
 # ------------------------------------------------------------------------------- LoRA adapters inside the layers
@@ -257,35 +254,62 @@ def runs_adapted(layer: nn.Module) -> bool:
     return groups is not None and (torch.is_grad_enabled() or any(group.dropping() for group in groups.values()))
 
 
-def frozen_weight(layer: nn.Module, role: str, dtype: torch.dtype) -> torch.Tensor:
-    """The weight of the linear ``role`` without its adapters' update, in ``dtype``."""
+def frozen(layer: nn.Module, role: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of the linear ``role`` without its adapters' update, in ``like``'s dtype."""
     group = layer.low_rank.get(role)
-    return (group.base if group is not None else layer._parameters[f"{role}_weight"]).to(dtype)
+    weight = group.base if group is not None else layer._parameters[f"{role}_weight"]
+    bias = layer._parameters[f"{role}_bias"]
+    return weight.to(like.dtype), None if bias is None else bias.to(like.dtype)
 
 
-def adapted_residual(layer: nn.Module, table: backends.OpTable, op_name: str, role: str, x: torch.Tensor,
-                     residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
-                     dropout_site: tuple[float, int]):
-    """The residual op ``op_name`` (linear_residual_layernorm / _prenorm) of the linear ``role``, its adapters'
-    update added before the op's dropout (through the residual, with the same mask)."""
-    op = getattr(table, op_name)
-    group = layer.low_rank.get(role)
-    if group is not None:
-        residual = residual_with_update(residual, group.update(x), *dropout_site)
-        if dropout_site[0] > 0:  # the op must draw the mask residual_with_update drew (`keep_mask`)
-            op = SPECS[op_name].eager
-    return op(x, frozen_weight(layer, role, x.dtype), layer._parameters[f"{role}_bias"], residual, ln_weight,
-              ln_bias, layer.eps, *dropout_site)
-
-
-def adapted_epilogue(layer: nn.Module, op, epilogue_grad, role: str, x: torch.Tensor, activation: str):
-    """A linear with a nonlinear epilogue (``op``: linear_activation / linear_glu) of ``role``, its adapters'
-    update added before the epilogue (`augmented_linear`)."""
-    weight, bias = frozen_weight(layer, role, x.dtype), layer._parameters[f"{role}_bias"]
+def adapted_op(layer: nn.Module, table: backends.OpTable, op: str, role: str, x: torch.Tensor,
+               weight: torch.Tensor, bias: torch.Tensor | None, *rest):
+    """``table.<op>(x, weight, bias, *rest)`` (a fused linear op on the frozen weight) with the update of the
+    adapters of ``role`` added before the op's epilogue. Where the op runs its eager implementation (autograd on
+    CPU), the update rides in as a per-token bias (x @ W^T + (b + update): autograd saves what it needs, nothing is
+    recomputed); elsewhere the fused op runs and `_FUSED_UPDATES` adds the update around it."""
     group = layer.low_rank.get(role)
     if group is None:
-        return op(x, weight, bias, activation)
-    return augmented_linear(op, epilogue_grad, x, weight, bias, group, activation)
+        return getattr(table, op)(x, weight, bias, *rest)
+    if backends.runs_eager(op, table.backend, x.device.type) or (op in _DROPOUT_OPS and rest[-2] > 0):
+        update = group.update(x)
+        return SPECS[op].eager(x, weight, update if bias is None else bias + update, *rest)
+    if op in ("linear_activation", "linear_glu"):  # u is computed inside (`augmented_linear`)
+        return _FUSED_UPDATES[op](getattr(table, op), group, None, x, weight, bias, *rest)
+    return _FUSED_UPDATES[op](getattr(table, op), group, group.update(x), x, weight, bias, *rest)
+
+
+def _heads_update(op, group, update, x, weight, bias, num_heads):
+    return add_to_heads(op(x, weight, bias, num_heads), update)
+
+
+def _rotary_update(op, group, update, x, weight, bias, num_heads, positions, cos, sin):
+    """The rotary embedding is linear: rotate(q + dq) = rotate(q) + rotate(dq)."""
+    q, k, v = op(x, weight, bias, num_heads, positions, cos, sin)
+    update_q, update_k, update_v = split_packed(update, num_heads)
+    index = positions.long()
+    c, s = cos[index], sin[index]
+    return q + rotate_heads(update_q, c, s), k + rotate_heads(update_k, c, s), v + update_v
+
+
+def _residual_update(op, group, update, x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, dropout_seed):
+    """LN(x @ W^T + b + update + residual), the update through the residual (``adapted_op`` sends calls with
+    dropout to the eager form instead: a fused kernel may draw its own mask)."""
+    return op(x, weight, bias, residual + update.to(residual.dtype), ln_weight, ln_bias, eps, dropout_p, dropout_seed)
+
+
+def _augmented_update(epilogue_grad):
+    """The update of an op with a nonlinear epilogue: the op runs on [x | u] and [W | B] (`augmented_linear`)."""
+    def run(op, group, update, x, weight, bias, activation):
+        return augmented_linear(op, epilogue_grad, x, weight, bias, group, activation)
+    return run
+
+
+# op -> how its fused implementation takes an adapter update (`adapted_op`)
+_FUSED_UPDATES = {"qkv_projection": _heads_update, "qkv_rotary": _rotary_update,
+                  "linear_residual_layernorm": _residual_update, "linear_residual_prenorm": _residual_update,
+                  "linear_activation": _augmented_update(activation_grad), "linear_glu": _augmented_update(glu_grad)}
+_DROPOUT_OPS = {"linear_residual_layernorm", "linear_residual_prenorm"}  # their last two arguments: p, seed
 
 
 class PreNormLayer(nn.Module):
@@ -354,23 +378,18 @@ class PreNormLayer(nn.Module):
         """`forward` with the LoRA adapters of ``low_rank`` inside the ops, on the frozen weights (the QKV
         update rotated like the projection: the rotary embedding is linear)."""
         p = self._parameters
-        groups = self.low_rank
         attention_p, attention_output_p, glu_p, ffn_p = self.dropout
         cos, sin = rotary[self.theta]
-        q, k, v = table.qkv_rotary(normed, frozen_weight(self, "qkv", normed.dtype), p["qkv_bias"], self.num_heads,
-                                   positions, cos, sin)
-        if "qkv" in groups:
-            update_q, update_k, update_v = split_packed(groups["qkv"].update(normed), self.num_heads)
-            index = positions.long()
-            c, s = cos[index], sin[index]
-            q, k, v = q + rotate_heads(update_q, c, s), k + rotate_heads(update_k, c, s), v + update_v
+        q, k, v = adapted_op(self, table, "qkv_rotary", "qkv", normed, *frozen(self, "qkv", normed), self.num_heads,
+                             positions, cos, sin)
         context = attend(table, q, k, v, varlen, key_padding_mask, self.scale, self.window, seeds(attention_p))
-        x, normed = adapted_residual(self, table, "linear_residual_prenorm", "attn_out", context, x,
-                                     p["ffn_norm_weight"], p["ffn_norm_bias"], seeds(attention_output_p))
-        inner = dropout(adapted_epilogue(self, table.linear_glu, glu_grad, "ffn_in", normed, self.activation),
-                        *seeds(glu_p))
-        return adapted_residual(self, table, "linear_residual_prenorm", "ffn_out", inner, x, next_norm_weight,
-                                next_norm_bias, seeds(ffn_p))
+        x, normed = adapted_op(self, table, "linear_residual_prenorm", "attn_out", context,
+                               *frozen(self, "attn_out", context), x, p["ffn_norm_weight"], p["ffn_norm_bias"],
+                               self.eps, *seeds(attention_output_p))
+        glu = adapted_op(self, table, "linear_glu", "ffn_in", normed, *frozen(self, "ffn_in", normed), self.activation)
+        inner = dropout(glu, *seeds(glu_p))
+        return adapted_op(self, table, "linear_residual_prenorm", "ffn_out", inner, *frozen(self, "ffn_out", inner), x,
+                          next_norm_weight, next_norm_bias, self.eps, *seeds(ffn_p))
 
 
 def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, seqlen: int,

@@ -30,7 +30,8 @@ TARGETS = {
 FALLBACK = "fastbert: this call runs transformers' code"
 
 
-def lora_pair(family: str, dropout: float = 0.0, rank: int = 4, **sizes) -> tuple[nn.Module, nn.Module]:
+def lora_pair(family: str, dropout: float = 0.0, rank: int = 4, backend: str = "auto",
+              **sizes) -> tuple[nn.Module, nn.Module]:
     """(PEFT model, its optimized deep copy) over a tiny ``family`` classifier (config fields ``sizes``), adapters
     initialised non-zero."""
     torch.manual_seed(0)
@@ -40,7 +41,7 @@ def lora_pair(family: str, dropout: float = 0.0, rank: int = 4, **sizes) -> tupl
     model = copy.deepcopy(reference)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=FALLBACK)
-        fastbert.optimize(model)
+        fastbert.optimize(model, backend=backend)
     return reference, model
 
 
@@ -68,8 +69,11 @@ def grad_errors(reference: nn.Module, model: nn.Module) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("family", sorted(TARGETS))
-def test_lora_gradients_and_logits_match_peft(family):
-    reference, model = lora_pair(family)
+@pytest.mark.parametrize("backend", ["auto", "cpp"])
+def test_lora_gradients_and_logits_match_peft(family, backend):
+    """auto: the per-token bias form (eager ops under autograd on CPU); cpp: the fused kernels with the update
+    around them (heads, rotary, residual, augmented GEMM)."""
+    reference, model = lora_pair(family, backend=backend)
     inputs = optimize_inputs(family, HEAD, reference)
     expected = reference(**inputs)
     got = fast_call(model, **inputs)

@@ -353,6 +353,15 @@ def autograd_order(op: str, device_type: str) -> tuple[str, ...]:
     return AUTO_ORDER_AUTOGRAD_BY_OP.get(op, {}).get(device_type, AUTO_ORDER_AUTOGRAD.get(device_type, ()))
 
 
+def runs_eager(op: str, backend: str | None, device_type: str) -> bool:
+    """Whether a call of ``op`` with ``backend`` requested runs its eager implementation for certain: eager forced,
+    or ``auto`` under autograd on a device whose order for the op holds no other backend (CPU's linear ops)."""
+    requested = requested_backend(backend)
+    if requested == "eager":
+        return True
+    return requested == "auto" and torch.is_grad_enabled() and set(autograd_order(op, device_type)) <= {"eager"}
+
+
 @dataclass(frozen=True)
 class Decision:
     """How `auto` (or a forced backend) chose for one call: the backend, why each other was not used, how it was

@@ -2,23 +2,25 @@
 
 PEFT's LoRA adds ``lora_B(lora_A(lora_dropout(x))) * scaling`` beside a frozen linear layer. fastbert computes that
 sum inside the layer's fused op, so that the op's epilogue (head split, rotary embedding, activation, GLU, dropout +
-residual + LayerNorm) follows the sum, and no gradient is computed for the frozen weight:
+residual + LayerNorm) follows the sum, and no gradient is computed for the frozen weight
+(`fastbert.model.adapted_op` picks the form per op):
 
-- an epilogue that is linear in the projection (the QKV head split, the rotary embedding) or that adds a residual
-  (dropout, + residual, LayerNorm): the update d = B(u), u = s * A(dropout(x)), is computed beside the op and added
-  to its output, or to its residual through the op's own dropout mask (drop(z + d) + r = drop(z) + (drop(d) + r));
-  the frozen GEMM runs inside the op as before;
-- a nonlinear epilogue (GELU, GLU): the op runs once on the augmented input [x | u] and weight [W | B] (r more
-  columns of K), so the fused kernel applies the epilogue to the sum; `augmented_linear`'s backward gives
+- where the op runs its eager implementation (autograd on CPU), the update d = B(u), u = s * A(dropout(x)), rides in
+  as a per-token bias, x @ W^T + (b + d), one GEMM plus the rank-r pair, autograd saving what it needs;
+- a fused kernel whose epilogue is linear in the projection (the QKV head split, the rotary embedding) or adds a
+  residual (without dropout) runs as before and the update is added to its output (`add_to_heads`) or residual;
+- a fused kernel with a nonlinear epilogue (GELU, GLU) runs once on the augmented input [x | u] and weight [W | B]
+  (r more columns of K), so the kernel applies the epilogue to the sum; `augmented_linear`'s backward gives
   gradients to x, u, B and the bias, and none to W unless it asks for one.
 
 The adapters of one weight's row blocks form an `AdapterGroup`: for Q, K and V packed into one [3H, H] weight, one
 concatenated update (u = [u_q | u_k | u_v] in one GEMM when no dropout acts, then a block-diagonal up-projection).
 
-Dropout acts as PEFT's: the adapter's own ``nn.Dropout`` module on its input (its p and mode at call time), a mask
-per adapter drawn from torch's generator. Inference without dropout does not come here: `fastbert.optimize` gives
-the layer merged weights W + s * B @ A in storage of its own (`AdapterGroup.merged`), so an unmerged adapter runs at
-the merged model's speed.
+Dropout acts as PEFT's: each adapter's own ``nn.Dropout`` on its input, its p and mode read at call time, a mask per
+adapter from torch's default generator (`input_dropout`: 16-bit draws, the keep probability rounded to 1/65536,
+several times faster than ``nn.Dropout``'s Bernoulli draw on CPU). Inference without dropout does not come here:
+`fastbert.optimize` gives the layer merged weights W + s * B @ A in storage of its own (`AdapterGroup.merged`), so
+an unmerged adapter runs at the merged model's speed.
 """
 
 from __future__ import annotations
@@ -31,7 +33,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastbert.ops.backward import compute_dtype, linear_grads
-from fastbert.ops.dropout import dropout
+
+_LEVELS = 1 << 16  # input_dropout's resolution
+
+
+def input_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """x with each element zeroed with probability p (rounded to a multiple of 1/65536) and the others scaled by
+    1 / (1 - that p): unbiased, as nn.Dropout. The mask comes from 16-bit integers, four per 64-bit draw of torch's
+    default generator (on x's device)."""
+    dropped = round(p * _LEVELS)
+    if dropped == 0:
+        return x
+    if dropped >= _LEVELS:
+        return torch.zeros_like(x)
+    words = (x.numel() + 3) // 4
+    bits = torch.randint(-(1 << 63), (1 << 63) - 1, (words,), dtype=torch.int64, device=x.device)
+    keep = bits.view(torch.int16)[:x.numel()].view(x.shape) >= dropped - _LEVELS // 2
+    return torch.where(keep, x * (_LEVELS / (_LEVELS - dropped)), x.new_zeros(()))
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,7 +95,7 @@ class AdapterGroup:
         if not self.dropping():
             stacked = torch.cat([adapter.down.to(x.dtype) * adapter.scaling for adapter in self.present])
             return F.linear(x, stacked)
-        parts = [F.linear(adapter.dropout(x) if adapter.dropping() else x, adapter.down.to(x.dtype))
+        parts = [F.linear(input_dropout(x, adapter.dropout.p) if adapter.dropping() else x, adapter.down.to(x.dtype))
                  * adapter.scaling for adapter in self.present]
         return torch.cat(parts, dim=-1)
 
@@ -109,14 +127,6 @@ def add_to_heads(heads: Sequence[torch.Tensor], update: torch.Tensor) -> tuple[t
     """q, k, v [T, heads, D] plus the packed QKV update [T, 3 * heads * D] (its three blocks in order)."""
     blocks = update.view(*update.shape[:-1], len(heads), *heads[0].shape[-2:]).unbind(-3)
     return tuple(head + block for head, block in zip(heads, blocks, strict=True))
-
-
-def residual_with_update(residual: torch.Tensor, update: torch.Tensor, dropout_p: float,
-                         dropout_seed: int) -> torch.Tensor:
-    """residual + dropout(update) with the mask a residual op draws from (dropout_p, dropout_seed) (`keep_mask`),
-    so that the op computes LN(drop(x @ W^T + b + update) + residual). Only exact for ops that draw `keep_mask`
-    (the eager implementations and the spec's formulas: callers with dropout run those)."""
-    return residual + dropout(update, dropout_p, dropout_seed).to(residual.dtype)
 
 
 class _AugmentedLinear(torch.autograd.Function):

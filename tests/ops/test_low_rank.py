@@ -18,7 +18,7 @@ from fastbert.ops.low_rank import (
     LowRankAdapter,
     add_to_heads,
     augmented_linear,
-    residual_with_update,
+    input_dropout,
 )
 
 
@@ -78,20 +78,24 @@ def test_add_to_heads_adds_each_block():
         torch.testing.assert_close(out, head + update[:, 6 * i:6 * (i + 1)].view(5, 2, 3))
 
 
-@pytest.mark.parametrize("p", [0.0, 0.4])
-def test_residual_update_equals_dropout_of_the_sum(p):
-    """LN(drop(x W^T + b + d) + r), computed as the eager op on r + drop(d) with the same seed."""
-    gen = torch.Generator().manual_seed(0)
-    x, residual, update = (torch.randn(130, 16, generator=gen, dtype=torch.float64) for _ in range(3))
-    weight, bias = torch.randn(16, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
-    ln_weight, ln_bias = torch.rand(16, dtype=torch.float64) + 0.5, torch.randn(16, dtype=torch.float64)
-    from fastbert.ops.dropout import dropout
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.0])
+def test_input_dropout_keeps_one_minus_p_and_is_unbiased(p):
+    torch.manual_seed(0)
+    x = torch.ones(400, 301, dtype=torch.float64)
+    out = input_dropout(x, p)
+    kept = (out != 0).double().mean().item()
+    assert abs(kept - (1 - p)) < 4 * (p * (1 - p) / x.numel()) ** 0.5 + 1e-12
+    assert abs(out.mean().item() - 1.0) < 0.01
+    torch.manual_seed(0)
+    assert torch.equal(input_dropout(x, p), out)  # torch.manual_seed makes it reproducible
+    assert torch.equal(input_dropout(x, 1.0), torch.zeros_like(x))
 
-    expected = F.layer_norm(dropout(F.linear(x, weight, bias) + update, p, 11) + residual, (16,), ln_weight,
-                            ln_bias, 1e-5)
-    got = ops.linear_residual_layernorm(x, weight, bias, residual_with_update(residual, update, p, 11), ln_weight,
-                                        ln_bias, 1e-5, dropout_p=p, dropout_seed=11, backend="eager")
-    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+def test_input_dropout_draws_every_16_bit_lane():
+    """Each of the four lanes of a 64-bit draw keeps at the same rate (the high lane's sign bit is random too)."""
+    torch.manual_seed(1)
+    kept = (input_dropout(torch.ones(4 * 50_000), 0.5) != 0).view(-1, 4).double().mean(0)
+    assert torch.all((kept - 0.5).abs() < 0.01), kept
 
 
 def activation_case(x, weight, bias, group):
