@@ -182,7 +182,7 @@ def test_peft_adapter_on_an_optimized_base_saves_and_reloads_exactly(tmp_path):
     expected, got = adapted.state_dict(), reloaded.state_dict()
     assert sorted(got) == sorted(expected)
     assert [name for name in expected if not torch.equal(got[name], expected[name])] == []
-    with torch.no_grad():  # a call through the adapter (transformers' code: LoRA layers are not fastbert's)
+    with torch.no_grad():  # a call through the adapter (fastbert's path: the merged copies of its own)
         adapted(**optimize_inputs(FAMILY, HEAD, base))
     # Plain Linears again (merged through .data, which moves no version counter: the modules fastbert maps
     # changed since its last call, so the next call rebuilds over the merged weights), and it saves whole.
