@@ -4,7 +4,8 @@
 ``position_ids`` and ``token_type_ids`` [T], ``cu_seqlens`` int32 [B + 1] and the host facts the encoder needs
 (``lengths``, ``max_seqlen``, ``position_count``): checked on the host, copied to the device in one transfer each,
 so that `fastbert.model.FastBertModel.forward_packed` reads no tensor value back from the device. `from_padded`
-converts a [B, S] batch with an attention mask (the drop-in's form) into one, reading the mask once.
+converts a [B, S] batch with an attention mask (the drop-in's form) into one, reading the mask once, with the
+positions the padded entry gives its real tokens (with left padding, BERT-style positions count the pads).
 """
 
 from __future__ import annotations
@@ -65,8 +66,14 @@ class PackedBatch:
         rows = [list(row) for row in ids]
         types = None if token_types is None else [list(row) for row in token_types]
         check_rows(config, rows, types)
+        return cls.pack(config, rows, types, [row_positions(config, row) for row in rows], device, pin_memory)
+
+    @classmethod
+    def pack(cls, config: FastBertConfig, rows: list[list[int]], types: list[list[int]] | None,
+             positions: list[list[int]], device: torch.device | str = "cpu", pin_memory: bool = False) -> PackedBatch:
+        """The batch of checked ``rows`` (`check_rows`) with the given ``positions`` (one list per row)."""
         flat_ids = [token for row in rows for token in row]
-        positions = [p for row in rows for p in row_positions(config, row)]
+        flat_positions = [p for row in positions for p in row]
         flat_types = None
         if config.type_vocab_size:
             flat_types = [t for row in types for t in row] if types is not None else [0] * len(flat_ids)
@@ -80,22 +87,44 @@ class PackedBatch:
             host = host.pin_memory() if pin_memory and torch.cuda.is_available() else host
             return host.to(device, non_blocking=pin_memory)
 
-        return cls(tensor(flat_ids, torch.long), tensor(positions, torch.long),
+        return cls(tensor(flat_ids, torch.long), tensor(flat_positions, torch.long),
                    None if flat_types is None else tensor(flat_types, torch.long), tensor(cu, torch.int32), lengths,
-                   max(positions) + 1)
+                   max(flat_positions) + 1)
 
     @classmethod
     def from_padded(cls, config: FastBertConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     token_type_ids: torch.Tensor | None = None) -> PackedBatch:
-        """The real tokens of a [B, S] batch (mask 1 = token; right or left padding), read once on the host."""
+        """The real tokens of a [B, S] batch (mask 1 = token; right or left padding), read once on the host, each at
+        the position the padded entry (`FastBertModel.forward` without position_ids) and transformers give it:
+        its column (BERT, DistilBERT, ALBERT, ELECTRA, ModernBERT: left padding shifts the positions), or
+        RoBERTa's count of non-pad ids so far past the padding index (pads skipped, as packed). ValueError as
+        `from_token_lists`, and for a position beyond the model's position table."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        host_ids = input_ids.detach().cpu()
         mask = attention_mask.detach().cpu().bool()
-        ids = [row[keep].tolist() for row, keep in zip(input_ids.detach().cpu(), mask, strict=True)]
+        positions = padded_position_ids(config, host_ids)
+        ids = [row[keep].tolist() for row, keep in zip(host_ids, mask, strict=True)]
         types = None
         if token_type_ids is not None:
             types = [row[keep].tolist() for row, keep in zip(token_type_ids.detach().cpu(), mask, strict=True)]
-        return cls.from_token_lists(config, ids, types, device=input_ids.device)
+        check_rows(config, ids, types)
+        rows_positions = [row[keep].tolist() for row, keep in zip(positions, mask, strict=True)]
+        highest = max(max(row) for row in rows_positions)
+        if config.positions == "absolute" and highest >= config.max_position_embeddings:
+            raise ValueError(f"position id {highest} (a token's column in the padded batch) needs more than the "
+                             f"model's max_position_embeddings={config.max_position_embeddings}")
+        return cls.pack(config, ids, types, rows_positions, device=input_ids.device)
+
+
+def padded_position_ids(config: FastBertConfig, input_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, S] of a padded batch as `FastBertModel.default_position_ids` (and transformers) make them:
+    each token's column 0..S-1, padding counted; RoBERTa's (``position_offset``): the count of non-pad ids so far past
+    the padding index, the padding index at a pad id."""
+    if config.position_offset is None:
+        return torch.arange(input_ids.shape[1]).expand(input_ids.shape)
+    not_pad = input_ids.ne(config.pad_token_id).long()
+    return torch.cumsum(not_pad, dim=1) * not_pad + config.pad_token_id
 
 
 def row_positions(config: FastBertConfig, row: Sequence[int]) -> list[int]:

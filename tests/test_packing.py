@@ -19,10 +19,16 @@ LENGTHS = [(1,), (7, 1, 3), (130, 7, 1)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def model(request, tmp_path_factory) -> fastbert.FastBertModel:
-    """A tiny random checkpoint of the family (positions for 130 tokens), loaded by fastbert, eval mode."""
-    directory = tmp_path_factory.mktemp(request.param)
-    tiny_model(request.param, max_position_embeddings=160).save_pretrained(directory)
+def reference(request) -> torch.nn.Module:
+    """A tiny random transformers model of the family (positions for 130 tokens), eval mode, eager attention."""
+    return tiny_model(request.param, max_position_embeddings=160)
+
+
+@pytest.fixture(scope="module")
+def model(reference, tmp_path_factory) -> fastbert.FastBertModel:
+    """``reference``'s checkpoint loaded by fastbert, eval mode."""
+    directory = tmp_path_factory.mktemp(reference.config.model_type)
+    reference.save_pretrained(directory)
     return fastbert.from_pretrained(str(directory)).eval()
 
 
@@ -90,6 +96,40 @@ def test_from_padded_reads_the_mask_once_and_matches(model):
                   PackedBatch.from_padded(model.config, left, left_mask)):
         assert batch.lengths == (5, 2, 9) and batch.input_ids.tolist() == sum(rows, [])
         assert batch.cu_seqlens.tolist() == [0, 5, 7, 16] and batch.max_seqlen == 9
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_from_padded_equals_the_padded_entry_and_transformers(model, reference, side):
+    """`from_padded` gives each real token the position the padded entry gives it, so `forward_packed` of the
+    converted batch equals the padded forward and transformers at every real token, left padding included: there
+    BERT-style positions count the pads before the token (transformers' arange(S)), RoBERTa's skip them, ModernBERT's
+    rotary ones are the columns too. (The pooler reads column 0, a pad on the left: not compared.)"""
+    config = model.config
+    rows = token_lists(config, (7, 1, 4), seed=11)
+    ids, mask = (left_padded if side == "left" else padded)(rows, config.pad_token_id)
+    assert mask[:, 0].tolist() == ([1, 0, 0] if side == "left" else [1, 1, 1])
+    types = {}
+    if config.type_vocab_size > 1:  # a second segment from column 4 on, as a tokenizer's pair would give
+        types["token_type_ids"] = (torch.arange(ids.shape[1]) >= 4).long().expand_as(ids) * mask
+    batch = PackedBatch.from_padded(config, ids, mask, **types)
+    real = mask.bool()
+    expected = model.default_position_ids(ids, *ids.shape, ids.device)[real]
+    assert batch.position_ids.tolist() == expected.tolist()
+    assert batch.position_count == int(expected.max()) + 1
+    with torch.inference_mode():
+        padded_out = model(input_ids=ids, attention_mask=mask, **types).last_hidden_state[real]
+        hf_out = reference(input_ids=ids, attention_mask=mask, **types).last_hidden_state[real]
+        out = model.forward_packed(batch).last_hidden_state
+    torch.testing.assert_close(out, padded_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, hf_out, rtol=1e-5, atol=1e-5)
+
+
+def test_from_padded_refuses_a_column_beyond_the_position_table():
+    """A short sequence left-padded past the table: its columns (its positions in the padded entry) do not fit."""
+    config = fastbert.FastBertConfig.from_hf_dict(tiny_model("bert", max_position_embeddings=8).config.to_dict())
+    ids = torch.tensor([[0] * 6 + [5, 6, 7]])
+    with pytest.raises(ValueError, match="max_position_embeddings=8"):
+        PackedBatch.from_padded(config, ids, ids.ne(0).long())
 
 
 def test_roberta_positions_follow_transformers():
