@@ -37,19 +37,19 @@ from fastbert.ops.backward import compute_dtype, linear_grads
 _LEVELS = 1 << 16  # input_dropout's resolution
 
 
-def input_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """x with each element zeroed with probability p (rounded to a multiple of 1/65536) and the others scaled by
-    1 / (1 - that p): unbiased, as nn.Dropout. The mask comes from 16-bit integers, four per 64-bit draw of torch's
-    default generator (on x's device)."""
+def input_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
+    """(x with each element zeroed with probability p (rounded to a multiple of 1/65536), the scale 1 / (1 - that
+    p)): their product is nn.Dropout's (unbiased); the caller folds the scale into a later product. The mask comes
+    from 16-bit integers, four per 64-bit draw of torch's default generator (on x's device)."""
     dropped = round(p * _LEVELS)
     if dropped == 0:
-        return x
+        return x, 1.0
     if dropped >= _LEVELS:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x), 0.0
     words = (x.numel() + 3) // 4
     bits = torch.randint(-(1 << 63), (1 << 63) - 1, (words,), dtype=torch.int64, device=x.device)
     keep = bits.view(torch.int16)[:x.numel()].view(x.shape) >= dropped - _LEVELS // 2
-    return torch.where(keep, x * (_LEVELS / (_LEVELS - dropped)), x.new_zeros(()))
+    return torch.where(keep, x, x.new_zeros(())), _LEVELS / (_LEVELS - dropped)
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,8 +95,10 @@ class AdapterGroup:
         if not self.dropping():
             stacked = torch.cat([adapter.down.to(x.dtype) * adapter.scaling for adapter in self.present])
             return F.linear(x, stacked)
-        parts = [F.linear(input_dropout(x, adapter.dropout.p) if adapter.dropping() else x, adapter.down.to(x.dtype))
-                 * adapter.scaling for adapter in self.present]
+        parts = []
+        for adapter in self.present:
+            kept, scale = input_dropout(x, adapter.dropout.p) if adapter.dropping() else (x, 1.0)
+            parts.append(F.linear(kept, adapter.down.to(x.dtype)) * (adapter.scaling * scale))
         return torch.cat(parts, dim=-1)
 
     def up_weight(self, dtype: torch.dtype) -> torch.Tensor:
