@@ -255,3 +255,24 @@ def test_trainer_fine_tunes_like_peft(tmp_path):
     assert len(losses["peft"]) == 4
     torch.testing.assert_close(torch.tensor(losses["fastbert"]), torch.tensor(losses["peft"]), rtol=1e-4,
                                atol=1e-5)
+
+
+def test_lora_dropout_has_peft_s_law():
+    """The update's mean and variance over many draws equal PEFT's (masks differ, not their law)."""
+    from fastbert.ops.low_rank import AdapterGroup, LowRankAdapter
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(nn.Sequential(nn.Linear(16, 12)), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["0"], init_lora_weights=False))
+    layer = model.base_model.model[0].train()
+    group = AdapterGroup([LowRankAdapter(layer.lora_A["default"].weight, layer.lora_B["default"].weight,
+                                         layer.scaling["default"], layer.lora_dropout["default"])], (12,))
+    x = torch.randn(3, 16)
+    draws = 6000
+    with torch.no_grad():
+        theirs = torch.stack([layer(x) - layer.base_layer(x) for _ in range(draws)])
+        ours = torch.stack([group.update(x) for _ in range(draws)])
+    standard_error = theirs.std(0) / draws ** 0.5
+    assert ((ours.mean(0) - theirs.mean(0)).abs() < 5 * standard_error).all()
+    ratio = ours.var(0) / theirs.var(0)
+    assert ((ratio > 0.9) & (ratio < 1.1)).all(), ratio
