@@ -145,7 +145,7 @@ def start_server(name: str, args: argparse.Namespace) -> Server:
     elif name in INFINITY_ENGINES:
         command = [str(Path(args.infinity_venv) / "bin" / "infinity_emb"), "v2", "--model-id", model_copy(args),
                    "--served-model-name", "minilm", "--engine", INFINITY_ENGINES[name], "--device", "cpu",
-                   "--dtype", "float32", "--port", str(port), "--log-level", "warning"]
+                   "--dtype", "float32", "--pooling-method", "mean", "--port", str(port), "--log-level", "warning"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads),
                "INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"}
         process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -163,8 +163,9 @@ def start_server(name: str, args: argparse.Namespace) -> Server:
 
 
 def model_copy(args: argparse.Namespace) -> str:
-    """The model directory copied once under /tmp: infinity's ONNX engine exports the model next to its weights,
-    and the packaged one lies in the venv's site-packages."""
+    """The model directory copied once under /tmp: infinity's ONNX engine writes its optimized graph and
+    rewritten configs next to the weights (it needs a ``model.onnx`` there), and the packaged model lies in
+    site-packages."""
     import shutil
     import tempfile
 
@@ -250,15 +251,38 @@ class Phase:
     client_cpu_s: float = 0.0  # and this process, the load generator: it shares the server's cores
 
 
-async def send(client, workload: Workload, indices: list[int]) -> Sample:
-    start = time.perf_counter()
-    texts = [workload.pool[i] for i in indices]
-    try:
-        if client.openai_route:  # infinity: OpenAI's shape on /embeddings
-            answer = await client.post("/embeddings", json={"input": texts, "model": "minilm"})
+class LoadClient:
+    """The load generator's HTTP client: one aiohttp session posting to fastbert's ``/embed`` or, for infinity,
+    OpenAI's ``/embeddings``. It shares the server's cores, so its own cost must stay small and flat: aiohttp spent
+    0.2-0.4 ms of CPU per request at 64 and 256 connections, httpx's AsyncClient 2.6 and 8.2 ms
+    (benchmarks/results/serve-cpu-infinity), which took a quarter of a core from the server at 256 clients."""
+
+    def __init__(self, url: str, connections: int, openai_route: bool):
+        import aiohttp
+
+        self.openai_route = openai_route
+        self.session = aiohttp.ClientSession(base_url=url, timeout=aiohttp.ClientTimeout(total=60),
+                                             connector=aiohttp.TCPConnector(limit=connections))
+
+    async def __aenter__(self) -> LoadClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
+
+    async def post(self, texts: list[str]) -> tuple[int, bytes]:
+        if self.openai_route:
+            path, payload = "/embeddings", {"input": texts, "model": "minilm"}
         else:
-            answer = await client.post("/embed", json={"inputs": texts})
-        status, body = answer.status_code, answer.content
+            path, payload = "/embed", {"inputs": texts}
+        async with self.session.post(path, json=payload) as answer:
+            return answer.status, await answer.read()
+
+
+async def send(client: LoadClient, workload: Workload, indices: list[int]) -> Sample:
+    start = time.perf_counter()
+    try:
+        status, body = await client.post([workload.pool[i] for i in indices])
     except Exception:  # noqa: BLE001 - a transport failure (reset, timeout) is a result of the load, status 0
         status, body = 0, b""
     return Sample(indices, start, time.perf_counter() - start, status, body)
@@ -266,18 +290,15 @@ async def send(client, workload: Workload, indices: list[int]) -> Sample:
 
 async def closed_loop(url: str, workload: Workload, concurrency: int, duration: float, limit: int,
                       openai_route: bool = False) -> Phase:
-    import httpx
-
     phase, deadline = Phase(), time.perf_counter() + duration
 
     async def client_loop(client) -> None:
         while time.perf_counter() < deadline and len(phase.samples) < limit:
             phase.samples.append(await send(client, workload, workload.next()))
 
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=concurrency)) as c:
-        c.openai_route = openai_route
+    async with LoadClient(url, concurrency, openai_route) as client:
         start = time.perf_counter()
-        await asyncio.gather(*(client_loop(c) for _ in range(concurrency)))
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
         phase.wall = time.perf_counter() - start
     return phase
 
@@ -286,14 +307,11 @@ async def open_loop(url: str, workload: Workload, rate: float, duration: float, 
                     openai_route: bool = False) -> Phase:
     """Poisson arrivals at ``rate`` requests/s for ``duration`` s (at most ``limit``), each sent whatever the
     answers of the others."""
-    import httpx
-
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, size=limit))
     arrivals = arrivals[arrivals < duration]
     phase, tasks = Phase(), []
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=1024)) as client:
-        client.openai_route = openai_route
+    async with LoadClient(url, 1024, openai_route) as client:
         start = time.perf_counter()
         for at in arrivals:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
@@ -486,7 +504,7 @@ def machine(args: argparse.Namespace) -> dict:
                            capture_output=True, text=True).stdout.strip()
     info.update(git_commit=git_commit(ROOT, short=False) or "",
                 git_dirty=bool(dirty), server_threads=args.threads,
-                load_generator="httpx AsyncClient in one process on the same machine")
+                load_generator="aiohttp ClientSession in one process on the same machine")
     return info
 
 

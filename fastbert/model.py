@@ -272,8 +272,7 @@ def adapted_op(layer: nn.Module, table: backends.OpTable, op: str, role: str, x:
     if group is None:
         return getattr(table, op)(x, weight, bias, *rest)
     if backends.runs_eager(op, table.backend, x.device.type) or (op in _DROPOUT_OPS and rest[-2] > 0):
-        update = group.update(x)
-        return SPECS[op].eager(x, weight, update if bias is None else bias + update, *rest)
+        return SPECS[op].eager(x, weight, group.update(x, bias), *rest)
     if op in ("linear_activation", "linear_glu"):  # u is computed inside (`augmented_linear`)
         return _FUSED_UPDATES[op](getattr(table, op), group, None, x, weight, bias, *rest)
     return _FUSED_UPDATES[op](getattr(table, op), group, group.update(x), x, weight, bias, *rest)

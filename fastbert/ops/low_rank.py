@@ -40,16 +40,17 @@ _LEVELS = 1 << 16  # input_dropout's resolution
 def input_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
     """(x with each element zeroed with probability p (rounded to a multiple of 1/65536), the scale 1 / (1 - that
     p)): their product is nn.Dropout's (unbiased); the caller folds the scale into a later product. The mask comes
-    from 16-bit integers, four per 64-bit draw of torch's default generator (on x's device)."""
+    from 16-bit integers, four per 64-bit draw of torch's default generator (on x's device), and is applied as
+    nn.Dropout applies its own, by a product."""
     dropped = round(p * _LEVELS)
     if dropped == 0:
         return x, 1.0
     if dropped >= _LEVELS:
         return torch.zeros_like(x), 0.0
     words = (x.numel() + 3) // 4
-    bits = torch.randint(-(1 << 63), (1 << 63) - 1, (words,), dtype=torch.int64, device=x.device)
+    bits = torch.empty(words, dtype=torch.int64, device=x.device).random_(-(1 << 63), None)  # every 64-bit value
     keep = bits.view(torch.int16)[:x.numel()].view(x.shape) >= dropped - _LEVELS // 2
-    return torch.where(keep, x, x.new_zeros(())), _LEVELS / (_LEVELS - dropped)
+    return x * keep, _LEVELS / (_LEVELS - dropped)
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,9 +111,15 @@ class AdapterGroup:
                   for adapter, width in zip(self.adapters, self.widths, strict=True)]
         return torch.block_diag(*blocks)
 
-    def update(self, x: torch.Tensor) -> torch.Tensor:
-        """The low-rank update B(u) [..., sum of widths] for input x."""
-        return F.linear(self.down(x), self.up_weight(x.dtype))
+    def update(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The low-rank update B(u) [..., sum of widths] for input x, plus ``bias`` (broadcast over the tokens) when
+        given: one GEMM that starts from the bias, no separate pass adding it."""
+        u = self.down(x)
+        up = self.up_weight(x.dtype)
+        if bias is None:
+            return F.linear(u, up)
+        rows = torch.addmm(bias.to(x.dtype), u.reshape(-1, u.shape[-1]), up.t())
+        return rows.view(*u.shape[:-1], up.shape[0])
 
     def merged(self, weight: torch.Tensor) -> torch.Tensor:
         """weight (the blocks stacked, [sum of widths, in]) plus each block's s * B @ A, as a new tensor."""

@@ -31,6 +31,25 @@ def test_keep_mask_rate_and_scaling(p):
     assert abs(out.mean().item() - 1) < 5 * (p / (1 - p) / SAMPLE) ** 0.5
 
 
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 130), (2, 5, 7)])
+def test_keep_mask_shapes_and_the_ends_of_p(shape):
+    """Odd element counts (the last 64-bit draw half used); p = 0 keeps all, p = 1 drops all."""
+    for p, expected in ((0.0, True), (1.0, False)):
+        mask = keep_mask(shape, p, 3, "cpu")
+        assert mask.shape == shape and mask.dtype == torch.bool and bool(mask.all() == expected)
+    assert keep_mask(shape, 0.5, 3, "cpu").shape == shape
+
+
+def test_keep_mask_neighbours_are_independent():
+    """Two elements share each 64-bit draw: the pairs (even, odd) and (odd, next even) are kept together at the
+    rate (1 - p)^2 of independent elements."""
+    p = 0.3
+    mask = keep_mask((SAMPLE,), p, 5, "cpu").double()
+    for first, second in ((mask[0::2], mask[1::2]), (mask[1:-1:2], mask[2::2])):
+        both = (first * second).mean().item()
+        assert abs(both - (1 - p) ** 2) < _rate_tolerance((1 - p) ** 2, first.numel())
+
+
 def test_mask_is_a_function_of_the_seed():
     first = keep_mask((64, 64), 0.3, 11, "cpu")
     assert torch.equal(first, keep_mask((64, 64), 0.3, 11, "cpu"))

@@ -51,6 +51,22 @@ def test_group_update_and_merge_follow_the_plain_formula(present):
                                atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(1,), (7,), (2, 130)])
+def test_group_update_with_bias_adds_the_bias_to_every_token(shape):
+    """update(x, bias) is bias + update(x) on any leading shape, with gradients to x, the adapters and the bias."""
+    hidden, widths = 9, (5, 5, 5)
+    adapters = [adapter(w, hidden, 2, 1.5, seed) for seed, w in enumerate(widths)]
+    group = AdapterGroup(adapters, widths)
+    x = torch.randn(*shape, hidden, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(sum(widths), dtype=torch.float64, requires_grad=True)
+    got, expected = group.update(x, bias), bias + group.update(x)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    leaves = (x, bias, adapters[0].down, adapters[2].up)
+    grads = torch.autograd.grad(got.sin().sum(), leaves)
+    for grad, plain in zip(grads, torch.autograd.grad(expected.sin().sum(), leaves), strict=True):
+        torch.testing.assert_close(grad, plain, rtol=1e-12, atol=1e-12)
+
+
 def test_group_needs_an_adapter():
     with pytest.raises(ValueError, match="at least one adapter"):
         AdapterGroup([None, None], (4, 4))
