@@ -44,6 +44,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-6  # fastbert's answers against the direct embedding of the same texts
 BASELINE_TOLERANCE = 1e-4
+# fastbert in bfloat16 or int8 (`--serve-args '--dtype auto'` on a CPU with AMX): its unit vectors against the fp32
+# direct embedding, elementwise; bf16 keeps 8 bits of mantissa (a unit vector's elements move by a few 1e-3)
+REDUCED_TOLERANCE = 3e-2
 SERVERS = ("fastbert", "baseline", "infinity-torch", "infinity-onnx")
 INFINITY_ENGINES = {"infinity-torch": "torch", "infinity-onnx": "optimum"}
 
@@ -430,10 +433,18 @@ def open_loops(server: Server, workload: Workload, args: argparse.Namespace, ref
     return results
 
 
+def fastbert_tolerance(args: argparse.Namespace) -> float:
+    """How far fastbert's answers may lie from the fp32 direct embedding: 1e-6 in float32 (the CLI's default dtype,
+    auto, may pick bfloat16 or int8 instead: `REDUCED_TOLERANCE`)."""
+    words = args.serve_args.split()
+    dtype = words[words.index("--dtype") + 1] if "--dtype" in words[:-1] else "float32"
+    return TOLERANCE if dtype == "float32" else REDUCED_TOLERANCE
+
+
 def run_server(name: str, args: argparse.Namespace, workload: Workload, reference: np.ndarray) -> dict:
     server = start_server(name, args)
     try:
-        tolerance = TOLERANCE if name == "fastbert" else BASELINE_TOLERANCE
+        tolerance = fastbert_tolerance(args) if name == "fastbert" else BASELINE_TOLERANCE
         closed = closed_loops(server, workload, args, reference, tolerance)
         result = {"closed_loop": closed, "peak_texts_per_s": max(c["texts_per_s"] for c in closed),
                   "peak_tokens_per_s": max(c["tokens_per_s"] for c in closed)}
@@ -488,7 +499,8 @@ def targets(results: dict) -> list[dict]:
     errors = sum(c["server_errors"] for c in fast["closed_loop"] + fast["open_loop"])
     rows.append(("no 5xx (nor transport errors) at any load", errors == 0, f"{errors}"))
     wrong, worst = sum(c["rows_over_tolerance"] for c in checked), max(c["max_abs_error"] for c in checked)
-    rows.append(("every 200 answer equals the direct embedding of its texts within 1e-6", wrong == 0,
+    tolerance = fastbert_tolerance(argparse.Namespace(serve_args=results["settings"].get("serve_args", "")))
+    rows.append((f"every 200 answer equals the direct embedding of its texts within {tolerance:g}", wrong == 0,
                  f"{sum(c['rows_checked'] for c in checked)} rows, max |diff| {worst:.2e}, {wrong} over"))
     return [{"target": t, "met": bool(m), "figures": f} for t, m, f in rows]
 
