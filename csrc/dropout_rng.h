@@ -25,6 +25,13 @@ inline float dropout_uniform(uint64_t stream, uint64_t index) {
   return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
 }
 
+// Elementwise dropout (csrc/dropout.cpp) keeps element `index` iff the top 32 bits of the stream's index-th output
+// are >= `threshold` = round(p * 2**32): kept with probability 1 - threshold / 2**32 exactly, so that scaling kept
+// values by 2**32 / (2**32 - threshold) is unbiased. A threshold of 2**32 (p = 1) keeps nothing.
+inline bool dropout_keep32(uint64_t stream, uint64_t index, uint64_t threshold) {
+  return (mix64(stream + (index + 1) * 0x9E3779B97F4A7C15ull) >> 32) >= threshold;
+}
+
 // Attention's mask is indexed [sequence, head, query, key] over the padded layout ([batch, heads, S, S], S the padded
 // length or the packed form's max_seqlen; query and key are positions within the sequence).
 inline uint64_t attention_dropout_index(int64_t batch_index, int64_t head, int64_t heads, int64_t seqlen,

@@ -17,6 +17,9 @@ TORCH_LIBRARY_FRAGMENT(fastbert, m) {
   // Rows of x [B, S, ...] at flat indices (b * S + s) -> [T, ...], and back (zeros at the other positions).
   m.def("cpp_unpad(Tensor x, Tensor indices) -> Tensor");
   m.def("cpp_pad(Tensor x, Tensor indices, int batch, int seqlen) -> Tensor");
+  // x with each element kept with probability 1 - p and scaled to keep the mean, zero elsewhere; the mask a pure
+  // function of (seed, p, flat index) (csrc/dropout.cpp), so the same call on the gradient is the backward.
+  m.def("cpp_dropout(Tensor x, float p, int seed) -> Tensor");
 }
 
 namespace {

@@ -33,6 +33,7 @@ import warnings
 import torch
 
 from fastbert import backends
+from fastbert.ops.dropout import register_kernel
 from fastbert.ops.qkv_rotary import split_packed
 from fastbert.ops.spec import SPECS
 
@@ -90,6 +91,8 @@ QKV_ROTARY_ERROR = missing_kernel("cpp_qkv_rotary", "csrc/rotary.cpp", "qkv_rota
 ATTENTION_BACKWARD_ERROR = missing_kernel("cpp_attention_backward", "csrc/attention_backward.cpp",
                                           "attention's backward and dropout")
 
+DROPOUT_ERROR = missing_kernel("cpp_dropout", "csrc/dropout.cpp", "one-pass dropout")
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -133,6 +136,12 @@ if _C is not None:
     @torch.library.register_fake("fastbert::cpp_pad")
     def _(x, indices, batch, seqlen):
         return x.new_empty((batch, seqlen, *x.shape[1:]))
+
+if DROPOUT_ERROR is None:
+
+    @torch.library.register_fake("fastbert::cpp_dropout")
+    def _(x, p, seed):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 if ATTENTION_BACKWARD_ERROR is None:
 
@@ -241,6 +250,12 @@ def pad(x: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torc
     return torch.ops.fastbert.cpp_pad(x, indices, batch, seqlen)
 
 
+def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """x (float32 or bfloat16) with each element kept with probability 1 - p and scaled by 1 / (1 - p), zero
+    elsewhere, contiguous; the mask a pure function of (p, seed, flat index) (the C++ kernel, csrc/dropout.cpp)."""
+    return torch.ops.fastbert.cpp_dropout(x, p, seed)
+
+
 def bias_activation(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     """act(x + bias) -> like x, contiguous; activation "gelu" | "gelu_tanh" | "relu" | "silu" (the C++ kernel)."""
     return torch.ops.fastbert.cpp_bias_activation(x, bias, activation)
@@ -265,5 +280,8 @@ for _op, _impl, _supports in (
 ):
     backends.register(_op, "cpp", _impl, _supports, has_backward=_op not in TORCH_OPS or SPECS[_op].has_backward)
 
-__all__ = ["EXTENSION_ERROR", "amx_attention", "bias_activation", "bias_residual_layernorm", "compiled_capability",
-           "pad", "unpad"]
+if DROPOUT_ERROR is None:
+    register_kernel("cpu", dropout)
+
+__all__ = ["DROPOUT_ERROR", "EXTENSION_ERROR", "amx_attention", "bias_activation", "bias_residual_layernorm",
+           "compiled_capability", "dropout", "pad", "unpad"]

@@ -1,10 +1,13 @@
 """Dropout as the fused ops take it: a probability ``dropout_p`` and an integer ``dropout_seed``.
 
-The eager implementations, the references and the backward formulas in PyTorch ops draw their keep mask with
-`keep_mask`, a deterministic function of (shape, p, seed, device): the backward regenerates exactly the forward's
-mask from the seed instead of storing it, and a run is reproducible for a given seed. A backend that fuses dropout
-into its kernel may draw its own mask (Triton: Philox from the same seed); its backward then regenerates that one.
-Masks of different backends differ for p > 0; with p = 0 every backend computes the op without dropout.
+The eager implementations, the references and the backward formulas in PyTorch ops drop elements with `dropout`
+(attention's eager probabilities with `keep_mask`): deterministic functions of (shape, p, seed, device), so that a
+backward regenerates exactly the forward's mask from the seed instead of storing it, and a run is reproducible for
+a given seed. `dropout` runs the kernel registered for the tensor's device (`register_kernel`: on CPU the C++
+extension's counter-based ``fastbert::cpp_dropout``, one pass, no mask tensor, its backward the same kernel on the
+gradient), else applies `keep_mask`'s mask. A backend that fuses dropout into its kernel may draw its own mask
+(Triton: Philox from the same seed); its backward then regenerates that one. Masks of different backends differ for
+p > 0; with p = 0 every backend computes the op without dropout.
 
 The model draws one seed per forward from torch's default generator (`draw_seed`), so ``torch.manual_seed`` makes a
 training run reproducible, and derives each op call's seed from it (`op_seed`).
@@ -17,7 +20,9 @@ others, whose kernels would take the seed). The mask is saved by autograd rather
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -60,12 +65,56 @@ def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     return torch.where(keep, x * keep_scale(p), x.new_zeros(()))
 
 
+# device type -> kernel(x, p, seed): x dropped with a mask that is a function of (p, seed, flat index) and x's shape
+_KERNELS: dict[str, Callable[[torch.Tensor, float, int], torch.Tensor]] = {}
+
+
+def register_kernel(device_type: str, kernel: Callable[[torch.Tensor, float, int], torch.Tensor]) -> None:
+    """Make ``kernel`` what `dropout` runs on ``device_type`` (float32 and bfloat16 tensors)."""
+    _KERNELS[device_type] = kernel
+
+
+@functools.cache
+def _load_backend_kernels(device_type: str) -> None:
+    """Load the backend that registers ``device_type``'s kernel (the C++ extension on CPU) once, before the first
+    dropout there, so that a forward and its backward see the same kernel whatever else loads it later."""
+    if device_type == "cpu":
+        from fastbert import backends  # lazily: the backends import the ops
+
+        backends.load("cpp")
+
+
+def kernel_for(x: torch.Tensor) -> Callable[[torch.Tensor, float, int], torch.Tensor] | None:
+    """The kernel `dropout` runs on x (None: `keep_mask`'s mask is applied instead)."""
+    if torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    _load_backend_kernels(x.device.type)
+    return _KERNELS.get(x.device.type)
+
+
+class _KernelDropout(torch.autograd.Function):
+    """kernel(x, p, seed); the backward is the same kernel on the gradient (the same mask, regenerated)."""
+
+    @staticmethod
+    def forward(ctx, x, p, seed, kernel):
+        ctx.p, ctx.seed, ctx.kernel = p, seed, kernel
+        return kernel(x, p, seed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.kernel(grad.contiguous(), ctx.p, ctx.seed), None, None, None
+
+
 def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """x with the elements outside `keep_mask` zeroed and the rest scaled by 1 / (1 - p); x itself when p = 0.
-    Differentiable (autograd multiplies the gradient by the same mask and scale). Applied to a gradient of x's shape
-    with the same (p, seed), it is the backward of the forward's dropout."""
+    """x with each element zeroed with probability p and the rest scaled by 1 / (1 - p); x itself when p = 0. The
+    mask is a function of (shape, p, seed, device): the device's kernel's (module docstring), else `keep_mask`'s.
+    Differentiable (the gradient goes through the same mask and scale). Applied to a gradient of x's shape with the
+    same (p, seed), it is the backward of the forward's dropout."""
     if p == 0.0:
         return x
+    kernel = kernel_for(x)
+    if kernel is not None:
+        return _KernelDropout.apply(x.contiguous(), p, seed, kernel)
     return apply_keep(x, keep_mask(x.shape, p, seed, x.device), p)
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fastbert import backends
 from fastbert.ops.backward import layer_norm_grads, linear_grads
-from fastbert.ops.dropout import apply_keep, check_dropout, dropout, keep_mask
+from fastbert.ops.dropout import check_dropout, dropout
 from fastbert.ops.layernorm import layer_norm_fp32
 from fastbert.ops.spec import OpCost, OpSpec, declare
 
@@ -69,18 +69,13 @@ def _backward(ctx, grad):
     through the same mask the linear layer's."""
     x, weight, bias, residual, ln_weight, ln_bias = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    linear = F.linear(x, weight, bias)
-    keep = keep_mask(linear.shape, ctx.dropout_p, ctx.dropout_seed, linear.device) if ctx.dropout_p > 0 else None
-    if keep is not None:
-        linear = apply_keep(linear, keep, ctx.dropout_p)
+    linear = dropout(F.linear(x, weight, bias), ctx.dropout_p, ctx.dropout_seed)
     summed = linear + residual
     grad_summed, grad_ln_weight, grad_ln_bias = layer_norm_grads(grad, summed, ln_weight, ln_bias, ctx.eps,
                                                                  (any(needs[:4]), needs[4], needs[5]))
     grad_x = grad_weight = grad_bias = None
     if any(needs[:3]):
-        grad_linear = grad_summed
-        if keep is not None:
-            grad_linear = apply_keep(grad_summed, keep, ctx.dropout_p)
+        grad_linear = dropout(grad_summed, ctx.dropout_p, ctx.dropout_seed)
         grad_x, grad_weight, grad_bias = linear_grads(grad_linear, x, weight, bias, needs[:3])
     grad_residual = grad_summed.to(residual.dtype) if needs[3] else None
     return grad_x, grad_weight, grad_bias, grad_residual, grad_ln_weight, grad_ln_bias, None, None, None

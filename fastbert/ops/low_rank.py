@@ -17,8 +17,9 @@ The adapters of one weight's row blocks form an `AdapterGroup`: for Q, K and V p
 concatenated update (u = [u_q | u_k | u_v] in one GEMM when no dropout acts, then a block-diagonal up-projection).
 
 Dropout acts as PEFT's: each adapter's own ``nn.Dropout`` on its input, its p and mode read at call time, a mask per
-adapter from torch's default generator (`input_dropout`: 16-bit draws, the keep probability rounded to 1/65536,
-several times faster than ``nn.Dropout``'s Bernoulli draw on CPU). Inference without dropout does not come here:
+adapter from torch's default generator (`input_dropout`: on CPU the C++ extension's one-pass counter-based kernel,
+elsewhere 16-bit draws, the keep probability rounded to 1/65536; both several times faster than ``nn.Dropout``'s
+Bernoulli draw on CPU). Inference without dropout does not come here:
 `fastbert.optimize` gives the layer merged weights W + s * B @ A in storage of its own (`AdapterGroup.merged`), so
 an unmerged adapter runs at the merged model's speed.
 """
@@ -33,15 +34,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastbert.ops.backward import compute_dtype, linear_grads
+from fastbert.ops.dropout import draw_seed, dropout, kernel_for
 
 _LEVELS = 1 << 16  # input_dropout's resolution
 
 
 def input_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
-    """(x with each element zeroed with probability p (rounded to a multiple of 1/65536), the scale 1 / (1 - that
-    p)): their product is nn.Dropout's (unbiased); the caller folds the scale into a later product. The mask comes
-    from 16-bit integers, four per 64-bit draw of torch's default generator (on x's device), and is applied as
-    nn.Dropout applies its own, by a product."""
+    """(x with each element zeroed with probability p, a scale): their product is nn.Dropout's (unbiased); the
+    caller folds the scale into a later product. Where `fastbert.ops.dropout` has a kernel for x (CPU with the C++
+    extension) it drops and scales in one pass, seeded from torch's default generator (scale 1). Otherwise the mask
+    comes from 16-bit integers (p rounded to a multiple of 1/65536), four per 64-bit draw of torch's default
+    generator on x's device, and is applied as nn.Dropout applies its own, by a product."""
+    if kernel_for(x) is not None:
+        return dropout(x, p, draw_seed()), 1.0
     dropped = round(p * _LEVELS)
     if dropped == 0:
         return x, 1.0

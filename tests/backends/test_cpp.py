@@ -51,6 +51,8 @@ def test_missing_extension_falls_back_to_eager():
         assert sum("extension fastbert._C is not built" in str(c.message) for c in caught) == 1, caught
         explained = backends.explain("linear_activation", x, w, None, "gelu")
         assert explained.startswith("linear_activation: eager") and "not built" in explained, explained
+        from fastbert.ops.dropout import dropout, kernel_for
+        assert kernel_for(x) is None and bool((dropout(torch.ones(1000), 0.5, 1) == 0).any())
         print("OK")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -76,6 +78,8 @@ def _opcheck_cases():
     yield "bias_activation", (torch.randn(4, 9).bfloat16(), None, "gelu_tanh")
     yield "bias_residual_layernorm", (torch.randn(3, 9), torch.randn(9), torch.randn(3, 9), torch.randn(9),
                                       torch.randn(9), 1e-5)
+    yield "dropout", (torch.randn(5, 7), 0.3, 11)
+    yield "dropout", (torch.randn(130).bfloat16(), 0.0, 2)
 
 
 @pytest.mark.parametrize("case", list(enumerate(_opcheck_cases())), ids=lambda c: f"{c[1][0]}-{c[0]}")
@@ -118,6 +122,71 @@ def test_bias_residual_layernorm(width, dtype):
 def test_bias_activation_rejects_a_bad_bias():
     with pytest.raises(RuntimeError, match=r"bias must be \[5\]"):
         torch.ops.fastbert.cpp_bias_activation(torch.randn(3, 5), torch.randn(4), "relu")
+
+
+# ------------------------------------------------------------------------------------------------- dropout
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 130), (2, 5, 768)])
+def test_dropout_values_and_the_ends_of_p(shape, dtype):
+    """Kept elements are x times fp32(1 / (1 - p)) (rounded once to the dtype), dropped ones 0; p = 0 is x, p = 1
+    all zeros."""
+    x = torch.randn(shape).to(dtype) + 3  # no zero input: a zero output means dropped
+    out = cpp.dropout(x, 0.25, 5)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], (x[kept].float() * torch.tensor(1 / 0.75)).to(dtype), rtol=0, atol=0)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert torch.equal(cpp.dropout(x, 0.0, 5), x)
+    assert torch.equal(cpp.dropout(x, 1.0, 5), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_rate_scale_and_independent_neighbours(p):
+    count = 1 << 20
+    out = cpp.dropout(torch.ones(count), p, 7)
+    kept = (out != 0).double()
+    tolerance = 5 * (p * (1 - p) / count) ** 0.5
+    assert abs(kept.mean().item() - (1 - p)) < tolerance
+    assert abs(out.double().mean().item() - 1) < 5 * (p / (1 - p) / count) ** 0.5  # unbiased
+    both = (kept[:-1] * kept[1:]).mean().item()
+    assert abs(both - (1 - p) ** 2) < 5 * ((1 - p) ** 2 * (1 - (1 - p) ** 2) / count) ** 0.5
+
+
+def test_dropout_mask_is_a_function_of_seed_and_flat_index_only():
+    """Not of the threading, nor of x's strides (read as its contiguous copy), nor of the values."""
+    x = torch.randn(64, 130)
+    first = cpp.dropout(x, 0.3, 11)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpp.dropout(x, 0.3, 11), first)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cpp.dropout(x.t().contiguous().t(), 0.3, 11), first)
+    assert torch.equal(cpp.dropout(x * 2, 0.3, 11) != 0, first != 0)
+    assert not torch.equal(cpp.dropout(x, 0.3, 12) != 0, first != 0)
+
+
+def test_dropout_rejects_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpp.dropout(torch.randn(4).half(), 0.1, 1)
+    with pytest.raises(RuntimeError, match=r"p must be in \[0, 1\]"):
+        cpp.dropout(torch.randn(4), 1.5, 1)
+    with pytest.raises(RuntimeError, match="seed must be >= 0"):
+        cpp.dropout(torch.randn(4), 0.1, -1)
+
+
+def test_ops_dropout_runs_the_kernel_on_cpu_and_its_backward_is_the_same_mask():
+    """`fastbert.ops.dropout.dropout` takes the registered kernel on CPU float32/bfloat16 (keep_mask elsewhere);
+    the gradient passes through exactly the forward's mask and scale."""
+    from fastbert.ops.dropout import dropout, kernel_for
+
+    assert kernel_for(torch.randn(2)) is cpp.dropout and kernel_for(torch.randn(2).double()) is None
+    x = torch.randn(7, 130, requires_grad=True)
+    out = dropout(x, 0.4, 9)
+    assert torch.equal(out, cpp.dropout(x.detach(), 0.4, 9))
+    grad = torch.randn(7, 130)
+    out.backward(grad)
+    assert torch.equal(x.grad, cpp.dropout(grad, 0.4, 9))
 
 
 # ------------------------------------------------------------------------------------------------- whole model

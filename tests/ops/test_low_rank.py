@@ -94,24 +94,36 @@ def test_add_to_heads_adds_each_block():
         torch.testing.assert_close(out, head + update[:, 6 * i:6 * (i + 1)].view(5, 2, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["16-bit-draws", "kernel"])
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.0])
-def test_input_dropout_keeps_one_minus_p_and_is_unbiased(p):
+def test_input_dropout_keeps_one_minus_p_and_is_unbiased(p, dtype):
+    """Both ways of dropping: 16-bit draws (float64 here: no kernel takes it) and the CPU kernel (float32)."""
     torch.manual_seed(0)
-    x = torch.ones(400, 301, dtype=torch.float64)
+    x = torch.ones(400, 301, dtype=dtype)
     kept_values, scale = input_dropout(x, p)
     out = kept_values * scale
     kept = (out != 0).double().mean().item()
     assert abs(kept - (1 - p)) < 4 * (p * (1 - p) / x.numel()) ** 0.5 + 1e-12
-    assert abs(out.mean().item() - 1.0) < 0.01
+    assert abs(out.double().mean().item() - 1.0) < 0.01
     torch.manual_seed(0)
     assert torch.equal(input_dropout(x, p)[0] * scale, out)  # torch.manual_seed makes it reproducible
     assert torch.equal(input_dropout(x, 1.0)[0], torch.zeros_like(x))
 
 
+def test_input_dropout_takes_the_cpu_kernel_seeded_from_torch_s_generator():
+    from fastbert.ops.dropout import draw_seed, kernel_for
+
+    x = torch.randn(7, 130)
+    torch.manual_seed(3)
+    dropped, scale = input_dropout(x, 0.2)
+    torch.manual_seed(3)
+    assert scale == 1.0 and torch.equal(dropped, kernel_for(x)(x, 0.2, draw_seed()))
+
+
 def test_input_dropout_draws_every_16_bit_lane():
     """Each of the four lanes of a 64-bit draw keeps at the same rate (the high lane's sign bit is random too)."""
     torch.manual_seed(1)
-    kept = (input_dropout(torch.ones(4 * 50_000), 0.5)[0] != 0).view(-1, 4).double().mean(0)
+    kept = (input_dropout(torch.ones(4 * 50_000, dtype=torch.float64), 0.5)[0] != 0).view(-1, 4).double().mean(0)
     assert torch.all((kept - 0.5).abs() < 0.01), kept
 
 
