@@ -164,6 +164,9 @@ def test_dropout_mask_is_a_function_of_seed_and_flat_index_only():
     assert torch.equal(cpp.dropout(x.t().contiguous().t(), 0.3, 11), first)
     assert torch.equal(cpp.dropout(x * 2, 0.3, 11) != 0, first != 0)
     assert not torch.equal(cpp.dropout(x, 0.3, 12) != 0, first != 0)
+    for start, stop in ((0, 1), (3, 20), (17, 130), (1000, 8320)):  # vector body and scalar tail give one mask
+        part = cpp.dropout(x.flatten()[:stop], 0.3, 11)[start:stop]
+        assert torch.equal(part, first.flatten()[start:stop])
 
 
 def test_dropout_rejects_what_it_cannot_run():
