@@ -1,15 +1,20 @@
-"""Dynamic batching across requests by a real-token budget, in two stages: a planner thread forms the next batch
-while the model's thread runs the current one.
+"""Dynamic batching across requests by a real-token budget, in two stages: a planner thread forms batches, the
+model's thread runs them.
 
 A request's tokenized inputs enter a bounded queue as one `Job` (`Batcher.submit`; a full queue raises `QueueFull`
 at once, so that the server answers 429 instead of letting clients pile up). The planner takes whole jobs from the
 head of the queue until the next would pass ``max_batch_tokens`` real tokens (always at least one), cuts their
 inputs, job after job, into batches of at most ``max_batch_tokens`` real tokens (`token_batches`: the encoder is
 padding-free, so padded tokens cost nothing and are not counted), and hands them to the model's thread through a
-queue of ``prefetch`` batches: while a forward runs, the next batch is already cut and waiting. The model's thread
-runs one forward per batch and hands each job its own rows, in its own order, as soon as its last batch has run: the
-jobs finish in the order they came, and the first ones do not wait for the forwards of the later ones. Whatever
-comes after the rows (normalising, encoding the answer) happens on the request's side, not in the model's thread.
+queue of ``prefetch`` batches. It cuts as late as it may: when the model's thread is waiting for a batch, or when
+the queued jobs already fill the budget (a full batch cannot grow: it is cut while the current forward runs and
+waits ready). A batch cut early with the first job that arrived would leave the jobs arriving after it for a
+forward later, so under moderate load every job would wait for two or three forwards of one job each. The
+inputs are tokenized before they queue, so a late cut costs the model's thread only the cutting. The model's thread
+runs one forward per batch and hands each job its own rows, in its own order, as soon as its last batch has run:
+the jobs finish in the order they came, and the first ones do not wait for the forwards of the later ones.
+Whatever comes after the rows (normalising, encoding the answer) happens on the request's side, not in the model's
+thread.
 
 Before the first batch, the model's thread runs ``warmup`` (the server's warm-up forwards) and then sets `ready`.
 
@@ -108,6 +113,8 @@ class Batcher:
         self.engine, self.max_batch_tokens, self.max_queue = engine, max_batch_tokens, max_queue
         self.observer, self.warmup = observer, warmup
         self.pending: deque[Job] = deque()
+        self.pending_tokens = 0  # real tokens of the jobs in ``pending``
+        self.model_idle = False  # the model's thread waits for a batch and none is queued: the planner cuts one now
         self.planned = 0  # jobs the planner took whose first forward has not started: still queued for a client
         self.condition = threading.Condition()
         self.batches: queue.Queue[Batch | None] = queue.Queue(maxsize=prefetch)
@@ -133,7 +140,8 @@ class Batcher:
         with self.condition:
             self.check_room()
             self.pending.append(job)
-            self.condition.notify()
+            self.pending_tokens += job.tokens
+            self.condition.notify_all()
         return job
 
     def check_room(self) -> None:
@@ -169,24 +177,35 @@ class Batcher:
                 thread.join(timeout)
 
     def take(self) -> list[Job]:
-        """Whole jobs from the head of the queue, up to the token budget (at least one); [] once stopped and
-        empty."""
+        """Whole jobs from the head of the queue, up to the token budget (at least one), once the model's thread
+        waits for a batch or the queue fills the budget (module docstring); [] once stopped and empty."""
         with self.condition:
-            while not self.pending and not self.stopped:
+            while not self.stopped and not (self.pending and (self.model_idle
+                                                              or self.pending_tokens >= self.max_batch_tokens)):
                 self.condition.wait()
             jobs: list[Job] = []
             total = 0
             while self.pending:
                 job = self.pending[0]
                 if job.future.cancelled():  # its client timed out or went away
-                    self.pending.popleft()
+                    self.pending_tokens -= self.pending.popleft().tokens
                     continue
                 if jobs and total + job.tokens > self.max_batch_tokens:
                     break
                 jobs.append(self.pending.popleft())
                 total += job.tokens
+            self.pending_tokens -= total
             self.planned += len(jobs)
+            self.model_idle = False  # this batch is the idle model's; the next waits for its own reason
             return jobs
+
+    def next_batch(self) -> Batch | None:
+        """The model's thread: the next batch (None: the planner is done), saying it waits when none is queued."""
+        with self.condition:
+            self.model_idle = self.batches.empty()
+            if self.model_idle:
+                self.condition.notify_all()
+        return self.batches.get()
 
     def plan(self) -> None:
         """The planner: jobs into batches, into the model's queue (which holds ``prefetch`` of them)."""
@@ -220,7 +239,7 @@ class Batcher:
         else:
             self.ready.set()
         while True:
-            batch = self.batches.get()
+            batch = self.next_batch()
             if batch is None:
                 return
             with self.condition:

@@ -164,9 +164,8 @@ class SteppedEngine(SumEngine):
 
 
 def test_a_job_is_answered_once_its_own_forward_has_run():
-    """Three queued jobs (70, 10 and 10 real tokens) that the budget of 75 puts in two forwards (the second one
-    cut while the first runs): the first job is answered while the second forward is still held, the other two
-    after it."""
+    """Three queued jobs (70, 10 and 10 real tokens) that the budget of 75 puts in two forwards: the first job is
+    answered while the second forward is still held, the other two after it."""
     engine = SteppedEngine()
     batcher = Batcher(engine, max_batch_tokens=75, max_queue=10)
     jobs = [[Tokens(list(range(1, 71)))], [Tokens(list(range(2, 12)))], [Tokens(list(range(3, 13)))]]
@@ -196,9 +195,18 @@ def test_a_job_is_answered_once_its_own_forward_has_run():
     assert engine.real == [70, 20]
 
 
-def test_the_next_batch_is_cut_while_the_current_one_runs():
-    """Job B arrives while job A's forward runs: the planner cuts B's batch at once (prefetch), and B still counts
-    as queued (a full queue refuses) until its forward starts."""
+async def wait_until(condition, seconds: float = 2.0) -> bool:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return condition()
+
+
+def test_jobs_arriving_during_a_forward_join_one_batch_cut_when_the_model_is_free():
+    """B and C arrive one after the other while A's forward runs: neither is cut early into a batch of its own
+    (which would make C wait for B's forward), both run in the next forward; they count as queued until it starts
+    (a full queue refuses)."""
     engine = SteppedEngine()
     batcher = Batcher(engine, max_batch_tokens=1000, max_queue=2)
     batcher.start()
@@ -208,16 +216,44 @@ def test_the_next_batch_is_cut_while_the_current_one_runs():
         first = asyncio.ensure_future(batcher.infer(tokens(1, 3), timeout=30))
         assert await loop.run_in_executor(None, engine.waiting.wait, 10)  # A's forward holds
         second = asyncio.ensure_future(batcher.infer(tokens(2, 2), timeout=30))
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if batcher.batches.qsize() == 1:
-                break
-        assert batcher.batches.qsize() == 1 and not batcher.pending  # B is cut, ready for the model
-        assert batcher.depth() == 1  # and still counted as waiting
-        batcher.submit(tokens(3, 1), loop)  # the second place of the queue
+        assert await wait_until(lambda: len(batcher.pending) == 1)
+        await asyncio.sleep(0.1)  # time the planner would have had to cut B alone
+        assert batcher.batches.qsize() == 0 and len(batcher.pending) == 1  # B waits for the model to be free
+        third = asyncio.ensure_future(batcher.infer(tokens(3, 1), timeout=30))
+        assert await wait_until(lambda: batcher.depth() == 2)
         with pytest.raises(QueueFull):
             batcher.check_room()
-        for _ in range(3):
+        for _ in range(2):
+            engine.step.release()
+        return await asyncio.gather(first, second, third)
+
+    try:
+        a, b, c = asyncio.run(scenario())
+    finally:
+        batcher.stop(timeout=10)
+    np.testing.assert_array_equal(a, expected(tokens(1, 3)))
+    np.testing.assert_array_equal(b, expected(tokens(2, 2)))
+    np.testing.assert_array_equal(c, expected(tokens(3, 1)))
+    sizes = [sum(len(t) for t in tokens(seed, count)) for seed, count in ((1, 3), (2, 2), (3, 1))]
+    assert engine.real == [sizes[0], sizes[1] + sizes[2]]  # two forwards: B and C together
+
+
+def test_a_full_batch_is_cut_while_the_current_forward_runs():
+    """Jobs that fill the budget while a forward runs are cut into the next batch at once, so that it waits ready
+    (the pipelining that keeps a loaded server busy); B still counts as queued until its forward starts."""
+    engine = SteppedEngine()
+    batcher = Batcher(engine, max_batch_tokens=20, max_queue=3)
+    batcher.start()
+    full = [Tokens(list(range(1, 21)))]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(batcher.infer(tokens(1, 1), timeout=30))
+        assert await loop.run_in_executor(None, engine.waiting.wait, 10)  # A's forward holds
+        second = asyncio.ensure_future(batcher.infer(full, timeout=30))
+        assert await wait_until(lambda: batcher.batches.qsize() == 1)
+        assert not batcher.pending and batcher.depth() == 1  # B is cut, ready for the model, and still queued
+        for _ in range(2):
             engine.step.release()
         return await asyncio.gather(first, second)
 
@@ -225,8 +261,8 @@ def test_the_next_batch_is_cut_while_the_current_one_runs():
         a, b = asyncio.run(scenario())
     finally:
         batcher.stop(timeout=10)
-    np.testing.assert_array_equal(a, expected(tokens(1, 3)))
-    np.testing.assert_array_equal(b, expected(tokens(2, 2)))
+    np.testing.assert_array_equal(a, expected(tokens(1, 1)))
+    np.testing.assert_array_equal(b, expected(full))
 
 
 def test_ready_only_after_the_warm_up_and_jobs_wait_for_it():
