@@ -116,9 +116,14 @@ class Service:
     async def rows(self, items: list, truncate: bool, direction: str = "Right") -> tuple[np.ndarray, int]:
         """The engine's rows for texts (or pairs) through the batcher, and their token count; a too-long input is
         cut at the end ``direction`` (TEI's truncation_direction) names when ``truncate``."""
-        self.batcher.check_room()
-        tokens = await self.offload(self.engine.encode, items, truncate, direction.lower())
-        return await self.batcher.infer(tokens, self.settings.request_timeout), sum(len(t) for t in tokens)
+        self.batcher.reserve()
+        try:
+            tokens = await self.offload(self.engine.encode, items, truncate, direction.lower())
+        except BaseException:  # a refused input, a cancelled request: its place goes back
+            self.batcher.release()
+            raise
+        return await self.batcher.infer(tokens, self.settings.request_timeout, reserved=True), sum(
+            len(t) for t in tokens)
 
     def info(self) -> dict[str, Any]:
         engine = self.engine

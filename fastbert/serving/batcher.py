@@ -116,6 +116,7 @@ class Batcher:
         self.pending_tokens = 0  # real tokens of the jobs in ``pending``
         self.model_idle = False  # the model's thread waits for a batch and none is queued: the planner cuts one now
         self.planned = 0  # jobs the planner took whose first forward has not started: still queued for a client
+        self.reserved = 0  # places held by requests being tokenized (`reserve`): they count as queued
         self.condition = threading.Condition()
         self.batches: queue.Queue[Batch | None] = queue.Queue(maxsize=prefetch)
         self.accepting = True
@@ -131,14 +132,36 @@ class Batcher:
         self.planner.start()
 
     def depth(self) -> int:
-        """Jobs waiting: queued, or cut into a batch that has not started."""
-        return len(self.pending) + self.planned
+        """Requests waiting: being tokenized with a place reserved, queued, or cut into a batch that has not
+        started."""
+        return len(self.pending) + self.planned + self.reserved
 
-    def submit(self, inputs: list[Tokens], loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a job; QueueFull when the queue is full, ShuttingDown after `stop`."""
-        job = Job(inputs, loop.create_future(), loop)
+    def reserve(self) -> None:
+        """Hold a place in the queue for a request about to be tokenized (QueueFull, ShuttingDown as `check_room`),
+        so that requests waiting for the tokenizer count against ``max_queue`` too: under overload the excess is
+        refused at once instead of piling up, unbounded, before the queue. The place is taken by `infer(...,
+        reserved=True)` or given back by `release`."""
         with self.condition:
             self.check_room()
+            self.reserved += 1
+
+    def release(self) -> None:
+        """Give back a place `reserve` held, for a request that will not be submitted (its tokenizing failed, its
+        client went away)."""
+        with self.condition:
+            self.reserved -= 1
+
+    def submit(self, inputs: list[Tokens], loop: asyncio.AbstractEventLoop, reserved: bool = False) -> Job:
+        """Queue a job; QueueFull when the queue is full, ShuttingDown after `stop`; ``reserved``: its place was
+        held by `reserve` (no check: the place is its own)."""
+        job = Job(inputs, loop.create_future(), loop)
+        with self.condition:
+            if reserved:
+                self.reserved -= 1
+                if not self.accepting:
+                    raise ShuttingDown("the server is shutting down")
+            else:
+                self.check_room()
             self.pending.append(job)
             self.pending_tokens += job.tokens
             self.condition.notify_all()
@@ -152,9 +175,10 @@ class Batcher:
         if self.depth() >= self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
 
-    async def infer(self, inputs: list[Tokens], timeout: float) -> np.ndarray:
-        """The rows [len(inputs), D] of ``inputs``, in order, once the model's thread has run them."""
-        job = self.submit(inputs, asyncio.get_running_loop())
+    async def infer(self, inputs: list[Tokens], timeout: float, reserved: bool = False) -> np.ndarray:
+        """The rows [len(inputs), D] of ``inputs``, in order, once the model's thread has run them; ``reserved``:
+        the caller holds a place from `reserve`, which this job takes."""
+        job = self.submit(inputs, asyncio.get_running_loop(), reserved)
         try:
             return await asyncio.wait_for(job.future, timeout)
         except asyncio.TimeoutError as err:  # wait_for cancelled the future: the planner will skip the job

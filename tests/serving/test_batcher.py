@@ -89,6 +89,47 @@ def test_full_queue_refuses_at_once_and_stop_drains():
         batcher.check_room()
 
 
+def test_requests_being_tokenized_hold_places_in_the_queue():
+    """A place reserved before tokenizing counts against max_queue (under overload the excess is refused at once,
+    not piled up before the queue); the job takes its own place without a second check; a released place is free
+    again; after stop a reserved job is refused and its place given back."""
+    engine = SumEngine()
+    engine.gate.clear()  # the worker blocks in its first forward
+    batcher = Batcher(engine, max_batch_tokens=64, max_queue=2)
+    batcher.start()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(batcher.infer(tokens(0, 1), timeout=30))
+        await asyncio.sleep(0.2)  # the worker took it and waits at the gate
+        batcher.reserve()
+        batcher.reserve()
+        assert batcher.depth() == 2
+        with pytest.raises(QueueFull):
+            batcher.reserve()
+        with pytest.raises(QueueFull):
+            batcher.submit(tokens(1, 1), loop)
+        batcher.release()
+        assert batcher.depth() == 1
+        batcher.reserve()
+        second = asyncio.ensure_future(batcher.infer(tokens(2, 1), timeout=30, reserved=True))
+        await asyncio.sleep(0)
+        assert batcher.depth() == 2 and batcher.reserved == 1 and len(batcher.pending) == 1
+        third = asyncio.ensure_future(batcher.infer(tokens(3, 1), timeout=30, reserved=True))
+        await asyncio.sleep(0)
+        assert batcher.reserved == 0 and batcher.depth() == 2
+        engine.gate.set()
+        return await asyncio.gather(first, second, third)
+
+    results = asyncio.run(scenario())
+    assert [r.shape for r in results] == [(1, 3)] * 3
+    batcher.reserve()
+    batcher.stop()
+    with pytest.raises(ShuttingDown):
+        batcher.submit(tokens(4, 1), asyncio.new_event_loop(), reserved=True)
+    assert batcher.reserved == 0
+
+
 def test_a_timed_out_job_is_skipped():
     engine = SumEngine()
     engine.gate.clear()
