@@ -309,12 +309,13 @@ async def closed_loop(url: str, workload: Workload, concurrency: int, duration: 
 async def open_loop(url: str, workload: Workload, rate: float, duration: float, limit: int, seed: int,
                     openai_route: bool = False) -> Phase:
     """Poisson arrivals at ``rate`` requests/s for ``duration`` s (at most ``limit``), each sent whatever the
-    answers of the others."""
+    answers of the others, on a connection of its own: a pool capped at the server's --max-queue would hold the
+    excess of an overload in the client (its wait counted as latency, no 429 ever sent back)."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, size=limit))
     arrivals = arrivals[arrivals < duration]
     phase, tasks = Phase(), []
-    async with LoadClient(url, 1024, openai_route) as client:
+    async with LoadClient(url, len(arrivals) + 1, openai_route) as client:
         start = time.perf_counter()
         for at in arrivals:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
