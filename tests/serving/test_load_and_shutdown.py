@@ -44,7 +44,8 @@ def test_flooded_small_queue_answers_429_and_the_api_key(start_server, long_text
     answers = asyncio.run(fire(server.url, [{"inputs": long_texts}] * 24, auth))
     statuses = [a.status_code for a, _ in answers]
     assert set(statuses) <= {200, 429}, statuses
-    assert statuses.count(429) >= 10 and statuses.count(200) >= 3, statuses
+    # requests being tokenized hold their places: the queue of 2 takes the first two, the rest may be refused
+    assert statuses.count(429) >= 10 and statuses.count(200) >= 2, statuses
     refused = next(a for a, _ in answers if a.status_code == 429)
     assert refused.headers["retry-after"] == "1" and "queue is full" in refused.json()["error"]
     ok = [np.array(a.json()) for a, _ in answers if a.status_code == 200]
