@@ -220,7 +220,8 @@ class Batcher:
                 total += job.tokens
             self.pending_tokens -= total
             self.planned += len(jobs)
-            self.model_idle = False  # this batch is the idle model's; the next waits for its own reason
+            if jobs:  # this batch is the idle model's; the next waits for its own reason (with only cancelled
+                self.model_idle = False  # jobs dropped, the model still waits: the next job is cut at once)
             return jobs
 
     def next_batch(self) -> Batch | None:
@@ -229,7 +230,10 @@ class Batcher:
             self.model_idle = self.batches.empty()
             if self.model_idle:
                 self.condition.notify_all()
-        return self.batches.get()
+        batch = self.batches.get()
+        with self.condition:  # fed (perhaps by a batch that was on its way when it asked): not waiting any more
+            self.model_idle = False
+        return batch
 
     def plan(self) -> None:
         """The planner: jobs into batches, into the model's queue (which holds ``prefetch`` of them)."""
@@ -277,9 +281,10 @@ class Batcher:
                     raise ShuttingDown(f"the server's warm-up failed ({self.warmup_error!r}); see its log")
                 self.run(batch)
             except Exception as err:  # noqa: BLE001 - a failed forward fails its requests, never the worker
-                for job, _ in batch.items:
-                    job.left = -1  # its other batches' rows no longer answer it
-                    job.loop.call_soon_threadsafe(settle, job.future, None, err)
+                for job in dict.fromkeys(job for job, _ in batch.items):
+                    if job.left >= 0:  # not failed already by an earlier batch
+                        job.left = -1  # its other batches' rows no longer answer it
+                        answer(job, None, err)
 
     def run(self, batch: Batch) -> None:
         """One forward; each job whose last input this was gets its rows."""
@@ -299,7 +304,7 @@ class Batcher:
             job.rows[index] = row
             job.left -= 1
             if job.left == 0:
-                job.loop.call_soon_threadsafe(settle, job.future, job.rows, None)
+                answer(job, job.rows, None)
 
 
 def token_batches(lengths: Sequence[Sequence[int]], max_batch_tokens: int) -> list[list[int]]:
@@ -309,6 +314,15 @@ def token_batches(lengths: Sequence[Sequence[int]], max_batch_tokens: int) -> li
     than the budget alone) in arrival order rather than longest first."""
     flat = [size for job in lengths for size in job]
     return real_token_batches(flat, max_batch_tokens, longest_first=False)
+
+
+def answer(job: Job, rows: np.ndarray | None, error: BaseException | None) -> None:
+    """From the model's thread: settle the job's future in its event loop; nothing when that loop has closed (its
+    waiter is gone), so that the model's thread never dies of a client's end."""
+    try:
+        job.loop.call_soon_threadsafe(settle, job.future, rows, error)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 def settle(future: asyncio.Future, rows: np.ndarray | None, error: BaseException | None) -> None:
