@@ -65,12 +65,14 @@ def apply_keep(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     return torch.where(keep, x * keep_scale(p), x.new_zeros(()))
 
 
-# device type -> kernel(x, p, seed): x dropped with a mask that is a function of (p, seed, flat index) and x's shape
+# device type -> kernel(x, p, seed) for x in KERNEL_DTYPES: x dropped with a mask that is a function of (p, seed,
+# flat index), whatever x's values and dtype
 _KERNELS: dict[str, Callable[[torch.Tensor, float, int], torch.Tensor]] = {}
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def register_kernel(device_type: str, kernel: Callable[[torch.Tensor, float, int], torch.Tensor]) -> None:
-    """Make ``kernel`` what `dropout` runs on ``device_type`` (float32 and bfloat16 tensors)."""
+    """Make ``kernel`` what `dropout` runs on ``device_type`` (it takes KERNEL_DTYPES)."""
     _KERNELS[device_type] = kernel
 
 
@@ -85,15 +87,17 @@ def _load_backend_kernels(device_type: str) -> None:
 
 
 def kernel_for(x: torch.Tensor) -> Callable[[torch.Tensor, float, int], torch.Tensor] | None:
-    """The kernel `dropout` runs on x (None: `keep_mask`'s mask is applied instead)."""
-    if torch.compiler.is_compiling() or x.dtype not in (torch.float32, torch.bfloat16):
+    """The kernel whose mask `dropout` uses on x's device (None: `keep_mask`'s; always None under torch.compile).
+    By device only, so that a forward and a backward in another dtype (fp16 forward, fp32 gradient) share a mask."""
+    if torch.compiler.is_compiling():
         return None
     _load_backend_kernels(x.device.type)
     return _KERNELS.get(x.device.type)
 
 
 class _KernelDropout(torch.autograd.Function):
-    """kernel(x, p, seed); the backward is the same kernel on the gradient (the same mask, regenerated)."""
+    """kernel(x, p, seed); the backward is the same on the gradient (the same mask, regenerated), itself
+    differentiable."""
 
     @staticmethod
     def forward(ctx, x, p, seed, kernel):
@@ -102,20 +106,23 @@ class _KernelDropout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.kernel(grad.contiguous(), ctx.p, ctx.seed), None, None, None
+        return _KernelDropout.apply(grad.contiguous(), ctx.p, ctx.seed, ctx.kernel), None, None, None
 
 
 def dropout(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """x with each element zeroed with probability p and the rest scaled by 1 / (1 - p); x itself when p = 0. The
-    mask is a function of (shape, p, seed, device): the device's kernel's (module docstring), else `keep_mask`'s.
+    mask is a function of (shape, p, seed, device), not of the dtype: the device's kernel's (module docstring; for a
+    dtype the kernel does not take, its mask is read off a float32 tensor of ones and applied), else `keep_mask`'s.
     Differentiable (the gradient goes through the same mask and scale). Applied to a gradient of x's shape with the
     same (p, seed), it is the backward of the forward's dropout."""
     if p == 0.0:
         return x
     kernel = kernel_for(x)
-    if kernel is not None:
+    if kernel is None:
+        return apply_keep(x, keep_mask(x.shape, p, seed, x.device), p)
+    if x.dtype in KERNEL_DTYPES:
         return _KernelDropout.apply(x.contiguous(), p, seed, kernel)
-    return apply_keep(x, keep_mask(x.shape, p, seed, x.device), p)
+    return apply_keep(x, kernel(torch.ones(x.shape, device=x.device), p, seed) != 0, p)
 
 
 def draw_seed() -> int:

@@ -34,18 +34,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastbert.ops.backward import compute_dtype, linear_grads
-from fastbert.ops.dropout import draw_seed, dropout, kernel_for
+from fastbert.ops.dropout import KERNEL_DTYPES, draw_seed, dropout, kernel_for
 
 _LEVELS = 1 << 16  # input_dropout's resolution
 
 
 def input_dropout(x: torch.Tensor, p: float) -> tuple[torch.Tensor, float]:
     """(x with each element zeroed with probability p, a scale): their product is nn.Dropout's (unbiased); the
-    caller folds the scale into a later product. Where `fastbert.ops.dropout` has a kernel for x (CPU with the C++
-    extension) it drops and scales in one pass, seeded from torch's default generator (scale 1). Otherwise the mask
-    comes from 16-bit integers (p rounded to a multiple of 1/65536), four per 64-bit draw of torch's default
-    generator on x's device, and is applied as nn.Dropout applies its own, by a product."""
-    if kernel_for(x) is not None:
+    caller folds the scale into a later product. Where `fastbert.ops.dropout` has a kernel for x (CPU, float32 or
+    bfloat16, with the C++ extension) it drops and scales in one pass, seeded from torch's default generator (scale
+    1). Otherwise the mask comes from 16-bit integers (p rounded to a multiple of 1/65536), four per 64-bit draw of
+    torch's default generator on x's device, and is applied as nn.Dropout applies its own, by a product."""
+    if kernel_for(x) is not None and x.dtype in KERNEL_DTYPES:
         return dropout(x, p, draw_seed()), 1.0
     dropped = round(p * _LEVELS)
     if dropped == 0:

@@ -151,9 +151,11 @@ def test_dropout_rate_scale_and_independent_neighbours(p):
     assert abs(both - (1 - p) ** 2) < 5 * ((1 - p) ** 2 * (1 - (1 - p) ** 2) / count) ** 0.5
 
 
-def test_dropout_mask_is_a_function_of_seed_and_flat_index_only():
-    """Not of the threading, nor of x's strides (read as its contiguous copy), nor of the values."""
-    x = torch.randn(64, 130)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_dropout_mask_is_a_function_of_seed_and_flat_index_only(dtype):
+    """Not of the threading (more elements than two chunks of the kernel's grain), nor of x's strides (read as its
+    contiguous copy), nor of the values or the dtype; the vector body and the scalar tail give one mask."""
+    x = (torch.randn(64, 2049) + 5).to(dtype)  # 131,136 elements; none is zero
     first = cpp.dropout(x, 0.3, 11)
     threads = torch.get_num_threads()
     try:
@@ -163,8 +165,9 @@ def test_dropout_mask_is_a_function_of_seed_and_flat_index_only():
         torch.set_num_threads(threads)
     assert torch.equal(cpp.dropout(x.t().contiguous().t(), 0.3, 11), first)
     assert torch.equal(cpp.dropout(x * 2, 0.3, 11) != 0, first != 0)
+    assert torch.equal(cpp.dropout(x.float() if dtype == torch.bfloat16 else x.bfloat16(), 0.3, 11) != 0, first != 0)
     assert not torch.equal(cpp.dropout(x, 0.3, 12) != 0, first != 0)
-    for start, stop in ((0, 1), (3, 20), (17, 130), (1000, 8320)):  # vector body and scalar tail give one mask
+    for start, stop in ((0, 1), (3, 20), (17, 130), (1000, 8320), (70000, 131136)):
         part = cpp.dropout(x.flatten()[:stop], 0.3, 11)[start:stop]
         assert torch.equal(part, first.flatten()[start:stop])
 
@@ -179,17 +182,25 @@ def test_dropout_rejects_what_it_cannot_run():
 
 
 def test_ops_dropout_runs_the_kernel_on_cpu_and_its_backward_is_the_same_mask():
-    """`fastbert.ops.dropout.dropout` takes the registered kernel on CPU float32/bfloat16 (keep_mask elsewhere);
-    the gradient passes through exactly the forward's mask and scale."""
+    """`fastbert.ops.dropout.dropout` takes the registered kernel on CPU; the gradient passes through exactly the
+    forward's mask and scale, twice differentiably; other dtypes (float64, float16) get the same mask, so that a
+    forward and a backward in different dtypes agree."""
     from fastbert.ops.dropout import dropout, kernel_for
 
-    assert kernel_for(torch.randn(2)) is cpp.dropout and kernel_for(torch.randn(2).double()) is None
+    assert kernel_for(torch.randn(2)) is cpp.dropout and kernel_for(torch.randn(2).double()) is cpp.dropout
     x = torch.randn(7, 130, requires_grad=True)
     out = dropout(x, 0.4, 9)
     assert torch.equal(out, cpp.dropout(x.detach(), 0.4, 9))
-    grad = torch.randn(7, 130)
-    out.backward(grad)
-    assert torch.equal(x.grad, cpp.dropout(grad, 0.4, 9))
+    grad = torch.randn(7, 130, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(out, x, grad, create_graph=True)
+    assert torch.equal(grad_x, cpp.dropout(grad.detach(), 0.4, 9)) and grad_x.requires_grad
+    (grad_grad,) = torch.autograd.grad(grad_x.sum(), grad)
+    assert torch.equal(grad_grad, cpp.dropout(torch.ones(7, 130), 0.4, 9))
+    kept = out != 0
+    for dtype in (torch.float64, torch.float16):
+        other = dropout(x.detach().to(dtype), 0.4, 9)
+        assert torch.equal(other != 0, kept)
+        torch.testing.assert_close(other.float(), out.detach(), rtol=1e-3, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------- whole model
