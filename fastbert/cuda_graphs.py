@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import math
 import threading
 import warnings
 import weakref
@@ -52,31 +51,13 @@ import torch
 
 from fastbert.backends import fastbert_encoders, tuning
 from fastbert.model import EncoderOutput, FastBertModel, normalize_attention_mask
-from fastbert.ops.padding import VarlenBatch, pad_tokens, unpad_tokens, varlen_from_mask
+from fastbert.ops.padding import FILLER_CHUNK, VarlenBatch, pad_tokens, token_buckets, unpad_tokens, varlen_from_mask
 
 DEFAULT_MAX_TOKENS = 16384
 DEFAULT_MAX_SEQUENCES = 4096
 DEFAULT_MAX_GRAPHS = 16
-SMALLEST_TOKENS = 16
 SHORTEST_LONGEST = 16  # the smallest attention max_seqlen bucket
-FILLER_CHUNK = 64  # pad slots per filler sequence (at most the bucket's longest)
 _CAPTURE_LOCK = threading.Lock()
-
-
-def token_buckets(largest: int = DEFAULT_MAX_TOKENS, smallest: int = SMALLEST_TOKENS, growth: float = 1.25,
-                  multiple: int = 16) -> tuple[int, ...]:
-    """Token counts from ``smallest`` to ``largest``, each about ``growth`` times the one before, rounded up to a
-    multiple of ``multiple`` (GEMM tiles): at most 1 - 1 / growth of a bucket is padding, past the first few."""
-    if smallest < 1 or largest < smallest or growth <= 1.0 or multiple < 1:
-        raise ValueError(f"token_buckets needs 1 <= smallest <= largest, growth > 1, multiple >= 1; got "
-                         f"smallest={smallest}, largest={largest}, growth={growth}, multiple={multiple}")
-    buckets, size = [], smallest
-    while size < largest:
-        buckets.append(size)
-        size = max(size + 1, math.ceil(size * growth))
-        size = -(-size // multiple) * multiple
-    buckets.append(largest)
-    return tuple(buckets)
 
 
 def _power_of_two_at_least(value: int) -> int:

@@ -4,6 +4,7 @@ token lists fail on the host with a clear error."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -12,6 +13,8 @@ from torch.overrides import TorchFunctionMode
 
 import fastbert
 from fastbert import PackedBatch
+from fastbert.numerics import assert_accurate
+from fastbert.ops.padding import ROW_BUCKETS, VarlenBatch, fill_rows
 from tests.helpers import tiny_model
 
 FAMILIES = ("bert", "roberta", "distilbert", "albert", "electra", "modernbert")
@@ -170,6 +173,60 @@ def test_the_packed_forward_reads_no_value_back(model):
                 model(input_ids=ids, attention_mask=mask)
     finally:
         model.backend = "auto"
+
+
+def test_cpu_bf16_forwards_fill_their_rows_to_a_bucket(model, monkeypatch):
+    """bfloat16 on a CPU: the packed and the padded entry run their rows filled to a row bucket (oneDNN compiles a
+    GEMM for every row count), and the real rows hold by the 2x rule against float32 (the same forward unfilled
+    as the yardstick); float32 does not fill."""
+    import fastbert.model as model_module
+
+    sizes, fill = [], model_module.fill_rows
+
+    def spy(*args, **kwargs):
+        filled = fill(*args, **kwargs)
+        sizes.append(None if filled is None else filled.tokens.shape[0])
+        return filled
+
+    monkeypatch.setattr(model_module, "fill_rows", spy)
+    rows = token_lists(model.config, (130, 7, 1))
+    batch = PackedBatch.from_token_lists(model.config, rows)
+    ids, mask = padded(rows, model.config.pad_token_id)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    bucket = min(size for size in ROW_BUCKETS if size >= 138)
+    with torch.inference_mode():
+        reference = model.forward_packed(batch)
+        padded_reference = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert sizes == []
+        filled = half.forward_packed(batch)
+        filled_padded = half(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert sizes == [bucket, bucket] and filled.last_hidden_state.shape[0] == 138
+        half.row_buckets = False
+        plain = half.forward_packed(batch)
+        plain_padded = half(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert len(sizes) == 2
+    assert_accurate(filled.last_hidden_state, plain.last_hidden_state, reference.last_hidden_state, "packed")
+    assert_accurate(filled_padded, plain_padded, padded_reference, "padded entry")
+    if reference.pooler_output is not None:
+        assert_accurate(filled.pooler_output, plain.pooler_output, reference.pooler_output, "pooler")
+
+
+def test_filler_rows_never_reach_real_rows(model):
+    """The same batch filled with two different pad tokens: the real rows come out identical, and equal to the
+    unfilled forward's."""
+    batch = PackedBatch.from_token_lists(model.config, token_lists(model.config, (7, 1, 3)))
+    varlen = VarlenBatch(None, batch.cu_seqlens, batch.max_seqlen, batch.batch_size, batch.max_seqlen)
+    outs = []
+    with torch.inference_mode():
+        for pad in (model.config.pad_token_id, model.config.vocab_size - 1):
+            filled = fill_rows(batch.input_ids, batch.position_ids, batch.token_type_ids, varlen, pad)
+            assert filled.tokens.shape[0] == 16
+            states = model.encode_tokens(filled.tokens, filled.positions, filled.types, filled.varlen, None,
+                                         position_count=batch.position_count)
+            outs.append(states[-1][: filled.rows])
+        unfilled = model.forward_packed(batch).last_hidden_state
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], unfilled, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows, types, message", [

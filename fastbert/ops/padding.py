@@ -3,10 +3,18 @@
 `varlen_from_mask` turns a [B, S] key padding mask into the packed description (flat indices of kept tokens,
 int32 `cu_seqlens` [B+1], `max_seqlen`); `unpad_tokens` gathers kept rows, `pad_tokens` scatters them back with
 zeros at padded positions. A mask may have holes anywhere (left padding included): kept tokens keep their order.
+
+`token_buckets` and `fill_rows` give packed batches a few row counts: `fill_rows` appends filler sequences of pad
+slots up to the next bucket. The CUDA graphs capture one graph per bucket (`fastbert.cuda_graphs`); on a CPU,
+oneDNN builds (JIT-compiles) a GEMM primitive for each row count it has not seen, which costs a bfloat16 GEMM of
+MiniLM's width 4 to 20 times its run, so a server whose batches all differ in size pays that on every forward
+(`fastbert.model.FastBertModel.encode_tokens` fills to ``ROW_BUCKETS`` there).
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,3 +73,63 @@ def varlen_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor
                                         output_size=total)
     position = torch.arange(total, device=cu_seqlens.device) - cu_seqlens[:-1].long()[seq_index]
     return seq_index, position
+
+
+FILLER_CHUNK = 64  # pad slots per filler sequence: attention over them stays cheap
+
+
+def token_buckets(largest: int = 16384, smallest: int = 16, growth: float = 1.25,
+                  multiple: int = 16) -> tuple[int, ...]:
+    """Token counts from ``smallest`` to ``largest``, each about ``growth`` times the one before, rounded up to a
+    multiple of ``multiple`` (GEMM tiles): at most 1 - 1 / growth of a bucket is padding, past the first few."""
+    if smallest < 1 or largest < smallest or growth <= 1.0 or multiple < 1:
+        raise ValueError(f"token_buckets needs 1 <= smallest <= largest, growth > 1, multiple >= 1; got "
+                         f"smallest={smallest}, largest={largest}, growth={growth}, multiple={multiple}")
+    buckets, size = [], smallest
+    while size < largest:
+        buckets.append(size)
+        size = max(size + 1, math.ceil(size * growth))
+        size = -(-size // multiple) * multiple
+    buckets.append(largest)
+    return tuple(buckets)
+
+
+# CPU row buckets: 79 sizes up to 16384 (62 up to the CPU batch budget of 4096), at most 1/16 of a batch filler
+ROW_BUCKETS = token_buckets(16384, growth=1.0625)
+
+
+@dataclass
+class FilledRows:
+    """Packed inputs followed by filler sequences: ``rows`` real rows first, then pad slots; ``varlen`` holds the
+    real sequences and the fillers (its batch counts both, its seqlen is its max_seqlen)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    types: torch.Tensor | None
+    varlen: VarlenBatch
+    rows: int
+
+
+def fill_rows(tokens: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None, varlen: VarlenBatch,
+              pad_token: int, sizes: tuple[int, ...] = ROW_BUCKETS,
+              chunk: int = FILLER_CHUNK) -> FilledRows | None:
+    """The packed rows (``tokens``: ids [T] or vectors [T, E]; ``varlen``: their sequences) grown to the smallest
+    of ``sizes`` that holds them by filler sequences of at most ``chunk`` pad slots (id ``pad_token``, or a zero
+    vector; position 0, type 0). A filler is a sequence of its own, so a pad slot attends only to pad slots and
+    nothing reaches a real row. None when T is a size already or past the largest."""
+    total = tokens.shape[0]
+    index = bisect.bisect_left(sizes, total)
+    if index == len(sizes) or sizes[index] == total:
+        return None
+    extra = sizes[index] - total
+    fillers = -(-extra // chunk)
+    device = tokens.device
+    pad = (tokens.new_full((extra,), pad_token) if tokens.dim() == 1
+           else tokens.new_zeros((extra, *tokens.shape[1:])))
+    ends = (torch.arange(1, fillers + 1, dtype=torch.int32, device=device) * chunk).clamp_(max=extra) + total
+    longest = max(varlen.max_seqlen, min(chunk, extra))
+    return FilledRows(torch.cat([tokens, pad]), torch.cat([positions, positions.new_zeros(extra)]),
+                      None if types is None else torch.cat([types, types.new_zeros(extra)]),
+                      VarlenBatch(None, torch.cat([varlen.cu_seqlens, ends]), longest,
+                                  varlen.cu_seqlens.numel() - 1 + fillers, longest),
+                      total)

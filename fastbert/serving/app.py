@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 
 from fastbert import __version__
 from fastbert.common.resolve import model_name
+from fastbert.common.threads import release_openmp_threads
 from fastbert.embedding import DEFAULT_BATCH_TOKENS
 from fastbert.serving import schemas
 from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown
@@ -93,6 +94,7 @@ class Service:
         self.settings = settings
         self.engine = engine or load_engine(settings.task, settings.model_dir, settings.device, settings.dtype,
                                             settings.backend, settings.max_input_length)
+        release_openmp_threads()  # the model's thread alone keeps OpenMP workers (fastbert.common.threads)
         self.max_batch_tokens = settings.max_batch_tokens or DEFAULT_BATCH_TOKENS[self.engine.device.type]
         self.metrics = Metrics(lambda: self.batcher.depth())
         self.batcher = Batcher(self.engine, self.max_batch_tokens, settings.max_queue, observer=self.metrics,
@@ -145,6 +147,7 @@ def build_app(service: Service) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        release_openmp_threads()  # (if this thread ran torch's parallel loops since: fastbert.common.threads)
         service.batcher.start()  # its model thread warms up first; /health answers 503 until it is done
         yield
         service.batcher.stop()
@@ -188,8 +191,11 @@ def as_list(value: Any) -> Any:
 
 
 def normalized(rows: np.ndarray) -> np.ndarray:
-    """L2-normalised rows, by the call `fastbert embed` makes (`fastbert.common.text.mean_pool`)."""
-    return torch.nn.functional.normalize(torch.from_numpy(rows), p=2, dim=1).numpy()
+    """L2-normalised rows: each over max(its norm, 1e-12), as torch.nn.functional.normalize (what `fastbert embed`
+    calls) divides. numpy, not torch: a torch op in a worker thread could start OpenMP workers of its own there,
+    which slows the model's thread (`fastbert.common.threads`)."""
+    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float32))[:, None]
+    return rows / np.maximum(norms, np.float32(1e-12))
 
 
 def embedding_rows(rows: np.ndarray, normalize: bool, dimensions: int | None) -> np.ndarray:
@@ -281,14 +287,15 @@ async def decode(body: schemas.DecodeRequest, request: Request) -> Response:
 
 
 async def token_level(service: Service, body: schemas.TokenLevelRequest, method: str) -> Any:
-    """The engine's ``method`` (token_embeddings or sparse) on the request's texts, in the worker pool while the
-    model's thread holds no batch (these forwards are not batched across requests)."""
+    """The engine's ``method`` (token_embeddings or sparse) on the request's texts, in the model's thread between
+    two batches (these forwards are not batched across requests)."""
     service.require("embed")
     texts = service.engine.with_prompt(schemas.texts_of(body.inputs, service.settings.max_client_batch_size),
                                        body.prompt_name)
     service.batcher.check_room()
     tokens = await service.offload(service.engine.encode, texts, body.truncate, body.truncation_direction.lower())
-    return await service.offload(service.batcher.exclusive, getattr(service.engine, method), tokens)
+    return await service.batcher.call(getattr(service.engine, method), tokens,
+                                      timeout=service.settings.request_timeout)
 
 
 async def embed_all(body: schemas.TokenLevelRequest, request: Request) -> Response:

@@ -17,6 +17,8 @@ Whatever comes after the rows (normalising, encoding the answer) happens on the 
 thread.
 
 Before the first batch, the model's thread runs ``warmup`` (the server's warm-up forwards) and then sets `ready`.
+Every forward runs in the model's thread, the unbatched ones too (`Batcher.call`): torch's OpenMP runs at full
+speed only while one thread keeps workers (`fastbert.common.threads`).
 
 The asyncio side (`Batcher.infer`) waits for its job's result with a timeout; a job whose client gave up before
 the planner reached it is skipped."""
@@ -80,6 +82,16 @@ class Job:
         return sum(len(t) for t in self.inputs)
 
 
+@dataclass(eq=False)
+class Call:
+    """A function to run in the model's thread between batches (an unbatched forward); ``future`` as `Job`'s."""
+
+    function: Callable[..., Any]
+    args: tuple
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
 @dataclass
 class Batch:
     """One forward's inputs: (job, index of the input in the job) per row; ``starts``: the jobs whose first
@@ -113,16 +125,16 @@ class Batcher:
         self.engine, self.max_batch_tokens, self.max_queue = engine, max_batch_tokens, max_queue
         self.observer, self.warmup = observer, warmup
         self.pending: deque[Job] = deque()
+        self.calls: deque[Call] = deque()  # run in the model's thread ahead of the queued jobs
         self.pending_tokens = 0  # real tokens of the jobs in ``pending``
         self.model_idle = False  # the model's thread waits for a batch and none is queued: the planner cuts one now
         self.planned = 0  # jobs the planner took whose first forward has not started: still queued for a client
         self.reserved = 0  # places held by requests being tokenized (`reserve`): they count as queued
         self.condition = threading.Condition()
-        self.batches: queue.Queue[Batch | None] = queue.Queue(maxsize=prefetch)
+        self.batches: queue.Queue[Batch | Call | None] = queue.Queue(maxsize=prefetch)
         self.accepting = True
         self.stopped = False
         self.ready = threading.Event()
-        self.model_lock = threading.Lock()  # one forward at a time: a batch's or an `exclusive` call's
         self.warmup_error: BaseException | None = None
         self.thread = threading.Thread(target=self.work, name="fastbert-model", daemon=True)
         self.planner = threading.Thread(target=self.plan, name="fastbert-planner", daemon=True)
@@ -134,7 +146,7 @@ class Batcher:
     def depth(self) -> int:
         """Requests waiting: being tokenized with a place reserved, queued, or cut into a batch that has not
         started."""
-        return len(self.pending) + self.planned + self.reserved
+        return len(self.pending) + len(self.calls) + self.planned + self.reserved
 
     def reserve(self) -> None:
         """Hold a place in the queue for a request about to be tokenized (QueueFull, ShuttingDown as `check_room`),
@@ -184,11 +196,19 @@ class Batcher:
         except asyncio.TimeoutError as err:  # wait_for cancelled the future: the planner will skip the job
             raise RequestTimeout(f"no result within the request timeout of {timeout:g} s") from err
 
-    def exclusive(self, function: Callable[..., Any], *args: Any) -> Any:
-        """``function(*args)`` while no batch runs (what the unbatched token-level endpoints use); in the
-        caller's thread."""
-        with self.model_lock:
-            return function(*args)
+    async def call(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
+        """``function(*args)`` in the model's thread, between two batches (the unbatched token-level endpoints'
+        forwards), ahead of the queued jobs; QueueFull, ShuttingDown and RequestTimeout as `infer`."""
+        loop = asyncio.get_running_loop()
+        call = Call(function, args, loop.create_future(), loop)
+        with self.condition:
+            self.check_room()
+            self.calls.append(call)
+            self.condition.notify_all()
+        try:
+            return await asyncio.wait_for(call.future, timeout)
+        except asyncio.TimeoutError as err:  # cancelled: the model's thread will skip it
+            raise RequestTimeout(f"no result within the request timeout of {timeout:g} s") from err
 
     def stop(self, timeout: float | None = None) -> None:
         """Accept no more jobs, let the threads finish the queued ones, and wait for them."""
@@ -200,13 +220,16 @@ class Batcher:
             if thread.is_alive():
                 thread.join(timeout)
 
-    def take(self) -> list[Job]:
-        """Whole jobs from the head of the queue, up to the token budget (at least one), once the model's thread
-        waits for a batch or the queue fills the budget (module docstring); [] once stopped and empty."""
+    def take(self) -> list[Job] | Call:
+        """The next `Call`, else whole jobs from the head of the queue, up to the token budget (at least one), once
+        the model's thread waits for a batch or the queue fills the budget (module docstring); [] once stopped and
+        empty."""
         with self.condition:
-            while not self.stopped and not (self.pending and (self.model_idle
-                                                              or self.pending_tokens >= self.max_batch_tokens)):
+            while not self.stopped and not self.calls and not (
+                    self.pending and (self.model_idle or self.pending_tokens >= self.max_batch_tokens)):
                 self.condition.wait()
+            if self.calls:
+                return self.calls.popleft()
             jobs: list[Job] = []
             total = 0
             while self.pending:
@@ -224,7 +247,7 @@ class Batcher:
                 self.model_idle = False  # jobs dropped, the model still waits: the next job is cut at once)
             return jobs
 
-    def next_batch(self) -> Batch | None:
+    def next_batch(self) -> Batch | Call | None:
         """The model's thread: the next batch (None: the planner is done), saying it waits when none is queued."""
         with self.condition:
             self.model_idle = self.batches.empty()
@@ -239,6 +262,9 @@ class Batcher:
         """The planner: jobs into batches, into the model's queue (which holds ``prefetch`` of them)."""
         while True:
             jobs = self.take()
+            if isinstance(jobs, Call):
+                self.batches.put(jobs)
+                continue
             if not jobs:
                 if self.stopped and not self.pending:
                     self.batches.put(None)
@@ -270,6 +296,9 @@ class Batcher:
             batch = self.next_batch()
             if batch is None:
                 return
+            if isinstance(batch, Call):
+                self.run_call(batch)
+                continue
             with self.condition:
                 self.planned -= batch.starts
             # a job whose client gave up after it was cut (timeout, disconnect) is not run
@@ -286,12 +315,24 @@ class Batcher:
                         job.left = -1  # its other batches' rows no longer answer it
                         answer(job, None, err)
 
+    def run_call(self, call: Call) -> None:
+        """A `Call`'s function, its result or error to its caller (nothing when the caller gave up)."""
+        if call.future.cancelled():
+            return
+        try:
+            if self.warmup_error is not None:
+                raise ShuttingDown(f"the server's warm-up failed ({self.warmup_error!r}); see its log")
+            result = call.function(*call.args)
+        except Exception as err:  # noqa: BLE001 - its request fails, never the model's thread
+            answer(call, None, err)
+        else:
+            answer(call, result, None)
+
     def run(self, batch: Batch) -> None:
         """One forward; each job whose last input this was gets its rows."""
         inputs = batch.inputs()
         start = time.perf_counter()
-        with self.model_lock:
-            rows = self.engine.run(inputs)
+        rows = self.engine.run(inputs)
         if self.observer is not None:
             lengths = [len(t) for t in inputs]
             self.observer.record_batch(BatchRecord(len(inputs), sum(lengths), len(inputs) * max(lengths),
@@ -316,20 +357,20 @@ def token_batches(lengths: Sequence[Sequence[int]], max_batch_tokens: int) -> li
     return real_token_batches(flat, max_batch_tokens, longest_first=False)
 
 
-def answer(job: Job, rows: np.ndarray | None, error: BaseException | None) -> None:
-    """From the model's thread: settle the job's future in its event loop; nothing when that loop has closed (its
-    waiter is gone), so that the model's thread never dies of a client's end."""
+def answer(job: Job | Call, result: Any, error: BaseException | None) -> None:
+    """From the model's thread: settle the job's (or call's) future in its event loop; nothing when that loop has
+    closed (its waiter is gone), so that the model's thread never dies of a client's end."""
     try:
-        job.loop.call_soon_threadsafe(settle, job.future, rows, error)
+        job.loop.call_soon_threadsafe(settle, job.future, result, error)
     except RuntimeError:  # the loop is closed
         pass
 
 
-def settle(future: asyncio.Future, rows: np.ndarray | None, error: BaseException | None) -> None:
-    """Resolve a job's future in its event loop (unless its waiter gave up already)."""
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Resolve a job's (or call's) future in its event loop (unless its waiter gave up already)."""
     if future.done():
         return
     if error is not None:
         future.set_exception(error)
     else:
-        future.set_result(rows)
+        future.set_result(result)

@@ -1,6 +1,7 @@
 """The padding ops (unpad: padded [B, S, ...] to the packed real tokens, pad: back, zeros at padded positions): the
 cpp torch ops against the eager gathers and scatters, in float and integer dtypes, with an all-padded row, their
-index check, and opcheck. The attention ops' padding poison checks are in tests/ops/test_attention.py."""
+index check, and opcheck. The attention ops' padding poison checks are in tests/ops/test_attention.py. Row buckets
+(`fill_rows`): filler sequences up to the next bucket; the model's use of them is in tests/test_packing.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from fastbert import ops
 from fastbert.backends import cpp
+from fastbert.ops.padding import FILLER_CHUNK, ROW_BUCKETS, VarlenBatch, fill_rows
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int64), ids=("fp32", "bf16", "int64"))
@@ -33,3 +35,51 @@ def test_cpp_opcheck_unpad():
 def test_cpp_opcheck_pad():
     torch.manual_seed(0)
     torch.library.opcheck(torch.ops.fastbert.cpp_pad.default, (torch.randn(4, 3), torch.tensor([0, 1, 4, 6]), 2, 4))
+
+
+# ------------------------------------------------------------------------------------------ row buckets
+def packed(lengths: list[int], width: int | None = None) -> tuple:
+    """ids (or vectors [T, width]), positions, types and the varlen of sequences of ``lengths``."""
+    total = sum(lengths)
+    tokens = torch.arange(3, 3 + total) if width is None else torch.randn(total, width)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return tokens, positions, torch.ones(total, dtype=torch.long), VarlenBatch(None, cu, max(lengths), len(lengths),
+                                                                                max(lengths))
+
+
+@pytest.mark.parametrize("lengths", ([1], [7], [130], [5, 1, 9], [300] * 7))
+def test_fill_rows_grows_to_the_next_bucket_with_filler_sequences(lengths):
+    tokens, positions, types, varlen = packed(lengths)
+    total = sum(lengths)
+    filled = fill_rows(tokens, positions, types, varlen, pad_token=0)
+    size = min(s for s in ROW_BUCKETS if s >= total)
+    assert filled.rows == total and filled.tokens.shape == (size,)
+    assert torch.equal(filled.tokens[:total], tokens) and not filled.tokens[total:].any()
+    assert torch.equal(filled.positions[:total], positions) and not filled.positions[total:].any()
+    assert torch.equal(filled.types[:total], types) and not filled.types[total:].any()
+    cu = filled.varlen.cu_seqlens
+    assert torch.equal(cu[: len(lengths) + 1], varlen.cu_seqlens)  # the real sequences first, unchanged
+    fillers = (cu[len(lengths) + 1:] - cu[len(lengths):-1]).tolist()
+    assert sum(fillers) == size - total and all(1 <= n <= FILLER_CHUNK for n in fillers)
+    assert int(cu[-1]) == size and filled.varlen.batch == cu.numel() - 1
+    assert filled.varlen.max_seqlen == max(max(lengths), max(fillers))
+
+
+def test_fill_rows_fills_vectors_with_zero_rows():
+    tokens, positions, types, varlen = packed([7, 2], width=5)
+    filled = fill_rows(tokens, positions, None, varlen, pad_token=0)
+    assert filled.tokens.shape == (16, 5) and filled.types is None
+    assert torch.equal(filled.tokens[:9], tokens) and not filled.tokens[9:].any()
+
+
+def test_fill_rows_leaves_a_bucket_size_and_past_the_largest_alone():
+    assert fill_rows(*packed([16]), pad_token=0) is None
+    assert fill_rows(*packed([8, 8]), pad_token=0) is None
+    assert fill_rows(*packed([10]), pad_token=0, sizes=(4, 8)) is None  # past the largest: no bucket
+
+
+def test_row_buckets_are_few_and_waste_at_most_a_sixteenth():
+    assert len(ROW_BUCKETS) < 100 and ROW_BUCKETS[0] == 16 and ROW_BUCKETS[-1] == 16384
+    assert all(size % 16 == 0 for size in ROW_BUCKETS)
+    assert all(b / a <= 1.0625 + 16 / a for a, b in zip(ROW_BUCKETS, ROW_BUCKETS[1:], strict=False))

@@ -33,3 +33,17 @@ def test_json_bytes_rows_read_back_as_the_same_float32(monkeypatch, shape, fast)
 def test_json_bytes_refuses_what_json_cannot_hold():
     with pytest.raises(TypeError):
         app.json_bytes({"x": object()})
+
+
+def test_normalized_rows_are_torch_normalize_without_torch():
+    """numpy (a torch op in a worker thread would start OpenMP workers there): the numbers of
+    torch.nn.functional.normalize, a zero row included (over max(norm, 1e-12): zeros, not NaN)."""
+    import torch
+
+    rows = np.random.default_rng(0).standard_normal((7, 384)).astype(np.float32) * 3
+    rows[3] = 0
+    got = app.normalized(rows)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, torch.nn.functional.normalize(torch.from_numpy(rows), dim=1).numpy(), rtol=1e-6,
+                               atol=1e-7)
+    assert not got[3].any()

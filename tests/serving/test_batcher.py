@@ -354,3 +354,48 @@ def test_a_failed_warm_up_leaves_the_batcher_unready():
     batcher.stop(timeout=10)
     assert not batcher.ready.is_set() and isinstance(batcher.warmup_error, RuntimeError)
     assert not batcher.thread.is_alive() and not engine.real  # stopped cleanly, nothing run
+
+
+def test_a_call_runs_in_the_model_thread_ahead_of_the_queued_jobs():
+    """`Batcher.call` (the token-level endpoints' forwards) runs in the model's thread, the only one whose torch
+    work keeps OpenMP workers (fastbert.common.threads), before the jobs queued while a forward ran; its errors
+    reach its caller; after stop it is refused."""
+    engine = SumEngine()
+    order: list[str] = []
+    engine_run = engine.run
+    engine.run = lambda batch: order.append("batch") or engine_run(batch)
+    batcher = Batcher(engine, max_batch_tokens=4096, max_queue=100)
+    batcher.start()
+
+    def in_model_thread(value):
+        order.append("call")
+        assert threading.current_thread() is batcher.thread
+        return value * 2
+
+    def failing():
+        raise ValueError("bad input")
+
+    async def scenario():
+        await batcher.infer(tokens(0, 1), timeout=10)  # the model's thread is up
+        order.clear()
+        engine.gate.clear()  # a forward in progress: the next job and the call wait behind it
+        first = asyncio.ensure_future(batcher.infer(tokens(1, 1), timeout=10))
+        await asyncio.sleep(0.1)
+        queued = asyncio.ensure_future(batcher.infer(tokens(2, 1), timeout=10))
+        await asyncio.sleep(0.05)
+        call = asyncio.ensure_future(batcher.call(in_model_thread, 21, timeout=10))
+        await asyncio.sleep(0.05)
+        engine.gate.set()
+        await asyncio.gather(first, queued)
+        result = await call
+        with pytest.raises(ValueError, match="bad input"):
+            await batcher.call(failing, timeout=10)
+        return result
+
+    try:
+        assert asyncio.run(scenario()) == 42
+        assert order == ["batch", "call", "batch"]
+    finally:
+        batcher.stop()
+    with pytest.raises(ShuttingDown):
+        asyncio.run(batcher.call(in_model_thread, 1, timeout=1))
