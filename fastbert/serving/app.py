@@ -48,6 +48,9 @@ API_KEY_ENV = "FASTBERT_API_KEY"
 OPEN_PATHS = ("/health",)  # answered without the API key: what a load balancer probes
 ROUTES = ("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/predict", "/similarity", "/tokenize", "/decode",
           "/embed_all", "/embed_sparse", "/health", "/info", "/metrics")
+# what waits in the batcher's queue: refused at the gate while it is full
+QUEUED_ROUTES = frozenset(("/embed", "/v1/embeddings", "/embeddings", "/rerank", "/predict", "/similarity",
+                           "/embed_all", "/embed_sparse"))
 # exception -> (status, TEI's error_type)
 ERRORS: dict[type, tuple[int, str]] = {
     schemas.InputError: (422, "Validation"), schemas.TooManyInputs: (413, "Validation"),
@@ -408,9 +411,11 @@ Send = Callable[[dict], Awaitable[None]]
 
 
 class Gate:
-    """ASGI middleware in front of the routes: the API key (a bearer token compared in constant time), the body
-    limit (by Content-Length before reading, by bytes while reading) and UTF-8 check before any parsing, and the
-    request metrics (status and latency per route)."""
+    """ASGI middleware in front of the routes: the API key (a bearer token compared in constant time), a full queue
+    (429) or a stopping server (503) before the body is read or parsed (the refusal costs the event loop, which
+    the answers of the admitted requests wait for, as little as it can), the body limit (by Content-Length before
+    reading, by bytes while reading) and UTF-8 check before any parsing, and the request metrics (status and
+    latency per route)."""
 
     def __init__(self, app: Callable, service: Service):
         self.app, self.service = app, service
@@ -430,6 +435,8 @@ class Gate:
         path = scope["path"]
         try:
             refusal = self.refuse_unauthorized(scope)
+            if refusal is None and path in QUEUED_ROUTES and scope["method"] == "POST":
+                refusal = self.refuse_when_full(path)
             body = b""
             if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
                 body, refusal = await self.read_body(scope, receive)
@@ -449,6 +456,15 @@ class Gate:
             return None
         return error_response(scope["path"], 401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                               "Unauthorized", headers={"WWW-Authenticate": "Bearer"})
+
+    def refuse_when_full(self, path: str) -> Response | None:
+        """429 while the queue is full, 503 once stopping: the refusals the handler would give later."""
+        try:
+            self.service.batcher.check_room()
+        except (QueueFull, ShuttingDown) as err:
+            status, kind = ERRORS[type(err)]
+            return error_response(path, status, str(err), kind, headers={"Retry-After": "1"})
+        return None
 
     async def read_body(self, scope: dict, receive: Receive) -> tuple[bytes, Response | None]:
         """The whole body, or a 413 as soon as it is known to pass the limit; a 422 for a body that is not UTF-8."""

@@ -47,3 +47,45 @@ def test_normalized_rows_are_torch_normalize_without_torch():
     np.testing.assert_allclose(got, torch.nn.functional.normalize(torch.from_numpy(rows), dim=1).numpy(), rtol=1e-6,
                                atol=1e-7)
     assert not got[3].any()
+
+
+@pytest.mark.parametrize("error, status", [("QueueFull", 429), ("ShuttingDown", 503)])
+def test_the_gate_refuses_a_queued_route_before_reading_the_body(error, status):
+    """While the queue is full (or the server stops), a POST to a route that queues is answered at the gate: its
+    body is never read nor parsed, the inner app never runs; other routes pass."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fastbert.serving import batcher
+
+    def check_room():
+        raise getattr(batcher, error)("full" if error == "QueueFull" else "stopping")
+
+    service = SimpleNamespace(settings=SimpleNamespace(api_key=None, max_body_bytes=1024),
+                              batcher=SimpleNamespace(check_room=check_room),
+                              metrics=SimpleNamespace(record_request=lambda *args: None))
+    reached = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope["path"])
+        await app.json_response({"ok": True})(scope, receive, send)
+
+    async def receive():
+        raise AssertionError("the body was read")
+
+    async def call(path):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-length", b"10")],
+                 "query_string": b""}
+        await app.Gate(inner, service)(scope, receive, send)
+        return sent[0]["status"], dict(sent[0]["headers"])
+
+    status_seen, headers = asyncio.run(call("/v1/embeddings"))
+    assert status_seen == status and headers[b"retry-after"] == b"1" and reached == []
+    assert asyncio.run(call("/embed"))[0] == status and reached == []
+    service.settings.max_body_bytes = 5  # /tokenize does not queue: it reaches the body limit (413), not the gate's
+    assert asyncio.run(call("/tokenize"))[0] == 413 and reached == []
