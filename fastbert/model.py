@@ -15,10 +15,11 @@ torch.compile no seed is drawn: dropout draws from torch's traced RNG instead (`
 Positions: a model with a position table takes positions below ``max_position_embeddings``; a rotary model
 (ModernBERT) takes any length, as transformers does: its cos/sin tables grow to the longest position seen.
 
-Row buckets: a CPU inference forward in bfloat16 or float16 runs its packed tokens grown by filler sequences to the
-next of a few row counts (`fastbert.ops.padding.fill_rows`), since oneDNN compiles a new GEMM primitive for every
-row count it meets (tens of milliseconds each in bfloat16); the real rows' numbers are those of the unfilled
-forward. ``row_buckets=False`` turns it off. Float32 GEMMs (MKL) and GPUs do not need it.
+Row buckets: a CPU inference forward runs its packed tokens grown by filler sequences to the next of a few row
+counts (`fastbert.ops.padding.fill_rows`): oneDNN compiles a new GEMM primitive for every row count it meets (tens of
+milliseconds each in bfloat16), and buffers of every size fragment the heap (a float32 server grew to 2.1 GB resident
+unfilled, 0.87 GB filled). The real rows' numbers are those of the unfilled forward (up to the GEMMs' summation
+order). ``row_buckets=False`` turns it off. GPUs do not need it (their graphs have buckets of their own).
 """
 
 from __future__ import annotations
@@ -425,7 +426,7 @@ class FastBertModel(nn.Module):
         self.backend = backend
         self.padding_free = padding_free
         self.validate_inputs = True
-        self.row_buckets = True  # CPU bf16/fp16 inference: packed rows filled to a bucket (module docstring)
+        self.row_buckets = True  # CPU inference: packed rows filled to a bucket (module docstring)
         # The padded form computes rows for padded positions too; by default they are zeroed like the padding-free
         # path's (`fastbert.optimize` keeps them, as transformers computes them).
         self.zero_padded_rows = True
@@ -599,7 +600,7 @@ class FastBertModel(nn.Module):
         [T, H]: the last only, or the embedding output and every layer's when ``all_states``.
 
         Under ``auto``, a CPU inference forward runs the whole-model winner of its class (`whole_model_backend`).
-        A CPU bfloat16/float16 inference forward runs the packed tokens filled to a row bucket (module docstring)."""
+        A CPU inference forward runs the packed tokens filled to a row bucket (module docstring)."""
         like = self.embeddings.word_embeddings
         if key_padding_mask is None and self.fills_row_buckets(like):
             filled = fill_rows(tokens, positions, types, varlen, self.config.pad_token_id)
@@ -611,10 +612,10 @@ class FastBertModel(nn.Module):
                                    position_count)
 
     def fills_row_buckets(self, like: torch.Tensor) -> bool:
-        """Whether this call's packed tokens are filled to a row bucket: on a CPU, in bfloat16 or float16, without
-        autograd, outside torch.compile and jit tracing, unless ``row_buckets`` is off."""
-        return (self.row_buckets and like.device.type == "cpu" and like.dtype in (torch.bfloat16, torch.float16)
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+        """Whether this call's packed tokens are filled to a row bucket: on a CPU, without autograd, outside
+        torch.compile and jit tracing, unless ``row_buckets`` is off."""
+        return (self.row_buckets and like.device.type == "cpu" and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
 
     def _encode_tokens(self, like: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                        types: torch.Tensor | None, varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,

@@ -7,8 +7,8 @@ zeros at padded positions. A mask may have holes anywhere (left padding included
 `token_buckets` and `fill_rows` give packed batches a few row counts: `fill_rows` appends filler sequences of pad
 slots up to the next bucket. The CUDA graphs capture one graph per bucket (`fastbert.cuda_graphs`); on a CPU,
 oneDNN builds (JIT-compiles) a GEMM primitive for each row count it has not seen, which costs a bfloat16 GEMM of
-MiniLM's width 4 to 20 times its run, so a server whose batches all differ in size pays that on every forward
-(`fastbert.model.FastBertModel.encode_tokens` fills to ``ROW_BUCKETS`` there).
+MiniLM's width 4 to 20 times its run, and buffers of every size fragment the heap, so a server whose batches all
+differ in size pays on every forward (`fastbert.model.FastBertModel.encode_tokens` fills to ``ROW_BUCKETS`` there).
 """
 
 from __future__ import annotations
