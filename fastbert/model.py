@@ -18,8 +18,9 @@ Positions: a model with a position table takes positions below ``max_position_em
 Row buckets: a CPU inference forward runs its packed tokens grown by filler sequences to the next of a few row
 counts (`fastbert.ops.padding.fill_rows`): oneDNN compiles a new GEMM primitive for every row count it meets (tens of
 milliseconds each in bfloat16), and buffers of every size fragment the heap (a float32 server grew to 2.1 GB resident
-unfilled, 0.87 GB filled). The real rows' numbers are those of the unfilled forward (up to the GEMMs' summation
-order). ``row_buckets=False`` turns it off. GPUs do not need it (their graphs have buckets of their own).
+unfilled, 0.9 GB filled). The real rows' numbers are those of the unfilled forward (up to the GEMMs' summation
+order). Setting the model's ``row_buckets`` attribute to False turns it off. GPUs do not need it (their graphs
+have buckets of their own).
 """
 
 from __future__ import annotations
@@ -420,6 +421,8 @@ def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, se
 class FastBertModel(nn.Module):
     """The encoder of any supported family: embeddings (+ E->H projection), the layer stack, the pooler."""
 
+    row_buckets = True  # (also the default of a model pickled before the attribute existed)
+
     def __init__(self, config: FastBertConfig, backend: str = "auto", padding_free: bool = True):
         super().__init__()
         self.config = config
@@ -603,7 +606,8 @@ class FastBertModel(nn.Module):
         A CPU inference forward runs the packed tokens filled to a row bucket (module docstring)."""
         like = self.embeddings.word_embeddings
         if key_padding_mask is None and self.fills_row_buckets(like):
-            filled = fill_rows(tokens, positions, types, varlen, self.config.pad_token_id)
+            pad = self.config.pad_token_id
+            filled = fill_rows(tokens, positions, types, varlen, pad if 0 <= pad < self.config.vocab_size else 0)
             if filled is not None:
                 states = self._encode_tokens(like, filled.tokens, filled.positions, filled.types, filled.varlen,
                                              None, embedded, all_states, position_count)

@@ -208,10 +208,16 @@ def test_cpu_inference_fills_its_rows_to_a_bucket(model, monkeypatch, dtype):
         fast.row_buckets = False
         plain = fast.forward_packed(batch)
         plain_padded = fast(input_ids=ids, attention_mask=mask).last_hidden_state
+        if dtype == torch.float32:  # every state of the filled forward holds the real rows only
+            states = fast.forward_packed(batch, output_hidden_states=True).hidden_states
+            fast.row_buckets = True
+            filled_states = fast.forward_packed(batch, output_hidden_states=True).hidden_states
+            for got, expected in zip(filled_states, states, strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     fast.row_buckets = True
     with torch.enable_grad():
         fast.forward_packed(batch)
-    assert len(sizes) == 2
+    assert len(sizes) == 2 + (dtype == torch.float32)
     pairs = [("packed", filled.last_hidden_state, plain.last_hidden_state, reference.last_hidden_state),
              ("padded entry", filled_padded, plain_padded, padded_reference)]
     if reference.pooler_output is not None:

@@ -15,33 +15,37 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 
 OMP_PAUSE_SOFT = 1
 
 
 @functools.cache
 def _openmp_runtime() -> ctypes.CDLL | None:
-    """The GNU OpenMP runtime torch loaded, or None (another runtime, or none: nothing to release)."""
+    """torch's OpenMP runtime when it is GNU's (libgomp), or None (another runtime, none, or not Linux). Looked up
+    through torch's own CPU library, already loaded (``RTLD_NOLOAD``): its dependencies resolve the symbol to the
+    copy torch uses, whatever its file is called (some wheels ship a renamed ``libgomp-<hash>.so``), rather than
+    another copy the process may hold. LLVM's and Intel's runtimes (which export ``__kmpc_fork_call``) pause every
+    thread's workers: not what this module wants."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "RTLD_NOLOAD"):
+        return None
     import torch
 
-    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
-    candidates = [path] if os.path.exists(path) else []
-    candidates.append("libgomp.so.1")
-    for candidate in candidates:
-        try:
-            library = ctypes.CDLL(candidate, mode=os.RTLD_NOLOAD)  # only if the process has it loaded already
-        except OSError:
-            continue
-        if hasattr(library, "omp_pause_resource_all"):
-            return library
-    return None
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+    except OSError:
+        return None
+    if not hasattr(library, "omp_pause_resource_all") or hasattr(library, "__kmpc_fork_call"):
+        return None
+    return library
 
 
 def release_openmp_threads() -> bool:
     """End the calling thread's OpenMP worker team (after this thread ran the model's loading or warm-up, before
-    another thread runs it): True when a libgomp team was released (or none was held), False when the process has
-    no libgomp (nothing to do). Safe at any time outside a parallel region; a later parallel region in this thread
-    starts a new team."""
+    another thread runs it): True when libgomp released it (or none was held), False when torch does not run on
+    libgomp (nothing done). With libgomp, safe at any time outside a parallel region; a later parallel region in
+    this thread starts a new team."""
     library = _openmp_runtime()
     if library is None:
         return False

@@ -94,7 +94,8 @@ def token_buckets(largest: int = 16384, smallest: int = 16, growth: float = 1.25
     return tuple(buckets)
 
 
-# CPU row buckets: 79 sizes up to 16384 (62 up to the CPU batch budget of 4096), at most 1/16 of a batch filler
+# CPU row buckets: 79 sizes up to 16384 (55 up to the CPU batch budget of 4096); filler: under 16 rows below 256,
+# at most about a tenth of a batch past 256 rows, 7 % past 1024 (steps of about 1/16, rounded up to multiples of 16)
 ROW_BUCKETS = token_buckets(16384, growth=1.0625)
 
 
@@ -114,14 +115,16 @@ def fill_rows(tokens: torch.Tensor, positions: torch.Tensor, types: torch.Tensor
               pad_token: int, sizes: tuple[int, ...] = ROW_BUCKETS,
               chunk: int = FILLER_CHUNK) -> FilledRows | None:
     """The packed rows (``tokens``: ids [T] or vectors [T, E]; ``varlen``: their sequences) grown to the smallest
-    of ``sizes`` that holds them by filler sequences of at most ``chunk`` pad slots (id ``pad_token``, or a zero
-    vector; position 0, type 0). A filler is a sequence of its own, so a pad slot attends only to pad slots and
-    nothing reaches a real row. None when T is a size already or past the largest."""
+    of ``sizes`` that holds them by filler sequences of pad slots (id ``pad_token``, or a zero vector; position 0,
+    type 0), each at most ``chunk`` long and no longer than the longest real sequence (at least 16), so that the
+    attention's longest sequence stays what it was. A filler is a sequence of its own, so a pad slot attends only
+    to pad slots and nothing reaches a real row. None when T is a size already or past the largest."""
     total = tokens.shape[0]
     index = bisect.bisect_left(sizes, total)
     if index == len(sizes) or sizes[index] == total:
         return None
     extra = sizes[index] - total
+    chunk = min(chunk, max(varlen.max_seqlen, 16))
     fillers = -(-extra // chunk)
     device = tokens.device
     pad = (tokens.new_full((extra,), pad_token) if tokens.dim() == 1

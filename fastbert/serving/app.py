@@ -197,8 +197,8 @@ def normalized(rows: np.ndarray) -> np.ndarray:
     """L2-normalised rows: each over max(its norm, 1e-12), as torch.nn.functional.normalize (what `fastbert embed`
     calls) divides. numpy, not torch: a torch op in a worker thread could start OpenMP workers of its own there,
     which slows the model's thread (`fastbert.common.threads`)."""
-    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float32))[:, None]
-    return rows / np.maximum(norms, np.float32(1e-12))
+    norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))[:, None]  # in the rows' dtype, as torch sums
+    return rows / np.maximum(norms, rows.dtype.type(1e-12))
 
 
 def embedding_rows(rows: np.ndarray, normalize: bool, dimensions: int | None) -> np.ndarray:

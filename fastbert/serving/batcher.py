@@ -128,7 +128,7 @@ class Batcher:
         self.calls: deque[Call] = deque()  # run in the model's thread ahead of the queued jobs
         self.pending_tokens = 0  # real tokens of the jobs in ``pending``
         self.model_idle = False  # the model's thread waits for a batch and none is queued: the planner cuts one now
-        self.planned = 0  # jobs the planner took whose first forward has not started: still queued for a client
+        self.planned = 0  # jobs (and calls) the planner took that have not started: still queued for a client
         self.reserved = 0  # places held by requests being tokenized (`reserve`): they count as queued
         self.condition = threading.Condition()
         self.batches: queue.Queue[Batch | Call | None] = queue.Queue(maxsize=prefetch)
@@ -198,7 +198,8 @@ class Batcher:
 
     async def call(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
         """``function(*args)`` in the model's thread, between two batches (the unbatched token-level endpoints'
-        forwards), ahead of the queued jobs; QueueFull, ShuttingDown and RequestTimeout as `infer`."""
+        forwards), ahead of the queued jobs (calls count against ``max_queue`` like jobs, so they cannot hold the
+        jobs back without bound); QueueFull, ShuttingDown and RequestTimeout as `infer`."""
         loop = asyncio.get_running_loop()
         call = Call(function, args, loop.create_future(), loop)
         with self.condition:
@@ -229,6 +230,7 @@ class Batcher:
                     self.pending and (self.model_idle or self.pending_tokens >= self.max_batch_tokens)):
                 self.condition.wait()
             if self.calls:
+                self.planned += 1
                 return self.calls.popleft()
             jobs: list[Job] = []
             total = 0
@@ -297,6 +299,8 @@ class Batcher:
             if batch is None:
                 return
             if isinstance(batch, Call):
+                with self.condition:
+                    self.planned -= 1
                 self.run_call(batch)
                 continue
             with self.condition:

@@ -62,6 +62,7 @@ def test_fill_rows_grows_to_the_next_bucket_with_filler_sequences(lengths):
     assert torch.equal(cu[: len(lengths) + 1], varlen.cu_seqlens)  # the real sequences first, unchanged
     fillers = (cu[len(lengths) + 1:] - cu[len(lengths):-1]).tolist()
     assert sum(fillers) == size - total and all(1 <= n <= FILLER_CHUNK for n in fillers)
+    assert max(fillers) <= max(max(lengths), 16)  # attention's longest sequence stays the real one (or 16)
     assert int(cu[-1]) == size and filled.varlen.batch == cu.numel() - 1
     assert filled.varlen.max_seqlen == max(max(lengths), max(fillers))
 

@@ -58,8 +58,11 @@ def test_the_gate_refuses_a_queued_route_before_reading_the_body(error, status):
 
     from fastbert.serving import batcher
 
+    full = [True]
+
     def check_room():
-        raise getattr(batcher, error)("full" if error == "QueueFull" else "stopping")
+        if full[0]:
+            raise getattr(batcher, error)("full" if error == "QueueFull" else "stopping")
 
     service = SimpleNamespace(settings=SimpleNamespace(api_key=None, max_body_bytes=1024),
                               batcher=SimpleNamespace(check_room=check_room),
@@ -89,3 +92,18 @@ def test_the_gate_refuses_a_queued_route_before_reading_the_body(error, status):
     assert asyncio.run(call("/embed"))[0] == status and reached == []
     service.settings.max_body_bytes = 5  # /tokenize does not queue: it reaches the body limit (413), not the gate's
     assert asyncio.run(call("/tokenize"))[0] == 413 and reached == []
+    full[0], service.settings.max_body_bytes = False, 1024  # room again: the request reaches the app
+
+    async def body():
+        return {"type": "http.request", "body": b"0123456789", "more_body": False}
+
+    receive_body = body
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/embed", "headers": [(b"content-length", b"10")],
+             "query_string": b""}
+    asyncio.run(app.Gate(inner, service)(scope, receive_body, send))
+    assert sent[0]["status"] == 200 and reached == ["/embed"]

@@ -362,8 +362,15 @@ def test_a_call_runs_in_the_model_thread_ahead_of_the_queued_jobs():
     reach its caller; after stop it is refused."""
     engine = SumEngine()
     order: list[str] = []
+    started = threading.Event()
     engine_run = engine.run
-    engine.run = lambda batch: order.append("batch") or engine_run(batch)
+
+    def run(batch):
+        order.append("batch")
+        started.set()
+        return engine_run(batch)
+
+    engine.run = run
     batcher = Batcher(engine, max_batch_tokens=4096, max_queue=100)
     batcher.start()
 
@@ -379,12 +386,17 @@ def test_a_call_runs_in_the_model_thread_ahead_of_the_queued_jobs():
         await batcher.infer(tokens(0, 1), timeout=10)  # the model's thread is up
         order.clear()
         engine.gate.clear()  # a forward in progress: the next job and the call wait behind it
+        started.clear()
         first = asyncio.ensure_future(batcher.infer(tokens(1, 1), timeout=10))
-        await asyncio.sleep(0.1)
+        assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
         queued = asyncio.ensure_future(batcher.infer(tokens(2, 1), timeout=10))
         await asyncio.sleep(0.05)
         call = asyncio.ensure_future(batcher.call(in_model_thread, 21, timeout=10))
-        await asyncio.sleep(0.05)
+        gone = asyncio.ensure_future(batcher.call(in_model_thread, 0, timeout=0.05))  # its caller gives up
+        await asyncio.sleep(0.1)
+        assert batcher.depth() == 3  # the queued job and the two calls
+        with pytest.raises(RequestTimeout):
+            await gone
         engine.gate.set()
         await asyncio.gather(first, queued)
         result = await call
@@ -394,7 +406,8 @@ def test_a_call_runs_in_the_model_thread_ahead_of_the_queued_jobs():
 
     try:
         assert asyncio.run(scenario()) == 42
-        assert order == ["batch", "call", "batch"]
+        assert order == ["batch", "call", "batch"]  # the cancelled call never ran
+        assert batcher.depth() == 0
     finally:
         batcher.stop()
     with pytest.raises(ShuttingDown):
