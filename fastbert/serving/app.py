@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hmac
 import json
 import os
@@ -34,7 +35,7 @@ from fastbert.common.resolve import model_name
 from fastbert.common.threads import release_openmp_threads
 from fastbert.embedding import DEFAULT_BATCH_TOKENS
 from fastbert.serving import schemas
-from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown
+from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, Timing
 from fastbert.serving.engines import EmbedEngine, InputTooLong, load_engine
 from fastbert.serving.metrics import CONTENT_TYPE, Metrics
 from fastbert.serving.warmup import WARMUPS, warm
@@ -101,12 +102,16 @@ class Service:
         self.max_batch_tokens = settings.max_batch_tokens or DEFAULT_BATCH_TOKENS[self.engine.device.type]
         self.metrics = Metrics(lambda: self.batcher.depth())
         self.batcher = Batcher(self.engine, self.max_batch_tokens, settings.max_queue, observer=self.metrics,
-                               warmup=lambda: warm(self.engine, self.max_batch_tokens, settings.warmup,
-                                                   settings.warmup_seconds))
+                               warmup=lambda: self.warm_up(settings))
         self.has_mlm_head = self.engine.task == "embed" and self.engine.has_mlm_head()
         self.workers = settings.workers or 2
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fastbert-io")
         self.app = build_app(self)
+
+    def warm_up(self, settings: ServeSettings) -> None:
+        """The model's thread before /health says ready: the warm-up forwards, then `freeze_heap`."""
+        warm(self.engine, self.max_batch_tokens, settings.warmup, settings.warmup_seconds)
+        freeze_heap()
 
     async def offload(self, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)`` in the worker pool: tokenizing and writing answers leave the event loop free to
@@ -118,17 +123,35 @@ class Service:
             raise WrongTask(f"this server runs task {self.engine.task!r}; this endpoint needs "
                             f"{' or '.join(repr(t) for t in tasks)} (fastbert serve --task ...)")
 
-    async def rows(self, items: list, truncate: bool, direction: str = "Right") -> tuple[np.ndarray, int]:
+    async def rows(self, items: list, truncate: bool, direction: str = "Right",
+                   timing: Timing | None = None) -> tuple[np.ndarray, int]:
         """The engine's rows for texts (or pairs) through the batcher, and their token count; a too-long input is
-        cut at the end ``direction`` (TEI's truncation_direction) names when ``truncate``."""
+        cut at the end ``direction`` (TEI's truncation_direction) names when ``truncate``; ``timing`` (optional)
+        gets the tokenizing, queue and inference seconds."""
         self.batcher.reserve()
+        began = time.perf_counter()
         try:
             tokens = await self.offload(self.engine.encode, items, truncate, direction.lower())
         except BaseException:  # a refused input, a cancelled request: its place goes back
             self.batcher.release()
             raise
-        return await self.batcher.infer(tokens, self.settings.request_timeout, reserved=True), sum(
-            len(t) for t in tokens)
+        if timing is not None:
+            timing.tokenization = time.perf_counter() - began
+        rows = await self.batcher.infer(tokens, self.settings.request_timeout, reserved=True, timing=timing)
+        return rows, sum(len(t) for t in tokens)
+
+    def timed(self, response: Response, timing: Timing, tokens: int, items: list) -> Response:
+        """``response`` with TEI's timing headers: x-total-time (from the handler's start to this answer, written),
+        x-tokenization-time, x-queue-time, x-inference-time, x-compute-time (= total), x-compute-tokens,
+        x-compute-characters and x-compute-type (device+dtype); times in whole milliseconds, as TEI writes them."""
+        total = milliseconds(time.perf_counter() - timing.start)
+        characters = sum(len(text) for item in items for text in ((item,) if isinstance(item, str) else item))
+        response.headers.update({
+            "x-compute-type": f"{self.engine.device.type}+{self.engine.precision}", "x-compute-time": total,
+            "x-compute-tokens": str(tokens), "x-compute-characters": str(characters), "x-total-time": total,
+            "x-tokenization-time": milliseconds(timing.tokenization), "x-queue-time": milliseconds(timing.queue),
+            "x-inference-time": milliseconds(timing.inference)})
+        return response
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
@@ -142,6 +165,15 @@ class Service:
                 "auth": self.settings.api_key is not None, "version": __version__,
                 "warmup": self.settings.warmup, "ready": self.batcher.ready.is_set(), "workers": self.workers,
                 "pid": os.getpid()}  # tells replicas apart behind a load balancer
+
+
+def freeze_heap() -> None:
+    """Leave every object alive now (the model, torch, transformers, the app: some 300,000 for MiniLM) out of the
+    garbage collector's full collections (`gc.freeze`). Each full collection scanned them all, holding the GIL: under
+    load they took 100-280 ms each (the threads share 2 cores), stalling the event loop, so that at twice the peak
+    load 1 % of the 429s waited ~200 ms. Collected first, so that no garbage is frozen."""
+    gc.collect()
+    gc.freeze()
 
 
 def build_app(service: Service) -> FastAPI:
@@ -175,6 +207,10 @@ def build_app(service: Service) -> FastAPI:
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     # not FastAPI's jsonable_encoder, which walks every float and costs more than the forward
     return Response(json_bytes(value), status_code=status, media_type="application/json", headers=headers)
+
+
+def milliseconds(seconds: float) -> str:
+    return str(int(seconds * 1000))
 
 
 def json_bytes(value: Any) -> bytes:
@@ -215,18 +251,21 @@ def check_dimensions(dimensions: int | None, engine: EmbedEngine) -> None:
 
 async def embed(body: schemas.EmbedRequest, request: Request) -> Response:
     """TEI's /embed: one embedding (a list of floats) per input, in order."""
+    timing = Timing()
     service: Service = request.app.state.service
     service.require("embed")
     check_dimensions(body.dimensions, service.engine)
     texts = schemas.texts_of(body.inputs, service.settings.max_client_batch_size)
     texts = service.engine.with_prompt(texts, body.prompt_name)
-    rows, _ = await service.rows(texts, body.truncate, body.truncation_direction)
-    return await service.offload(lambda: json_response(embedding_rows(rows, body.normalize, body.dimensions)))
+    rows, count = await service.rows(texts, body.truncate, body.truncation_direction, timing)
+    return await service.offload(lambda: service.timed(
+        json_response(embedding_rows(rows, body.normalize, body.dimensions)), timing, count, texts))
 
 
 async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Request) -> Response:
     """OpenAI's embeddings API: texts or token ids in; floats or base64 (little-endian float32) out; ``dimensions``
     keeps the first dimensions of each embedding (then renormalises it when the model's embeddings are)."""
+    timing = Timing()
     service: Service = request.app.state.service
     service.require("embed")
     engine: EmbedEngine = service.engine
@@ -239,13 +278,15 @@ async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Reque
                                         f"{limit} (--max-client-batch-size)")
         service.batcher.check_room()
         tokens = engine.check_ids(rows_of_ids)
-        rows = await service.batcher.infer(tokens, service.settings.request_timeout)
-        count = sum(len(t) for t in tokens)
+        rows = await service.batcher.infer(tokens, service.settings.request_timeout, timing=timing)
+        count, texts = sum(len(t) for t in tokens), []
     else:
-        rows, count = await service.rows(schemas.texts_of(body.input, limit), truncate=False)
+        texts = schemas.texts_of(body.input, limit)
+        rows, count = await service.rows(texts, truncate=False, timing=timing)
     name = body.model or model_name(engine.model_dir)
-    return await service.offload(openai_answer, embedding_rows(rows, engine.default_normalize, body.dimensions),
-                                 body.encoding_format, name, count)
+    rows = embedding_rows(rows, engine.default_normalize, body.dimensions)
+    return await service.offload(lambda: service.timed(openai_answer(rows, body.encoding_format, name, count),
+                                                       timing, count, texts))
 
 
 def openai_answer(rows: np.ndarray, encoding_format: str, model: str, count: int) -> Response:
@@ -260,6 +301,7 @@ def openai_answer(rows: np.ndarray, encoding_format: str, model: str, count: int
 
 async def similarity(body: schemas.SimilarityRequest, request: Request) -> Response:
     """TEI's /similarity: the cosine similarity of the source sentence to each sentence, in order."""
+    timing = Timing()
     service: Service = request.app.state.service
     service.require("embed")
     params = body.parameters or schemas.SimilarityParameters()
@@ -267,9 +309,9 @@ async def similarity(body: schemas.SimilarityRequest, request: Request) -> Respo
     texts = [body.inputs.source_sentence,
              *schemas.texts_of(body.inputs.sentences, service.settings.max_client_batch_size)]
     texts = service.engine.with_prompt(texts, params.prompt_name)
-    rows, _ = await service.rows(texts, bool(params.truncate), params.truncation_direction)
+    rows, count = await service.rows(texts, bool(params.truncate), params.truncation_direction, timing)
     unit = normalized(rows)
-    return json_response((unit[1:] @ unit[0]).tolist())
+    return service.timed(json_response((unit[1:] @ unit[0]).tolist()), timing, count, texts)
 
 
 async def tokenize(body: schemas.TokenizeRequest, request: Request) -> Response:
@@ -323,30 +365,34 @@ async def embed_sparse(body: schemas.TokenLevelRequest, request: Request) -> Res
 
 async def rerank(body: schemas.RerankRequest, request: Request) -> Response:
     """TEI's /rerank: the score of each text for the query, best first, with its index."""
+    timing = Timing()
     service: Service = request.app.state.service
     service.require("rerank")
     schemas.check_text(body.query, "query")
     texts = schemas.texts_of(body.texts, service.settings.max_client_batch_size)
-    logits, _ = await service.rows([(body.query, text) for text in texts], body.truncate, body.truncation_direction)
+    pairs = [(body.query, text) for text in texts]
+    logits, count = await service.rows(pairs, body.truncate, body.truncation_direction, timing)
     scores = logits[:, 0] if body.raw_scores else torch.sigmoid(torch.from_numpy(logits[:, 0])).numpy()
     order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))
-    return json_response([{"index": i, "score": float(scores[i]), **({"text": texts[i]} if body.return_text else {})}
-                          for i in order])
+    return service.timed(json_response([{"index": i, "score": float(scores[i]),
+                                         **({"text": texts[i]} if body.return_text else {})} for i in order]),
+                         timing, count, pairs)
 
 
 async def predict(body: schemas.PredictRequest, request: Request) -> Response:
     """TEI's /predict: labels with scores, best first, per text or pair (softmax; sigmoid for one label)."""
+    timing = Timing()
     service: Service = request.app.state.service
     service.require("classify", "rerank")
     items, batched = schemas.predict_items(body.inputs, service.settings.max_client_batch_size)
-    logits, _ = await service.rows(items, body.truncate, body.truncation_direction)
+    logits, count = await service.rows(items, body.truncate, body.truncation_direction, timing)
     values = torch.from_numpy(logits)
     if not body.raw_scores:
         values = torch.sigmoid(values) if values.shape[1] == 1 else torch.softmax(values, dim=1)
     labels = service.engine.labels
     answers = [sorted(({"label": labels[j], "score": float(row[j])} for j in range(len(labels))),
                       key=lambda item: -item["score"]) for row in values.tolist()]
-    return json_response(answers if batched else answers[0])
+    return service.timed(json_response(answers if batched else answers[0]), timing, count, items)
 
 
 async def health(request: Request) -> Response:

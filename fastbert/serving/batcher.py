@@ -74,12 +74,25 @@ class Job:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None  # when its first forward began
+    finished_at: float | None = None  # when its last forward ended
     rows: np.ndarray | None = None
     left: int = 0
 
     @property
     def tokens(self) -> int:
         return sum(len(t) for t in self.inputs)
+
+
+@dataclass
+class Timing:
+    """Where one request's time went, in seconds (TEI's x-*-time headers): from its handler's start (``start``,
+    perf_counter), tokenizing, queued until its first forward began, and from then until its last forward ended."""
+
+    start: float = field(default_factory=time.perf_counter)
+    tokenization: float = 0.0
+    queue: float = 0.0
+    inference: float = 0.0
 
 
 @dataclass(eq=False)
@@ -187,14 +200,20 @@ class Batcher:
         if self.depth() >= self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
 
-    async def infer(self, inputs: list[Tokens], timeout: float, reserved: bool = False) -> np.ndarray:
+    async def infer(self, inputs: list[Tokens], timeout: float, reserved: bool = False,
+                    timing: Timing | None = None) -> np.ndarray:
         """The rows [len(inputs), D] of ``inputs``, in order, once the model's thread has run them; ``reserved``:
-        the caller holds a place from `reserve`, which this job takes."""
+        the caller holds a place from `reserve`, which this job takes; ``timing`` (optional) gets the job's queue
+        and inference seconds."""
         job = self.submit(inputs, asyncio.get_running_loop(), reserved)
         try:
-            return await asyncio.wait_for(job.future, timeout)
+            rows = await asyncio.wait_for(job.future, timeout)
         except asyncio.TimeoutError as err:  # wait_for cancelled the future: the planner will skip the job
             raise RequestTimeout(f"no result within the request timeout of {timeout:g} s") from err
+        if timing is not None:
+            timing.queue = job.started_at - job.queued_at
+            timing.inference = job.finished_at - job.started_at
+        return rows
 
     async def call(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
         """``function(*args)`` in the model's thread, between two batches (the unbatched token-level endpoints'
@@ -336,11 +355,14 @@ class Batcher:
         """One forward; each job whose last input this was gets its rows."""
         inputs = batch.inputs()
         start = time.perf_counter()
+        for job, _ in batch.items:
+            if job.started_at is None:
+                job.started_at = start
         rows = self.engine.run(inputs)
+        end = time.perf_counter()
         if self.observer is not None:
             lengths = [len(t) for t in inputs]
-            self.observer.record_batch(BatchRecord(len(inputs), sum(lengths), len(inputs) * max(lengths),
-                                                   time.perf_counter() - start))
+            self.observer.record_batch(BatchRecord(len(inputs), sum(lengths), len(inputs) * max(lengths), end - start))
         for (job, index), row in zip(batch.items, rows, strict=True):
             if job.left <= 0:
                 continue
@@ -349,6 +371,7 @@ class Batcher:
             job.rows[index] = row
             job.left -= 1
             if job.left == 0:
+                job.finished_at = end
                 answer(job, job.rows, None)
 
 

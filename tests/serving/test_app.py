@@ -107,3 +107,36 @@ def test_the_gate_refuses_a_queued_route_before_reading_the_body(error, status):
              "query_string": b""}
     asyncio.run(app.Gate(inner, service)(scope, receive_body, send))
     assert sent[0]["status"] == 200 and reached == ["/embed"]
+
+
+def test_freeze_heap_leaves_what_lives_out_of_the_collectors_scans():
+    """An object alive at the freeze is no longer among the objects the collector scans; garbage alive then (a
+    reference cycle) is collected first, not frozen."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    kept, cycle = Node(), Node()
+    cycle.self = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    try:
+        app.freeze_heap()
+        assert gone() is None
+        assert gc.get_freeze_count() > 0 and not any(o is kept for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+
+
+def test_the_servers_warm_up_freezes_the_heap_after_its_forwards(monkeypatch):
+    """The model's thread warms up, then freezes (the objects the warm-up made are frozen too)."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(app, "warm", lambda *args: calls.append("warm"))
+    monkeypatch.setattr(app, "freeze_heap", lambda: calls.append("freeze"))
+    service = SimpleNamespace(engine=None, max_batch_tokens=64)
+    app.Service.warm_up(service, app.ServeSettings())
+    assert calls == ["warm", "freeze"]

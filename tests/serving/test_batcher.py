@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, token_batches
+from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, Timing, token_batches
 from fastbert.serving.engines import Tokens
 
 
@@ -412,3 +412,44 @@ def test_a_call_runs_in_the_model_thread_ahead_of_the_queued_jobs():
         batcher.stop()
     with pytest.raises(ShuttingDown):
         asyncio.run(batcher.call(in_model_thread, 1, timeout=1))
+
+
+class SleepEngine(SumEngine):
+    """SumEngine whose every forward takes ``seconds``."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def run(self, batch):
+        import time
+
+        time.sleep(self.seconds)
+        return super().run(batch)
+
+
+def test_timing_splits_a_jobs_wait_from_its_forwards():
+    """A job queued behind a running forward waits about that forward (queue) and then its own (inference); a job
+    cut into two forwards (past the token budget) counts both as inference; the first job did not queue."""
+    forward = 0.2
+    engine = SleepEngine(forward)
+    batcher = Batcher(engine, max_batch_tokens=60, max_queue=10)
+    batcher.start()
+    first, second, split = Timing(), Timing(), Timing()
+    long_job = [Tokens(list(range(1, 41))), Tokens(list(range(1, 41)))]  # 80 tokens: two forwards of 40
+
+    async def scenario():
+        a = asyncio.ensure_future(batcher.infer(tokens(1, 1), timeout=30, timing=first))
+        await asyncio.sleep(forward / 4)  # the first forward runs
+        b = asyncio.ensure_future(batcher.infer(tokens(2, 1), timeout=30, timing=second))
+        await asyncio.gather(a, b)
+        await batcher.infer(long_job, timeout=30, timing=split)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        batcher.stop(timeout=10)
+    assert first.queue < forward / 4 and forward <= first.inference < 2 * forward
+    assert forward / 2 < second.queue < forward and forward <= second.inference < 2 * forward
+    assert split.queue < forward / 4 and 2 * forward <= split.inference < 3 * forward
+    assert engine.real[-2:] == [40, 40]

@@ -50,6 +50,22 @@ def test_rerank_bad_inputs_and_wrong_endpoint(reranker):
     assert httpx.get(reranker.url + "/info").json()["labels"] == ["relevance"]
 
 
+def test_rerank_and_predict_carry_teis_timing_headers(reranker):
+    """The pairs' characters (query + text each) and tokens, and the times in whole milliseconds."""
+    from tokenizers import Tokenizer
+
+    from tests.serving.test_embed_server import check_timing_headers
+
+    tokenizer = Tokenizer.from_file(httpx.get(reranker.url + "/info").json()["model_dir"] + "/tokenizer.json")
+    tokenizer.no_padding()  # the checkpoint's file pads to 128
+    tokens = sum(len(tokenizer.encode(QUERY, text).ids) for text in TEXTS)
+    characters = sum(len(QUERY) + len(text) for text in TEXTS)
+    for route, body in (("/rerank", {"query": QUERY, "texts": TEXTS}),
+                        ("/predict", {"inputs": [[QUERY, text] for text in TEXTS]})):
+        answer = httpx.post(reranker.url + route, json=body, timeout=60)
+        check_timing_headers(answer, 60000, tokens, characters, minimum_inference_ms=0)
+
+
 def test_predict_texts_and_pairs(start_server, classifier_dir):
     server = start_server(["--task", "classify", "--model", classifier_dir])
     texts = ["I loved this film.", "Terrible service, never again."]
