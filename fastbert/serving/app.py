@@ -81,6 +81,9 @@ class ServeSettings:
     workers: int | None = None
     warmup: str = "quick"  # none, quick or full: the forwards the model's thread runs before /health says ready
     warmup_seconds: float = 60.0  # the warm-up stops after its forward that passes this
+    # after the warm-up, leave the objects alive then out of the garbage collector's full scans (`freeze_heap`);
+    # undone at shutdown. The CLI's and Ray's servers own their process; False for a Service in a process it shares
+    freeze_heap: bool = True
 
 
 class WrongTask(Exception):
@@ -109,9 +112,10 @@ class Service:
         self.app = build_app(self)
 
     def warm_up(self, settings: ServeSettings) -> None:
-        """The model's thread before /health says ready: the warm-up forwards, then `freeze_heap`."""
+        """The model's thread before /health says ready: the warm-up forwards, then `freeze_heap` (if set)."""
         warm(self.engine, self.max_batch_tokens, settings.warmup, settings.warmup_seconds)
-        freeze_heap()
+        if settings.freeze_heap:
+            freeze_heap()
 
     async def offload(self, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)`` in the worker pool: tokenizing and writing answers leave the event loop free to
@@ -140,12 +144,13 @@ class Service:
         rows = await self.batcher.infer(tokens, self.settings.request_timeout, reserved=True, timing=timing)
         return rows, sum(len(t) for t in tokens)
 
-    def timed(self, response: Response, timing: Timing, tokens: int, items: list) -> Response:
+    def timed(self, response: Response, timing: Timing, tokens: int, characters: int) -> Response:
         """``response`` with TEI's timing headers: x-total-time (from the handler's start to this answer, written),
         x-tokenization-time, x-queue-time, x-inference-time, x-compute-time (= total), x-compute-tokens,
-        x-compute-characters and x-compute-type (device+dtype); times in whole milliseconds, as TEI writes them."""
+        x-compute-characters (the inputs' characters, before any prompt; token ids count one each, as TEI's) and
+        x-compute-type (device+dtype); times in whole milliseconds, as TEI writes them, for the request as a whole
+        (TEI's are averages over a batch request's inputs)."""
         total = milliseconds(time.perf_counter() - timing.start)
-        characters = sum(len(text) for item in items for text in ((item,) if isinstance(item, str) else item))
         response.headers.update({
             "x-compute-type": f"{self.engine.device.type}+{self.engine.precision}", "x-compute-time": total,
             "x-compute-tokens": str(tokens), "x-compute-characters": str(characters), "x-total-time": total,
@@ -171,7 +176,8 @@ def freeze_heap() -> None:
     """Leave every object alive now (the model, torch, transformers, the app: some 300,000 for MiniLM) out of the
     garbage collector's full collections (`gc.freeze`). Each full collection scanned them all, holding the GIL: under
     load they took 100-280 ms each (the threads share 2 cores), stalling the event loop, so that at twice the peak
-    load 1 % of the 429s waited ~200 ms. Collected first, so that no garbage is frozen."""
+    load 1 % of the 429s waited ~200 ms. Collected first, so that no garbage is frozen. Process-wide: what is frozen
+    is never collected until `gc.unfreeze` (the server's shutdown)."""
     gc.collect()
     gc.freeze()
 
@@ -186,6 +192,8 @@ def build_app(service: Service) -> FastAPI:
         service.batcher.start()  # its model thread warms up first; /health answers 503 until it is done
         yield
         service.batcher.stop()
+        if service.settings.freeze_heap:
+            gc.unfreeze()  # the service's own cycles (its app, its metrics) can be collected once it is dropped
         service.pool.shutdown(wait=False)
 
     app = FastAPI(title="fastbert serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -211,6 +219,11 @@ def json_response(value: Any, status: int = 200, headers: dict[str, str] | None 
 
 def milliseconds(seconds: float) -> str:
     return str(int(seconds * 1000))
+
+
+def characters_of(items: list) -> int:
+    """The characters of texts, or of (text, text) pairs."""
+    return sum(len(text) for item in items for text in ((item,) if isinstance(item, str) else item))
 
 
 def json_bytes(value: Any) -> bytes:
@@ -256,10 +269,10 @@ async def embed(body: schemas.EmbedRequest, request: Request) -> Response:
     service.require("embed")
     check_dimensions(body.dimensions, service.engine)
     texts = schemas.texts_of(body.inputs, service.settings.max_client_batch_size)
-    texts = service.engine.with_prompt(texts, body.prompt_name)
-    rows, count = await service.rows(texts, body.truncate, body.truncation_direction, timing)
+    prompted = service.engine.with_prompt(texts, body.prompt_name)
+    rows, count = await service.rows(prompted, body.truncate, body.truncation_direction, timing)
     return await service.offload(lambda: service.timed(
-        json_response(embedding_rows(rows, body.normalize, body.dimensions)), timing, count, texts))
+        json_response(embedding_rows(rows, body.normalize, body.dimensions)), timing, count, characters_of(texts)))
 
 
 async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Request) -> Response:
@@ -279,14 +292,15 @@ async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Reque
         service.batcher.check_room()
         tokens = engine.check_ids(rows_of_ids)
         rows = await service.batcher.infer(tokens, service.settings.request_timeout, timing=timing)
-        count, texts = sum(len(t) for t in tokens), []
+        count = given = sum(len(t) for t in tokens)
     else:
         texts = schemas.texts_of(body.input, limit)
         rows, count = await service.rows(texts, truncate=False, timing=timing)
+        given = characters_of(texts)
     name = body.model or model_name(engine.model_dir)
     rows = embedding_rows(rows, engine.default_normalize, body.dimensions)
     return await service.offload(lambda: service.timed(openai_answer(rows, body.encoding_format, name, count),
-                                                       timing, count, texts))
+                                                       timing, count, given))
 
 
 def openai_answer(rows: np.ndarray, encoding_format: str, model: str, count: int) -> Response:
@@ -308,10 +322,10 @@ async def similarity(body: schemas.SimilarityRequest, request: Request) -> Respo
     schemas.check_text(body.inputs.source_sentence, "source_sentence")
     texts = [body.inputs.source_sentence,
              *schemas.texts_of(body.inputs.sentences, service.settings.max_client_batch_size)]
-    texts = service.engine.with_prompt(texts, params.prompt_name)
-    rows, count = await service.rows(texts, bool(params.truncate), params.truncation_direction, timing)
+    prompted = service.engine.with_prompt(texts, params.prompt_name)
+    rows, count = await service.rows(prompted, bool(params.truncate), params.truncation_direction, timing)
     unit = normalized(rows)
-    return service.timed(json_response((unit[1:] @ unit[0]).tolist()), timing, count, texts)
+    return service.timed(json_response((unit[1:] @ unit[0]).tolist()), timing, count, characters_of(texts))
 
 
 async def tokenize(body: schemas.TokenizeRequest, request: Request) -> Response:
@@ -376,7 +390,7 @@ async def rerank(body: schemas.RerankRequest, request: Request) -> Response:
     order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))
     return service.timed(json_response([{"index": i, "score": float(scores[i]),
                                          **({"text": texts[i]} if body.return_text else {})} for i in order]),
-                         timing, count, pairs)
+                         timing, count, characters_of(pairs))
 
 
 async def predict(body: schemas.PredictRequest, request: Request) -> Response:
@@ -392,7 +406,7 @@ async def predict(body: schemas.PredictRequest, request: Request) -> Response:
     labels = service.engine.labels
     answers = [sorted(({"label": labels[j], "score": float(row[j])} for j in range(len(labels))),
                       key=lambda item: -item["score"]) for row in values.tolist()]
-    return service.timed(json_response(answers if batched else answers[0]), timing, count, items)
+    return service.timed(json_response(answers if batched else answers[0]), timing, count, characters_of(items))
 
 
 async def health(request: Request) -> Response:

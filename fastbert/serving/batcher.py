@@ -210,7 +210,8 @@ class Batcher:
             rows = await asyncio.wait_for(job.future, timeout)
         except asyncio.TimeoutError as err:  # wait_for cancelled the future: the planner will skip the job
             raise RequestTimeout(f"no result within the request timeout of {timeout:g} s") from err
-        if timing is not None:
+        if timing is not None:  # answered with rows: its forwards ran, so both ends are set
+            assert job.started_at is not None and job.finished_at is not None
             timing.queue = job.started_at - job.queued_at
             timing.inference = job.finished_at - job.started_at
         return rows

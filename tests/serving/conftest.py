@@ -137,3 +137,26 @@ def direct(embedder):
         return embedder.embed(list(texts))[0]
 
     return embed
+
+
+TIMING_HEADERS = ("x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time", "x-compute-time")
+
+
+def timing_headers_are_teis(answer: httpx.Response, elapsed_ms: float, tokens: int, characters: int) -> None:
+    """TEI's timing headers, whole milliseconds: parts within the total, the total within the client's wait; the
+    callers send milliseconds of forward, so an inference time of 0 means the route lost its timing."""
+    assert answer.status_code == 200, answer.text
+    times = {name: int(answer.headers[name]) for name in TIMING_HEADERS}
+    assert all(value >= 0 for value in times.values()), times
+    parts = times["x-tokenization-time"] + times["x-queue-time"] + times["x-inference-time"]
+    assert parts <= times["x-total-time"] and times["x-compute-time"] == times["x-total-time"]  # slices of the total
+    assert times["x-total-time"] <= elapsed_ms + 1 and times["x-inference-time"] >= 1
+    assert int(answer.headers["x-compute-tokens"]) == tokens
+    assert int(answer.headers["x-compute-characters"]) == characters
+    assert answer.headers["x-compute-type"] == "cpu+float32"
+
+
+@pytest.fixture
+def check_timing_headers():
+    """`timing_headers_are_teis`, for the server tests of every task."""
+    return timing_headers_are_teis

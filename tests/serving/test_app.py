@@ -130,13 +130,40 @@ def test_freeze_heap_leaves_what_lives_out_of_the_collectors_scans():
         gc.unfreeze()
 
 
-def test_the_servers_warm_up_freezes_the_heap_after_its_forwards(monkeypatch):
-    """The model's thread warms up, then freezes (the objects the warm-up made are frozen too)."""
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_servers_warm_up_freezes_the_heap_after_its_forwards(monkeypatch, freeze):
+    """The model's thread warms up, then freezes (the objects the warm-up made are frozen too), unless the settings
+    say not to (a Service in a process it shares)."""
     from types import SimpleNamespace
 
     calls = []
     monkeypatch.setattr(app, "warm", lambda *args: calls.append("warm"))
     monkeypatch.setattr(app, "freeze_heap", lambda: calls.append("freeze"))
     service = SimpleNamespace(engine=None, max_batch_tokens=64)
-    app.Service.warm_up(service, app.ServeSettings())
-    assert calls == ["warm", "freeze"]
+    app.Service.warm_up(service, app.ServeSettings(freeze_heap=freeze))
+    assert calls == (["warm", "freeze"] if freeze else ["warm"])
+
+
+def test_the_lifespan_unfreezes_at_shutdown(monkeypatch):
+    """After the batcher stops, what the freeze kept is collectable again: a dropped Service (whose app and
+    metrics point back to it) is not kept for good."""
+    import asyncio
+    import gc
+    from types import SimpleNamespace
+
+    batcher = SimpleNamespace(start=lambda: None, stop=lambda: None)
+    service = SimpleNamespace(batcher=batcher, settings=app.ServeSettings(), pool=SimpleNamespace(
+        shutdown=lambda wait: None))
+    monkeypatch.setattr(app, "release_openmp_threads", lambda: None)
+    built = app.build_app(service)
+
+    async def run_lifespan():
+        async with built.router.lifespan_context(built):
+            app.freeze_heap()
+            assert gc.get_freeze_count() > 0
+
+    try:
+        asyncio.run(run_lifespan())
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
