@@ -345,36 +345,42 @@ async def decode(body: schemas.DecodeRequest, request: Request) -> Response:
     return json_response(await service.offload(service.engine.decode, rows, body.skip_special_tokens))
 
 
-async def token_level(service: Service, body: schemas.TokenLevelRequest, method: str) -> Any:
+async def token_level(service: Service, body: schemas.TokenLevelRequest, method: str,
+                      timing: Timing) -> tuple[Any, int, int]:
     """The engine's ``method`` (token_embeddings or sparse) on the request's texts, in the model's thread between
-    two batches (these forwards are not batched across requests)."""
+    two batches (these forwards are not batched across requests), with their token and character counts."""
     service.require("embed")
-    texts = service.engine.with_prompt(schemas.texts_of(body.inputs, service.settings.max_client_batch_size),
-                                       body.prompt_name)
+    texts = schemas.texts_of(body.inputs, service.settings.max_client_batch_size)
+    prompted = service.engine.with_prompt(texts, body.prompt_name)
     service.batcher.check_room()
-    tokens = await service.offload(service.engine.encode, texts, body.truncate, body.truncation_direction.lower())
-    return await service.batcher.call(getattr(service.engine, method), tokens,
-                                      timeout=service.settings.request_timeout)
+    began = time.perf_counter()
+    tokens = await service.offload(service.engine.encode, prompted, body.truncate, body.truncation_direction.lower())
+    timing.tokenization = time.perf_counter() - began
+    result = await service.batcher.call(getattr(service.engine, method), tokens,
+                                        timeout=service.settings.request_timeout, timing=timing)
+    return result, sum(len(t) for t in tokens), characters_of(texts)
 
 
 async def embed_all(body: schemas.TokenLevelRequest, request: Request) -> Response:
     """TEI's /embed_all: each text's token embeddings (the last hidden states, special tokens included)."""
+    timing = Timing()
     service: Service = request.app.state.service
-    rows = await token_level(service, body, "token_embeddings")
-    return await service.offload(json_response, rows)
+    rows, count, given = await token_level(service, body, "token_embeddings", timing)
+    return await service.offload(lambda: service.timed(json_response(rows), timing, count, given))
 
 
 async def embed_sparse(body: schemas.TokenLevelRequest, request: Request) -> Response:
     """TEI's /embed_sparse: SPLADE weights (index, value) per text; needs a checkpoint with a masked-LM head."""
+    timing = Timing()
     service: Service = request.app.state.service
     service.require("embed")
     if not service.has_mlm_head:
         raise WrongTask(f"/embed_sparse needs a checkpoint with a masked-LM head (SPLADE); {service.engine.model_dir} "
                         "has none")
-    pairs = await token_level(service, body, "sparse")
+    pairs, count, given = await token_level(service, body, "sparse", timing)
     answer = [[{"index": int(i), "value": float(v)} for i, v in zip(index, values, strict=True)]
               for index, values in pairs]
-    return await service.offload(json_response, answer)
+    return await service.offload(lambda: service.timed(json_response(answer), timing, count, given))
 
 
 async def rerank(body: schemas.RerankRequest, request: Request) -> Response:

@@ -103,6 +103,9 @@ class Call:
     args: tuple
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    finished_at: float | None = None
 
 
 @dataclass
@@ -216,10 +219,11 @@ class Batcher:
             timing.inference = job.finished_at - job.started_at
         return rows
 
-    async def call(self, function: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    async def call(self, function: Callable[..., Any], *args: Any, timeout: float, timing: Timing | None = None) -> Any:
         """``function(*args)`` in the model's thread, between two batches (the unbatched token-level endpoints'
         forwards), ahead of the queued jobs (calls count against ``max_queue`` like jobs, so they cannot hold the
-        jobs back without bound); QueueFull, ShuttingDown and RequestTimeout as `infer`."""
+        jobs back without bound); QueueFull, ShuttingDown and RequestTimeout as `infer`; ``timing`` as `infer`'s
+        (the function's run is its inference)."""
         loop = asyncio.get_running_loop()
         call = Call(function, args, loop.create_future(), loop)
         with self.condition:
@@ -227,9 +231,14 @@ class Batcher:
             self.calls.append(call)
             self.condition.notify_all()
         try:
-            return await asyncio.wait_for(call.future, timeout)
+            result = await asyncio.wait_for(call.future, timeout)
         except asyncio.TimeoutError as err:  # cancelled: the model's thread will skip it
             raise RequestTimeout(f"no result within the request timeout of {timeout:g} s") from err
+        if timing is not None:  # answered with a result: the function ran, so both ends are set
+            assert call.started_at is not None and call.finished_at is not None
+            timing.queue = call.started_at - call.queued_at
+            timing.inference = call.finished_at - call.started_at
+        return result
 
     def stop(self, timeout: float | None = None) -> None:
         """Accept no more jobs, let the threads finish the queued ones, and wait for them."""
@@ -346,7 +355,9 @@ class Batcher:
         try:
             if self.warmup_error is not None:
                 raise ShuttingDown(f"the server's warm-up failed ({self.warmup_error!r}); see its log")
+            call.started_at = time.perf_counter()
             result = call.function(*call.args)
+            call.finished_at = time.perf_counter()
         except Exception as err:  # noqa: BLE001 - its request fails, never the model's thread
             answer(call, None, err)
         else:

@@ -453,3 +453,26 @@ def test_timing_splits_a_jobs_wait_from_its_forwards():
     assert forward / 2 < second.queue < forward and forward <= second.inference < 2 * forward
     assert split.queue < forward / 4 and 2 * forward <= split.inference < 3 * forward
     assert engine.real[-2:] == [40, 40]
+
+
+def test_a_calls_timing_is_its_wait_and_its_run():
+    """A call that arrives during a forward waits for it (queue), then its function's run is its inference."""
+    import time
+
+    forward = 0.2
+    batcher = Batcher(SleepEngine(forward), max_batch_tokens=60, max_queue=10)
+    batcher.start()
+    timing = Timing()
+
+    async def scenario():
+        job = asyncio.ensure_future(batcher.infer(tokens(1, 1), timeout=30))
+        await asyncio.sleep(forward / 4)
+        result = await batcher.call(lambda: time.sleep(forward) or "done", timeout=30, timing=timing)
+        await job
+        return result
+
+    try:
+        assert asyncio.run(scenario()) == "done"
+    finally:
+        batcher.stop(timeout=10)
+    assert forward / 2 < timing.queue < forward and forward <= timing.inference < 2 * forward

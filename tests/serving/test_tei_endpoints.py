@@ -71,6 +71,14 @@ def test_embed_all_is_what_the_pooling_averages(client):
         np.testing.assert_allclose(hidden.mean(axis=0), mean, atol=TOLERANCE)
 
 
+def test_embed_all_carries_teis_timing_headers(client, check_timing_headers):
+    """The unbatched route times its forward (run between two batches) as the batched ones do."""
+    texts = [*TEXTS, "a second, longer text about servers " * 20]
+    tokens = sum(len(t) for t in client.post("/tokenize", json={"inputs": texts}).json())
+    answer = client.post("/embed_all", json={"inputs": texts})
+    check_timing_headers(answer, 60000, tokens, sum(map(len, texts)))
+
+
 def test_dimensions_truncate_then_renormalise(client, direct):
     raw = np.array(client.post("/embed", json={"inputs": TEXTS, "normalize": False}).json())
     for dims in (1, 7, 130):
@@ -158,7 +166,7 @@ def splade_dir(tmp_path_factory, minilm_dir) -> str:
     return str(directory)
 
 
-def test_embed_sparse_equals_transformers_splade(start_server, splade_dir):
+def test_embed_sparse_equals_transformers_splade(start_server, splade_dir, check_timing_headers):
     import transformers
 
     server = start_server(["--model", splade_dir, "--warmup", "none"])
@@ -166,6 +174,8 @@ def test_embed_sparse_equals_transformers_splade(start_server, splade_dir):
     assert answer.status_code == 200, answer.text
     model = transformers.BertForMaskedLM.from_pretrained(splade_dir).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(splade_dir)
+    tokens = sum(len(ids) for ids in tokenizer(TEXTS[:2])["input_ids"])
+    check_timing_headers(answer, 60000, tokens, sum(map(len, TEXTS[:2])))  # the MLM head: ms of forward
     for text, pairs in zip(TEXTS[:2], answer.json(), strict=True):
         with torch.no_grad():
             logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
