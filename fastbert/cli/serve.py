@@ -6,8 +6,10 @@ exits 0."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 import sys
 
 from fastbert.cli import shared
@@ -86,9 +88,38 @@ def settings_from(args: argparse.Namespace):
                          warmup=args.warmup, warmup_seconds=args.warmup_seconds)
 
 
+PORT_HINTS = {
+    errno.EADDRINUSE: " (another process listens there: stop it or pick another --port)",
+    errno.EADDRNOTAVAIL: " (no network interface of this machine has that --host address)",
+    errno.EACCES: " (ports below 1024 need privileges: pick another --port)",
+}
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse at once, before the model loads, an address another process listens on (bound as uvicorn binds it,
+    with SO_REUSEADDR, so a port left in TIME_WAIT by a stopped server passes)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            hint = PORT_HINTS.get(err.errno, "")
+            raise UserError(f"cannot serve on {host}:{port}: {err.strerror}{hint}") from None
+
+
+def joins_a_ray_cluster() -> bool:
+    """Whether Ray will join a running cluster (RAY_ADDRESS set), whose Serve proxy may already hold the port."""
+    return os.environ.get("RAY_ADDRESS", "local") != "local"
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; 0 after a clean shutdown."""
     settings = settings_from(args)
+    if not (args.ray and joins_a_ray_cluster()):
+        check_port_free(args.host, args.port)
     shared.set_threads(args.threads)
     if args.ray:
         from fastbert.serving.ray import serve_on_ray

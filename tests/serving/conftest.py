@@ -5,6 +5,7 @@ all-MiniLM-L6-v2, and direct embeddings to compare the server's answers with."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -25,7 +26,20 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spec
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A free loopback port below the kernel's ephemeral range and above Ray's worker ports (10002-19999): a port
+    the kernel hands out for bind(0) can be taken, before the server binds it, by one of the many processes a
+    server starts (Ray's GCS, raylet, dashboard and agents bind port 0)."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = list(range(20000, max(ephemeral_low, 20001)))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room below the ephemeral range: the kernel's choice
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
