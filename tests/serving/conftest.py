@@ -31,7 +31,7 @@ def free_port() -> int:
     server starts (Ray's GCS, raylet, dashboard and agents bind port 0)."""
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     candidates = list(range(20000, max(ephemeral_low, 20001)))
-    random.shuffle(candidates)
+    random.SystemRandom().shuffle(candidates)  # not the tests' seeded generator: servers started together differ
     for port in candidates[:200]:
         with socket.socket() as sock:
             try:
