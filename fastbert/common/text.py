@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -36,6 +37,29 @@ SENTENCES = [
 TOKENIZER_FILES = {"tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model"}
 
 
+def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any) -> Any:
+    """transformers' AutoTokenizer of a checkpoint directory (``kwargs`` passed on). UserError, naming the directory
+    as ``label``, where transformers fails or builds an empty tokenizer, as it does silently for a directory without
+    tokenizer files or with a tokenizer_config.json alone: a vocabulary of special tokens only, which would turn
+    every text into [CLS] [UNK] [SEP]."""
+    from transformers import AutoTokenizer
+
+    label = label or model_dir
+    names = set(os.listdir(model_dir)) if os.path.isdir(model_dir) else set()
+    if not names & (TOKENIZER_FILES | {"tokenizer.json"}):
+        raise UserError(f"{label} has no tokenizer (none of tokenizer.json, {', '.join(sorted(TOKENIZER_FILES))})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
+    except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer in that directory
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        raise UserError(f"{label}: transformers cannot load a tokenizer from it ({reason})") from err
+    specials = len(set(tokenizer.all_special_ids))
+    if len(tokenizer) <= specials:
+        raise UserError(f"{label}: its tokenizer knows only its {specials} special tokens, no vocabulary (is "
+                        "vocab.txt, vocab.json or the sentencepiece model missing?)")
+    return tokenizer
+
+
 class TextEncoder:
     """Tokenizes sentences for a checkpoint: its tokenizer.json through `tokenizers` (padding to the longest),
     else transformers' AutoTokenizer."""
@@ -54,16 +78,7 @@ class TextEncoder:
             self.tokenizer.enable_truncation(max_length=limit)
             self.hf_tokenizer = None
         else:
-            files = set(os.listdir(model_dir))
-            if not files & TOKENIZER_FILES:
-                raise UserError(f"{model_dir} has no tokenizer (none of {', '.join(sorted(TOKENIZER_FILES))})")
-            try:
-                from transformers import AutoTokenizer
-
-                self.hf_tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer in that directory
-                raise UserError(f"{model_dir} has no tokenizer.json and transformers cannot load a tokenizer "
-                                f"from it ({type(err).__name__})") from err
+            self.hf_tokenizer = load_auto_tokenizer(model_dir)
             self.tokenizer = None
 
     def _pad_token(self) -> str:

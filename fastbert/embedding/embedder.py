@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fastbert.common.resolve import UserError
-from fastbert.common.text import mean_pool
+from fastbert.common.text import load_auto_tokenizer, mean_pool
 from fastbert.embedding.batching import real_token_batches
 from fastbert.embedding.checkpoint import config_digest, default_max_length, sentence_transformers_head
 from fastbert.embedding.reading import InputError
@@ -147,13 +147,7 @@ class Embedder:
             tokenizer.enable_truncation(max_length=self.max_length)
             self._tokenizer, self._hf_tokenizer = tokenizer, None
             return
-        try:
-            from transformers import AutoTokenizer
-
-            self._hf_tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer there
-            raise UserError(f"{self.model_dir} has no tokenizer.json and transformers cannot load a tokenizer from "
-                            f"it ({type(err).__name__})") from err
+        self._hf_tokenizer = load_auto_tokenizer(self.model_dir)
         self._tokenizer = None
 
     def tokenize(self, texts: Sequence[str]) -> tuple[list[list[int]], list[bool]]:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from fastbert.common.resolve import DTYPES, UserError, resolve_device, resolve_model, resolve_precision
+from fastbert.common.text import load_auto_tokenizer
 from fastbert.embedding import Embedder, sentence_transformers_head
 from fastbert.serving.schemas import InputError
 
@@ -238,13 +239,7 @@ class PairTokenizer:
             self.fast.no_padding()
             self.fast.enable_truncation(max_length=max_length, direction=direction)
             return
-        try:
-            from transformers import AutoTokenizer
-
-            self.fast, self.slow = None, AutoTokenizer.from_pretrained(model_dir, truncation_side=direction)
-        except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer there
-            raise UserError(f"{model_dir} has no tokenizer.json and transformers cannot load a tokenizer from it "
-                            f"({type(err).__name__})") from err
+        self.fast, self.slow = None, load_auto_tokenizer(model_dir, truncation_side=direction)
 
     def __call__(self, texts: Sequence[Text]) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """(ids, type ids, truncated) per text or pair."""
@@ -252,13 +247,24 @@ class PairTokenizer:
             encodings = self.fast.encode_batch(list(texts))
             return [e.ids for e in encodings], [e.type_ids for e in encodings], [bool(e.overflowing)
                                                                                 for e in encodings]
-        first = [t[0] if isinstance(t, tuple) else t for t in texts]
-        second = [t[1] if isinstance(t, tuple) else None for t in texts]
-        pairs = second if any(s is not None for s in second) else None
-        full = self.slow(first, pairs, truncation=False)["input_ids"]
-        out = self.slow(first, pairs, truncation=True, max_length=self.max_length)
-        types = out.get("token_type_ids") or [[0] * len(ids) for ids in out["input_ids"]]
-        return out["input_ids"], types, [len(ids) > self.max_length for ids in full]
+        ids: list[list[int]] = [[] for _ in texts]
+        types: list[list[int]] = [[] for _ in texts]
+        truncated = [False] * len(texts)
+        # transformers takes a batch of single texts or a batch of pairs, not both: a batch of the server's
+        # requests may hold both
+        for paired in (False, True):
+            where = [i for i, t in enumerate(texts) if isinstance(t, tuple) == paired]
+            if not where:
+                continue
+            first = [texts[i][0] if paired else texts[i] for i in where]
+            second = [texts[i][1] for i in where] if paired else None
+            full = self.slow(first, second, truncation=False)["input_ids"]
+            out = self.slow(first, second, truncation=True, max_length=self.max_length)
+            for row, i in enumerate(where):
+                ids[i] = out["input_ids"][row]
+                types[i] = out["token_type_ids"][row] if "token_type_ids" in out else [0] * len(ids[i])
+                truncated[i] = len(full[row]) > self.max_length
+        return ids, types, truncated
 
 
 def plain_tokenizer(model_dir: str):

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert.common.resolve import UserError, default_model_dir
-from fastbert.common.text import mean_pool
+from fastbert.common.text import load_auto_tokenizer, mean_pool
 from fastbert.files import write_atomic
 from fastbert.training import curves
 from fastbert.training.corpus import run_documents
@@ -422,12 +422,7 @@ def freeze(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 def load_teacher_tokenizer(teacher_dir: str, config, objective: str):
     """The teacher's tokenizer, which must fit its model: no more tokens than the embedding table, the same padding
     id, and for mlm a mask token. UserError otherwise."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
-    except (OSError, ValueError, TypeError) as err:
-        raise UserError(f"--teacher {teacher_dir}: no usable tokenizer ({str(err).splitlines()[0]})") from err
+    tokenizer = load_auto_tokenizer(teacher_dir, label=f"--teacher {teacher_dir}")
     if len(tokenizer) > config.vocab_size:
         raise UserError(f"--teacher {teacher_dir}: tokenizer/model mismatch: the tokenizer has {len(tokenizer)} "
                         f"tokens, the model's embedding table {config.vocab_size}")

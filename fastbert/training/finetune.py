@@ -36,7 +36,7 @@ from itertools import pairwise
 import torch
 
 from fastbert.common.resolve import UserError, resolve_device, resolve_model
-from fastbert.common.text import TOKENIZER_FILES
+from fastbert.common.text import load_auto_tokenizer
 from fastbert.files import write_atomic
 from fastbert.training import curves
 from fastbert.training import loop as training
@@ -645,16 +645,7 @@ def cap_max_length(settings: FinetuneSettings, config, log) -> FinetuneSettings:
 
 def load_tokenizer(model_dir: str):
     """The checkpoint's fast tokenizer; UserError when there is none."""
-    import transformers
-
-    # transformers builds an empty tokenizer (special tokens only) for a directory without tokenizer files
-    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES | {"tokenizer.json"}):
-        raise UserError(f"{model_dir} has no tokenizer files (tokenizer.json, vocab.txt, ...); fine-tuning needs the "
-                        "checkpoint's tokenizer beside it")
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as err:
-        raise UserError(f"{model_dir}: no usable tokenizer ({str(err).splitlines()[0]})") from err
+    tokenizer = load_auto_tokenizer(model_dir)
     if not tokenizer.is_fast:
         raise UserError(f"{model_dir}: the token task needs a fast tokenizer (tokenizer.json)")
     return tokenizer

@@ -3,6 +3,7 @@ stderr, non-zero exit, no traceback)."""
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 
@@ -230,3 +231,19 @@ def test_training_commands_pass_every_option_to_the_library(command, settings_cl
         assert field in fields, option
         expected = not value if option == "no_optimize" else tuple(value) if option == "files" else value
         assert getattr(settings, field) == expected, option
+
+
+@pytest.mark.parametrize("argv", [["embed", "--similarity", "The cat sat.", "Quantum chromodynamics."],
+                                  ["check"], ["demo", "--repeats", "1"]], ids=["embed", "check", "demo"])
+def test_weights_without_a_tokenizer_are_refused_not_embedded_as_unknown_tokens(capsys, tmp_path, minilm_dir, argv):
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{minilm_dir}/{name}", tmp_path / name)
+    code = cli.main([*argv, "--model", str(tmp_path), "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    if argv[0] == "check":  # check runs on token ids without a tokenizer
+        assert code == 0, err
+        return
+    assert code == 1 and err.endswith(f"fastbert: error: {tmp_path} has no tokenizer (none of tokenizer.json, "
+                                      "sentencepiece.bpe.model, spiece.model, tokenizer_config.json, vocab.json, "
+                                      "vocab.txt)\n"), err
+    assert out == ""

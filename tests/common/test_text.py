@@ -1,9 +1,15 @@
 """fastbert.common.text: the tokenizer wrapper and mean pooling against sentence-transformers."""
 
+import re
+import shutil
+from pathlib import Path
+
+import pytest
 import torch
 
 import fastbert
 from fastbert.common import text
+from fastbert.common.resolve import UserError
 from fastbert.config import FastBertConfig
 
 
@@ -19,3 +25,38 @@ def test_mean_pooling_matches_sentence_transformers(minilm_dir):
     ours = text.mean_pool(hidden, batch["attention_mask"])
     theirs = torch.from_numpy(SentenceTransformer(minilm_dir, device="cpu").encode(texts, normalize_embeddings=True))
     torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
+
+
+def _checkpoint_with(tmp_path, minilm_dir, *names: str) -> str:
+    """MiniLM's config and weights beside only the named tokenizer files."""
+    for name in ("config.json", "model.safetensors", *names):
+        shutil.copy(Path(minilm_dir) / name, tmp_path / name)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("names, message", [
+    ((), "has no tokenizer (none of tokenizer.json, "),
+    (("tokenizer_config.json",), "its tokenizer knows only its 5 special tokens, no vocabulary"),
+    (("tokenizer_config.json", "special_tokens_map.json"), "its tokenizer knows only its 5 special tokens"),
+], ids=["no-files", "config-only", "config-and-specials"])
+def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path, minilm_dir, names, message):
+    directory = _checkpoint_with(tmp_path, minilm_dir, *names)
+    with pytest.raises(UserError, match=re.escape(message)):
+        text.load_auto_tokenizer(directory)
+    with pytest.raises(UserError, match=re.escape(message)):
+        text.TextEncoder(directory, FastBertConfig.from_json_file(f"{directory}/config.json"))
+
+
+def test_a_vocabulary_alone_loads_and_tokenizes_as_the_fast_tokenizer(tmp_path, minilm_dir):
+    from tokenizers import Tokenizer
+
+    tokenizer = text.load_auto_tokenizer(_checkpoint_with(tmp_path, minilm_dir, "vocab.txt"))
+    fast = Tokenizer.from_file(f"{minilm_dir}/tokenizer.json")
+    fast.no_padding()
+    sentence = "Quantum chromodynamics is hard."
+    assert tokenizer(sentence)["input_ids"] == fast.encode(sentence).ids
+
+
+def test_the_label_names_the_directory_in_the_error(tmp_path, minilm_dir):
+    with pytest.raises(UserError, match=r"^--teacher X has no tokenizer"):
+        text.load_auto_tokenizer(_checkpoint_with(tmp_path, minilm_dir), label="--teacher X")

@@ -226,9 +226,9 @@ def _different_tokenizer(directory: Path, model_dir: str) -> str:
     shutil.copytree(model_dir, directory)
     for name in TOKENIZER_FILES:
         (directory / name).unlink(missing_ok=True)
-    vocab = directory / "vocab-small.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a"]) + "\n")
-    transformers.BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(directory)
+    # transformers 5 builds an empty tokenizer from vocab_file=; the vocabulary is passed as a mapping
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a"]
+    transformers.BertTokenizerFast(vocab={word: i for i, word in enumerate(words)}).save_pretrained(directory)
     return str(directory)
 
 
