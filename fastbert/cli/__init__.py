@@ -117,3 +117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout went away (`fastbert embed ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
         return 141
+    except OSError as err:  # the system refused (a full disk, a path that is a file, no permission): what it said
+        sys.stderr.write(f"fastbert: error: {os_error_line(err)}\n")
+        return 1
+
+
+def os_error_line(err: OSError) -> str:
+    """An OSError in one line: its reason and the path it concerns, else its message."""
+    if err.strerror and err.filename:
+        return f"{err.strerror}: {err.filename}"
+    return " ".join((err.strerror or str(err) or type(err).__name__).split())

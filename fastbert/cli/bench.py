@@ -10,7 +10,7 @@ import torch
 
 from fastbert.bench import e2e, peers, report
 from fastbert.cli import shared
-from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
+from fastbert.common.resolve import UserError, check_dir_creatable, resolve_device, resolve_dtype, resolve_model
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,6 +42,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print its summary and table, and write the result files unless --no-write."""
     settings = bench_settings(args)
+    out = None if args.no_write else Path(args.out) if args.out else report.default_out_dir(settings.device)
+    if args.out and not args.no_write:  # checked before the run, whose results would be lost after it
+        check_dir_creatable(out, "--out")
     results = e2e.run_e2e(settings, progress=True)
     for line in report.summary_lines(results):
         print(line)
@@ -49,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
     print(report.format_table(report.TABLE_HEADERS, report.result_rows(results)))
     print("\nfastbert speed-up = that implementation's p50 / fastbert's p50 in this run (> 1: fastbert faster); "
           "% roofline = useful FLOP/s / peak FLOP/s")
-    if not args.no_write:
-        out = Path(args.out) if args.out else report.default_out_dir(settings.device)
+    if out is not None:
         paths = report.write_results(results, out)
         print(f"results written to {out}/: " + ", ".join(p.name for p in paths))
     return 0

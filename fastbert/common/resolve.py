@@ -19,6 +19,21 @@ class UserError(Exception):
     """A problem with what the user asked for (path, device, dtype, model family): one line, no traceback."""
 
 
+def check_dir_creatable(path: str | os.PathLike, option: str) -> None:
+    """UserError naming ``option`` unless ``path`` is a directory or can be created; tried by creating what is
+    missing and removing it again, so that work which fails later leaves nothing behind."""
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{option} {path} exists and is not a directory") from None
+    except OSError as err:
+        raise UserError(f"{option} {path}: cannot create the directory ({err.strerror})") from None
+    for created in missing:  # deepest first
+        created.rmdir()
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """'float16' for torch.float16: the name DTYPES takes."""
     return str(dtype).replace("torch.", "")

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fastbert.common.resolve import UserError
+from fastbert.common.resolve import UserError, check_dir_creatable
 from fastbert.embedding.formats import NpyWriter, encode, import_pyarrow, jsonl_bytes, parquet_table
 from fastbert.embedding.stats import EmbedStats
 from fastbert.files import is_temporary, replace_atomic, temporary_path, write_atomic
@@ -110,6 +110,7 @@ class ShardedOutput:
             self.manifest = {"version": MANIFEST_VERSION, "settings": self.settings, "shards": [], "stats": {},
                              "complete": False}
         self.created = not self.directory.exists()  # close() removes it again if the run wrote nothing
+        check_dir_creatable(self.directory, "--output-dir")
         self.directory.mkdir(parents=True, exist_ok=True)
         for leftover in self.directory.iterdir():
             if is_temporary(leftover):  # a write cut short by a kill

@@ -50,6 +50,7 @@ from fastbert.training.corpus import (
 from fastbert.training.distill import freeze
 from fastbert.training.loop import StepOutput, TrainingTask
 from fastbert.training.masking import IGNORE_INDEX
+from fastbert.training.settings import check_output_dir
 from fastbert.training.task_distillation import (
     TaskTeacher,
     TeacherLoss,
@@ -553,6 +554,7 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
     `fastbert.training.loop.TrainingError` for an output directory that holds another run."""
     log = log or sys.stderr
     settings.check()
+    check_output_dir(settings.output_dir, settings.resume)  # before a minute of loading, not after
     model_dir, config = resolve_model(settings.model_dir)
     settings = cap_max_length(settings, config, log)
     device = resolve_device(settings.device)

@@ -4,12 +4,13 @@ both do with them before anything loads (`RunSettings.start`)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fastbert.common.resolve import UserError, resolve_device
+from fastbert.common.resolve import UserError, check_dir_creatable, resolve_device
 from fastbert.training.loop import latest_checkpoint
 
 
@@ -52,9 +53,11 @@ class RunSettings:
         return device
 
 
-def check_output_dir(output_dir: Path, resume: bool) -> None:
-    """UserError unless ``output_dir`` exists for a resume, or holds no run for a new one."""
+def check_output_dir(output_dir: str | os.PathLike, resume: bool) -> None:
+    """UserError unless ``output_dir`` exists for a resume, or holds no run for a new one (or can be created)."""
+    output_dir = Path(output_dir)
     if resume and not output_dir.is_dir():
         raise UserError(f"--resume: {output_dir} does not exist")
     if not resume and latest_checkpoint(output_dir) is not None:
         raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another -o")
+    check_dir_creatable(output_dir, "-o")

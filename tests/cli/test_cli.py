@@ -247,3 +247,32 @@ def test_weights_without_a_tokenizer_are_refused_not_embedded_as_unknown_tokens(
                                       "sentencepiece.bpe.model, spiece.model, tokenizer_config.json, vocab.json, "
                                       "vocab.txt)\n"), err
     assert out == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--quick", "--out", "AFILE"], "--out AFILE exists and is not a directory"),
+    (["bench", "--quick", "--out", "AFILE/sub"], "--out AFILE/sub: cannot create the directory (Not a directory)"),
+    (["embed", "hello", "--output-dir", "AFILE"], "--output-dir AFILE exists and is not a directory"),
+    (["embed", "hello", "--output-dir", "AFILE/sub"], "cannot create the directory (Not a directory)"),
+    (["finetune", "--task", "topic", "-o", "AFILE"], "-o AFILE exists and is not a directory"),
+    (["pretrain", "-o", "AFILE/sub"], "-o AFILE/sub: cannot create the directory (Not a directory)"),
+    (["embed", "hello", "--dtype", "float32", "-o", "/dev/full", "--format", "jsonl"], "No space left on device"),
+], ids=["bench-file", "bench-under-file", "embed-dir-file", "embed-dir-under-file", "finetune-file",
+        "pretrain-under-file", "embed-full-disk"])
+def test_output_paths_the_system_refuses_are_one_line_errors_before_the_work(capsys, monkeypatch, tmp_path, argv,
+                                                                              message):
+    from fastbert.bench import e2e
+    from fastbert.training import loop
+
+    def work_started(*args, **kwargs):
+        raise AssertionError("the output path was checked after the work had started")
+
+    monkeypatch.setattr(e2e, "run_e2e", work_started)
+    monkeypatch.setattr(loop, "train", work_started)
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    code = cli.main([a.replace("AFILE", str(afile)) for a in argv])
+    _, err = capsys.readouterr()
+    assert code == 1
+    message = message.replace("AFILE", str(afile))
+    assert err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err

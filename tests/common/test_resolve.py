@@ -37,3 +37,16 @@ def test_precision_auto_follows_the_cpu_and_int8_is_for_embed_and_serve(monkeypa
         resolve.resolve_dtype("int8", cpu)
     with pytest.raises(resolve.UserError, match="'int4' is not supported"):
         resolve.resolve_precision("int4", cpu)
+
+
+def test_a_creatable_output_dir_is_checked_without_leaving_it_behind(tmp_path):
+    resolve.check_dir_creatable(tmp_path / "a" / "b" / "c", "-o")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    resolve.check_dir_creatable(tmp_path / "kept", "-o")
+    assert (tmp_path / "kept").is_dir()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(resolve.UserError, match=r"^--out .*afile exists and is not a directory$"):
+        resolve.check_dir_creatable(tmp_path / "afile", "--out")
+    with pytest.raises(resolve.UserError, match=r"afile/sub: cannot create the directory \(Not a directory\)$"):
+        resolve.check_dir_creatable(tmp_path / "afile" / "sub", "--out")
