@@ -295,7 +295,7 @@ async def openai_embeddings(body: schemas.OpenAIEmbeddingRequest, request: Reque
         count = given = sum(len(t) for t in tokens)
     else:
         texts = schemas.texts_of(body.input, limit)
-        rows, count = await service.rows(texts, truncate=False, timing=timing)
+        rows, count = await service.rows(texts, body.truncate, body.truncation_direction, timing)
         given = characters_of(texts)
     name = body.model or model_name(engine.model_dir)
     rows = embedding_rows(rows, engine.default_normalize, body.dimensions)

@@ -32,9 +32,9 @@ DIRECTIONS = ("right", "left")  # which end of a too-long input truncation cuts
 class InputTooLong(ValueError):
     """An input longer than the server's max input length, with truncation off."""
 
-    def __init__(self, index: int, limit: int):
-        super().__init__(f"input {index} is longer than the maximum of {limit} tokens: shorten it, or send "
-                         "truncate: true to cut it")
+    def __init__(self, index: int, limit: int, can_truncate: bool = True):
+        hint = ", or send truncate: true to cut it" if can_truncate else " (token ids are never cut)"
+        super().__init__(f"input {index} is longer than the maximum of {limit} tokens: shorten it{hint}")
         self.index = index
 
 
@@ -99,7 +99,7 @@ class EmbedEngine:
         vocab = self.config.vocab_size
         for index, row in enumerate(rows):
             if len(row) > self.max_length:
-                raise InputTooLong(index, self.max_length)
+                raise InputTooLong(index, self.max_length, can_truncate=False)
             if not row or min(row) < 0 or max(row) >= vocab:
                 raise InputError(f"input {index}: token ids must be a non-empty list of integers in [0, {vocab})")
         return [Tokens(list(row)) for row in rows]

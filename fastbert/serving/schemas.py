@@ -42,6 +42,8 @@ class OpenAIEmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    truncate: bool = False  # not OpenAI's (which refuses a too-long input); TEI's, for texts
+    truncation_direction: Direction = "Right"
 
 
 class RerankRequest(BaseModel):

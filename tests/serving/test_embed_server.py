@@ -54,6 +54,22 @@ def test_too_long_input_is_413_unless_truncated(client, direct):
     np.testing.assert_allclose(np.array(cut.json()), direct([long_text]), atol=TOLERANCE)
 
 
+def test_openai_embeddings_truncate_as_the_413_says(client, direct, embedder):
+    long_text = "word " * 400
+    refused = client.post("/v1/embeddings", json={"input": ["short", long_text]})
+    assert refused.status_code == 413 and "send truncate: true to cut it" in refused.json()["error"]["message"]
+    cut = client.post("/v1/embeddings", json={"input": ["short", long_text], "truncate": True})
+    assert cut.status_code == 200, cut.text
+    rows = np.array([item["embedding"] for item in cut.json()["data"]])
+    np.testing.assert_allclose(rows, direct(["short", long_text]), atol=TOLERANCE)
+    left = client.post("/v1/embeddings", json={"input": [long_text + "tail"], "truncate": True,
+                                               "truncation_direction": "Left"}).json()["data"][0]["embedding"]
+    assert not np.allclose(left, rows[1], atol=1e-3)  # the other end was kept
+    ids = embedder.tokenize([long_text])[0][0][:-1] * 2  # too many ids: refused, with no truncate hint
+    refused_ids = client.post("/v1/embeddings", json={"input": [ids], "truncate": True})
+    assert refused_ids.status_code == 413 and "token ids are never cut" in refused_ids.json()["error"]["message"]
+
+
 def test_openai_embeddings_float_base64_and_token_ids(client, embedder, direct):
     texts = ["first text", "a second, longer text about servers"]
     floats = client.post("/v1/embeddings", json={"input": texts, "model": "minilm"}).json()
