@@ -46,15 +46,18 @@ class Embedder:
     max_length. max_batch_size caps the texts per batch.
     load_model False (a Ray driver): read the checkpoint's settings and width only, the actors hold the models; the
     device may then be one only the actors have. cuda_graphs: on CUDA, batches replay CUDA graphs of the packed
-    encoder (`fastbert.cuda_graphs`); False launches every op; nothing on CPU."""
+    encoder (`fastbert.cuda_graphs`); False launches every op; nothing on CPU. length_option: how errors name
+    max_length (the option of the command that builds the embedder)."""
 
     def __init__(self, model_dir: str | None = None, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, backend: str = "auto", pooling: str | None = None,
                  normalize: bool | None = None, max_length: int | None = None, max_batch_tokens: int | None = None,
-                 max_batch_size: int | None = None, load_model: bool = True, cuda_graphs: bool = True):
+                 max_batch_size: int | None = None, load_model: bool = True, cuda_graphs: bool = True,
+                 length_option: str = "--max-length"):
         from fastbert.common.resolve import resolve_dtype, resolve_model
 
         self.model_dir, self.config = resolve_model(model_dir)
+        self.max_length = self._max_length(max_length, length_option)  # before any slow step: a dtype's measuring
         self.pooling, self.normalize = self._head(pooling, normalize)
         self.device = self._device(device, load_model)
         if isinstance(dtype, torch.dtype):
@@ -62,7 +65,6 @@ class Embedder:
         # "int8" (CPU: int8 GEMMs) or a float dtype's name; "auto" resolved here (`fastbert.quantization`)
         self.precision = self._precision(dtype, load_model)
         self.dtype = resolve_dtype("float32" if self.precision == "int8" else self.precision, self.device)
-        self.max_length = self._max_length(max_length)
         self.max_batch_tokens = self._max_batch_tokens(max_batch_tokens)
         if max_batch_size is not None and max_batch_size < 1:
             raise UserError("--batch-size must be >= 1")
@@ -107,12 +109,12 @@ class Embedder:
             return resolve_device(None if device is None else str(device))
         return torch.device(str(device) if device is not None else "cpu")
 
-    def _max_length(self, max_length: int | None) -> int:
+    def _max_length(self, max_length: int | None, option: str) -> int:
         model_limit = self.config.token_positions
         if max_length is None:
             max_length = default_max_length(self.model_dir, model_limit)
         if not 1 <= max_length <= model_limit:
-            raise UserError(f"--max-length must lie in [1, {model_limit}] for this model, got {max_length}")
+            raise UserError(f"{option} must lie in [1, {model_limit}] for this model, got {max_length}")
         return max_length
 
     def _max_batch_tokens(self, max_batch_tokens: int | None) -> int:

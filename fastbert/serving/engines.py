@@ -57,7 +57,7 @@ class EmbedEngine:
     def __init__(self, model_dir: str | None, device: str | None, dtype: str | None, backend: str,
                  max_length: int | None):
         self.embedder = Embedder(model_dir, device=device, dtype=dtype, backend=backend, normalize=False,
-                                 max_length=max_length, max_batch_tokens=1 << 30)
+                                 max_length=max_length, max_batch_tokens=1 << 30, length_option="--max-input-length")
         self.model_dir, self.config = self.embedder.model_dir, self.embedder.config
         self.device, self.dtype, self.max_length = self.embedder.device, self.embedder.dtype, self.embedder.max_length
         self.precision = self.embedder.precision  # float32, float16, bfloat16 or int8 ("auto" resolved)
@@ -183,13 +183,13 @@ class ClassifyEngine:
 
         self.task = task
         self.model_dir, self.config = resolve_model(model_dir)
-        self.device = resolve_device(device)
-        self.precision = resolve_precision(dtype or "float32", self.device)  # auto resolved and announced here
-        self.dtype = DTYPES["float32" if self.precision == "int8" else self.precision]
         limit = self.config.token_positions
         self.max_length = max_length or limit
         if not 1 <= self.max_length <= limit:
             raise UserError(f"--max-input-length must lie in [1, {limit}] for this model, got {self.max_length}")
+        self.device = resolve_device(device)
+        self.precision = resolve_precision(dtype or "float32", self.device)  # auto resolved and announced here
+        self.dtype = DTYPES["float32" if self.precision == "int8" else self.precision]
         self.labels = checkpoint_labels(self.model_dir, self.config.num_labels)
         if task == "rerank" and len(self.labels) != 1:
             raise UserError(f"{self.model_dir} has {len(self.labels)} labels; a reranker (cross-encoder) has one")

@@ -31,3 +31,17 @@ def test_a_vocabulary_alone_tokenizes_a_mixed_batch_as_the_checkpoints_tokenizer
     assert slow.fast is None and fast.fast is not None
     assert slow(texts) == fast(texts)
     assert any(slow(texts)[2]) == (max_length == 7)
+
+
+@pytest.mark.parametrize("task", ["embed", "classify"])
+def test_a_max_input_length_past_the_model_names_the_servers_option_before_the_dtype_is_chosen(monkeypatch, task):
+    from fastbert.embedding import Embedder
+    from fastbert.serving import engines
+
+    def chosen(*args, **kwargs):
+        raise AssertionError("the length was checked after the dtype was chosen (auto measures)")
+
+    monkeypatch.setattr(Embedder, "_precision", chosen)
+    monkeypatch.setattr(engines, "resolve_precision", chosen)
+    with pytest.raises(UserError, match=r"^--max-input-length must lie in \[1, 512\] for this model, got 100000$"):
+        load_engine(task, None, device="cpu", dtype="auto", max_length=100_000)
