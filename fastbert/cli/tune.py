@@ -7,6 +7,8 @@ backend alone: `fastbert.backends.decide_model`); prints each choice with its ti
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -16,6 +18,7 @@ from fastbert.bench import report
 from fastbert.bench.workloads import make_workloads
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
+from fastbert.files import TMP_PREFIX
 
 # What timing whole forwards may take per shape class here (a first use outside tune: `backends.FIRST_USE_BUDGET_S`)
 MODEL_BUDGET_S = 20.0
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if backends.requested_backend("auto") != "auto":
         raise UserError(f"FASTBERT_BACKEND={backends.requested_backend('auto')} forces a backend: nothing to measure")
+    check_cache_writable(tuning.tuning_dir())
     model_dir, config = resolve_model(args.model)
     device = resolve_device(args.device)
     shared.set_threads(args.threads)
@@ -78,6 +82,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ncache: {path} ({len(tuning.entries(device))} shape classes; FASTBERT_CACHE_DIR moves it, "
           "`fastbert tune --clear` empties it)")
     return 0
+
+
+def check_cache_writable(directory: Path) -> None:
+    """UserError unless a file can be written in the tuning cache (created if absent): filling it is the command's
+    purpose, and the library only warns when it cannot."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=TMP_PREFIX):
+            pass
+    except OSError as err:
+        raise UserError(f"the tuning cache {directory} cannot be written ({err.strerror}); FASTBERT_CACHE_DIR "
+                        "moves it") from None
 
 
 def whole_model_rows(decisions: list, cached: set[str]) -> list[list[str]]:

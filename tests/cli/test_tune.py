@@ -10,6 +10,7 @@ import torch
 
 from fastbert import backends, cli
 from fastbert.backends import tuning
+from fastbert.cli import shared
 from tests.helpers import tiny_model
 
 
@@ -95,6 +96,17 @@ def test_tune_errors_are_one_line(capsys, cache, argv, message):
     code, _, err = _run(capsys, *argv)
     assert code != 0
     assert err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err
+
+
+def test_tune_refuses_a_cache_it_cannot_write_before_it_measures(capsys, cache, monkeypatch, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    monkeypatch.setenv("FASTBERT_CACHE_DIR", str(afile / "cache"))
+    monkeypatch.setattr(shared, "load_fastbert", lambda *args: pytest.fail("the model loaded before the check"))
+    code, out, err = _run(capsys, "tune", "--batch", "1", "--seq", "4")
+    assert code == 1 and out == ""
+    assert err == f"fastbert: error: the tuning cache {afile}/cache/tuning cannot be written (Not a directory); " \
+                  "FASTBERT_CACHE_DIR moves it\n"
 
 
 def test_tune_refuses_a_forced_backend(capsys, cache, monkeypatch):
