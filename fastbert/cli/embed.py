@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--resume continues an --output-dir run; give --output-dir")
     if args.window_rows is not None and args.window_rows < 1:  # 0 would otherwise read as "not given"
         raise UserError("--window-rows must be >= 1")
+    if args.similarity:
+        check_similarity_options(args)
     output_format = output_format_of(args)
     embedder, window_rows = build_embedder(args)
     if args.similarity:
@@ -221,6 +223,16 @@ def write_summary(stats, initial, embedder, output, elapsed: float) -> None:
                      f"embedded, {stats.null_rows:,} null (blank), {stats.truncated:,} truncated; {stats.tokens:,} "
                      f"tokens; this run {elapsed:.1f} s ({(stats.embedded - before.embedded) / elapsed:,.0f} "
                      f"texts/s, {(stats.tokens - before.tokens) / elapsed:,.0f} tokens/s, model load included)\n")
+
+
+def check_similarity_options(args: argparse.Namespace) -> None:
+    """UserError for an option --similarity would ignore: it prints a table of its TEXTs, reads and writes no file."""
+    given = [option for option, value in (("--input", args.input), ("--output", args.output),
+                                          ("--output-dir", args.output_dir), ("--format", args.format),
+                                          ("--resume", args.resume), ("--id-field", args.id_field),
+                                          ("--output-dtype", args.output_dtype != "float32")) if value]
+    if given:
+        raise UserError(f"--similarity prints the similarity table of its TEXTs; it takes no {', '.join(given)}")
 
 
 def print_similarity(args: argparse.Namespace, embedder) -> int:

@@ -70,6 +70,8 @@ def settings_from(args: argparse.Namespace):
     for name in ("max_queue", "max_client_batch_size", "max_body_bytes", "replicas"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.replicas != 1 and not args.ray:
+        raise UserError("--replicas needs --ray (one server process holds one model)")
     if args.max_batch_tokens is not None and args.max_batch_tokens < 1:
         raise UserError("--max-batch-tokens must be >= 1")
     if args.workers is not None and args.workers < 1:

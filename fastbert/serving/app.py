@@ -486,7 +486,7 @@ class Gate:
     def __init__(self, app: Callable, service: Service):
         self.app, self.service = app, service
         key = service.settings.api_key
-        self.key = f"Bearer {key}".encode() if key else None
+        self.key = key.encode() if key else None
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -517,8 +517,9 @@ class Gate:
     def refuse_unauthorized(self, scope: dict) -> Response | None:
         if self.key is None or scope["path"] in OPEN_PATHS:
             return None
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.key):
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        # the scheme is case-insensitive (RFC 9110, 11.1); the key is compared in constant time
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
             return None
         return error_response(scope["path"], 401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                               "Unauthorized", headers={"WWW-Authenticate": "Bearer"})

@@ -118,8 +118,13 @@ def _no_weights_model(tmp_path):
     (["bench", "--repeats"], "expected one argument"),
     (["demo", "--repeats", "0"], "--repeats must be >= 1"),
     (["embed", "hello", "--window-rows", "0"], "--window-rows must be >= 1"),
+    (["embed", "--similarity", "a", "b", "-o", "x.npy"], "--similarity prints the similarity table of its TEXTs; "
+                                                         "it takes no --output"),
+    (["embed", "--similarity", "a", "b", "--output-dtype", "float16", "--format", "jsonl"],
+     "it takes no --format, --output-dtype"),
+    (["serve", "--replicas", "2", "--port", "0"], "--replicas needs --ray"),
 ], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "int8-check", "bad-peer", "bad-backend",
-        "usage", "demo-no-repeats", "embed-no-window"])
+        "usage", "demo-no-repeats", "embed-no-window", "similarity-output", "similarity-format", "replicas-no-ray"])
 def test_errors_are_one_line(capsys, tmp_path, argv, message):
     argv = [_unsupported_model(tmp_path) if a == "UNSUPPORTED" else _no_weights_model(tmp_path)
             if a == "NO_WEIGHTS" else a for a in argv]

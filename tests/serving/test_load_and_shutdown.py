@@ -40,6 +40,10 @@ def test_flooded_small_queue_answers_429_and_the_api_key(start_server, long_text
     wrong = httpx.post(server.url + "/embed", json={"inputs": "x"}, headers={"Authorization": "Bearer s3cret"})
     assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
     assert httpx.get(server.url + "/metrics").status_code == 401
+    for refused in (KEY, f"Basic {KEY}", f"Bearer{KEY}", f"Bearer {KEY}x", "Bearer"):
+        assert httpx.get(server.url + "/info", headers={"Authorization": refused}).status_code == 401, refused
+    for scheme in ("bearer", "BEARER"):  # a scheme is case-insensitive (RFC 9110)
+        assert httpx.get(server.url + "/info", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
     auth = {"Authorization": f"Bearer {KEY}"}
     answers = asyncio.run(fire(server.url, [{"inputs": long_texts}] * 24, auth))
     statuses = [a.status_code for a, _ in answers]
