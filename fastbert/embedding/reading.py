@@ -67,12 +67,15 @@ def read_rows(lines: Iterable[bytes], input_format: str = "text", text_field: st
 
     text: one text per line, a blank line is a null row. jsonl: one JSON object per line whose ``text_field`` is a
     string (blank or null: a null row); ``id_field``, when given, names each row's id (else the line number). A
-    blank JSONL line is a null row too, so line numbers and rows stay aligned. Anything else raises `InputError`
-    with ``name:line``."""
+    blank JSONL line is a null row too, so line numbers and rows stay aligned, unless ``id_field`` is given: then it
+    has no id (its line number could be another row's id) and is skipped. Anything else raises `InputError` with
+    ``name:line``."""
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"input format must be 'text' or 'jsonl', got {input_format!r}")
     for number, raw in enumerate(lines, start=1):
         line = decode_line(raw, number, name)
+        if input_format == "jsonl" and id_field is not None and not line.strip():
+            continue
         if input_format == "text" or not line.strip():
             yield Row(number, number, line if line.strip() else None)
         else:

@@ -17,7 +17,14 @@ def test_jsonl_rows_with_field_and_id():
     lines = [b'{"body": "a text", "key": "doc-1"}\n', b'{"body": "", "key": 7}\n', b'\n',
              b'{"body": null, "key": "x"}\n']
     rows = list(read_rows(lines, "jsonl", "body", "key"))
-    assert [(r.id, r.text) for r in rows] == [("doc-1", "a text"), (7, None), (3, None), ("x", None)]
+    assert [(r.id, r.text) for r in rows] == [("doc-1", "a text"), (7, None), ("x", None)]  # the blank line: no id
+    assert [(r.id, r.text) for r in read_rows(lines, "jsonl", "body")] == [(1, "a text"), (2, None), (3, None),
+                                                                            (4, None)]
+
+
+def test_a_blank_jsonl_line_takes_no_id_another_row_has():
+    rows = read_rows([b'{"id": 1, "text": "a"}\n', b"\n", b'{"id": 2, "text": "b"}\n'], "jsonl", id_field="id")
+    assert [(r.line, r.id, r.text) for r in rows] == [(1, 1, "a"), (3, 2, "b")]
 
 
 @pytest.mark.parametrize("line, message", [
