@@ -140,6 +140,7 @@ def from_pretrained(
     device: torch.device | str | None = None,
     backend: str = "auto",
     cuda_graphs: bool = True,
+    require_head: bool = False,
 ) -> torch.nn.Module:
     """Build fastbert's model from an HF checkpoint directory (config.json + model.safetensors or
     pytorch_model.bin), offline and without transformers.
@@ -147,7 +148,8 @@ def from_pretrained(
     task: None for the bare encoder (`FastBertModel`), else one of `fastbert.heads.TASKS`. Encoder keys that are
     missing, or tensors of the wrong shape, raise `CheckpointError`; checkpoint keys fastbert does not use are
     reported in a warning and in ``model.loading_info``; head keys that are missing (a base checkpoint loaded for
-    fine-tuning) are initialised randomly and reported the same way.
+    fine-tuning) are initialised randomly and reported the same way, or raise `CheckpointError` with
+    ``require_head`` (a server, which would answer with an untrained head).
 
     dtype: a torch dtype or its name (None: float32); "int8": the encoder's GEMMs int8 for CPU inference
     (`fastbert.quantization.quantize_int8`); "auto": bfloat16 on a CPU where it is faster than float32 (AMX, or
@@ -167,6 +169,9 @@ def from_pretrained(
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     present = [(ours, theirs) for ours, theirs in optional if all(k in source for k in theirs)]
     missing_head = [theirs[0] for ours, theirs in optional if not all(k in source for k in theirs)]
+    if require_head and missing_head:
+        raise CheckpointError(f"{directory}: no trained {task} head ({', '.join(missing_head[:6])} missing): it is "
+                              f"not a {task} checkpoint (fine-tune one first, e.g. with fastbert finetune)")
     state = map_state_dict(required + present, source, shapes, str(directory))
     used = {k for _, theirs in required + present for k in theirs}
     if task is not None:  # tied copies (a decoder's view of the word embeddings) are not unused weights

@@ -15,6 +15,7 @@ import torch
 
 import fastbert
 from fastbert.heads import TASKS
+from fastbert.loading import CheckpointError
 from tests.helpers import VOCAB, tiny_config, tiny_model
 
 SEQ = 9
@@ -246,6 +247,17 @@ def test_headless_checkpoint_warns_and_initialises(tmp_path):
     batch = padded_batch("bert", LENGTHS)
     logits = model(**batch).logits
     assert logits.shape == (len(LENGTHS), 2) and torch.isfinite(logits).all()
+
+
+def test_a_required_head_that_is_missing_is_an_error(tmp_path, recwarn):
+    save_hf_model("bert", "Model", tmp_path)
+    with pytest.raises(CheckpointError, match=r"no trained sequence-classification head "
+                       r"\(classifier.weight, classifier.bias missing\)"):
+        fastbert.from_pretrained(tmp_path, task="sequence-classification", require_head=True)
+    assert not [w for w in recwarn if "no weights for the" in str(w.message)]  # an error, not a warning as well
+    save_hf_model("bert", "sequence-classification", tmp_path / "trained")
+    model = fastbert.from_pretrained(tmp_path / "trained", task="sequence-classification", require_head=True)
+    assert model.loading_info["missing_head_keys"] == []
 
 
 def test_bad_inputs(tmp_path):

@@ -187,19 +187,21 @@ class ClassifyEngine:
         self.max_length = max_length or limit
         if not 1 <= self.max_length <= limit:
             raise UserError(f"--max-input-length must lie in [1, {limit}] for this model, got {self.max_length}")
+        # the quick checks first: the tokenizer, then the dtype (auto may measure), then the model
+        self.tokenizers = {d: PairTokenizer(self.model_dir, self.max_length, d) for d in DIRECTIONS}
         self.device = resolve_device(device)
         self.precision = resolve_precision(dtype or "float32", self.device)  # auto resolved and announced here
         self.dtype = DTYPES["float32" if self.precision == "int8" else self.precision]
-        self.labels = checkpoint_labels(self.model_dir, self.config.num_labels)
-        if task == "rerank" and len(self.labels) != 1:
-            raise UserError(f"{self.model_dir} has {len(self.labels)} labels; a reranker (cross-encoder) has one")
         try:
             self.model = fastbert.from_pretrained(self.model_dir, task="sequence-classification",
                                                   dtype="int8" if self.precision == "int8" else self.dtype,
-                                                  device=self.device, backend=backend).eval()
-        except ValueError as err:  # CheckpointError, an unsupported family
-            raise UserError(f"{self.model_dir}: {err}") from err
-        self.tokenizers = {d: PairTokenizer(self.model_dir, self.max_length, d) for d in DIRECTIONS}
+                                                  device=self.device, backend=backend, require_head=True).eval()
+        except ValueError as err:  # CheckpointError (no head), an unsupported family: naming the directory once
+            message = str(err)
+            raise UserError(message if str(self.model_dir) in message else f"{self.model_dir}: {message}") from err
+        self.labels = checkpoint_labels(self.model_dir, self.config.num_labels)
+        if task == "rerank" and len(self.labels) != 1:
+            raise UserError(f"{self.model_dir} has {len(self.labels)} labels; a reranker (cross-encoder) has one")
         self.dimension = len(self.labels)
         self.prompts: dict[str, str] = {}  # a classifier takes none
 

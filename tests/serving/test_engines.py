@@ -45,3 +45,10 @@ def test_a_max_input_length_past_the_model_names_the_servers_option_before_the_d
     monkeypatch.setattr(engines, "resolve_precision", chosen)
     with pytest.raises(UserError, match=r"^--max-input-length must lie in \[1, 512\] for this model, got 100000$"):
         load_engine(task, None, device="cpu", dtype="auto", max_length=100_000)
+
+
+@pytest.mark.parametrize("task", ["classify", "rerank"])
+def test_a_checkpoint_without_a_trained_head_is_not_served(minilm_dir, task):
+    with pytest.raises(UserError, match=r"no trained sequence-classification head \(classifier.weight, "
+                                        r"classifier.bias missing\)"):
+        load_engine(task, minilm_dir, device="cpu", dtype="float32")
