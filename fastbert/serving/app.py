@@ -461,7 +461,12 @@ def validation_message(err: RequestValidationError) -> str:
 async def answer_error(request: Request, err: Exception) -> Response:
     path = request.url.path
     if isinstance(err, RequestValidationError):
-        return error_response(path, 422, validation_message(err), "Validation")
+        message = validation_message(err)
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in content_type:  # FastAPI reads only a JSON body as JSON
+            message = f"send the body with 'Content-Type: application/json' (it came as {content_type or 'none'}); " \
+                      + message
+        return error_response(path, 422, message, "Validation")
     if isinstance(err, HTTPException):
         return error_response(path, err.status_code, str(err.detail), "Http", headers=err.headers)
     if isinstance(err, WrongTask):

@@ -139,6 +139,17 @@ def test_bad_bytes_are_4xx(client, content, status, words):
     assert words in answer.json()["error"]
 
 
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", None])
+def test_a_json_body_sent_as_another_type_says_which_header_to_send(client, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    answer = client.post("/embed", content=b'{"inputs": "a text"}', headers=headers)
+    assert answer.status_code == 422
+    assert answer.json()["error"].startswith("send the body with 'Content-Type: application/json' (it came as "
+                                             f"{content_type or 'none'}); ")
+    assert client.post("/embed", content=b'{"inputs": "a text"}',
+                       headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+
+
 def test_body_over_the_limit_is_refused_before_parsing(client, server):
     huge = json.dumps({"inputs": ["x" * 1000] * 100}).encode()  # 100 kB > 64 kB
     declared = client.post("/embed", content=huge, headers={"content-type": "application/json"})
