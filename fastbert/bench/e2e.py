@@ -115,7 +115,7 @@ def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
     inputs = [w.inputs(config, device, settings.seed + i) for i, w in enumerate(workloads)]
     references, reference_note = _reference_outputs(model_dir, inputs, device)
     bar = tqdm(total=len(names) + len(workloads) * (1 + settings.repeats), desc="fastbert bench",
-               disable=not progress, leave=False, file=sys.stderr)
+               disable=not (progress and sys.stderr.isatty()), leave=False, file=sys.stderr)  # no \r in a log
     run = _Run(settings, model_dir, config, workloads, names, bar, results={w.name: {} for w in workloads})
     with tempfile.TemporaryDirectory(prefix="fastbert-bench-") as workdir:
         runners = _load_runners(run, workdir)

@@ -180,6 +180,7 @@ def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir
     code, out, err = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8")
     assert code == 0
     assert [line for line in err.splitlines() if line.startswith("fastbert: warning: the machine is busy")]
+    assert "\r" not in err  # no progress bar when stderr is not a terminal (a log, CI)
     assert not (tmp_path / "benchmarks").exists()
     (out_dir,) = (tmp_path / "bench-results").glob(f"{machine_tag('cpu')}-e2e-*")
     assert f"results written to {out_dir.relative_to(tmp_path)}/: e2e.json, e2e.md" in out
