@@ -15,7 +15,7 @@ import torch
 from fastbert import embedding
 from fastbert.bench import report
 from fastbert.cli import shared
-from fastbert.common.resolve import UserError
+from fastbert.common.resolve import UserError, check_dir_creatable, check_file_writable
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -102,14 +102,7 @@ def run(args: argparse.Namespace) -> int:
     """Embed TEXT arguments or a corpus: one output row per input row, in input order; a summary on stderr."""
     started = time.perf_counter()
     shared.set_threads(args.threads)
-    if args.output is not None and args.output_dir is not None:
-        raise UserError("give --output or --output-dir, not both")
-    if args.resume and args.output_dir is None:
-        raise UserError("--resume continues an --output-dir run; give --output-dir")
-    if args.window_rows is not None and args.window_rows < 1:  # 0 would otherwise read as "not given"
-        raise UserError("--window-rows must be >= 1")
-    if args.similarity:
-        check_similarity_options(args)
+    check_options(args)
     output_format = output_format_of(args)
     embedder, window_rows = build_embedder(args)
     if args.similarity:
@@ -148,6 +141,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """UserError for options that do not go together, and for an input or output that cannot be used: before the
+    model loads, so that a mistake costs no load (minutes on a cluster)."""
+    if args.output is not None and args.output_dir is not None:
+        raise UserError("give --output or --output-dir, not both")
+    if args.resume and args.output_dir is None:
+        raise UserError("--resume continues an --output-dir run; give --output-dir")
+    if args.window_rows is not None and args.window_rows < 1:  # 0 would otherwise read as "not given"
+        raise UserError("--window-rows must be >= 1")
+    if args.similarity:
+        check_similarity_options(args)
+        return
+    if args.texts and args.input is not None:
+        raise UserError("give TEXT arguments or --input, not both")
+    if not args.texts:
+        embedding.check_input_path(args.input or "-")
+    if args.output_dir is not None:
+        check_dir_creatable(args.output_dir, "--output-dir")
+    elif args.output is not None:
+        check_file_writable(args.output, "--output")
+
+
 def output_format_of(args: argparse.Namespace) -> str:
     """--format, else the one --output's extension names, else jsonl."""
     if args.format is not None:
@@ -180,8 +195,6 @@ def build_embedder(args: argparse.Namespace) -> tuple:
 def input_rows(args: argparse.Namespace) -> tuple:
     """(rows, byte counter, input size, stream to close): the TEXT arguments, or the rows of --input."""
     if args.texts:
-        if args.input is not None:
-            raise UserError("give TEXT arguments or --input, not both")
         files = [t for t in args.texts if os.path.isfile(t)]
         if files:  # embedded as text, as asked: say so, since reading the file was likely meant
             sys.stderr.write(f"fastbert embed: note: TEXT {files[0]!r} names a file; it is embedded as text (to "
@@ -207,6 +220,8 @@ def open_output(args: argparse.Namespace, embedder, output_format: str, window_r
         return embedding.FileOutput(args.output, output_format, embedder.dimension, dtype, string_ids)
     settings = {**embedder.settings(), "window_rows": window_rows, "input": args.input or "-",
                 "input_format": args.input_format, "field": args.field, "id_field": args.id_field}
+    if args.id_field is not None:  # fastbert 0.1.0 wrote a null row for them: its runs resume with other rows
+        settings["blank_jsonl_lines"] = "skipped"
     return embedding.ShardedOutput(args.output_dir, output_format, embedder.dimension, dtype, settings,
                                    resume=args.resume, string_ids=string_ids)
 
@@ -227,22 +242,24 @@ def write_summary(stats, initial, embedder, output, elapsed: float) -> None:
 
 def check_similarity_options(args: argparse.Namespace) -> None:
     """UserError for an option --similarity would ignore: it prints a table of its TEXTs, reads and writes no file."""
-    given = [option for option, value in (("--input", args.input), ("--output", args.output),
-                                          ("--output-dir", args.output_dir), ("--format", args.format),
-                                          ("--resume", args.resume), ("--id-field", args.id_field),
-                                          ("--output-dtype", args.output_dtype != "float32")) if value]
+    ignored = (("--input", args.input), ("--input-format", args.input_format != "auto"),
+               ("--field", args.field != "text"), ("--id-field", args.id_field), ("--output", args.output),
+               ("--output-dir", args.output_dir), ("--format", args.format), ("--resume", args.resume),
+               ("--output-dtype", args.output_dtype != "float32"), ("--window-rows", args.window_rows),
+               ("--on-blank", args.on_blank != "null"))
+    given = [option for option, value in ignored if value]
     if given:
         raise UserError(f"--similarity prints the similarity table of its TEXTs; it takes no {', '.join(given)}")
+    if not args.texts:
+        raise UserError("--similarity needs TEXT arguments")
+    if any(not t.strip() for t in args.texts):
+        raise UserError("--similarity: a TEXT is blank")
 
 
 def print_similarity(args: argparse.Namespace, embedder) -> int:
     """The cosine similarity matrix of the TEXT arguments, as a table on stdout."""
-    texts = list(args.texts)
-    if not texts:
-        raise UserError("--similarity needs TEXT arguments")
-    if any(not t.strip() for t in texts):
-        raise UserError("--similarity: a TEXT is blank")
-    vectors, _ = embedder.embed([t if t.strip() else None for t in texts])
+    texts = list(args.texts)  # checked by check_similarity_options: at least one, none blank
+    vectors, _ = embedder.embed(texts)
     matrix = torch.from_numpy(vectors) @ torch.from_numpy(vectors).T
     labels = [f"[{i}] " + (t if len(t) <= 48 else t[:45] + "...") for i, t in enumerate(texts)]
     rows = [[label] + [f"{float(v):.3f}" for v in row] for label, row in zip(labels, matrix, strict=True)]

@@ -151,6 +151,19 @@ def test_resume_refuses_other_settings_and_an_existing_run(tiny_dir, tmp_path, w
     assert proc.returncode == 1 and "pooling was 'mean', now 'cls'" in proc.stderr
 
 
+def test_resume_refuses_an_id_field_run_that_wrote_blank_lines_as_rows(tiny_dir, tmp_path, write_lines, embed_cli):
+    source = write_lines(tmp_path / "in.jsonl", ['{"text": "one", "id": "a"}', "", '{"text": "two", "id": "b"}'])
+    out = tmp_path / "run"
+    args = ["-i", str(source), "--model", tiny_dir, "--output-dir", str(out), "--id-field", "id"]
+    embed_cli(*args)
+    embed_cli(*args, "--resume")  # the same version: resumed (nothing left to do)
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["settings"]["blank_jsonl_lines"]  # as fastbert 0.1.0 wrote it: a blank line was a null row
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    proc = embed_cli(*args, "--resume", check=False)
+    assert proc.returncode == 1 and "blank_jsonl_lines was None, now 'skipped'" in proc.stderr
+
+
 def test_a_resumed_run_reports_this_run_and_every_truncated_line(tiny_dir, tmp_path, write_lines, embed_cli):
     texts = ["one", "long " * 50, "three", "four", "five", "six", "seven", "long " * 60, "nine"]
     good = [json.dumps({"text": t}) for t in texts]
