@@ -11,9 +11,14 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError
+
+if TYPE_CHECKING:
+    from fastbert.serving import ServeSettings
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -97,36 +102,64 @@ PORT_HINTS = {
 }
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Refuse at once, before the model loads, an address another process listens on (bound as uvicorn binds it,
-    with SO_REUSEADDR, so a port left in TIME_WAIT by a stopped server passes)."""
-    if port == 0:
-        return
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` as uvicorn binds one (SO_REUSEADDR, so a port left in TIME_WAIT by a stopped
+    server passes): an address in use is refused at once, before the model loads, in one line."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as err:
-            hint = PORT_HINTS.get(err.errno, "")
-            raise UserError(f"cannot serve on {host}:{port}: {err.strerror}{hint}") from None
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        hint = PORT_HINTS.get(err.errno, "")
+        raise UserError(f"cannot serve on {host_port(host, port)}: {err.strerror}{hint}") from None
+    return sock
+
+
+def check_port_free(host: str, port: int) -> None:
+    """`bind_listening_socket`'s check alone, for a server that binds the address itself (Ray Serve's proxy)."""
+    if port != 0:
+        bind_listening_socket(host, port).close()
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def joins_a_ray_cluster() -> bool:
-    """Whether Ray will join a running cluster (RAY_ADDRESS set), whose Serve proxy may already hold the port."""
-    return os.environ.get("RAY_ADDRESS", "local") != "local"
+    """Whether ray.init() will join a running cluster, whose Serve proxy may hold the port already: RAY_ADDRESS names
+    one (empty or "local" starts a new one), or `ray start` ran on this machine and left its address file, as Ray
+    resolves an address."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address:
+        return address != "local"
+    temp_dir = os.environ["RAY_TMPDIR"] if "RAY_TMPDIR" in os.environ else os.environ.get("TMPDIR", "/tmp")
+    try:
+        return bool((Path(temp_dir) / "ray" / "ray_current_cluster").read_text().strip())
+    except OSError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; 0 after a clean shutdown."""
     settings = settings_from(args)
-    if not (args.ray and joins_a_ray_cluster()):
-        check_port_free(args.host, args.port)
-    shared.set_threads(args.threads)
     if args.ray:
+        if not joins_a_ray_cluster():
+            check_port_free(args.host, args.port)
+        shared.set_threads(args.threads)
         from fastbert.serving.ray import serve_on_ray
 
-        return serve_on_ray(settings, args.replicas, args.host, args.port, args.threads)
+        return serve_on_ray(settings, args.replicas, args.host, args.port, args.threads,
+                            url=f"http://{host_port(args.host, args.port)}")
+    with bind_listening_socket(args.host, args.port) as sock:  # held from here: nobody takes it while we load
+        shared.set_threads(args.threads)
+        return serve_plain(args, settings, sock)
+
+
+def serve_plain(args: argparse.Namespace, settings: ServeSettings, sock: socket.socket) -> int:
+    """uvicorn on the bound ``sock`` until SIGTERM or Ctrl-C."""
     import uvicorn
 
     from fastbert.serving import Service
@@ -134,11 +167,13 @@ def run(args: argparse.Namespace) -> int:
     service = Service(settings)
     engine = service.engine
     line = shared.model_line(engine.model_dir, engine.config, engine.device, engine.precision)
-    sys.stderr.write(f"fastbert serve: {line}, task {engine.task}, on http://{args.host}:{args.port}\n")
-    server = uvicorn.Server(uvicorn.Config(service.app, host=args.host, port=args.port, log_level=args.log_level,
+    port = sock.getsockname()[1]  # --port 0: the port the system picked
+    sys.stderr.write(f"fastbert serve: {line}, task {engine.task}, on http://{host_port(args.host, port)}\n")
+    # host and port only label uvicorn's own "running on" line: it serves on ``sock``
+    server = uvicorn.Server(uvicorn.Config(service.app, host=args.host, port=port, log_level=args.log_level,
                                            access_log=args.log_level == "debug"))
     # uvicorn re-raises the signal that stopped it once it is done; with this handler that re-raise is a no-op, so
     # a drained shutdown exits 0 instead of dying of SIGTERM
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server.run()
+    server.run(sockets=[sock])
     return 0

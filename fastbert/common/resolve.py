@@ -5,6 +5,7 @@ line without a traceback."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -20,8 +21,9 @@ class UserError(Exception):
 
 
 def check_dir_creatable(path: str | os.PathLike, option: str) -> None:
-    """UserError naming ``option`` unless ``path`` is a directory or can be created; tried by creating what is
-    missing and removing it again, so that work which fails later leaves nothing behind."""
+    """UserError naming ``option`` unless ``path`` is a directory a file can be written in, or can be created as one;
+    tried by creating what is missing and a temporary file in it, then removing them again, so that work which fails
+    later leaves nothing behind."""
     path = Path(path)
     missing = [p for p in (path, *path.parents) if not p.exists()]
     try:
@@ -30,8 +32,29 @@ def check_dir_creatable(path: str | os.PathLike, option: str) -> None:
         raise UserError(f"{option} {path} exists and is not a directory") from None
     except OSError as err:
         raise UserError(f"{option} {path}: cannot create the directory ({err.strerror})") from None
-    for created in missing:  # deepest first
-        created.rmdir()
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".fastbert-probe-"):
+            pass
+    except OSError as err:
+        raise UserError(f"{option} {path}: cannot write in the directory ({err.strerror})") from None
+    finally:
+        for created in missing:  # deepest first
+            created.rmdir()
+
+
+def check_file_writable(path: str | os.PathLike, option: str) -> None:
+    """UserError naming ``option`` unless a file can be written at ``path``: not a directory, in an existing directory
+    that takes new files (tried with a temporary file, removed again)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{option} {path} is a directory, not a file")
+    if not path.parent.is_dir():
+        raise UserError(f"{option} {path}: the directory {path.parent} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".fastbert-probe-"):
+            pass
+    except OSError as err:
+        raise UserError(f"{option} {path}: cannot write in {path.parent} ({err.strerror})") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

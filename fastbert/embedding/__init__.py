@@ -16,11 +16,12 @@ from fastbert.embedding.embedder import DEFAULT_BATCH_TOKENS, POOLINGS, Embedder
 from fastbert.embedding.formats import FORMATS
 from fastbert.embedding.outputs import MANIFEST, FileOutput, ShardedOutput, read_output
 from fastbert.embedding.pipeline import Progress, run, skip_rows
-from fastbert.embedding.reading import InputError, Row, open_input, read_rows
+from fastbert.embedding.reading import InputError, Row, check_input_path, open_input, read_rows
 from fastbert.embedding.stats import EmbedStats, truncation_note
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS", "FORMATS", "MANIFEST", "POOLINGS", "EmbedStats", "Embedder", "FileOutput", "InputError",
-    "NonFiniteEmbedding", "Progress", "Row", "ShardedOutput", "default_max_length", "open_input", "read_output",
-    "read_rows", "run", "sentence_transformers_head", "skip_rows", "real_token_batches", "truncation_note", "windows",
+    "NonFiniteEmbedding", "Progress", "Row", "ShardedOutput", "check_input_path", "default_max_length", "open_input",
+    "read_output", "read_rows", "run", "sentence_transformers_head", "skip_rows", "real_token_batches",
+    "truncation_note", "windows",
 ]

@@ -45,14 +45,21 @@ class ByteCounter:
             yield line
 
 
-def open_input(path: str) -> tuple[ByteCounter, int | None, str]:
-    """The byte stream of ``path`` ('-' for stdin), its size when known, and a name for messages."""
+def check_input_path(path: str) -> None:
+    """UserError unless ``path`` ('-' for stdin) names something to read rows from: checked before a model loads."""
     if path == "-":
-        return ByteCounter(sys.stdin.buffer), None, "<stdin>"
+        return
     if not os.path.exists(path):
         raise UserError(f"input file {path} does not exist")
     if os.path.isdir(path):
         raise UserError(f"input {path} is a directory, not a file")
+
+
+def open_input(path: str) -> tuple[ByteCounter, int | None, str]:
+    """The byte stream of ``path`` ('-' for stdin), its size when known, and a name for messages."""
+    if path == "-":
+        return ByteCounter(sys.stdin.buffer), None, "<stdin>"
+    check_input_path(path)
     try:
         stream = open(path, "rb")  # noqa: SIM115 - closed by read_rows' caller through the generator's end
     except OSError as err:

@@ -323,7 +323,7 @@ async def similarity(body: schemas.SimilarityRequest, request: Request) -> Respo
     texts = [body.inputs.source_sentence,
              *schemas.texts_of(body.inputs.sentences, service.settings.max_client_batch_size)]
     prompted = service.engine.with_prompt(texts, params.prompt_name)
-    rows, count = await service.rows(prompted, bool(params.truncate), params.truncation_direction, timing)
+    rows, count = await service.rows(prompted, params.truncate, params.truncation_direction, timing)
     unit = normalized(rows)
     return service.timed(json_response((unit[1:] @ unit[0]).tolist()), timing, count, characters_of(texts))
 
@@ -458,12 +458,19 @@ def validation_message(err: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request body"
 
 
+def read_as_json(content_type: str) -> bool:
+    """Whether FastAPI reads a body sent with this Content-Type as JSON: application/json or application/*+json, in
+    any case, with any parameters. Any other body fails validation as if it were missing."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def answer_error(request: Request, err: Exception) -> Response:
     path = request.url.path
     if isinstance(err, RequestValidationError):
         message = validation_message(err)
         content_type = request.headers.get("content-type", "")
-        if request.method == "POST" and "json" not in content_type:  # FastAPI reads only a JSON body as JSON
+        if request.method == "POST" and not read_as_json(content_type):
             message = f"send the body with 'Content-Type: application/json' (it came as {content_type or 'none'}); " \
                       + message
         return error_response(path, 422, message, "Validation")

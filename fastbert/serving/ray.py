@@ -48,8 +48,10 @@ def application(settings: ServeSettings, replicas: int = 1, threads: int | None 
     return deployment.bind(asdict(settings), threads)
 
 
-def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, threads: int | None = None) -> int:
-    """Start Ray (or join the cluster of RAY_ADDRESS), serve on host:port until SIGTERM or Ctrl-C, shut down."""
+def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, threads: int | None = None,
+                 url: str | None = None) -> int:
+    """Start Ray (or join the cluster of RAY_ADDRESS), serve on host:port until SIGTERM or Ctrl-C, shut down.
+    ``url``: the address the ready line prints (default http://host:port)."""
     ray.init(ignore_reinit_error=True)
     # Ray's own handler (installed by ray.init) aborts the process on SIGTERM; ours, installed before serve.run,
     # turns a SIGTERM at any point after this one (the proxy answers before serve.run returns) into the shutdown.
@@ -57,7 +59,7 @@ def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, t
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(settings, replicas, threads), name="fastbert", route_prefix="/")
-    print(f"fastbert serve: {replicas} replica(s) on Ray Serve at http://{host}:{port}", flush=True)
+    print(f"fastbert serve: {replicas} replica(s) on Ray Serve at {url or f'http://{host}:{port}'}", flush=True)
     try:
         stop.wait()
     except KeyboardInterrupt:

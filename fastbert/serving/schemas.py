@@ -8,13 +8,21 @@ UTF-8, more inputs than the server takes) is checked by `texts_of`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 # TEI's truncation_direction: which end of a too-long input is cut (with truncate: true); TEI's spelling, or lower case
 Direction = Literal["Left", "Right", "left", "right"]
+
+
+def _null_is_false(value: object) -> object:
+    return False if value is None else value
+
+
+# TEI's truncate: a JSON null means "not asked", as an absent field does
+Truncate = Annotated[bool, BeforeValidator(_null_is_false)]
 
 
 class InputError(ValueError):
@@ -29,7 +37,7 @@ class EmbedRequest(BaseModel):
     model_config = STRICT
     inputs: str | list[str]
     normalize: bool = True
-    truncate: bool = False
+    truncate: Truncate = False
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
     dimensions: int | None = None  # Matryoshka: the first this many dimensions, renormalised when normalize
@@ -42,7 +50,7 @@ class OpenAIEmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
-    truncate: bool = False  # not OpenAI's (which refuses a too-long input); TEI's, for texts
+    truncate: Truncate = False  # not OpenAI's (which refuses a too-long input); TEI's, for texts
     truncation_direction: Direction = "Right"
 
 
@@ -52,7 +60,7 @@ class RerankRequest(BaseModel):
     texts: list[str]
     raw_scores: bool = False
     return_text: bool = False
-    truncate: bool = False
+    truncate: Truncate = False
     truncation_direction: Direction = "Right"
 
 
@@ -62,7 +70,7 @@ class PredictRequest(BaseModel):
     # batch whose items are strings or lists of one string or of two (a pair)
     inputs: str | list[str | list[str]] = Field(...)
     raw_scores: bool = False
-    truncate: bool = False
+    truncate: Truncate = False
     truncation_direction: Direction = "Right"
 
 
@@ -137,7 +145,7 @@ class SimilarityInput(BaseModel):
 
 class SimilarityParameters(BaseModel):
     model_config = STRICT
-    truncate: bool | None = None
+    truncate: Truncate = False
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
 
@@ -155,7 +163,7 @@ class TokenLevelRequest(BaseModel):
 
     model_config = STRICT
     inputs: str | list[str]
-    truncate: bool = False
+    truncate: Truncate = False
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
 

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fastbert.common.resolve import UserError
+from fastbert.common.text import load_auto_tokenizer
 from fastbert.files import replace_atomic, temporary_path, write_atomic
 from fastbert.training import curves
 from fastbert.training.corpus import run_documents
@@ -669,13 +670,8 @@ def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[st
 
 
 def load_given_tokenizer(directory: str):
-    """A --tokenizer directory's tokenizer, which must have the special tokens pretraining uses."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as err:
-        raise UserError(f"--tokenizer {directory}: cannot load a tokenizer there ({err})") from err
+    """A --tokenizer directory's tokenizer, which must have a vocabulary and the special tokens pretraining uses."""
+    tokenizer = load_auto_tokenizer(directory, label=f"--tokenizer {directory}")
     missing = [name for name in ("pad_token", "cls_token", "sep_token", "mask_token")
                if getattr(tokenizer, name) is None]
     if missing:

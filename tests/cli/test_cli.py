@@ -282,3 +282,30 @@ def test_output_paths_the_system_refuses_are_one_line_errors_before_the_work(cap
     assert code == 1
     message = message.replace("AFILE", str(afile))
     assert err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["hello", "--output-dir", "/proc"], "--output-dir /proc: cannot write in the directory ("),
+    (["hello", "-o", "AFILE/sub/out.jsonl"], "--output AFILE/sub/out.jsonl: the directory AFILE/sub does not exist"),
+    (["hello", "-o", "/proc"], "--output /proc is a directory, not a file"),
+    (["-i", "AFILE.missing"], "input file AFILE.missing does not exist"),
+    (["hello", "-i", "AFILE"], "give TEXT arguments or --input, not both"),
+    (["--similarity"], "--similarity needs TEXT arguments"),
+    (["--similarity", "a", " "], "--similarity: a TEXT is blank"),
+    (["--similarity", "a", "b", "--field", "t", "--window-rows", "4", "--on-blank", "error"],
+     "it takes no --field, --window-rows, --on-blank"),
+], ids=["dir-unwritable", "file-no-dir", "file-is-dir", "input-missing", "texts-and-input", "similarity-no-text",
+        "similarity-blank", "similarity-file-options"])
+def test_embed_checks_its_input_and_output_before_loading_the_model(capsys, monkeypatch, tmp_path, argv, message):
+    from fastbert.cli import embed as embed_command
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(embed_command, "build_embedder", loading)
+    afile = tmp_path / "afile"
+    afile.write_text("one line\n")
+    code = cli.main(["embed", *(a.replace("AFILE", str(afile)) for a in argv)])
+    _, err = capsys.readouterr()
+    message = message.replace("AFILE", str(afile))
+    assert code == 1 and err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from fastbert import cli
-from fastbert.cli.serve import check_port_free, joins_a_ray_cluster
+from fastbert.cli.serve import bind_listening_socket, check_port_free, host_port, joins_a_ray_cluster
 from fastbert.common.resolve import UserError
 
 
@@ -24,8 +24,9 @@ def listener() -> Iterator[socket.socket]:
 
 
 @pytest.mark.parametrize("extra", [[], ["--ray"]], ids=["plain", "local-ray"])
-def test_a_taken_port_is_refused_before_the_model_loads(capsys, monkeypatch, listener, extra):
+def test_a_taken_port_is_refused_before_the_model_loads(capsys, monkeypatch, tmp_path, listener, extra):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # a local Ray server, whatever `ray start` ran on this machine
     port = listener.getsockname()[1]
     # a missing model directory would be the error if the model were loaded first
     code = cli.main(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", "/no/such/dir", *extra])
@@ -71,10 +72,44 @@ def refuse_with(code: int):
     return bind
 
 
-@pytest.mark.parametrize("address, joins", [(None, False), ("local", False), ("auto", True), ("10.0.0.1:6379", True)])
-def test_only_a_running_ray_cluster_is_trusted_with_its_port(monkeypatch, address, joins):
+@pytest.mark.parametrize("address, joins", [(None, False), ("", False), ("local", False), ("auto", True),
+                                            ("10.0.0.1:6379", True)])
+def test_only_a_running_ray_cluster_is_trusted_with_its_port(monkeypatch, tmp_path, address, joins):
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no `ray start` here
     if address is None:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", address)
     assert joins_a_ray_cluster() is joins
+
+
+@pytest.mark.parametrize("address", [None, ""])
+def test_a_cluster_ray_start_left_on_this_machine_is_joined_as_ray_init_joins_it(monkeypatch, tmp_path, address):
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    if address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("")  # what `ray stop` leaves: no cluster
+    assert not joins_a_ray_cluster()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.7:6379\n")  # what `ray start --head` writes
+    assert joins_a_ray_cluster()
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert not joins_a_ray_cluster()
+
+
+def test_an_ipv6_address_is_written_in_brackets(monkeypatch):
+    monkeypatch.setattr(socket.socket, "bind", refuse_with(errno.EADDRINUSE))
+    with pytest.raises(UserError, match=r"^cannot serve on \[::1\]:8080: "):
+        check_port_free("::1", 8080)
+    assert host_port("::1", 80) == "[::1]:80" and host_port("0.0.0.0", 80) == "0.0.0.0:80"
+
+
+def test_the_bound_socket_is_kept_and_port_zero_gets_a_real_port():
+    with bind_listening_socket("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        assert port != 0
+        sock.listen()  # nobody else can take it now
+        with pytest.raises(UserError, match=f"cannot serve on 127.0.0.1:{port}: Address already in use"):
+            check_port_free("127.0.0.1", port)

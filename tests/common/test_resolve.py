@@ -50,3 +50,11 @@ def test_a_creatable_output_dir_is_checked_without_leaving_it_behind(tmp_path):
         resolve.check_dir_creatable(tmp_path / "afile", "--out")
     with pytest.raises(resolve.UserError, match=r"afile/sub: cannot create the directory \(Not a directory\)$"):
         resolve.check_dir_creatable(tmp_path / "afile" / "sub", "--out")
+
+
+def test_an_existing_output_dir_no_file_can_be_written_in_is_refused(tmp_path):
+    # /proc exists and is a directory, but refuses new files, even to root (chmod would not stop root)
+    with pytest.raises(resolve.UserError, match=r"^--output-dir /proc: cannot write in the directory \("):
+        resolve.check_dir_creatable("/proc", "--output-dir")
+    resolve.check_dir_creatable(tmp_path, "--output-dir")
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone

@@ -1,5 +1,6 @@
 """fastbert.common.text: the tokenizer wrapper and mean pooling against sentence-transformers."""
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -36,8 +37,8 @@ def _checkpoint_with(tmp_path, minilm_dir, *names: str) -> str:
 
 @pytest.mark.parametrize("names, message", [
     ((), "has no tokenizer (none of tokenizer.json, "),
-    (("tokenizer_config.json",), "its tokenizer knows only its 5 special tokens, no vocabulary"),
-    (("tokenizer_config.json", "special_tokens_map.json"), "its tokenizer knows only its 5 special tokens"),
+    (("tokenizer_config.json",), "into special tokens only (5 tokens known, 5 of them special): no vocabulary"),
+    (("tokenizer_config.json", "special_tokens_map.json"), "into special tokens only (5 tokens known, 5 of them"),
 ], ids=["no-files", "config-only", "config-and-specials"])
 def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path, minilm_dir, names, message):
     directory = _checkpoint_with(tmp_path, minilm_dir, *names)
@@ -45,6 +46,18 @@ def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path, minilm_dir, names
         text.load_auto_tokenizer(directory)
     with pytest.raises(UserError, match=re.escape(message)):
         text.TextEncoder(directory, FastBertConfig.from_json_file(f"{directory}/config.json"))
+
+
+def test_added_tokens_do_not_pass_for_a_vocabulary(tmp_path, minilm_dir):
+    directory = _checkpoint_with(tmp_path, minilm_dir, "tokenizer_config.json")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for index in range(40):  # more added tokens than special ones: a count of tokens would take it for a vocabulary
+        config.setdefault("added_tokens_decoder", {})[str(5 + index)] = {
+            "content": f"<extra_{index}>", "lstrip": False, "normalized": True, "rstrip": False,
+            "single_word": False, "special": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=re.escape("special tokens only (45 tokens known, 5 of them special)")):
+        text.load_auto_tokenizer(directory)
 
 
 def test_a_vocabulary_alone_loads_and_tokenizes_as_the_fast_tokenizer(tmp_path, minilm_dir):

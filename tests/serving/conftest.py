@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
+READY_LINE = re.compile(r"^fastbert serve: .* on http://127\.0\.0\.1:(\d+)$", re.MULTILINE)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -29,7 +32,10 @@ def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range and above Ray's worker ports (10002-19999): a port
     the kernel hands out for bind(0) can be taken, before the server binds it, by one of the many processes a
     server starts (Ray's GCS, raylet, dashboard and agents bind port 0)."""
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: IANA's dynamic range starts at 49152
+        ephemeral_low = 49152
     candidates = list(range(20000, max(ephemeral_low, 20001)))
     random.SystemRandom().shuffle(candidates)  # not the tests' seeded generator: servers started together differ
     for port in candidates[:200]:
@@ -45,27 +51,47 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m fastbert.cli serve ARGS --port P` on 127.0.0.1, ready once /health answers 200."""
+    """`python -m fastbert.cli serve ARGS` on 127.0.0.1, ready once /health answers 200. The plain server binds
+    --port 0 and its ready line names the port the system gave it (no port can be taken from under it); a Ray one
+    gets a port from `free_port`, since Ray Serve's proxy binds the port itself."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, log_dir: Path | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = (log_dir or Path("/tmp")) / f"fastbert-serve-{self.port}.log"
+        self._port = free_port() if "--ray" in args else None
         if "--dtype" not in args:  # the tests compare with float32 references (the default, auto, is tested apart)
             args = [*args, "--dtype", "float32"]
-        command = [sys.executable, "-m", "fastbert.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   "--threads", "1", "--log-level", "warning", *args]
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        command = [sys.executable, "-m", "fastbert.cli", "serve", "--host", "127.0.0.1", "--port",
+                   str(self._port or 0), "--threads", "1", "--log-level", "warning", *args]
+        descriptor, name = tempfile.mkstemp(prefix="fastbert-serve-", suffix=".log", dir=log_dir)
+        self.log_path, self.log = Path(name), os.fdopen(descriptor, "w")  # closed in stop()
         self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(env or {})}, start_new_session=True)
 
+    @property
+    def port(self) -> int:
+        """The port it serves on: for --port 0, read off its ready line once the model is loaded."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self._port is None:
+            found = READY_LINE.search(self.output())
+            if found:
+                self._port = int(found.group(1))
+            elif self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server named no port (exit status {self.process.poll()}):\n{self.output()}")
+            else:
+                time.sleep(0.05)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> ServerProcess:
         deadline = time.monotonic() + timeout
+        url = self.url
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

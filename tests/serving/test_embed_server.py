@@ -49,6 +49,10 @@ def test_too_long_input_is_413_unless_truncated(client, direct):
     long_text = "word " * 400  # > 256 tokens, the checkpoint's max_seq_length
     refused = client.post("/embed", json={"inputs": ["short", long_text]})
     assert refused.status_code == 413 and "input 1" in refused.json()["error"]
+    as_null = client.post("/embed", json={"inputs": ["short", long_text], "truncate": None})  # TEI's Option<bool>
+    assert as_null.status_code == 413, as_null.text
+    assert client.post("/v1/embeddings", json={"input": "short", "truncate": None}).status_code == 200
+    assert client.post("/embed", json={"inputs": "short", "truncate": "yes"}).status_code == 422
     cut = client.post("/embed", json={"inputs": [long_text], "truncate": True})
     assert cut.status_code == 200
     np.testing.assert_allclose(np.array(cut.json()), direct([long_text]), atol=TOLERANCE)
@@ -139,15 +143,21 @@ def test_bad_bytes_are_4xx(client, content, status, words):
     assert words in answer.json()["error"]
 
 
-@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", None])
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/json", None])
 def test_a_json_body_sent_as_another_type_says_which_header_to_send(client, content_type):
     headers = {"content-type": content_type} if content_type else {}
     answer = client.post("/embed", content=b'{"inputs": "a text"}', headers=headers)
     assert answer.status_code == 422
     assert answer.json()["error"].startswith("send the body with 'Content-Type: application/json' (it came as "
                                              f"{content_type or 'none'}); ")
-    assert client.post("/embed", content=b'{"inputs": "a text"}',
-                       headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+    for accepted in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        assert client.post("/embed", content=b'{"inputs": "a text"}', headers={"content-type": accepted}).status_code \
+            == 200, accepted
+
+
+def test_a_json_body_of_a_wrong_shape_gets_no_content_type_hint(client):
+    answer = client.post("/embed", content=b'{"inputs": 3}', headers={"content-type": "Application/JSON"})
+    assert answer.status_code == 422 and not answer.json()["error"].startswith("send the body with"), answer.text
 
 
 def test_body_over_the_limit_is_refused_before_parsing(client, server):

@@ -383,3 +383,18 @@ def test_an_invalid_model_config_fails_before_a_tokenizer_is_trained_or_written(
     code, err = _run([str(corpus), "-o", str(out), "--max-steps", "1", *sizes, "--config", str(config)], capsys)
     assert code == 1 and err.count("\n") == 1 and err.startswith("fastbert: error: model config:"), err
     assert "Training the tokenizer" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("files, message", [
+    ({}, "has no tokenizer (none of tokenizer.json"),
+    ({"tokenizer_config.json": json.dumps({"tokenizer_class": "BertTokenizer"})}, "into special tokens only"),
+], ids=["empty", "config-only"])
+def test_a_given_tokenizer_without_a_vocabulary_is_refused(tmp_path, corpus, capsys, files, message):
+    given = tmp_path / "tok"
+    given.mkdir()
+    for name, content in files.items():
+        (given / name).write_text(content)
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "1", *TINY, "--tokenizer", str(given)], capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"fastbert: error: --tokenizer {given}") and message in err, err
