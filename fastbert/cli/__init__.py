@@ -11,12 +11,12 @@
     fastbert serve [options]      an HTTP server: embeddings, reranking or classification, batched by a token budget
     fastbert tune [options]       measure the fastest backend per op and shape ahead of time (the tuning cache)
 
-One module per command (`fastbert.cli.demo`, ...), each with ``add_parser(subparsers)`` and ``run(args)``; what
-several of them share is in `fastbert.cli.shared`. Errors the user can fix (a missing path, an unsupported model
-family, a device that is not there, a bad dtype) print one line, ``fastbert: error: ...``, on stderr and exit
-non-zero. Only the command that runs is imported: ``fastbert --help`` lists the commands from `SUMMARIES`, and
-``--help`` and ``--version`` import neither torch nor transformers (``fastbert.__version__`` comes from the
-package metadata).
+Each command has its options in `fastbert.cli.parsers.<command>` (``add_parser(subparsers)``; what several share in
+`fastbert.cli.parsers`) and runs in `fastbert.cli.<command>` (``run(args)``; what several share in
+`fastbert.cli.shared`). Errors the user can fix (a missing path, an unsupported model family, a device that is not
+there, a bad dtype) print one line, ``fastbert: error: ...``, on stderr and exit non-zero. The parsers import
+nothing heavy and only the command that runs is imported, so ``fastbert --help``, ``fastbert <command> --help`` and
+``--version`` import neither torch nor transformers (``fastbert.__version__`` comes from the package metadata).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import NoReturn
 
 from fastbert import __version__
 
-# command -> its one-line summary in ``fastbert --help`` (each command module's add_parser gives the same as
+# command -> its one-line summary in ``fastbert --help`` (each command's add_parser gives the same as
 # ``help``; tests/cli checks that they agree)
 SUMMARIES = {
     "demo": "transformers vs fastbert on 16 real sentences (the default command)",
@@ -57,8 +57,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def command_module(name: str) -> ModuleType:
-    """The module of command ``name`` (`fastbert.cli.<name>`), imported on first use."""
+    """The module that runs command ``name`` (`fastbert.cli.<name>`), imported on first use."""
     return importlib.import_module(f"fastbert.cli.{name}")
+
+
+def parser_module(name: str) -> ModuleType:
+    """The module of command ``name``'s options (`fastbert.cli.parsers.<name>`): light, imports no torch."""
+    return importlib.import_module(f"fastbert.cli.parsers.{name}")
 
 
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
@@ -71,7 +76,7 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
     subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name in COMMANDS:
         if name in full:
-            command_module(name).add_parser(subparsers)
+            parser_module(name).add_parser(subparsers)
         else:
             subparsers.add_parser(name, help=SUMMARIES[name], add_help=False)
     return parser

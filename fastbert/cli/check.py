@@ -15,13 +15,6 @@ from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, re
 from fastbert.common.text import SENTENCES, TextEncoder, mean_pool
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``check`` to the ``fastbert`` parser."""
-    parser = subparsers.add_parser("check", help="compare fastbert with transformers on a checkpoint; PASS/FAIL")
-    shared.add_model_options(parser)
-    return parser
-
-
 def check_rule(dtype: torch.dtype, fast_err: float, hf_err: float | None, ref_scale: float) -> tuple[bool, str]:
     """PASS/FAIL of one output by `fastbert.numerics`' rule, the one the kernel tests apply, with transformers as
     plain PyTorch and its float32 output as the reference. float32: max|fastbert - HF| / max|HF| <= 1e-4 (a whole

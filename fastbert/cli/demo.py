@@ -15,16 +15,6 @@ from fastbert.common.text import SENTENCES, TextEncoder, mean_pool
 HEADERS = ("implementation", "median ms", "speed-up", "max abs err (real tokens)", "min cosine of sentence embeddings")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``demo`` to the ``fastbert`` parser."""
-    parser = subparsers.add_parser("demo", help="transformers vs fastbert on 16 real sentences (the default command)")
-    shared.add_model_options(parser)
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per implementation (median reported)")
-    parser.add_argument("--no-optimize", action="store_true", help="leave out fastbert.optimize(HF model)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    return parser
-
-
 def run(args: argparse.Namespace) -> int:
     """Print the comparison table and the backends fastbert's ops ran on."""
     if args.repeats < 1:  # checked before any model loads: a median of no calls is no number

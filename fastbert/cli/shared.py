@@ -3,42 +3,13 @@ and a forward that records which backend ran each op (the parser is `fastbert.cl
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 
-from fastbert.backends import BACKENDS
 from fastbert.bench import peers, recording
 from fastbert.common.resolve import UserError, model_name
 from fastbert.loading import CheckpointError
-
-
-def add_model_options(parser: argparse.ArgumentParser, backend: bool = True, dtype: str | None = None) -> None:
-    """--model, --device, --dtype (default ``dtype``) and (``backend``) --backend: the options of every command
-    that runs a checkpoint."""
-    parser.add_argument("--model", metavar="PATH", default=None,
-                        help="HF checkpoint directory (config.json + weights); default: the embedded all-MiniLM-L6-v2")
-    parser.add_argument("--device", default=None, help="cpu or cuda[:N]; default: cuda if present, else cpu")
-    default = ("auto (said once on stderr; --dtype float32 keeps the exact path)" if dtype == "auto" else
-               "float32 on CPU, float16 on CUDA (check: float32)")
-    parser.add_argument("--dtype", default=dtype, help="float32, float16, bfloat16, auto (bfloat16 on a CPU with "
-                        "AMX, or with AVX-512 BF16 where it measures faster than float32, else float32; float16 on "
-                        f"CUDA) or int8 (CPU; embed and serve); default: {default}")
-    if backend:
-        parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
-                            help="fastbert backend (default auto: the fastest the device allows, measured per op and "
-                            "shape: see fastbert tune)")
-
-
-def add_workload_options(parser: argparse.ArgumentParser) -> None:
-    """--batch, --seq, --varlen: the shapes `fastbert.bench.workloads.make_workloads` builds (bench and tune)."""
-    parser.add_argument("--batch", type=int, nargs="+", default=None, metavar="N",
-                        help="batch sizes (default: 1 8 on CPU, 1 32 128 on CUDA)")
-    parser.add_argument("--seq", type=int, nargs="+", default=None, metavar="N",
-                        help="sequence lengths (default: 128 on CPU, 128 512 on CUDA)")
-    parser.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
-                        help="also variable-length batches, lengths uniform in [seq/8, seq] (default: on)")
 
 
 def set_threads(threads: int | None) -> None:

@@ -147,9 +147,11 @@ def test_absent_device_error_in_a_real_process():
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]] + [[command, "--help"] for command in cli.COMMANDS],
+                         ids=lambda argv: " ".join(argv))
 def test_help_and_version_import_neither_torch_nor_transformers(argv):
-    """``fastbert --help`` and ``--version`` answer at once: nothing heavy is imported (torch alone takes seconds)."""
+    """``fastbert --help``, ``fastbert <command> --help`` and ``--version`` answer at once: nothing heavy is imported
+    (torch alone takes seconds)."""
     code = ("import sys; from fastbert import cli\n"
             f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
             "print(*(name in sys.modules for name in ('torch', 'transformers', 'onnxruntime')))")
@@ -158,6 +160,8 @@ def test_help_and_version_import_neither_torch_nor_transformers(argv):
     if argv == ["--help"]:
         assert "{" + ",".join(cli.COMMANDS) + "}" in proc.stdout
         assert all(summary.split(":")[0] in " ".join(proc.stdout.split()) for summary in cli.SUMMARIES.values())
+    elif argv[-1] == "--help":
+        assert proc.stdout.startswith(f"usage: fastbert {argv[0]} ")
     else:
         assert proc.stdout.startswith("fastbert ")
     assert proc.stdout.splitlines()[-1] == "False False False"
