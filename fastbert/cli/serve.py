@@ -56,13 +56,16 @@ PORT_HINTS = {
 
 
 def bind_listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` as uvicorn binds one (SO_REUSEADDR, so a port left in TIME_WAIT by a stopped
-    server passes): an address in use is refused at once, before the model loads, in one line."""
+    """A socket listening on ``host:port``, bound as uvicorn binds one (SO_REUSEADDR, so a port left in TIME_WAIT by a
+    stopped server passes): an address in use is refused at once, before the model loads, in one line. Listening
+    from here on, not only bound, since another SO_REUSEADDR socket could still bind and listen on a port merely
+    bound; a client that connects while the model loads waits in the backlog."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's backlog
     except OSError as err:
         sock.close()
         hint = PORT_HINTS.get(err.errno, "")
@@ -97,6 +100,10 @@ def joins_a_ray_cluster() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or Ctrl-C; 0 after a clean shutdown."""
+    if args.host.startswith("[") and args.host.endswith("]"):  # an IPv6 address as a URL writes it
+        args.host = args.host[1:-1]
+    if args.ray and args.port == 0:
+        raise UserError("--port 0 (a free port) is for the plain server: Ray Serve's proxy needs a --port")
     settings = settings_from(args)
     if args.ray:
         if not joins_a_ray_cluster():

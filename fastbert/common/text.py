@@ -36,10 +36,6 @@ SENTENCES = [
 # Files of a saved slow tokenizer (transformers builds an empty one from a directory holding none of them).
 TOKENIZER_FILES = {"tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model"}
 
-# What any real vocabulary tokenizes into at least one ordinary token, and an empty one into [UNK]s or nothing: a
-# vocabulary of special tokens plus added ones passes a count, not this.
-VOCABULARY_PROBE = "the and of is 1 2 3 . , ? !"
-
 
 def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any) -> Any:
     """transformers' AutoTokenizer of a checkpoint directory (``kwargs`` passed on). UserError, naming the directory
@@ -57,12 +53,12 @@ def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any)
     except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer in that directory
         reason = (str(err).splitlines() or [type(err).__name__])[0]
         raise UserError(f"{label}: transformers cannot load a tokenizer from it ({reason})") from err
-    specials = set(tokenizer.all_special_ids)
-    probe = tokenizer(VOCABULARY_PROBE, add_special_tokens=False)["input_ids"]
-    if all(token in specials for token in probe):
-        raise UserError(f"{label}: its tokenizer turns plain words, digits and punctuation into special tokens only "
-                        f"({len(tokenizer)} tokens known, {len(specials)} of them special): no vocabulary (is "
-                        "vocab.txt, vocab.json or the sentencepiece model missing?)")
+    # a count of all tokens would pass an empty vocabulary with added tokens; a probe text would refuse a real one
+    # of another alphabet (amino acids, k-mers)
+    ordinary = set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) - set(tokenizer.get_added_vocab())
+    if not ordinary:
+        raise UserError(f"{label}: its tokenizer has no vocabulary, only special or added tokens ({len(tokenizer)}): "
+                        "is vocab.txt, vocab.json or the sentencepiece model missing?")
     return tokenizer
 
 

@@ -91,7 +91,7 @@ def test_a_cluster_ray_start_left_on_this_machine_is_joined_as_ray_init_joins_it
     else:
         monkeypatch.setenv("RAY_ADDRESS", address)
     (tmp_path / "ray").mkdir()
-    (tmp_path / "ray" / "ray_current_cluster").write_text("")  # what `ray stop` leaves: no cluster
+    (tmp_path / "ray" / "ray_current_cluster").write_text("")  # an empty address file: no cluster either
     assert not joins_a_ray_cluster()
     (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.7:6379\n")  # what `ray start --head` writes
     assert joins_a_ray_cluster()
@@ -106,10 +106,21 @@ def test_an_ipv6_address_is_written_in_brackets(monkeypatch):
     assert host_port("::1", 80) == "[::1]:80" and host_port("0.0.0.0", 80) == "0.0.0.0:80"
 
 
-def test_the_bound_socket_is_kept_and_port_zero_gets_a_real_port():
+def test_the_socket_listens_at_once_and_port_zero_gets_a_real_port():
     with bind_listening_socket("127.0.0.1", 0) as sock:
         port = sock.getsockname()[1]
         assert port != 0
-        sock.listen()  # nobody else can take it now
+        # nobody can take the port while the model loads, not even with SO_REUSEADDR, as uvicorn binds
         with pytest.raises(UserError, match=f"cannot serve on 127.0.0.1:{port}: Address already in use"):
             check_port_free("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # a client waits in the backlog
+            pass
+
+
+def test_a_bracketed_ipv6_host_and_ray_on_port_zero(capsys, monkeypatch):
+    monkeypatch.setattr(socket.socket, "bind", refuse_with(errno.EADDRINUSE))
+    assert cli.main(["serve", "--host", "[::1]", "--port", "8080", "--model", "/no/such/dir"]) == 1
+    assert capsys.readouterr().err.startswith("fastbert: error: cannot serve on [::1]:8080: Address already in use")
+    assert cli.main(["serve", "--ray", "--port", "0", "--model", "/no/such/dir"]) == 1
+    assert capsys.readouterr().err == "fastbert: error: --port 0 (a free port) is for the plain server: Ray " \
+                                      "Serve's proxy needs a --port\n"

@@ -37,8 +37,8 @@ def _checkpoint_with(tmp_path, minilm_dir, *names: str) -> str:
 
 @pytest.mark.parametrize("names, message", [
     ((), "has no tokenizer (none of tokenizer.json, "),
-    (("tokenizer_config.json",), "into special tokens only (5 tokens known, 5 of them special): no vocabulary"),
-    (("tokenizer_config.json", "special_tokens_map.json"), "into special tokens only (5 tokens known, 5 of them"),
+    (("tokenizer_config.json",), "its tokenizer has no vocabulary, only special or added tokens (5): is vocab.txt"),
+    (("tokenizer_config.json", "special_tokens_map.json"), "has no vocabulary, only special or added tokens (5)"),
 ], ids=["no-files", "config-only", "config-and-specials"])
 def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path, minilm_dir, names, message):
     directory = _checkpoint_with(tmp_path, minilm_dir, *names)
@@ -56,8 +56,19 @@ def test_added_tokens_do_not_pass_for_a_vocabulary(tmp_path, minilm_dir):
             "content": f"<extra_{index}>", "lstrip": False, "normalized": True, "rstrip": False,
             "single_word": False, "special": False}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match=re.escape("special tokens only (45 tokens known, 5 of them special)")):
+    with pytest.raises(UserError, match=re.escape("has no vocabulary, only special or added tokens (45)")):
         text.load_auto_tokenizer(directory)
+
+
+def test_a_vocabulary_of_another_alphabet_loads(tmp_path, minilm_dir):
+    """Amino acids (ProtBERT's kind of vocabulary): no English word, digit or punctuation in it, still a vocabulary."""
+    directory = _checkpoint_with(tmp_path, minilm_dir)
+    amino_acids = list("ACDEFGHIKLMNPQRSTVWY")
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *amino_acids]) + "\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer",
+                                                                "do_lower_case": False}))
+    tokenizer = text.load_auto_tokenizer(directory)
+    assert tokenizer("M K T A", add_special_tokens=False)["input_ids"] == [5 + amino_acids.index(a) for a in "MKTA"]
 
 
 def test_a_vocabulary_alone_loads_and_tokenizes_as_the_fast_tokenizer(tmp_path, minilm_dir):
