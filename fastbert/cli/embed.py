@@ -73,14 +73,43 @@ def check_options(args: argparse.Namespace) -> None:
     if args.similarity:
         check_similarity_options(args)
         return
+    check_input_options(args)
+    if args.output_dir is not None:
+        check_output_dir(args)
+    elif args.output is not None:
+        parquet = args.format == "parquet" or (args.format is None and args.output.lower().endswith(".parquet"))
+        check_file_writable(args.output, "--output", replaced=parquet)  # Parquet: written aside, moved over it
+    elif output_format_of(args) != "jsonl":
+        raise UserError(f"{args.format} output needs --output FILE or --output-dir (stdout takes JSONL only)")
+
+
+def check_input_options(args: argparse.Namespace) -> None:
+    """UserError for TEXTs with --input, a --input that cannot be read, --id-field on anything but JSONL."""
     if args.texts and args.input is not None:
         raise UserError("give TEXT arguments or --input, not both")
+    if args.id_field is not None and (args.texts or input_format_of(args) != "jsonl"):
+        raise UserError("--id-field needs JSONL input")
     if not args.texts:
         embedding.check_input_path(args.input or "-")
-    if args.output_dir is not None:
-        check_dir_creatable(args.output_dir, "--output-dir")
-    elif args.output is not None:
-        check_file_writable(args.output, "--output")
+
+
+def check_output_dir(args: argparse.Namespace) -> None:
+    """UserError for an --output-dir that holds a run (without --resume), none (with it), or one fastbert 0.1.0
+    started with --id-field, which counted empty JSONL lines as rows; or one that cannot be written."""
+    found = embedding.check_run_directory(args.output_dir, args.resume)
+    if found is not None and found["settings"].get("id_field") is not None \
+            and "blank_jsonl_lines" not in found["settings"]:
+        raise UserError(f"--resume: {args.output_dir} was started by fastbert 0.1.0 with --id-field, which counted "
+                        "empty JSONL lines as rows; this version skips them, so it cannot continue that run: start "
+                        "it again in a new --output-dir")
+    check_dir_creatable(args.output_dir, "--output-dir")
+
+
+def input_format_of(args: argparse.Namespace) -> str:
+    """--input-format, else jsonl for a *.jsonl / *.ndjson --input, else text."""
+    if args.input_format != "auto":
+        return args.input_format
+    return "jsonl" if (args.input or "-").lower().endswith((".jsonl", ".ndjson")) else "text"
 
 
 def output_format_of(args: argparse.Namespace) -> str:
@@ -121,14 +150,8 @@ def input_rows(args: argparse.Namespace) -> tuple:
                              "embed the file's lines, give -i FILE)\n")
         rows = (embedding.Row(i, i, t if t.strip() else None) for i, t in enumerate(args.texts, start=1))
         return rows, None, None, None
-    path = args.input or "-"
-    input_format = args.input_format
-    if input_format == "auto":
-        input_format = "jsonl" if path.lower().endswith((".jsonl", ".ndjson")) else "text"
-    if args.id_field is not None and input_format != "jsonl":
-        raise UserError("--id-field needs JSONL input")
-    counter, size, name = embedding.open_input(path)
-    rows = embedding.read_rows(counter, input_format, args.field, args.id_field, name)
+    counter, size, name = embedding.open_input(args.input or "-")
+    rows = embedding.read_rows(counter, input_format_of(args), args.field, args.id_field, name)
     return rows, counter, size, counter.stream
 
 

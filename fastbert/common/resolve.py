@@ -42,12 +42,18 @@ def check_dir_creatable(path: str | os.PathLike, option: str) -> None:
             created.rmdir()
 
 
-def check_file_writable(path: str | os.PathLike, option: str) -> None:
-    """UserError naming ``option`` unless a file can be written at ``path``: not a directory, in an existing directory
-    that takes new files (tried with a temporary file, removed again)."""
+def check_file_writable(path: str | os.PathLike, option: str, replaced: bool = False) -> None:
+    """UserError naming ``option`` unless a file can be written at ``path``: an existing file (or device, such as
+    /dev/stdout) this process may write, else a new file in an existing directory that takes new files (tried with a
+    temporary file, removed again). ``replaced``: the file is written under a temporary name in its directory and
+    moved over ``path``, so the directory must take new files even where ``path`` exists."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{option} {path} is a directory, not a file")
+    if path.exists() and not replaced:
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{option} {path}: cannot write the file (permission denied)")
+        return
     if not path.parent.is_dir():
         raise UserError(f"{option} {path}: the directory {path.parent} does not exist")
     try:

@@ -89,6 +89,24 @@ class FileOutput:
         return self.path or "stdout"
 
 
+def check_run_directory(directory: str | os.PathLike, resume: bool) -> dict[str, Any] | None:
+    """UserError unless ``directory`` can take a new run (``resume`` False: it holds none) or holds the manifest of
+    one to resume, which is returned (its settings unchecked)."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--output-dir {directory} exists and is not a directory")
+    if not resume:
+        if (directory / MANIFEST).exists() or any(directory.glob("part-*")):
+            raise UserError(f"--output-dir {directory} already holds a run ({MANIFEST} or part-* files); use "
+                            "--resume to continue it, or another directory")
+        return None
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise UserError(f"--resume: {directory} holds no {MANIFEST} (nothing to resume; run without --resume)")
+    with open(path) as f:
+        return json.load(f)
+
+
 class ShardedOutput:
     """A directory of shards, one per window (``part-000000.<format>``), and ``manifest.json``: the settings of
     the run, each shard's first row and row count, the counts so far, and whether the run completed. Each shard,
@@ -101,12 +119,10 @@ class ShardedOutput:
         self.dimension, self.dtype = dimension, np.dtype(dtype)
         self.settings = {**settings, "format": output_format, "output_dtype": self.dtype.name,
                          "dimension": dimension, "string_ids": string_ids}
-        if self.directory.exists() and not self.directory.is_dir():
-            raise UserError(f"--output-dir {directory} exists and is not a directory")
-        if resume:
-            self.manifest = self._interrupted_manifest()
+        found = check_run_directory(directory, resume)
+        if found is not None:
+            self.manifest = self._same_settings(found)
         else:
-            self._refuse_an_existing_run()
             self.manifest = {"version": MANIFEST_VERSION, "settings": self.settings, "shards": [], "stats": {},
                              "complete": False}
         self.created = not self.directory.exists()  # close() removes it again if the run wrote nothing
@@ -116,25 +132,14 @@ class ShardedOutput:
             if is_temporary(leftover):  # a write cut short by a kill
                 leftover.unlink()
 
-    def _interrupted_manifest(self) -> dict[str, Any]:
-        """The manifest of the run to resume, refused if its settings differ from this run's."""
-        path = self.directory / MANIFEST
-        if not path.is_file():
-            raise UserError(f"--resume: {self.directory} holds no {MANIFEST} (nothing to resume; run without "
-                            "--resume)")
-        with open(path) as f:
-            found = json.load(f)
+    def _same_settings(self, found: dict[str, Any]) -> dict[str, Any]:
+        """``found``, the manifest of the run to resume, refused if its settings differ from this run's."""
         changed = {k: (found["settings"].get(k), v) for k, v in self.settings.items()
                    if found["settings"].get(k) != v}
         if changed:
             raise UserError("--resume with other settings than the interrupted run: " + "; ".join(
                 f"{k} was {old!r}, now {new!r}" for k, (old, new) in changed.items()))
         return found
-
-    def _refuse_an_existing_run(self) -> None:
-        if (self.directory / MANIFEST).exists() or any(self.directory.glob("part-*")):
-            raise UserError(f"--output-dir {self.directory} already holds a run ({MANIFEST} or part-* files); use "
-                            "--resume to continue it, or another directory")
 
     def stats(self) -> EmbedStats:
         """The counts of the shards written so far (where a resumed run starts counting)."""

@@ -298,8 +298,14 @@ def test_output_paths_the_system_refuses_are_one_line_errors_before_the_work(cap
     (["--similarity", "a", " "], "--similarity: a TEXT is blank"),
     (["--similarity", "a", "b", "--field", "t", "--window-rows", "4", "--on-blank", "error"],
      "it takes no --field, --window-rows, --on-blank"),
+    (["-i", "AFILE", "--id-field", "id"], "--id-field needs JSONL input"),
+    (["hello", "--id-field", "id"], "--id-field needs JSONL input"),
+    (["hello", "--format", "npy"], "npy output needs --output FILE or --output-dir (stdout takes JSONL only)"),
+    (["hello", "--output-dir", "RUN", "--resume"], "--resume: RUN holds no manifest.json (nothing to resume"),
+    (["hello", "--output-dir", "AFILE"], "--output-dir AFILE exists and is not a directory"),
 ], ids=["dir-unwritable", "file-no-dir", "file-is-dir", "input-missing", "texts-and-input", "similarity-no-text",
-        "similarity-blank", "similarity-file-options"])
+        "similarity-blank", "similarity-file-options", "id-field-text-input", "id-field-texts", "npy-to-stdout",
+        "resume-nothing", "output-dir-is-a-file"])
 def test_embed_checks_its_input_and_output_before_loading_the_model(capsys, monkeypatch, tmp_path, argv, message):
     from fastbert.cli import embed as embed_command
 
@@ -309,7 +315,8 @@ def test_embed_checks_its_input_and_output_before_loading_the_model(capsys, monk
     monkeypatch.setattr(embed_command, "build_embedder", loading)
     afile = tmp_path / "afile"
     afile.write_text("one line\n")
-    code = cli.main(["embed", *(a.replace("AFILE", str(afile)) for a in argv)])
+    run = tmp_path / "run"
+    code = cli.main(["embed", *(a.replace("AFILE", str(afile)).replace("RUN", str(run)) for a in argv)])
     _, err = capsys.readouterr()
-    message = message.replace("AFILE", str(afile))
+    message = message.replace("AFILE", str(afile)).replace("RUN", str(run))
     assert code == 1 and err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err

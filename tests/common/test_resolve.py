@@ -58,3 +58,13 @@ def test_an_existing_output_dir_no_file_can_be_written_in_is_refused(tmp_path):
         resolve.check_dir_creatable("/proc", "--output-dir")
     resolve.check_dir_creatable(tmp_path, "--output-dir")
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+def test_an_existing_output_file_is_judged_by_its_own_permission(monkeypatch, tmp_path):
+    resolve.check_file_writable("/dev/null", "--output")  # a device: written, never created (its directory refuses)
+    resolve.check_file_writable(tmp_path / "new.jsonl", "--output")
+    with pytest.raises(resolve.UserError, match=r"^--output /proc/version: cannot write in /proc \("):
+        resolve.check_file_writable("/proc/version", "--output", replaced=True)  # a new file beside it, moved over it
+    monkeypatch.setattr(resolve.os, "access", lambda path, mode: False)  # a read-only file (root may write any)
+    with pytest.raises(resolve.UserError, match=r"^--output /dev/null: cannot write the file \(permission denied\)$"):
+        resolve.check_file_writable("/dev/null", "--output")

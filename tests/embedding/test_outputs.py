@@ -161,7 +161,7 @@ def test_resume_refuses_an_id_field_run_that_wrote_blank_lines_as_rows(tiny_dir,
     del manifest["settings"]["blank_jsonl_lines"]  # as fastbert 0.1.0 wrote it: a blank line was a null row
     (out / MANIFEST).write_text(json.dumps(manifest))
     proc = embed_cli(*args, "--resume", check=False)
-    assert proc.returncode == 1 and "blank_jsonl_lines was None, now 'skipped'" in proc.stderr
+    assert proc.returncode == 1 and f"--resume: {out} was started by fastbert 0.1.0 with --id-field" in proc.stderr
 
 
 def test_a_resumed_run_reports_this_run_and_every_truncated_line(tiny_dir, tmp_path, write_lines, embed_cli):

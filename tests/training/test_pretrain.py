@@ -387,7 +387,8 @@ def test_an_invalid_model_config_fails_before_a_tokenizer_is_trained_or_written(
 
 @pytest.mark.parametrize("files, message", [
     ({}, "has no tokenizer (none of tokenizer.json"),
-    ({"tokenizer_config.json": json.dumps({"tokenizer_class": "BertTokenizer"})}, "has no vocabulary, only special or added tokens"),
+    ({"tokenizer_config.json": json.dumps({"tokenizer_class": "BertTokenizer"})},
+     "has no vocabulary, only special or added tokens"),
 ], ids=["empty", "config-only"])
 def test_a_given_tokenizer_without_a_vocabulary_is_refused(tmp_path, corpus, capsys, files, message):
     given = tmp_path / "tok"
