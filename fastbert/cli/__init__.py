@@ -68,10 +68,11 @@ def parser_module(name: str) -> ModuleType:
 
 def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser with the options of ``commands`` (default: every command); the other commands are
-    listed with their summary only, so that building it imports no command module."""
+    listed with their summary only, so that building it imports only the parsers it needs."""
     full = set(COMMANDS if commands is None else commands)
-    parser = Parser(prog="fastbert", description="Fast BERT-family encoders: demo, check, embed, bench. With "
-                    "no command, runs the demo on the embedded all-MiniLM-L6-v2.")
+    parser = Parser(prog="fastbert", description="Fast BERT-family encoders: compare them with transformers, embed, "
+                    "serve, benchmark, tune, pretrain, fine-tune and distil them. With no command, runs the demo on "
+                    "the embedded all-MiniLM-L6-v2.", epilog="fastbert COMMAND --help: the options of one command")
     parser.add_argument("--version", action="version", version=f"fastbert {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name in COMMANDS:
