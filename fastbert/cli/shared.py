@@ -1,5 +1,5 @@
-"""What several ``fastbert`` commands share: the model options, the thread option's check, loading fastbert's model,
-and a forward that records which backend ran each op (the parser is `fastbert.cli.Parser`)."""
+"""What several ``fastbert`` commands share when they run: the thread option's check, loading fastbert's model, and a
+forward that records which backend ran each op (their options: `fastbert.cli.parsers`)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ TOKENIZER_FILES = {"tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.m
 def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any) -> Any:
     """transformers' AutoTokenizer of a checkpoint directory (``kwargs`` passed on). UserError, naming the directory
     as ``label``, where transformers fails or builds an empty tokenizer, as it does silently for a directory without
-    tokenizer files or with a tokenizer_config.json alone: a vocabulary of special tokens only, which would turn
+    tokenizer files or with a tokenizer_config.json alone: no token but special or added ones, which would turn
     every text into [CLS] [UNK] [SEP]."""
     from transformers import AutoTokenizer
 

@@ -103,8 +103,14 @@ def check_run_directory(directory: str | os.PathLike, resume: bool) -> dict[str,
     path = directory / MANIFEST
     if not path.is_file():
         raise UserError(f"--resume: {directory} holds no {MANIFEST} (nothing to resume; run without --resume)")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:  # it is written atomically: this one was not written by fastbert embed
+        raise UserError(f"--resume: {path} cannot be read ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("settings"), dict):
+        raise UserError(f"--resume: {path} is not the manifest of a fastbert embed run")
+    return manifest
 
 
 class ShardedOutput:

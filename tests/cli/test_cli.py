@@ -168,8 +168,8 @@ def test_help_and_version_import_neither_torch_nor_transformers(argv):
 
 
 def test_command_summaries_are_the_commands_own():
-    """`fastbert --help` lists each command with `cli.SUMMARIES` without importing it: the same line as the
-    command's own parser gives."""
+    """`fastbert --help` lists each command with `cli.SUMMARIES` without importing its parser module: the same line as
+    the command's own parser gives."""
     full = cli.build_parser()
     light = cli.build_parser(())
     actions = [a for parser in (full, light) for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -303,9 +303,11 @@ def test_output_paths_the_system_refuses_are_one_line_errors_before_the_work(cap
     (["hello", "--format", "npy"], "npy output needs --output FILE or --output-dir (stdout takes JSONL only)"),
     (["hello", "--output-dir", "RUN", "--resume"], "--resume: RUN holds no manifest.json (nothing to resume"),
     (["hello", "--output-dir", "AFILE"], "--output-dir AFILE exists and is not a directory"),
+    (["hello", "--output-dir", "BROKEN", "--resume"], "--resume: BROKEN/manifest.json cannot be read (Expecting"),
+    (["hello", "--output-dir", "LISTED", "--resume"], "--resume: LISTED/manifest.json is not the manifest of a"),
 ], ids=["dir-unwritable", "file-no-dir", "file-is-dir", "input-missing", "texts-and-input", "similarity-no-text",
         "similarity-blank", "similarity-file-options", "id-field-text-input", "id-field-texts", "npy-to-stdout",
-        "resume-nothing", "output-dir-is-a-file"])
+        "resume-nothing", "output-dir-is-a-file", "resume-broken-manifest", "resume-foreign-manifest"])
 def test_embed_checks_its_input_and_output_before_loading_the_model(capsys, monkeypatch, tmp_path, argv, message):
     from fastbert.cli import embed as embed_command
 
@@ -315,8 +317,17 @@ def test_embed_checks_its_input_and_output_before_loading_the_model(capsys, monk
     monkeypatch.setattr(embed_command, "build_embedder", loading)
     afile = tmp_path / "afile"
     afile.write_text("one line\n")
-    run = tmp_path / "run"
-    code = cli.main(["embed", *(a.replace("AFILE", str(afile)).replace("RUN", str(run)) for a in argv)])
+    paths = {"AFILE": afile, "RUN": tmp_path / "run", "BROKEN": tmp_path / "broken", "LISTED": tmp_path / "listed"}
+    for name, manifest in (("BROKEN", "{not json"), ("LISTED", "[1, 2]")):
+        paths[name].mkdir()
+        (paths[name] / "manifest.json").write_text(manifest)
+
+    def filled(text: str) -> str:
+        for name, path in paths.items():
+            text = text.replace(name, str(path))
+        return text
+
+    code = cli.main(["embed", *map(filled, argv)])
     _, err = capsys.readouterr()
-    message = message.replace("AFILE", str(afile)).replace("RUN", str(run))
+    message = filled(message)
     assert code == 1 and err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err

@@ -24,6 +24,7 @@ CORPORA = ("pydoc", "cpython")  # fastbert.training.corpus.CORPORA's keys
 SERVE_TASKS = ("embed", "rerank", "classify")  # fastbert.serving.engines.TASKS
 WARMUPS = ("none", "quick", "full")  # fastbert.serving.warmup.WARMUPS
 
+
 def add_model_options(parser: argparse.ArgumentParser, backend: bool = True, dtype: str | None = None) -> None:
     """--model, --device, --dtype (default ``dtype``) and (``backend``) --backend: the options of every command
     that runs a checkpoint."""

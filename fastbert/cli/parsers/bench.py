@@ -30,4 +30,3 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--note", default=None, help="free text stored in the JSON and shown in the Markdown")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     return parser
-

@@ -12,4 +12,3 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser("check", help="compare fastbert with transformers on a checkpoint; PASS/FAIL")
     parsers.add_model_options(parser)
     return parser
-

@@ -15,4 +15,3 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--no-optimize", action="store_true", help="leave out fastbert.optimize(HF model)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     return parser
-

@@ -91,4 +91,3 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         "--eval-every": "held-out evaluation every N steps (0: at the end)",
         "--resume": "continue the run in -o from its latest checkpoint",
         "--no-optimize": "run the plain transformers models"})
-

@@ -85,4 +85,3 @@ def add_ray_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-actors", type=int, default=1, help="model replicas on Ray (default 1)")
     parser.add_argument("--ray-cpus", type=float, default=1.0, help="CPUs per Ray actor (default 1)")
     parser.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs per Ray actor (default 0)")
-

@@ -64,4 +64,3 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run in --output-dir")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default: at the end)")
     parser.add_argument("--log-every", type=int, default=10, help="a progress line every N steps")
-

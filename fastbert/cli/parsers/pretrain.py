@@ -66,4 +66,3 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
                         help="share of the documents held out for evaluation (default 0.05; with fewer than 20 "
                         "documents, the share of each document's last sentences)")
     parsers.add_loop_options(parser)
-

@@ -50,4 +50,3 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="serve on a Ray cluster with Ray Serve (needs the ray extra), --replicas copies")
     parser.add_argument("--replicas", type=int, default=1, help="with --ray: replicas of the model (default 1)")
     return parser
-

@@ -19,4 +19,3 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "choices are kept per thread count")
     parser.add_argument("--clear", action="store_true", help="remove every tuning file from the cache and stop")
     return parser
-
