@@ -4,6 +4,7 @@ line without a traceback."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -21,25 +22,22 @@ class UserError(Exception):
 
 
 def check_dir_creatable(path: str | os.PathLike, option: str) -> None:
-    """UserError naming ``option`` unless ``path`` is a directory a file can be written in, or can be created as one;
-    tried by creating what is missing and a temporary file in it, then removing them again, so that work which fails
-    later leaves nothing behind."""
+    """UserError naming ``option`` unless ``path`` is a directory a file can be written in, or can be created as one:
+    tried with a temporary file in it, or in its nearest existing parent, removed again. It creates no directory, so
+    work that fails later leaves nothing behind, and processes started together (torchrun's ranks) can check the
+    same path at once."""
     path = Path(path)
-    missing = [p for p in (path, *path.parents) if not p.exists()]
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        if existing == path:
+            raise UserError(f"{option} {path} exists and is not a directory")
+        raise UserError(f"{option} {path}: cannot create the directory ({os.strerror(errno.ENOTDIR)})")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UserError(f"{option} {path} exists and is not a directory") from None
-    except OSError as err:
-        raise UserError(f"{option} {path}: cannot create the directory ({err.strerror})") from None
-    try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".fastbert-probe-"):
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".fastbert-probe-"):
             pass
     except OSError as err:
-        raise UserError(f"{option} {path}: cannot write in the directory ({err.strerror})") from None
-    finally:
-        for created in missing:  # deepest first
-            created.rmdir()
+        what = "cannot write in the directory" if existing == path else f"cannot create the directory in {existing}"
+        raise UserError(f"{option} {path}: {what} ({err.strerror})") from None
 
 
 def check_file_writable(path: str | os.PathLike, option: str, replaced: bool = False) -> None:

@@ -2,6 +2,7 @@
 is a UserError (one line, no traceback, in the CLI)."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -50,6 +51,31 @@ def test_a_creatable_output_dir_is_checked_without_leaving_it_behind(tmp_path):
         resolve.check_dir_creatable(tmp_path / "afile", "--out")
     with pytest.raises(resolve.UserError, match=r"afile/sub: cannot create the directory \(Not a directory\)$"):
         resolve.check_dir_creatable(tmp_path / "afile" / "sub", "--out")
+
+
+def test_processes_started_together_can_check_the_same_output_dir(tmp_path):
+    """torchrun's ranks all check -o at once: a check that created and removed the directory failed one of them."""
+    target = tmp_path / "runs" / "pair"
+    errors = []
+
+    def check_many_times():
+        for _ in range(300):
+            try:
+                resolve.check_dir_creatable(target, "-o")
+            except Exception as err:  # noqa: BLE001 - any failure is the race
+                errors.append(err)
+
+    threads = [threading.Thread(target=check_many_times) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_dir_under_one_that_takes_no_files_is_refused():
+    with pytest.raises(resolve.UserError, match=r"^-o /proc/x/y: cannot create the directory in /proc \("):
+        resolve.check_dir_creatable("/proc/x/y", "-o")
 
 
 def test_an_existing_output_dir_no_file_can_be_written_in_is_refused(tmp_path):
