@@ -21,8 +21,8 @@ The convention (also in CONTRIBUTING.md, "Documentation"):
   the parenthesis count):
   - `gpu`: needs a CUDA device; the test carries pytest's `gpu` marker, which the default run deselects
     (`pytest -m gpu` runs it on a GPU machine);
-  - `slow`: runs for more than a few seconds; the test carries the `slow` marker (in the default run, out of the
-    quick loop);
+  - `slow`: runs for ten seconds or more on 2 cores; the test carries the `slow` marker (left out of the default
+    run; CI's second command runs it);
   - `skip-run`: the block cannot run here (it installs for minutes, needs a cluster or several machines, runs a
     benchmark for many minutes, or would recurse: the test suite itself). Its test still runs, and checks what it
     cheaply can instead (`check_without_running`): Python blocks compile and their imports resolve; bash blocks pass

@@ -337,6 +337,7 @@ def test_modernbert_int8_layers_match_the_float_layers_with_an_exact_gemm(monkey
     assert rel_err(out.last_hidden_state[real], ref.last_hidden_state[real]) <= 1e-5
 
 
+@pytest.mark.slow  # ~16 s here; the BERT int8 checks stay in the default run
 @pytest.mark.filterwarnings("ignore:.*checkpoint keys unused")  # (the encoder alone, from a classifier's checkpoint)
 def test_modernbert_int8_embeddings_and_classifier_match_fp32(tmp_path, tokenizer, sentences, topics):
     """ModernBERT at ModernBERT-base's widths (H 768, 12 heads, GLU 2 x 1152) in 3 layers (global, sliding,

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # a pytest run of its own: ~16 s here
 def test_ops_benchmark_runs_once_per_case(tmp_path):
     """benchmarks/test_ops_bench.py with the fewest timing rounds: every case checks its fused backends against the
     unfused PyTorch ops and the report (ops.md, ops.json, ops_speedup.png) is written, so the per-op benchmark

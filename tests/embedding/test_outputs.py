@@ -95,6 +95,7 @@ def test_resuming_removes_what_a_killed_write_left(tmp_path):
     assert (resumed.rows_done, resumed.stats().rows) == (2, 2)
 
 
+@pytest.mark.slow  # ~15 s here
 def test_sharded_output_resumes_after_sigkill_without_missing_or_repeated_rows(tiny_dir, tmp_path, sentences,
                                                                               write_lines, embed_cli):
     source = write_lines(tmp_path / "in.txt", sentences[:2400])

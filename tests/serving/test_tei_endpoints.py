@@ -186,6 +186,7 @@ def test_embed_sparse_equals_transformers_splade(start_server, splade_dir, check
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # a server of its own with a full warm-up: ~14 s here
 def test_health_is_503_until_the_warm_up_is_done(start_server):
     server = start_server(["--warmup", "full", "--warmup-seconds", "30"], wait=False)
     seen, deadline = [], time.monotonic() + 240
