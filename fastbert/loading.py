@@ -9,12 +9,13 @@ and `fastbert.optimize` (parameters shared with a live transformers module); the
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from pathlib import Path
 
 import torch
 
-from fastbert import families
+from fastbert import backends, families
 from fastbert.config import FastBertConfig
 from fastbert.cuda_graphs import enable_on_cuda
 from fastbert.heads import build_task_model, head_key_map, redundant_checkpoint_keys
@@ -89,14 +90,25 @@ def read_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
         path = directory / name
         if not path.is_file():
             continue
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            state = load_file(str(path))
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        return {_rename_legacy(k): v for k, v in state.items()}
+        return {_rename_legacy(k): v for k, v in _read_weights_file(path).items()}
     raise CheckpointError(f"{directory} holds no weights: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def _read_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one weights file; CheckpointError, with the reader's first line, for a broken one."""
+    if path.name.endswith(".safetensors"):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except SafetensorError as err:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {str(err)[:200]}") from err
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as err:  # (torch's message is a page on weights_only)
+        raise CheckpointError(f"{path} is not a readable torch checkpoint holding only tensors "
+                              f"(torch.load(weights_only=True): {type(err).__name__})") from err
 
 
 def detect_prefix(config: FastBertConfig, keys) -> str:
@@ -160,6 +172,7 @@ def from_pretrained(
     ``torch.inference_mode()``) replay CUDA graphs of the packed encoder, one per bucket of shapes
     (`fastbert.cuda_graphs`); False launches every op. On CPU it does nothing.
     """
+    backends.requested_backend(backend)  # an unknown name fails before the checkpoint is read
     directory = Path(path)
     config, source = _read_checkpoint(directory)
     prefix = detect_prefix(config, source)

@@ -425,6 +425,7 @@ class FastBertModel(nn.Module):
 
     def __init__(self, config: FastBertConfig, backend: str = "auto", padding_free: bool = True):
         super().__init__()
+        backends.requested_backend(backend)  # an unknown name fails here, not at the first forward
         self.config = config
         self.backend = backend
         self.padding_free = padding_free

@@ -1118,8 +1118,8 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
     activations per token: `fastbert.quantization`), for inference on CPU of a float32 model (ValueError on CUDA;
     a call in training mode raises). The transformers model keeps its float weights; the int8 copies are extra.
 
-    Raises ValueError when the model holds no supported encoder, or one configured in a way fastbert cannot run
-    (decoder, cross-attention, relative position embeddings).
+    Raises ValueError for an unknown backend, when the model holds no supported encoder, or one configured in a way
+    fastbert cannot run (decoder, cross-attention, relative position embeddings).
     """
     targets = _bases(model)
     if not targets:
@@ -1127,6 +1127,7 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
     if dtype not in (None, "int8"):
         raise ValueError(f"fastbert.optimize: dtype must be None or 'int8', got {dtype!r} (cast the model with "
                          "model.to(dtype) for float16/bfloat16)")
+    backends.requested_backend(backend)  # an unknown name fails here, not at the first forward
     for base in targets:
         FastBertConfig.from_hf_dict(base.config.to_dict())  # raises for unsupported model types and configurations
         weight = next(base.parameters())

@@ -177,6 +177,21 @@ def test_checkpoint_missing_files(bert_dir, tmp_path):
         fastbert.from_pretrained(tmp_path)
 
 
+def test_checkpoint_unreadable_weights_and_an_unknown_backend(bert_dir, tmp_path):
+    shutil.copy(bert_dir / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(bytes(100))
+    with pytest.raises(fastbert.CheckpointError, match="model.safetensors is not a readable safetensors file"):
+        fastbert.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(fastbert.CheckpointError, match="pytorch_model.bin is not a readable torch checkpoint"):
+        fastbert.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):  # before the checkpoint is read
+        fastbert.from_pretrained(tmp_path / "absent", backend="bogus")
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        fastbert.FastBertModel(fastbert.from_pretrained(bert_dir).config, backend="tpu")
+
+
 def test_checkpoint_wrong_shapes_and_missing_keys(bert_dir, tmp_path):
     shutil.copy(bert_dir / "config.json", tmp_path / "config.json")
     state = load_file(bert_dir / "model.safetensors")

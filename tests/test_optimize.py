@@ -143,6 +143,13 @@ def test_optimize_rejects_unsupported_configurations(option):
         fastbert.optimize(model)
 
 
+def test_optimize_rejects_an_unknown_backend_before_changing_the_model():
+    model = tiny_model("bert")
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        fastbert.optimize(model, backend="bogus")
+    assert not fastbert.is_optimized(model)
+
+
 def test_optimize_rejects_models_without_supported_encoder():
     with pytest.raises(ValueError, match="no transformers model"):
         fastbert.optimize(torch.nn.Linear(2, 2))

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from fastbert.bench import e2e, peers, report
+from fastbert.cli import shared
 from fastbert.common.resolve import UserError, check_dir_creatable, resolve_device, resolve_dtype, resolve_model
 
 
@@ -16,6 +17,7 @@ def run(args: argparse.Namespace) -> int:
     out = None if args.no_write else Path(args.out) if args.out else report.default_out_dir(settings.device)
     if args.out and not args.no_write:  # checked before the run, whose results would be lost after it
         check_dir_creatable(out, "--out")
+    shared.check_checkpoint(settings.model_dir, settings.backend)  # the reference loads first, and says less
     results = e2e.run_e2e(settings, progress=True)
     for line in report.summary_lines(results):
         print(line)
@@ -45,6 +47,8 @@ def bench_settings(args: argparse.Namespace) -> e2e.BenchSettings:
             raise UserError(f"{name} values must be positive")
     if (args.repeats is not None and args.repeats < 1) or (args.warmup is not None and args.warmup < 0):
         raise UserError("--repeats must be >= 1 and --warmup >= 0")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:  # (NaN too)
+        raise UserError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     return e2e.BenchSettings(
         model_dir=model_dir, device=device, dtype=dtype, batches=args.batch or batches, seqs=args.seq or seqs,
         varlen=args.varlen, peers=args.peers if args.peers is not None else peer_names,

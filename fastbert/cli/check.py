@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from fastbert import numerics
-from fastbert.bench import peers, report
+from fastbert.bench import report
 from fastbert.bench.workloads import Workload
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
@@ -34,10 +34,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{source} padded to {batch['input_ids'].shape[1]} tokens ({int(mask.sum())} real); reference: "
           "transformers AutoModel (eager) in float32; hidden states compared at real tokens only\n")
     seen: dict = {}
-    reference = outputs(peers.load_hf_model(model_dir, "eager", torch.float32, device), batch)
-    hf_same = outputs(peers.load_hf_model(model_dir, "eager", dtype, device), batch) if dtype != torch.float32 \
-        else None
-    ours = outputs(shared.load_fastbert(model_dir, dtype, device, args.backend), batch, seen)
+    fast = shared.load_fastbert(model_dir, dtype, device, args.backend)  # first: its errors name what is wrong
+    reference = outputs(shared.load_hf_model(model_dir, torch.float32, device), batch)
+    hf_same = outputs(shared.load_hf_model(model_dir, dtype, device), batch) if dtype != torch.float32 else None
+    ours = outputs(fast, batch, seen)
     rows, passed = compare(reference, hf_same, ours, mask, dtype)
     headers = ("output", "max abs err", "mean abs err", f"HF {str(dtype)[6:]} err", "rule", "result")
     print(report.format_table(headers, rows))

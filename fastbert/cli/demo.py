@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from fastbert.bench import peers, report, timing
+from fastbert.bench import report, timing
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
 from fastbert.common.text import SENTENCES, TextEncoder, mean_pool
@@ -46,14 +46,15 @@ def run(args: argparse.Namespace) -> int:
 
 def load_implementations(model_dir: str, dtype: torch.dtype, device: torch.device, backend: str,
                          optimize: bool) -> list[tuple[str, torch.nn.Module]]:
-    """(name, model): transformers first (the reference), then fastbert's model, then fastbert.optimize(HF)."""
-    implementations = [("transformers AutoModel (eager)", peers.load_hf_model(model_dir, "eager", dtype, device))]
+    """(name, model): transformers first (the reference), then fastbert's model, then fastbert.optimize(HF).
+    fastbert's loads first: its errors name what is wrong with a checkpoint."""
     fast = shared.load_fastbert(model_dir, dtype, device, backend)
-    implementations.append((f"fastbert.from_pretrained (backend={backend})", fast))
+    implementations = [("transformers AutoModel (eager)", shared.load_hf_model(model_dir, dtype, device)),
+                       (f"fastbert.from_pretrained (backend={backend})", fast)]
     if optimize:
         import fastbert
 
-        optimized = fastbert.optimize(peers.load_hf_model(model_dir, "eager", dtype, device), backend=backend)
+        optimized = fastbert.optimize(shared.load_hf_model(model_dir, dtype, device), backend=backend)
         implementations.append(("fastbert.optimize(transformers model)", optimized))
     return implementations
 

@@ -70,6 +70,11 @@ def check_options(args: argparse.Namespace) -> None:
         raise UserError("--resume continues an --output-dir run; give --output-dir")
     if args.window_rows is not None and args.window_rows < 1:  # 0 would otherwise read as "not given"
         raise UserError("--window-rows must be >= 1")
+    ray_options = {"--ray-address": args.ray_address is not None, "--ray-actors": args.ray_actors != 1,
+                   "--ray-cpus": args.ray_cpus != 1.0, "--ray-gpus": args.ray_gpus != 0.0}
+    given = [option for option, differs in ray_options.items() if differs]
+    if given and not args.ray:
+        raise UserError(f"{', '.join(given)} set{'s' if len(given) == 1 else ''} up the Ray run; add --ray")
     if args.similarity:
         check_similarity_options(args)
         return
@@ -81,6 +86,9 @@ def check_options(args: argparse.Namespace) -> None:
         check_file_writable(args.output, "--output", replaced=parquet)  # Parquet: written aside, moved over it
     elif output_format_of(args) != "jsonl":
         raise UserError(f"{args.format} output needs --output FILE or --output-dir (stdout takes JSONL only)")
+    if args.output_dtype != "float32" and output_format_of(args) == "jsonl":
+        raise UserError(f"--output-dtype {args.output_dtype} sets the value type of npy and Parquet output; JSONL "
+                        "writes decimal numbers")
 
 
 def check_input_options(args: argparse.Namespace) -> None:

@@ -103,6 +103,12 @@ def resolve_model(path: str | None) -> tuple[str, FastBertConfig]:
     return directory, config
 
 
+def model_error(model_dir: str | os.PathLike, err: Exception) -> UserError:
+    """A loading error as one line that names the checkpoint directory once (CheckpointError's own text names it)."""
+    message = str(err)
+    return UserError(message if str(model_dir) in message else f"{model_dir}: {message}")
+
+
 def resolve_device(name: str | None) -> torch.device:
     name = name or best_device()
     try:

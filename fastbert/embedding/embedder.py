@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from fastbert.common.resolve import UserError
+from fastbert.common.resolve import UserError, model_error
 from fastbert.common.text import load_auto_tokenizer, mean_pool
 from fastbert.embedding.batching import real_token_batches
 from fastbert.embedding.checkpoint import config_digest, default_max_length, sentence_transformers_head
@@ -133,7 +133,7 @@ class Embedder:
             return fastbert.from_pretrained(self.model_dir, dtype=dtype, device=self.device,
                                             backend=backend, cuda_graphs=self.cuda_graphs).eval()
         except ValueError as err:  # CheckpointError, an unsupported family
-            raise UserError(f"{self.model_dir}: {err}") from err
+            raise model_error(self.model_dir, err) from err
 
     def _load_tokenizer(self) -> None:
         """The checkpoint's tokenizer.json through the tokenizers library, else transformers' AutoTokenizer."""

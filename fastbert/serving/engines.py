@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastbert.common.resolve import DTYPES, UserError, resolve_device, resolve_model, resolve_precision
+from fastbert.common.resolve import DTYPES, UserError, model_error, resolve_device, resolve_model, resolve_precision
 from fastbert.common.text import load_auto_tokenizer
 from fastbert.embedding import Embedder, sentence_transformers_head
 from fastbert.serving.schemas import InputError
@@ -196,9 +196,8 @@ class ClassifyEngine:
             self.model = fastbert.from_pretrained(self.model_dir, task="sequence-classification",
                                                   dtype="int8" if self.precision == "int8" else self.dtype,
                                                   device=self.device, backend=backend, require_head=True).eval()
-        except ValueError as err:  # CheckpointError (no head), an unsupported family: naming the directory once
-            message = str(err)
-            raise UserError(message if str(self.model_dir) in message else f"{self.model_dir}: {message}") from err
+        except ValueError as err:  # CheckpointError (no head), an unsupported family
+            raise model_error(self.model_dir, err) from err
         self.labels = checkpoint_labels(self.model_dir, self.config.num_labels)
         if task == "rerank" and len(self.labels) != 1:
             raise UserError(f"{self.model_dir} has {len(self.labels)} labels; a reranker (cross-encoder) has one")

@@ -64,6 +64,7 @@ TOPIC_PACKAGES = ("asyncio", "email", "importlib", "multiprocessing", "unittest"
 PAIR_LABELS = ("follows", "random")
 CODE_LABELS = ("prose", "code")
 HELD_OUT_FRACTION = 0.2
+DEFAULT_MAX_LENGTH = 128  # tokens per example when --max-length is not given
 # The folders whose docstrings are left out: no prose of their own, tkinter (as in `cpython_sentences`), the tests.
 SKIPPED_DIRS = UNDOCUMENTED_DIRS | {"tkinter"} | TEST_DIRS
 _QUOTED = re.compile(r'"([^"]*)"')
@@ -415,7 +416,7 @@ class FinetuneSettings:
     learning_rate: float = 1e-4
     warmup_ratio: float = 0.1
     weight_decay: float = 0.01
-    max_length: int = 128
+    max_length: int | None = None  # None: DEFAULT_MAX_LENGTH, or the model's positions if fewer
     train_limit: int | None = None
     eval_limit: int | None = None
     seed: int = 0
@@ -436,7 +437,7 @@ class FinetuneSettings:
         """Raise ValueError naming the first setting that cannot run."""
         if self.task not in TASK_NAMES:
             raise ValueError(f"unknown task {self.task!r}; choose one of {', '.join(TASK_NAMES)}")
-        if self.batch_size < 1 or self.max_length < 8:
+        if self.batch_size < 1 or (self.max_length is not None and self.max_length < 8):
             raise ValueError("need --batch-size >= 1 and --max-length >= 8")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
@@ -610,7 +611,8 @@ def build_teacher(settings: FinetuneSettings, data: TaskData, tokenizer, student
         teacher_tokenizer = load_tokenizer(directory)
     except UserError as err:
         raise UserError(f"--teacher: {err}") from err
-    check_teacher(directory, config, data.labels, data.name, student_config, settings.max_length, weights,
+    max_length = settings.max_length or DEFAULT_MAX_LENGTH  # (None before `cap_max_length`)
+    check_teacher(directory, config, data.labels, data.name, student_config, max_length, weights,
                   (teacher_tokenizer, tokenizer))
     try:
         model, info = pretrained_classifier(directory, data.kind, output_loading_info=True)
@@ -635,12 +637,16 @@ def teacher_record(task: FinetuneTask, teacher: TaskTeacher) -> dict:
 
 
 def cap_max_length(settings: FinetuneSettings, config, log) -> FinetuneSettings:
-    """The settings with max_length at most the model's positions (a small pretrained model may have fewer than
-    the default), saying so on ``log`` when it cuts."""
+    """The settings with max_length set: the one asked for, which must fit the model's positions (UserError), or
+    the default cut to them (a small pretrained model may have fewer), saying so on ``log`` when it cuts."""
     positions = config.token_positions
-    if settings.max_length <= positions:
+    if settings.max_length is not None:
+        if settings.max_length > positions:
+            raise UserError(f"--max-length must lie in [8, {positions}] for this model, got {settings.max_length}")
         return settings
-    log.write(f"fastbert finetune: --max-length {settings.max_length} capped to the model's {positions} "
+    if DEFAULT_MAX_LENGTH <= positions:
+        return replace(settings, max_length=DEFAULT_MAX_LENGTH)
+    log.write(f"fastbert finetune: --max-length {DEFAULT_MAX_LENGTH} (the default) capped to the model's {positions} "
               "positions\n")
     return replace(settings, max_length=positions)
 

@@ -555,9 +555,10 @@ class PretrainSettings(RunSettings):
     def check(self) -> None:
         """UserError naming the first setting that cannot run (by its command-line option)."""
         positive = {"--max-length": self.max_length, "--batch-size": self.batch_size, "--max-steps": self.max_steps,
-                    "--vocab-size": self.vocab_size}
+                    "--vocab-size": self.vocab_size, "--hidden-size": self.hidden_size, "--num-layers": self.num_layers,
+                    "--num-heads": self.num_heads, "--intermediate-size": self.intermediate_size}
         for name, value in positive.items():
-            if value < 1:
+            if value is not None and value < 1:
                 raise UserError(f"{name} must be >= 1, got {value}")
         if self.max_length < 8:
             raise UserError(f"--max-length must be >= 8, got {self.max_length}")
@@ -742,9 +743,12 @@ def check_model_config(settings: PretrainSettings, overrides: dict[str, Any]) ->
     try:
         config = build_config(settings.objective, VocabularyShape(settings.objective, settings.vocab_size),
                               settings.max_length, overrides)
+        for field_name in DEFAULT_SIZES:  # transformers takes 0, then fails (zero division, oneDNN) or trains no layer
+            if getattr(config, field_name) < 1:
+                raise ValueError(f"{field_name} must be >= 1, got {getattr(config, field_name)}")
         with torch.device("meta"):
             build_model(settings.objective, config)
-    except (TypeError, ValueError, KeyError) as err:
+    except (TypeError, ValueError, KeyError, ZeroDivisionError) as err:  # (a --config with zero heads divides by 0)
         raise UserError(f"model config: {err}") from err
 
 

@@ -14,7 +14,7 @@ from fastbert import cli
 from fastbert.bench import machine, peers
 from fastbert.bench.machine import machine_tag
 from fastbert.cli import check
-from tests.helpers import tiny_model
+from tests.helpers import save_tiny_bert, tiny_model
 
 SIMILAR = ("A cat is sleeping on the sofa.", "A kitten naps on the couch.")
 UNRELATED = "The stock market fell sharply after the announcement."
@@ -107,6 +107,26 @@ def _no_weights_model(tmp_path):
     return str(tmp_path)
 
 
+def _wrong_shapes_model(tmp_path, minilm_dir):
+    """A tiny BERT with the MiniLM tokenizer whose config says hidden 16 where its weights are 32 wide: transformers
+    reports that in a table and raises a RuntimeError that does not say it."""
+    directory = save_tiny_bert(tmp_path / "shapes", minilm_dir)
+    config_path = tmp_path / "shapes" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "hidden_size": 16, "intermediate_size": 32}))
+    return directory
+
+
+def _corrupt_weights_model(tmp_path, minilm_dir):
+    directory = save_tiny_bert(tmp_path / "corrupt", minilm_dir)
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(bytes(100))
+    return directory
+
+
+PLACEHOLDERS = {"UNSUPPORTED": _unsupported_model, "NO_WEIGHTS": _no_weights_model,
+                "WRONG_SHAPES": _wrong_shapes_model, "CORRUPT": _corrupt_weights_model}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["check", "--model", "/no/such/dir"], "does not exist"),
     (["embed", "hello", "--model", "UNSUPPORTED"], "not supported"),
@@ -123,11 +143,38 @@ def _no_weights_model(tmp_path):
     (["embed", "--similarity", "a", "b", "--output-dtype", "float16", "--format", "jsonl"],
      "it takes no --format, --output-dtype"),
     (["serve", "--replicas", "2", "--port", "0"], "--replicas needs --ray"),
+    (["check", "--model", "WRONG_SHAPES"], "wrong shapes: embeddings.word_embeddings.weight: (30522, 32), "
+                                           "expected (30522, 16)"),
+    (["demo", "--model", "WRONG_SHAPES"], "wrong shapes"),
+    (["bench", "--quick", "--no-write", "--peers", "hf-eager", "--model", "WRONG_SHAPES"], "wrong shapes"),
+    (["check", "--model", "CORRUPT"], "model.safetensors is not a readable safetensors file"),
+    (["embed", "hello", "--model", "CORRUPT"], "model.safetensors is not a readable safetensors file"),
+    (["bench", "--quick", "--no-write", "--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
+    (["bench", "--quick", "--no-write", "--peak-tflops", "-5"], "--peak-tflops must be > 0, got -5.0"),
+    (["pretrain", "-o", "OUT", "--backend", "bogus"], "invalid choice: 'bogus'"),
+    (["distill", "-o", "OUT", "--backend", "bogus"], "invalid choice: 'bogus'"),
+    (["pretrain", "-o", "OUT", "--hidden-size", "0"], "--hidden-size must be >= 1, got 0"),
+    (["pretrain", "-o", "OUT", "--num-heads", "0"], "--num-heads must be >= 1, got 0"),
+    (["pretrain", "-o", "OUT", "--intermediate-size", "0"], "--intermediate-size must be >= 1, got 0"),
+    (["pretrain", "-o", "OUT", "--num-layers", "0"], "--num-layers must be >= 1, got 0"),
+    (["finetune", "--task", "topic", "-o", "OUT", "--max-length", "100000"],
+     "--max-length must lie in [8, 512] for this model, got 100000"),
+    (["embed", "hello", "--output-dtype", "float16"], "--output-dtype float16 sets the value type of npy and "
+                                                      "Parquet output"),
+    (["embed", "hello", "--ray-actors", "2", "--ray-cpus", "2"], "--ray-actors, --ray-cpus set up the Ray run; "
+                                                                 "add --ray"),
 ], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "int8-check", "bad-peer", "bad-backend",
-        "usage", "demo-no-repeats", "embed-no-window", "similarity-output", "similarity-format", "replicas-no-ray"])
-def test_errors_are_one_line(capsys, tmp_path, argv, message):
-    argv = [_unsupported_model(tmp_path) if a == "UNSUPPORTED" else _no_weights_model(tmp_path)
-            if a == "NO_WEIGHTS" else a for a in argv]
+        "usage", "demo-no-repeats", "embed-no-window", "similarity-output", "similarity-format", "replicas-no-ray",
+        "check-wrong-shapes", "demo-wrong-shapes", "bench-wrong-shapes", "check-corrupt-weights",
+        "embed-corrupt-weights", "bench-zero-peak", "bench-negative-peak", "pretrain-bad-backend",
+        "distill-bad-backend", "pretrain-no-width", "pretrain-no-heads", "pretrain-no-ffn", "pretrain-no-layers",
+        "finetune-too-long", "embed-output-dtype-to-jsonl", "embed-ray-options-without-ray"])
+def test_errors_are_one_line(capsys, tmp_path, minilm_dir, argv, message):
+    """A mistake is one line on stderr and a non-zero exit: no traceback, and no run started (nor a directory left:
+    pretrain and finetune refuse before they create -o)."""
+    argv = [PLACEHOLDERS[a](tmp_path, minilm_dir) if a in ("WRONG_SHAPES", "CORRUPT") else PLACEHOLDERS[a](tmp_path)
+            if a in PLACEHOLDERS else str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    capsys.readouterr()  # (transformers' save_pretrained draws a progress bar)
     try:
         code = cli.main(argv)
     except SystemExit as exit_:  # argparse usage errors
@@ -135,6 +182,7 @@ def test_errors_are_one_line(capsys, tmp_path, argv, message):
     _, err = capsys.readouterr()
     assert code != 0
     assert err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a device that is absent")

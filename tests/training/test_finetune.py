@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fastbert import cli  # noqa: E402
+from fastbert.common.resolve import UserError  # noqa: E402
 from fastbert.training import finetune  # noqa: E402
 from fastbert.training.corpus import prose_sentences  # noqa: E402
 from fastbert.training.finetune import Example, TaskData  # noqa: E402
@@ -269,6 +270,9 @@ def test_max_length_is_capped_to_the_models_positions(tmp_path, minilm_dir, caps
     assert results["settings"]["max_length"] == 24
     assert "capped to the model's 24 positions" in capsys.readouterr().err
     assert results["evaluation"]["truncated_words"] > 0  # counted as wrong, and reported
+    with pytest.raises(UserError, match=r"--max-length must lie in \[8, 24\] for this model, got 32"):
+        finetune.finetune(finetune.FinetuneSettings(task="code", output_dir=str(tmp_path / "asked"),
+                                                    model_dir=str(directory), max_length=32))  # asked for: not cut
 
 
 # --------------------------------------------------------------------------------------------- a real run

@@ -73,7 +73,8 @@ def add_loop_options(parser: argparse.ArgumentParser, helps: dict[str, str] | No
     parser.add_argument("--resume", action="store_true", help=text["--resume"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    parser.add_argument("--backend", default="auto", help="fastbert backend for fastbert.optimize (default auto)")
+    parser.add_argument("--backend", default="auto", choices=("auto",) + BACKENDS,
+                        help="fastbert backend for fastbert.optimize (default auto)")
     parser.add_argument("--no-optimize", action="store_true", help=text["--no-optimize"])
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="redraw the progress line in place (default: when stderr is a terminal)")

@@ -56,7 +56,8 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="examples per step (default 32)")
     parser.add_argument("--learning-rate", type=float, default=1e-4, help="peak AdamW learning rate (default 1e-4)")
     parser.add_argument("--warmup-ratio", type=float, default=0.1, help="linear warmup share of the steps")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per example (default 128)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per example, up to the model's positions (default 128, or the positions if fewer)")
     parser.add_argument("--train-limit", type=int, default=None, help="use a seeded sample of this many examples")
     parser.add_argument("--eval-limit", type=int, default=None, help="evaluate on a seeded sample of this many")
     parser.add_argument("--seed", type=int, default=0, help="data order, pair partners and head initialisation")
