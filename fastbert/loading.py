@@ -105,10 +105,16 @@ def _read_weights_file(path: Path) -> dict[str, torch.Tensor]:
         except SafetensorError as err:
             raise CheckpointError(f"{path} is not a readable safetensors file: {str(err)[:200]}") from err
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, EOFError, RuntimeError) as err:  # (torch's message is a page on weights_only)
-        raise CheckpointError(f"{path} is not a readable torch checkpoint holding only tensors "
-                              f"(torch.load(weights_only=True): {type(err).__name__})") from err
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # (its message is a page on weights_only)
+        raise CheckpointError(f"{path} is not a torch checkpoint holding only tensors (torch.load(weights_only=True) "
+                              "refused it)") from err
+    except (EOFError, RuntimeError) as err:  # an empty or truncated file
+        reason = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        raise CheckpointError(f"{path} is not a readable torch checkpoint: {reason}") from err
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a dict of tensors")
+    return state
 
 
 def detect_prefix(config: FastBertConfig, keys) -> str:

@@ -184,7 +184,13 @@ def test_checkpoint_unreadable_weights_and_an_unknown_backend(bert_dir, tmp_path
         fastbert.from_pretrained(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(fastbert.CheckpointError, match="pytorch_model.bin is not a torch checkpoint holding only"):
+        fastbert.from_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(fastbert.CheckpointError, match="pytorch_model.bin is not a readable torch checkpoint"):
+        fastbert.from_pretrained(tmp_path)
+    torch.save([torch.ones(2)], tmp_path / "pytorch_model.bin")
+    with pytest.raises(fastbert.CheckpointError, match="pytorch_model.bin holds a list, not a dict of tensors"):
         fastbert.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="unknown backend 'bogus'"):  # before the checkpoint is read
         fastbert.from_pretrained(tmp_path / "absent", backend="bogus")

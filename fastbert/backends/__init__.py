@@ -270,8 +270,11 @@ def generation() -> int:
 def requested_backend(backend: str | None) -> str:
     """Resolve the user's request: an explicit backend wins, ``auto``/None defers to ``FASTBERT_BACKEND``."""
     if backend in (None, "auto"):
-        backend = _ENV_BACKEND
-    if backend != "auto" and backend not in BACKENDS:
+        if _ENV_BACKEND != "auto" and _ENV_BACKEND not in BACKENDS:
+            raise ValueError(f"FASTBERT_BACKEND={_ENV_BACKEND!r} is not a backend; expected 'auto' or one of "
+                             f"{BACKENDS}")
+        return _ENV_BACKEND
+    if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {BACKENDS}")
     return backend
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from fastbert.bench import e2e, peers, report
@@ -47,8 +48,8 @@ def bench_settings(args: argparse.Namespace) -> e2e.BenchSettings:
             raise UserError(f"{name} values must be positive")
     if (args.repeats is not None and args.repeats < 1) or (args.warmup is not None and args.warmup < 0):
         raise UserError("--repeats must be >= 1 and --warmup >= 0")
-    if args.peak_tflops is not None and not args.peak_tflops > 0:  # (NaN too)
-        raise UserError(f"--peak-tflops must be > 0, got {args.peak_tflops}")
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops) and args.peak_tflops > 0):
+        raise UserError(f"--peak-tflops must be a finite number > 0, got {args.peak_tflops}")
     return e2e.BenchSettings(
         model_dir=model_dir, device=device, dtype=dtype, batches=args.batch or batches, seqs=args.seq or seqs,
         varlen=args.varlen, peers=args.peers if args.peers is not None else peer_names,

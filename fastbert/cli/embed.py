@@ -86,9 +86,9 @@ def check_options(args: argparse.Namespace) -> None:
         check_file_writable(args.output, "--output", replaced=parquet)  # Parquet: written aside, moved over it
     elif output_format_of(args) != "jsonl":
         raise UserError(f"{args.format} output needs --output FILE or --output-dir (stdout takes JSONL only)")
-    if args.output_dtype != "float32" and output_format_of(args) == "jsonl":
-        raise UserError(f"--output-dtype {args.output_dtype} sets the value type of npy and Parquet output; JSONL "
-                        "writes decimal numbers")
+    if args.output_dtype != "float32" and output_format_of(args) == "jsonl" and not args.resume:
+        raise UserError(f"--output-dtype {args.output_dtype} sets the value type of npy and Parquet output (--format "
+                        "npy|parquet); JSONL writes decimal numbers")  # (a run resumed keeps what its manifest says)
 
 
 def check_input_options(args: argparse.Namespace) -> None:

@@ -9,7 +9,6 @@ import torch
 
 from fastbert.bench import peers, recording
 from fastbert.common.resolve import UserError, model_name
-from fastbert.loading import CheckpointError
 
 
 def set_threads(threads: int | None) -> None:
@@ -45,10 +44,11 @@ def need_transformers(command: str) -> None:
 
 
 def load_fastbert(model_dir: str, dtype: torch.dtype, device: torch.device, backend: str) -> torch.nn.Module:
-    """fastbert's model of a checkpoint, in eval mode; a checkpoint it cannot read is a UserError."""
+    """fastbert's model of a checkpoint, in eval mode; a checkpoint it cannot read (CheckpointError) or a
+    FASTBERT_BACKEND that names no backend is a UserError."""
     try:
         return peers.load_fastbert(model_dir, dtype, device, backend)
-    except CheckpointError as err:
+    except ValueError as err:  # CheckpointError is one
         raise UserError(str(err)) from err
 
 
@@ -58,7 +58,8 @@ def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> t
     try:
         return peers.load_hf_model(model_dir, "eager", dtype, device)
     except (OSError, RuntimeError, ValueError) as err:
-        raise UserError(f"{model_dir}: transformers cannot load it: {str(err).splitlines()[0][:300]}") from err
+        reason = (str(err).splitlines() or [type(err).__name__])[0][:300]
+        raise UserError(f"{model_dir}: transformers cannot load it: {reason}") from err
 
 
 def check_checkpoint(model_dir: str, backend: str) -> None:

@@ -106,7 +106,8 @@ def resolve_model(path: str | None) -> tuple[str, FastBertConfig]:
 def model_error(model_dir: str | os.PathLike, err: Exception) -> UserError:
     """A loading error as one line that names the checkpoint directory once (CheckpointError's own text names it)."""
     message = str(err)
-    return UserError(message if str(model_dir) in message else f"{model_dir}: {message}")
+    named = str(model_dir) in message or str(Path(model_dir)) in message  # (Path drops a leading ./)
+    return UserError(message if named else f"{model_dir}: {message}")
 
 
 def resolve_device(name: str | None) -> torch.device:

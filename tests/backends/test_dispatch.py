@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+import fastbert
 from fastbert import backends, ops
 from tests.helpers import TOKEN_OPS, attention_args, op_args, padded_batch, tiny_model
 
@@ -60,8 +61,10 @@ def test_env_var_forces_backend_once_read(environment):
     assert backends.choose("linear_activation", "auto", x, w, b, "gelu") == ("eager", {})
     environment.setenv("FASTBERT_BACKEND", "nonsense")
     backends.read_environment()
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(ValueError, match="FASTBERT_BACKEND='nonsense' is not a backend"):
         backends.choose("linear_activation", "auto", x, w, b, "gelu")
+    with pytest.raises(ValueError, match="FASTBERT_BACKEND='nonsense' is not a backend"):  # at once, not at a call
+        fastbert.optimize(tiny_model("bert"))
 
 
 def test_grad_falls_back_to_a_backend_with_backward():

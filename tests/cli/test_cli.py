@@ -149,8 +149,8 @@ PLACEHOLDERS = {"UNSUPPORTED": _unsupported_model, "NO_WEIGHTS": _no_weights_mod
     (["bench", "--quick", "--no-write", "--peers", "hf-eager", "--model", "WRONG_SHAPES"], "wrong shapes"),
     (["check", "--model", "CORRUPT"], "model.safetensors is not a readable safetensors file"),
     (["embed", "hello", "--model", "CORRUPT"], "model.safetensors is not a readable safetensors file"),
-    (["bench", "--quick", "--no-write", "--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
-    (["bench", "--quick", "--no-write", "--peak-tflops", "-5"], "--peak-tflops must be > 0, got -5.0"),
+    (["bench", "--quick", "--no-write", "--peak-tflops", "0"], "--peak-tflops must be a finite number > 0, got 0.0"),
+    (["bench", "--quick", "--no-write", "--peak-tflops", "-5"], "--peak-tflops must be a finite number > 0, got -5.0"),
     (["pretrain", "-o", "OUT", "--backend", "bogus"], "invalid choice: 'bogus'"),
     (["distill", "-o", "OUT", "--backend", "bogus"], "invalid choice: 'bogus'"),
     (["pretrain", "-o", "OUT", "--hidden-size", "0"], "--hidden-size must be >= 1, got 0"),
@@ -161,6 +161,7 @@ PLACEHOLDERS = {"UNSUPPORTED": _unsupported_model, "NO_WEIGHTS": _no_weights_mod
      "--max-length must lie in [8, 512] for this model, got 100000"),
     (["embed", "hello", "--output-dtype", "float16"], "--output-dtype float16 sets the value type of npy and "
                                                       "Parquet output"),
+    (["bench", "--quick", "--no-write", "--peak-tflops", "inf"], "--peak-tflops must be a finite number > 0"),
     (["embed", "hello", "--ray-actors", "2", "--ray-cpus", "2"], "--ray-actors, --ray-cpus set up the Ray run; "
                                                                  "add --ray"),
 ], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "int8-check", "bad-peer", "bad-backend",
@@ -168,12 +169,19 @@ PLACEHOLDERS = {"UNSUPPORTED": _unsupported_model, "NO_WEIGHTS": _no_weights_mod
         "check-wrong-shapes", "demo-wrong-shapes", "bench-wrong-shapes", "check-corrupt-weights",
         "embed-corrupt-weights", "bench-zero-peak", "bench-negative-peak", "pretrain-bad-backend",
         "distill-bad-backend", "pretrain-no-width", "pretrain-no-heads", "pretrain-no-ffn", "pretrain-no-layers",
-        "finetune-too-long", "embed-output-dtype-to-jsonl", "embed-ray-options-without-ray"])
-def test_errors_are_one_line(capsys, tmp_path, minilm_dir, argv, message):
+        "finetune-too-long", "embed-output-dtype-to-jsonl", "bench-infinite-peak", "embed-ray-options-without-ray"])
+def test_errors_are_one_line(capsys, request, tmp_path, argv, message):
     """A mistake is one line on stderr and a non-zero exit: no traceback, and no run started (nor a directory left:
     pretrain and finetune refuse before they create -o)."""
-    argv = [PLACEHOLDERS[a](tmp_path, minilm_dir) if a in ("WRONG_SHAPES", "CORRUPT") else PLACEHOLDERS[a](tmp_path)
-            if a in PLACEHOLDERS else str(tmp_path / "out") if a == "OUT" else a for a in argv]
+
+    def value(arg: str) -> str:
+        if arg in ("WRONG_SHAPES", "CORRUPT"):  # these copy the MiniLM tokenizer
+            return PLACEHOLDERS[arg](tmp_path, request.getfixturevalue("minilm_dir"))
+        if arg in PLACEHOLDERS:
+            return PLACEHOLDERS[arg](tmp_path)
+        return str(tmp_path / "out") if arg == "OUT" else arg
+
+    argv = [value(a) for a in argv]
     capsys.readouterr()  # (transformers' save_pretrained draws a progress bar)
     try:
         code = cli.main(argv)
