@@ -125,7 +125,7 @@ def build_runners(model_dir: str, config: FastBertConfig, workdir: str, skip_ort
     add("fastbert (from_pretrained)", "fastbert")
     add("fastbert (optimize)", "fastbert-optimize")
     notes["fastbert"] = {"backend": "auto", "compiled_capability": cpp_backend.compiled_capability(),
-                         "bf16_attention_on_amx": cpp_backend.amx_attention(config.head_dim)}
+                         "bf16_attention_kernel": cpp_backend.bf16_attention_kernel(config.head_dim)}
     # The same model forced onto one backend (onednn: its GEMMs on oneDNN's packed weights), beside auto
     for backend in dict.fromkeys((*forced, *(("onednn",) if onednn else ()))):
         runners[f"fastbert {backend}"], notes[f"fastbert {backend}"] = peers.build_peer(

@@ -21,13 +21,17 @@
 // cover, so a local layer costs about S * window instead of S^2; the band's edges are masked per row inside the
 // register tiles.
 //
-// bfloat16 on CPUs with AMX (`brgemm_attention_usable`: an AVX-512 build, AMX-BF16, an even head dim up to 256),
-// without dropout or a window and with a positive scale: each work item runs its two products on oneDNN's brgemm
-// micro-kernels through ATen (`attend_item_brgemm`), bf16 x bf16 -> fp32 on AMX tiles, K and V packed per block
-// into the VNNI layout the tiles read; the softmax statistics stay in fp32, the probabilities are rounded to bf16
-// for the P V product (as PyTorch's own CPU flash attention does) and each row normalised by the sum of exactly
-// those bf16 values. Query rows are padded to a multiple of kBrgemmRows and keys to a multiple of kBrgemmKeys, so
-// few distinct micro-kernels are generated.
+// bfloat16 products on CPUs that compute bf16 natively (`bf16_attention_kernel`: an AVX-512 build, AVX512-BF16,
+// an even head dim up to 256), without dropout or a window and with a positive scale: K and V are packed per block
+// into VNNI pairs (two bf16 values along the reduced dimension in one 32-bit unit), and
+// - with AMX-BF16, each work item runs its two products on oneDNN's brgemm micro-kernels through ATen
+//   (`attend_item_brgemm`), bf16 x bf16 -> fp32 on AMX tiles; query rows are padded to a multiple of kBrgemmRows
+//   and keys to a multiple of kBf16Keys, so few distinct micro-kernels are generated;
+// - without AMX (AMD Zen 4 and later, Cooper Lake), on register tiles of kVnniRows query rows x 32 columns with
+//   vdpbf16ps (`attend_item_avx512bf16`): ATen's brgemm is AMX-only, and these products in fp32 (the vector
+//   kernel) cost about twice as long. Each tile of rows runs Q K^T, its softmax and P V while it is in L1.
+// Either way the softmax statistics stay in fp32, the probabilities are rounded to bf16 for the P V product (as
+// PyTorch's own CPU flash attention does) and each row is normalised by the sum of exactly those bf16 values.
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #if defined(CPU_CAPABILITY_AVX512)
@@ -38,8 +42,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -353,22 +359,24 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
   }
 }
 
-// ---------------------------------------------------------------------------------------------- AMX (brgemm)
-#if defined(CPU_CAPABILITY_AVX512)  // AMX CPUs all have AVX-512: builds for narrower ISAs use the vector kernel
-constexpr int64_t kBrgemmRows = 32;       // query rows are padded to a multiple of this
-constexpr int64_t kBrgemmQueryChunk = 256;  // query rows per work item
-constexpr int64_t kBrgemmKeys = 32;       // keys per block are padded to a multiple of this
-constexpr int64_t kBrgemmKeyBlock = 256;  // keys per online-softmax step (128 and 512 ran slower here)
-constexpr int64_t kBrgemmMaxDim = 256;
+// ------------------------------------------------------------------------ bf16 products: AMX or AVX512-BF16
+#if defined(CPU_CAPABILITY_AVX512)  // bf16 CPUs all have AVX-512: builds for narrower ISAs use the vector kernel
+constexpr int64_t kBrgemmRows = 32;       // AMX: query rows are padded to a multiple of this
+constexpr int64_t kVnniRows = 8;          // AVX512-BF16: query rows per register tile (and their padding)
+constexpr int64_t kBf16QueryChunk = 256;  // query rows per work item
+constexpr int64_t kBf16Keys = 32;         // keys per block are padded to a multiple of this
+constexpr int64_t kBf16KeyBlock = 256;    // keys per online-softmax step (128 and 512 ran slower on AMX)
+constexpr int64_t kBf16MaxDim = 256;
 
-// Per-thread bf16 tiles and fp32 accumulators of `attend_item_brgemm` for up to `rows` query rows and `keys` keys
-// per block, allocated once per call and not initialised (every element read is written first).
-struct BrgemmScratch {
+// Per-thread bf16 tiles and fp32 accumulators for up to `rows` query rows and `keys` keys per block; scores and
+// probabilities for `score_rows` of them at a time (all rows on AMX, one register tile's on AVX512-BF16). Allocated
+// once per call and not initialised (every element read is written first).
+struct Bf16Scratch {
   std::unique_ptr<c10::BFloat16[]> q, k_rows, kt, v, p;
   std::unique_ptr<float[]> s, acc, row_max, row_sum;
-  BrgemmScratch(int64_t rows, int64_t keys, int64_t dim)
+  Bf16Scratch(int64_t rows, int64_t score_rows, int64_t keys, int64_t dim)
       : q(new c10::BFloat16[rows * dim]), k_rows(new c10::BFloat16[keys * dim]), kt(new c10::BFloat16[dim * keys]),
-        v(new c10::BFloat16[keys * dim]), p(new c10::BFloat16[rows * keys]), s(new float[rows * keys]),
+        v(new c10::BFloat16[keys * dim]), p(new c10::BFloat16[score_rows * keys]), s(new float[score_rows * keys]),
         acc(new float[rows * dim]), row_max(new float[rows]), row_sum(new float[rows]) {}
 };
 
@@ -407,7 +415,7 @@ inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, int6
 // pair (d, d + 1) one unit); v = V in VNNI pairs [nk_padded / 2][dim][2], the B operand of P V.
 void pack_keys_vnni(const c10::BFloat16* kb, int64_t k_pos, const c10::BFloat16* vb, int64_t v_pos,
                     const int64_t* key_positions, int64_t k0, int64_t nk, int64_t nk_padded, int64_t dim,
-                    BrgemmScratch& w) {
+                    Bf16Scratch& w) {
   auto position = [&](int64_t j) { return key_positions ? key_positions[k0 + j] : k0 + j; };
   c10::BFloat16* k_rows = w.k_rows.get();
   for (int64_t j = 0; j < nk_padded; j += 2) {
@@ -462,7 +470,7 @@ inline float row_block_max(const float* s, int64_t nk) {
 // p[0, nk_padded) = bf16(exp(s * scale - shift)) for the first nk scores and zeros after; returns the sum of the
 // bf16 values, the weights P V multiplies by, so that the output is normalised by exactly them (normalising by
 // the unrounded sum put a ModernBERT bf16 training step's loss 6.7e-3 off where plain PyTorch's was 1.1e-3).
-__attribute__((target("avx512bf16")))  // vcvtne2ps2bf16: every CPU with AMX-BF16 has it (brgemm_attention_usable)
+__attribute__((target("avx512bf16")))  // vcvtne2ps2bf16 (bf16_attention_kernel checks the CPU has it)
 inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float scale, float shift,
                           c10::BFloat16* p) {
   const __m512 scale_log2e = _mm512_set1_ps(scale * static_cast<float>(M_LOG2E));
@@ -472,7 +480,7 @@ inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float s
     return _mm512_maskz_mov_ps(real, exp_scaled(_mm512_loadu_ps(s + col), scale_log2e, shift_log2e));
   };
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < nk_padded; j += 32) {  // nk_padded is a multiple of kBrgemmKeys (32)
+  for (int64_t j = 0; j < nk_padded; j += 32) {  // nk_padded is a multiple of kBf16Keys (32)
     const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(exp_at(j + 16), exp_at(j));
     _mm512_storeu_si512(p + j, rounded);
     sum = _mm512_add_ps(sum, _mm512_add_ps(widen_bf16(_mm512_castsi512_si256(rounded)),
@@ -484,7 +492,7 @@ inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float s
 // One query row's online-softmax step over a block of nk scores (unscaled; scale > 0): the running max and sum
 // updated, the row's accumulator rescaled when the max moved, and the block's probabilities in bf16 into p.
 // first_block: row_max / row_sum / acc hold nothing yet.
-inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, float scale, bool first_block,
+inline void softmax_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float scale, bool first_block,
                                float& row_max, float& row_sum, float* acc, int64_t dim, c10::BFloat16* p) {
   const float block_max = row_block_max(s, nk) * scale;
   const float new_max = first_block ? block_max : std::max(row_max, block_max);
@@ -503,7 +511,7 @@ inline void softmax_row_brgemm(const float* s, int64_t nk, int64_t nk_padded, fl
 
 // The item's query rows into w.q, zero rows after them up to rows_padded (a brgemm's A operand).
 void gather_queries(const c10::BFloat16* qb, int64_t q_pos, int64_t rows, int64_t rows_padded, int64_t dim,
-                    BrgemmScratch& w) {
+                    Bf16Scratch& w) {
   for (int64_t r = 0; r < rows_padded; ++r) {
     if (r < rows) {
       copy_row(qb + r * q_pos, dim, w.q.get() + r * dim);
@@ -514,7 +522,7 @@ void gather_queries(const c10::BFloat16* qb, int64_t q_pos, int64_t rows, int64_
 }
 
 // out rows of the item = acc / row_sum in bf16 (zeros for a row without keys).
-void store_rows(const WorkItem& item, const Layout& L, int64_t rows, const BrgemmScratch& w, c10::BFloat16* out) {
+void store_rows(const WorkItem& item, const Layout& L, int64_t rows, const Bf16Scratch& w, c10::BFloat16* out) {
   const int64_t dim = L.dim, out_row0 = L.first_row(item.batch) + item.q_begin;
   for (int64_t r = 0; r < rows; ++r) {
     const float total = w.row_sum[r];
@@ -532,7 +540,7 @@ void store_rows(const WorkItem& item, const Layout& L, int64_t rows, const Brgem
 // acc (+)= P V on brgemm micro-kernels, the softmax between them per row.
 void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
                         const c10::BFloat16* v, const int64_t* key_positions, float scale, c10::BFloat16* out,
-                        BrgemmScratch& w) {
+                        Bf16Scratch& w) {
   const int64_t dim = L.dim;
   const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kBrgemmRows);
   const c10::BFloat16* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
@@ -542,8 +550,8 @@ void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat
   std::fill_n(w.row_sum.get(), rows, 0.f);
   if (item.key_end == item.key_begin) std::fill_n(w.acc.get(), rows * dim, 0.f);
 
-  for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBrgemmKeyBlock) {
-    const int64_t nk = std::min(kBrgemmKeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBrgemmKeys);
+  for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBf16KeyBlock) {
+    const int64_t nk = std::min(kBf16KeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBf16Keys);
     const bool first_block = k0 == item.key_begin;
     pack_keys_vnni(kb, L.k_pos, vb, L.v_pos, key_positions, k0, nk, nk_padded, dim, w);
     at::native::cpublas::brgemm(rows_padded, nk_padded, dim, dim, nk_padded, nk_padded, false, w.q.get(),
@@ -551,7 +559,7 @@ void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat
     for (int64_t r = 0; r < rows_padded; ++r) {
       c10::BFloat16* pr = w.p.get() + r * nk_padded;
       if (r < rows) {
-        softmax_row_brgemm(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[r], w.row_sum[r],
+        softmax_row_bf16(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[r], w.row_sum[r],
                            w.acc.get() + r * dim, dim, pr);
       } else {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
         std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
@@ -564,26 +572,111 @@ void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat
   store_rows(item, L, rows, w, out);
 }
 
-// Every item on the brgemm kernel, threads taking the next item as they finish (`attention_cpu`'s contract).
-void attend_items_brgemm(const std::vector<WorkItem>& items, const Layout& L, const at::Tensor& q, const at::Tensor& k,
-                         const at::Tensor& v, const std::vector<int64_t>& key_positions, int64_t positions_stride,
-                         int64_t longest, int64_t longest_keys, float scale, at::Tensor& out) {
+// c[r][0, n) (+)= sum_{i < 2 pairs} a[r][i] * b[i][0, n) for r < kVnniRows, with vdpbf16ps: a is bf16 rows of lda
+// elements, b the VNNI pairs [pairs][ldb][2] (ldb >= n), c fp32 rows of ldc. 32 columns (two vectors) per step,
+// the last step masked: columns at n and past it are neither read nor written.
+__attribute__((target("avx512bf16")))
+void gemm_tile_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ldb, int64_t pairs,
+                    int64_t n, float* c, int64_t ldc, bool accumulate) {
+  auto lanes = [](int64_t count) {
+    return count >= 16 ? __mmask16(0xFFFF) : count > 0 ? __mmask16((1u << count) - 1) : __mmask16(0);
+  };
+  for (int64_t col = 0; col < n; col += 32) {
+    const __mmask16 m0 = lanes(n - col), m1 = lanes(n - col - 16);
+    __m512 acc[kVnniRows][2];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < kVnniRows; ++r) {
+      acc[r][0] = accumulate ? _mm512_maskz_loadu_ps(m0, c + r * ldc + col) : _mm512_setzero_ps();
+      acc[r][1] = accumulate ? _mm512_maskz_loadu_ps(m1, c + r * ldc + col + 16) : _mm512_setzero_ps();
+    }
+    const c10::BFloat16* bp = b + 2 * col;
+    for (int64_t i = 0; i < pairs; ++i, bp += 2 * ldb) {
+      const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(m0, bp);
+      const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi32(m1, bp + 32);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < kVnniRows; ++r) {
+        int32_t pair;  // a[r][2 i], a[r][2 i + 1] as one unit, broadcast to every lane
+        std::memcpy(&pair, a + r * lda + 2 * i, sizeof(pair));
+        const __m512bh ar = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < kVnniRows; ++r) {
+      _mm512_mask_storeu_ps(c + r * ldc + col, m0, acc[r][0]);
+      _mm512_mask_storeu_ps(c + r * ldc + col + 16, m1, acc[r][1]);
+    }
+  }
+}
+
+// `attend_item` for bf16 with AVX512-BF16 and no AMX, without dropout or window (scale > 0): per block of keys,
+// per tile of kVnniRows query rows, S = Q K^T, the softmax per row, acc (+)= P V.
+void attend_item_avx512bf16(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
+                            const c10::BFloat16* v, const int64_t* key_positions, float scale, c10::BFloat16* out,
+                            Bf16Scratch& w) {
+  const int64_t dim = L.dim;
+  const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kVnniRows);
+  const c10::BFloat16* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
+  const c10::BFloat16* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
+  gather_queries(q + L.q_offset(item.batch) + item.head * L.q_head + item.q_begin * L.q_pos, L.q_pos, rows,
+                 rows_padded, dim, w);
+  std::fill_n(w.row_sum.get(), rows, 0.f);
+  if (item.key_end == item.key_begin) std::fill_n(w.acc.get(), rows * dim, 0.f);
+
+  for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBf16KeyBlock) {
+    const int64_t nk = std::min(kBf16KeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBf16Keys);
+    const bool first_block = k0 == item.key_begin;
+    pack_keys_vnni(kb, L.k_pos, vb, L.v_pos, key_positions, k0, nk, nk_padded, dim, w);
+    for (int64_t r0 = 0; r0 < rows_padded; r0 += kVnniRows) {
+      gemm_tile_bf16(w.q.get() + r0 * dim, dim, w.kt.get(), nk_padded, dim / 2, nk_padded, w.s.get(), nk_padded,
+                     false);
+      for (int64_t r = 0; r < kVnniRows; ++r) {
+        c10::BFloat16* pr = w.p.get() + r * nk_padded;
+        if (r0 + r < rows) {
+          softmax_row_bf16(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[r0 + r],
+                           w.row_sum[r0 + r], w.acc.get() + (r0 + r) * dim, dim, pr);
+        } else {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
+          std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
+        }
+      }
+      // Keys past nk have zero probabilities and zero V rows: the products stop at the last pair holding a key.
+      gemm_tile_bf16(w.p.get(), nk_padded, w.v.get(), dim, (nk + 1) / 2, dim, w.acc.get() + r0 * dim, dim,
+                     !first_block);
+    }
+  }
+  store_rows(item, L, rows, w, out);
+}
+
+// Every item on one of the bf16-product kernels, threads taking the next item as they finish (`attention_cpu`'s
+// contract).
+void attend_items_bf16(Bf16Kernel kernel, const std::vector<WorkItem>& items, const Layout& L, const at::Tensor& q,
+                       const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& key_positions,
+                       int64_t positions_stride, int64_t longest, int64_t longest_keys, float scale, at::Tensor& out) {
   const auto* qp = q.data_ptr<c10::BFloat16>();
   const auto* kp = k.data_ptr<c10::BFloat16>();
   const auto* vp = v.data_ptr<c10::BFloat16>();
   auto* op = out.data_ptr<c10::BFloat16>();
+  const bool amx = kernel == Bf16Kernel::kAmx;
+  const int64_t row_padding = amx ? kBrgemmRows : kVnniRows;
+  const int64_t rows = std::min(round_up(kBf16QueryChunk, row_padding), round_up(longest, row_padding));
+  const int64_t keys = std::min(kBf16KeyBlock, round_up(longest_keys, kBf16Keys));
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    BrgemmRelease release;
-    BrgemmScratch scratch(std::min(kBrgemmQueryChunk, round_up(longest, kBrgemmRows)),
-                          std::min(kBrgemmKeyBlock, round_up(longest_keys, kBrgemmKeys)), L.dim);
+    std::optional<BrgemmRelease> release;
+    if (amx) release.emplace();
+    Bf16Scratch scratch(rows, amx ? rows : kVnniRows, keys, L.dim);
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next++; i < n_items; i = next++) {
         const int64_t* positions =
             key_positions.empty() ? nullptr : key_positions.data() + items[i].batch * positions_stride;
-        attend_item_brgemm(items[i], L, qp, kp, vp, positions, scale, op, scratch);
+        if (amx) {
+          attend_item_brgemm(items[i], L, qp, kp, vp, positions, scale, op, scratch);
+        } else {
+          attend_item_avx512bf16(items[i], L, qp, kp, vp, positions, scale, op, scratch);
+        }
       }
     }
   });
@@ -697,10 +790,11 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
   const int64_t half_width = window.has_value() && *window / 2 < longest - 1 ? *window / 2 : -1;
   const int64_t S = packed ? 0 : L.seqlen;
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool amx = dropout_p == 0.0 && half_width < 0 && softmax_scale > 0.f &&
-                   brgemm_attention_usable(q.scalar_type(), dim);
-  // The AMX kernel packs each block of keys once per item: longer chunks of queries pack them fewer times.
-  const int64_t chunk = amx ? kBrgemmQueryChunk : kQueryChunk;
+  const Bf16Kernel bf16_kernel = dropout_p == 0.0 && half_width < 0 && softmax_scale > 0.f
+                                     ? bf16_attention_kernel(q.scalar_type(), dim)
+                                     : Bf16Kernel::kNone;
+  // The bf16 kernels pack each block of keys once per item: longer chunks of queries pack them fewer times.
+  const int64_t chunk = bf16_kernel != Bf16Kernel::kNone ? kBf16QueryChunk : kQueryChunk;
 #else
   const int64_t chunk = kQueryChunk;
 #endif
@@ -733,9 +827,9 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_items));
 #if defined(CPU_CAPABILITY_AVX512)
-  if (amx) {
+  if (bf16_kernel != Bf16Kernel::kNone) {
     const int64_t longest_keys = num_keys.empty() ? 0 : *std::max_element(num_keys.begin(), num_keys.end());
-    attend_items_brgemm(items, L, q, k, v, key_positions, S, longest, longest_keys, softmax_scale, out);
+    attend_items_bf16(bf16_kernel, items, L, q, k, v, key_positions, S, longest, longest_keys, softmax_scale, out);
     return out;
   }
 #endif
@@ -769,12 +863,15 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
 
 }  // namespace
 
-bool brgemm_attention_usable(at::ScalarType dtype, int64_t dim) {
+Bf16Kernel bf16_attention_kernel(at::ScalarType dtype, int64_t dim) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return dtype == at::kBFloat16 && dim > 0 && dim % 2 == 0 && dim <= kBrgemmMaxDim &&
-         at::native::cpublas::could_pack(at::kBFloat16) && __builtin_cpu_supports("avx512bf16");
+  if (dtype != at::kBFloat16 || dim <= 0 || dim % 2 != 0 || dim > kBf16MaxDim || !__builtin_cpu_supports("avx512bf16")) {
+    return Bf16Kernel::kNone;
+  }
+  // ATen's brgemm needs AMX (could_pack: oneDNN's ukernel wants B packed for AMX tiles).
+  return at::native::cpublas::could_pack(at::kBFloat16) ? Bf16Kernel::kAmx : Bf16Kernel::kAvx512Bf16;
 #else
-  return false;
+  return Bf16Kernel::kNone;
 #endif
 }
 

@@ -120,8 +120,11 @@ inline at::Tensor as_rows(const at::Tensor& t, int64_t width) {
   return rows.stride(1) == 1 ? rows : rows.contiguous();
 }
 
-// Whether the CPU attention kernel runs bf16 calls of head dim `dim` on AMX tiles (brgemm, csrc/attention.cpp).
-bool brgemm_attention_usable(at::ScalarType dtype, int64_t dim);
+// Which kernel computes the products of the CPU attention's bf16 calls of head dim `dim` (without dropout or a
+// window; csrc/attention.cpp): AMX tiles (oneDNN's brgemm), AVX512-BF16 register tiles, or none of them (the
+// vector kernel, its products in fp32).
+enum class Bf16Kernel { kNone, kAmx, kAvx512Bf16 };
+Bf16Kernel bf16_attention_kernel(at::ScalarType dtype, int64_t dim);
 
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 

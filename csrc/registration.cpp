@@ -37,16 +37,25 @@ PyObject* compiled_capability(PyObject*, PyObject*) {
 
 PyObject* vector_lanes(PyObject*, PyObject*) { return PyLong_FromLongLong(fastbert::kLanes); }
 
-PyObject* amx_attention(PyObject*, PyObject* head_dim) {
+PyObject* bf16_attention_kernel(PyObject*, PyObject* head_dim) {
   const long long dim = PyLong_AsLongLong(head_dim);
   if (dim == -1 && PyErr_Occurred()) return nullptr;
-  return PyBool_FromLong(fastbert::brgemm_attention_usable(at::kBFloat16, dim));
+  switch (fastbert::bf16_attention_kernel(at::kBFloat16, dim)) {
+    case fastbert::Bf16Kernel::kAmx:
+      return PyUnicode_FromString("amx");
+    case fastbert::Bf16Kernel::kAvx512Bf16:
+      return PyUnicode_FromString("avx512_bf16");
+    case fastbert::Bf16Kernel::kNone:
+      break;
+  }
+  return PyUnicode_FromString("vector");
 }
 
 PyMethodDef methods[] = {
     {"compiled_capability", compiled_capability, METH_NOARGS, "The at::vec CPU capability the kernels were built for."},
     {"vector_lanes", vector_lanes, METH_NOARGS, "fp32 lanes per at::vec::Vectorized<float> in this build."},
-    {"amx_attention", amx_attention, METH_O, "Whether bf16 attention of this head dim runs on AMX tiles here."},
+    {"bf16_attention_kernel", bf16_attention_kernel, METH_O,
+     "Which kernel runs bf16 attention of this head dim here: amx, avx512_bf16 or vector."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "fastbert's C++ CPU kernels (ops in torch.ops.fastbert).",

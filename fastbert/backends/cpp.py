@@ -101,11 +101,15 @@ def compiled_capability() -> str | None:
     return None if _C is None else _C.compiled_capability()
 
 
-def amx_attention(head_dim: int) -> bool:
-    """Whether bfloat16 attention of this head dim runs its two products on AMX tiles here (oneDNN's brgemm through
-    ATen, `csrc/attention.cpp`): an AVX-512 build on a CPU with AMX-BF16 and an even head dim up to 256, without
-    dropout or a window. Otherwise the vector kernel runs it, its products in fp32."""
-    return _C is not None and bool(_C.amx_attention(head_dim))
+_KERNEL_WORDS = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}
+
+
+def bf16_attention_kernel(head_dim: int) -> str:
+    """Which kernel computes the two products of bfloat16 attention of this head dim here (`csrc/attention.cpp`),
+    without dropout or a window: ``"amx"`` (oneDNN's brgemm through ATen, on a CPU with AMX-BF16), ``"avx512_bf16"``
+    (register tiles of vdpbf16ps, on a CPU with AVX512-BF16 and no AMX), or ``"vector"`` (products in fp32: an odd head
+    dim or one over 256, another CPU or a build below AVX-512, or no extension)."""
+    return "vector" if _C is None else _C.bf16_attention_kernel(head_dim)
 
 
 def describe() -> str:
@@ -113,8 +117,9 @@ def describe() -> str:
     (so that `auto` can say why it skips cpp), so being loaded is not being usable."""
     if EXTENSION_ERROR:
         return f"cpp not usable ({EXTENSION_ERROR})"
-    amx = ", bf16 attention on AMX" if amx_attention(64) else ""
-    return f"cpp loaded ({compiled_capability()}{amx})"
+    kernel = bf16_attention_kernel(64)
+    bf16 = "" if kernel == "vector" else f", bf16 attention on {_KERNEL_WORDS[kernel]}"
+    return f"cpp loaded ({compiled_capability()}{bf16})"
 
 
 # ----------------------------------------------------------------------------------------------------- fakes
@@ -283,5 +288,5 @@ for _op, _impl, _supports in (
 if DROPOUT_ERROR is None:
     register_kernel("cpu", dropout)
 
-__all__ = ["DROPOUT_ERROR", "EXTENSION_ERROR", "amx_attention", "bias_activation", "bias_residual_layernorm",
+__all__ = ["DROPOUT_ERROR", "EXTENSION_ERROR", "bf16_attention_kernel", "bias_activation", "bias_residual_layernorm",
            "compiled_capability", "dropout", "pad", "unpad"]

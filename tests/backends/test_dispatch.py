@@ -96,8 +96,9 @@ def test_describe_available_says_what_loaded_in_words():
     assert [part.split()[0] for part in text.split("; ")] == list(backends.BACKENDS)
     assert "eager loaded" in text
     capability = cpp_backend.compiled_capability()
-    amx = ", bf16 attention on AMX" if capability and cpp_backend.amx_attention(64) else ""
-    assert f"cpp loaded ({capability}{amx})" in text if capability else "cpp not usable" in text
+    words = {"amx": ", bf16 attention on AMX", "avx512_bf16": ", bf16 attention on AVX512-BF16", "vector": ""}
+    bf16 = words[cpp_backend.bf16_attention_kernel(64)] if capability else ""
+    assert f"cpp loaded ({capability}{bf16})" in text if capability else "cpp not usable" in text
     if not torch.cuda.is_available():  # conftest sets TRITON_INTERPRET=1 without a GPU
         assert "triton loaded (no GPU: running on CPU in the Triton interpreter" in text
 

@@ -192,14 +192,18 @@ def test_cpp_padded(seqlen, dtype):
     assert torch.equal(ops.attention(q, k, v, key_padding_mask=mask, backend="cpp")[1], torch.zeros_like(q[1]))
 
 
-def test_cpp_bf16_attention_runs_on_amx_exactly_where_the_cpu_has_it():
-    """The AMX (brgemm) kernel where the CPU has AMX-BF16 and the build AVX-512, at even head dims up to 256; the
-    vector kernel at odd ones and on every other CPU (whose bf16 calls the other tests here then check)."""
-    amx_here = cpu.AMX_BF16 in cpu.cpu_info()[1] and cpp.compiled_capability() == "AVX512"
-    assert cpp.amx_attention(32) is amx_here
-    assert cpp.amx_attention(64) is amx_here
-    assert not cpp.amx_attention(7)
-    assert not cpp.amx_attention(258)
+def test_cpp_bf16_attention_kernel_follows_the_cpu():
+    """AMX tiles where the CPU has AMX-BF16, vdpbf16ps register tiles where it has AVX512-BF16 without AMX (both
+    in an AVX-512 build, at even head dims up to 256); the vector kernel at odd or larger dims and on every other
+    CPU (whose bf16 calls the other tests here then check)."""
+    flags = cpu.cpu_info()[1]
+    avx512 = cpp.compiled_capability() == "AVX512"
+    expected = ("amx" if cpu.AMX_BF16 in flags else "avx512_bf16") if avx512 and "avx512_bf16" in flags else "vector"
+    assert cpp.bf16_attention_kernel(2) == expected
+    assert cpp.bf16_attention_kernel(32) == expected
+    assert cpp.bf16_attention_kernel(256) == expected
+    assert cpp.bf16_attention_kernel(7) == "vector"
+    assert cpp.bf16_attention_kernel(258) == "vector"
 
 
 @pytest.mark.parametrize("dim", (2, 32, 130))
