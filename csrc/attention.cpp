@@ -365,7 +365,7 @@ constexpr int64_t kBrgemmRows = 32;       // AMX: query rows are padded to a mul
 constexpr int64_t kVnniRows = 8;          // AVX512-BF16: query rows per register tile (and their padding)
 constexpr int64_t kBf16QueryChunk = 256;  // query rows per work item
 constexpr int64_t kBf16Keys = 32;         // keys per block are padded to a multiple of this
-constexpr int64_t kBf16KeyBlock = 256;    // keys per online-softmax step (128 and 512 ran slower on AMX)
+constexpr int64_t kBf16KeyBlock = 256;    // keys per online-softmax step (128 ran slower on both, 512 on AMX)
 constexpr int64_t kBf16MaxDim = 256;
 
 // Per-thread bf16 tiles and fp32 accumulators for up to `rows` query rows and `keys` keys per block; scores and
@@ -410,7 +410,7 @@ inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, int6
   }
 }
 
-// Pack keys [k0, k0 + nk) of one sequence and head for the two brgemms, zero past nk up to nk_padded (even):
+// Pack keys [k0, k0 + nk) of one sequence and head for the two products, zero past nk up to nk_padded (even):
 // kt = K^T in VNNI pairs [dim / 2][nk_padded][2], the B operand of Q K^T (a 32-bit transpose of K's rows, each
 // pair (d, d + 1) one unit); v = V in VNNI pairs [nk_padded / 2][dim][2], the B operand of P V.
 void pack_keys_vnni(const c10::BFloat16* kb, int64_t k_pos, const c10::BFloat16* vb, int64_t v_pos,
@@ -493,7 +493,7 @@ inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float s
 // updated, the row's accumulator rescaled when the max moved, and the block's probabilities in bf16 into p.
 // first_block: row_max / row_sum / acc hold nothing yet.
 inline void softmax_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float scale, bool first_block,
-                               float& row_max, float& row_sum, float* acc, int64_t dim, c10::BFloat16* p) {
+                             float& row_max, float& row_sum, float* acc, int64_t dim, c10::BFloat16* p) {
   const float block_max = row_block_max(s, nk) * scale;
   const float new_max = first_block ? block_max : std::max(row_max, block_max);
   const float block_sum = exp_row_bf16(s, nk, nk_padded, scale, new_max, p);
@@ -509,7 +509,7 @@ inline void softmax_row_bf16(const float* s, int64_t nk, int64_t nk_padded, floa
   row_max = new_max;
 }
 
-// The item's query rows into w.q, zero rows after them up to rows_padded (a brgemm's A operand).
+// The item's query rows into w.q, zero rows after them up to rows_padded (the A operand of Q K^T).
 void gather_queries(const c10::BFloat16* qb, int64_t q_pos, int64_t rows, int64_t rows_padded, int64_t dim,
                     Bf16Scratch& w) {
   for (int64_t r = 0; r < rows_padded; ++r) {
@@ -560,7 +560,7 @@ void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat
       c10::BFloat16* pr = w.p.get() + r * nk_padded;
       if (r < rows) {
         softmax_row_bf16(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[r], w.row_sum[r],
-                           w.acc.get() + r * dim, dim, pr);
+                         w.acc.get() + r * dim, dim, pr);
       } else {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
         std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
       }
@@ -865,7 +865,8 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
 
 Bf16Kernel bf16_attention_kernel(at::ScalarType dtype, int64_t dim) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if (dtype != at::kBFloat16 || dim <= 0 || dim % 2 != 0 || dim > kBf16MaxDim || !__builtin_cpu_supports("avx512bf16")) {
+  const bool even_dim = dim > 0 && dim % 2 == 0 && dim <= kBf16MaxDim;
+  if (dtype != at::kBFloat16 || !even_dim || !__builtin_cpu_supports("avx512bf16")) {
     return Bf16Kernel::kNone;
   }
   // ATen's brgemm needs AMX (could_pack: oneDNN's ukernel wants B packed for AMX tiles).

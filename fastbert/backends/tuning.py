@@ -22,17 +22,20 @@ no ``.grad`` appears on the caller's tensors. It never runs while torch.compile 
 captured, or on tensor subclasses (fake tensors): the caller uses a known choice or the static order.
 
 Choices persist in one JSON file per environment key (`environment_key`: the device's name, the CUDA runtime and
-driver or the CPU model and its vector flags, and the torch, triton and fastbert versions) under `cache_dir`
-(``FASTBERT_CACHE_DIR``, default ``~/.cache/fastbert``; the files are in its ``tuning/``). A file is rewritten
-atomically (`fastbert.files.write_atomic`) after merging, under an exclusive lock, what other processes wrote;
-one that cannot be read or parsed is ignored with one warning. ``FASTBERT_TUNE=0`` turns measuring off.
+driver or the CPU model and its vector flags, the torch, triton and fastbert versions, and a digest of fastbert's
+compiled and Triton kernels) under `cache_dir` (``FASTBERT_CACHE_DIR``, default ``~/.cache/fastbert``; the files
+are in its ``tuning/``). A file is rewritten atomically (`fastbert.files.write_atomic`) after merging, under an
+exclusive lock, what other processes wrote; one that cannot be read or parsed is ignored with one warning.
+``FASTBERT_TUNE=0`` turns measuring off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -195,10 +198,28 @@ def _version(package: str) -> str | None:
         return None
 
 
+@functools.cache
+def kernels_digest() -> str:
+    """A digest of the kernels this process runs: the C++ extension's binary and the Triton kernels' sources. An
+    editable checkout keeps its version while its kernels change, and a choice timed against an older kernel would
+    otherwise stay."""
+    digest = hashlib.sha256()
+    extension = importlib.util.find_spec("fastbert._C")
+    triton_kernels = importlib.util.find_spec("fastbert.kernels")
+    files = [Path(extension.origin)] if extension is not None and extension.origin else []
+    for folder in (triton_kernels.submodule_search_locations or []) if triton_kernels is not None else []:
+        files += sorted(Path(folder).glob("*.py"))
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def environment_key(device: torch.device) -> dict[str, str | None]:
-    """What a measurement depends on besides the call: the device, its driver or CPU, the library versions."""
+    """What a measurement depends on besides the call: the device, its driver or CPU, the library versions and
+    fastbert's kernels (`kernels_digest`)."""
     key = {"device": device.type, "torch": torch.__version__, "triton": _version("triton"),
-           "fastbert": _version("fastbert")}
+           "fastbert": _version("fastbert"), "kernels": kernels_digest()}
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         driver = getattr(torch._C, "_cuda_getDriverVersion", None)

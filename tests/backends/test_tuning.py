@@ -1,6 +1,7 @@
 """`auto` by measurement (fastbert.backends.tuning): a deliberately slow implementation loses whichever backend it
-is, a forced backend is never measured, the on-disk cache (re-read without measuring, keyed by versions, a corrupt
-file ignored, concurrent writers), the RNG and the inputs untouched by measuring, no measuring under compile.
+is, a forced backend is never measured, the on-disk cache (re-read without measuring, keyed by versions and
+kernels, a corrupt file ignored, concurrent writers), the RNG and the inputs untouched by measuring, no measuring
+under compile.
 
 tests/conftest.py turns measuring off for the session; the `measuring` fixture turns it on with a cache directory
 of the test's own."""
@@ -135,6 +136,37 @@ def test_a_changed_version_is_a_new_file(measuring, monkeypatch):
     assert calls["eager"] > before["eager"]
     keys = sorted(json.loads(p.read_text())["key"]["torch"] for p in (measuring / "tuning").glob("*.json"))
     assert keys == sorted(["0.0.1+another", real])
+
+
+def test_a_changed_kernel_is_a_new_key(tmp_path, monkeypatch):
+    """The key's kernel digest covers the extension's binary and each Triton kernel's source: an editable checkout
+    whose kernels changed measures again although its version did not move."""
+    extension = tmp_path / "_C.so"
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    extension.write_bytes(b"\x7fELF one build")
+    (kernels / "attention.py").write_text("BLOCK = 64\n")
+    specs = {"fastbert._C": SimpleNamespace(origin=str(extension)),
+             "fastbert.kernels": SimpleNamespace(submodule_search_locations=[str(kernels)])}
+    monkeypatch.setattr(tuning.importlib.util, "find_spec", specs.get)
+
+    def digest() -> str:
+        tuning.kernels_digest.cache_clear()
+        return tuning.environment_key(torch.device("cpu"))["kernels"]
+
+    try:
+        first = digest()
+        assert digest() == first
+        extension.write_bytes(b"\x7fELF another build")
+        rebuilt = digest()
+        (kernels / "attention.py").write_text("BLOCK = 128\n")
+        edited = digest()
+        del specs["fastbert._C"]  # no extension (FASTBERT_SKIP_EXT=1)
+        without_extension = digest()
+    finally:
+        monkeypatch.undo()
+        tuning.kernels_digest.cache_clear()
+    assert len({first, rebuilt, edited, without_extension}) == 4
 
 
 def test_a_corrupt_file_is_ignored_with_one_warning(measuring, monkeypatch):

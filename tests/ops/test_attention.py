@@ -206,12 +206,14 @@ def test_cpp_bf16_attention_kernel_follows_the_cpu():
     assert cpp.bf16_attention_kernel(258) == "vector"
 
 
-@pytest.mark.parametrize("dim", (2, 32, 130))
+@pytest.mark.parametrize("dim", (2, 32, 48, 130, 256))
 def test_cpp_bf16_key_blocks_and_row_padding(dim):
-    """Lengths around the AMX kernel's key block (256) and its row / key padding (32): one key, 31-33, 255-257 and
-    600 (three blocks, the online softmax rescaling twice), strided views, against fp64 by the numerics rule."""
+    """Lengths around the bf16 kernels' key block (256), key padding (32) and row padding (32 on AMX, 8 on
+    AVX512-BF16): one key, 7-9, 31-33, 255-257 and 600 (three blocks, the online softmax rescaling twice), strided
+    views, against fp64 by the numerics rule; head dims that fill the AVX512-BF16 tiles' 32 columns partly (2, 48,
+    130) and the largest (256)."""
     gen = torch.Generator().manual_seed(dim)
-    lengths = [1, 31, 33, 255, 256, 257, 600]
+    lengths = [1, 7, 8, 9, 31, 33, 255, 256, 257, 600]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v = _qkv_views((sum(lengths),), 2, dim, torch.bfloat16, gen)
     kwargs = dict(cu_seqlens=cu, max_seqlen=max(lengths), scale=None)
@@ -224,7 +226,7 @@ def test_cpp_bf16_key_blocks_and_row_padding(dim):
 @pytest.mark.parametrize("scale", (-40.0, 40.0), ids=("negative", "positive"))
 def test_cpp_bf16_unusual_scales(scale):
     """Scales that spread the scores over thousands, so that most probabilities underflow to 0: positive, and
-    negative (the AMX kernel takes positive ones; others run the vector kernel): finite, and accurate by the
+    negative (the bf16 kernels take positive ones; others run the vector kernel): finite, and accurate by the
     numerics rule."""
     gen = torch.Generator().manual_seed(3)
     lengths = [5, 64, 130]
