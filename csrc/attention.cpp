@@ -25,11 +25,12 @@
 // an even head dim up to 256), without dropout or a window and with a positive scale: K and V are packed per block
 // into VNNI pairs (two bf16 values along the reduced dimension in one 32-bit unit), and
 // - with AMX-BF16, each work item runs its two products on oneDNN's brgemm micro-kernels through ATen
-//   (`attend_item_brgemm`), bf16 x bf16 -> fp32 on AMX tiles; query rows are padded to a multiple of kBrgemmRows
-//   and keys to a multiple of kBf16Keys, so few distinct micro-kernels are generated;
+//   (`attend_item_bf16_products`), bf16 x bf16 -> fp32 on AMX tiles; query rows are padded to a multiple of
+//   kBrgemmRows and keys to a multiple of kBf16Keys, so few distinct micro-kernels are generated;
 // - without AMX (AMD Zen 4 and later, Cooper Lake), on register tiles of kVnniRows query rows x 32 columns with
-//   vdpbf16ps (`attend_item_avx512bf16`): ATen's brgemm is AMX-only, and these products in fp32 (the vector
-//   kernel) cost about twice as long. Each tile of rows runs Q K^T, its softmax and P V while it is in L1.
+//   vdpbf16ps (`gemm_tile_bf16`): ATen's brgemm is AMX-only, and these products in fp32 (the vector kernel) took
+//   about twice as long (benchmarks/results/cpu-2core-amd-bf16-attention). Each tile of rows runs Q K^T, its softmax
+//   and P V while it is in L1.
 // Either way the softmax statistics stay in fp32, the probabilities are rounded to bf16 for the P V product (as
 // PyTorch's own CPU flash attention does) and each row is normalised by the sum of exactly those bf16 values.
 #include <ATen/native/CPUBlas.h>
@@ -536,38 +537,43 @@ void store_rows(const WorkItem& item, const Layout& L, int64_t rows, const Bf16S
   }
 }
 
-// `attend_item` for bf16 on AMX, without dropout or window (scale > 0): per block of keys S = Q K^T and
-// acc (+)= P V on brgemm micro-kernels, the softmax between them per row.
-void attend_item_brgemm(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
-                        const c10::BFloat16* v, const int64_t* key_positions, float scale, c10::BFloat16* out,
-                        Bf16Scratch& w) {
+// Score rows [0, count) hold query rows first.. of the item (`rows` of them real): each real row's online-softmax
+// step over the block (its probabilities into the same row of w.p), zero probabilities for padding rows, so that
+// their (unused) accumulator rows stay finite.
+void softmax_rows_bf16(int64_t first, int64_t count, int64_t rows, int64_t nk, int64_t nk_padded, float scale,
+                       bool first_block, int64_t dim, Bf16Scratch& w) {
+  for (int64_t r = 0; r < count; ++r) {
+    c10::BFloat16* pr = w.p.get() + r * nk_padded;
+    const int64_t row = first + r;
+    if (row < rows) {
+      softmax_row_bf16(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[row], w.row_sum[row],
+                       w.acc.get() + row * dim, dim, pr);
+    } else {
+      std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
+    }
+  }
+}
+
+// What both bf16 kernels do around their products, for one item without dropout or window (scale > 0): its query
+// rows gathered (padded to a multiple of row_padding), then per block of keys K and V packed into VNNI pairs and
+// `products(rows, rows_padded, nk, nk_padded, first_block)` run (S = Q K^T, the softmax, acc (+)= P V), then the
+// rows stored.
+template <typename Products>
+void attend_item_bf16(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
+                      const c10::BFloat16* v, const int64_t* key_positions, int64_t row_padding, c10::BFloat16* out,
+                      Bf16Scratch& w, const Products& products) {
   const int64_t dim = L.dim;
-  const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kBrgemmRows);
+  const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, row_padding);
   const c10::BFloat16* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
   const c10::BFloat16* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
   gather_queries(q + L.q_offset(item.batch) + item.head * L.q_head + item.q_begin * L.q_pos, L.q_pos, rows,
                  rows_padded, dim, w);
   std::fill_n(w.row_sum.get(), rows, 0.f);
   if (item.key_end == item.key_begin) std::fill_n(w.acc.get(), rows * dim, 0.f);
-
   for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBf16KeyBlock) {
     const int64_t nk = std::min(kBf16KeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBf16Keys);
-    const bool first_block = k0 == item.key_begin;
     pack_keys_vnni(kb, L.k_pos, vb, L.v_pos, key_positions, k0, nk, nk_padded, dim, w);
-    at::native::cpublas::brgemm(rows_padded, nk_padded, dim, dim, nk_padded, nk_padded, false, w.q.get(),
-                                w.kt.get(), w.s.get());
-    for (int64_t r = 0; r < rows_padded; ++r) {
-      c10::BFloat16* pr = w.p.get() + r * nk_padded;
-      if (r < rows) {
-        softmax_row_bf16(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[r], w.row_sum[r],
-                         w.acc.get() + r * dim, dim, pr);
-      } else {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
-        std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
-      }
-    }
-    // acc = P V on the first block, acc += P V after (acc already rescaled per row).
-    at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, !first_block, w.p.get(),
-                                w.v.get(), w.acc.get());
+    products(rows, rows_padded, nk, nk_padded, k0 == item.key_begin);
   }
   store_rows(item, L, rows, w, out);
 }
@@ -610,42 +616,35 @@ void gemm_tile_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b,
   }
 }
 
-// `attend_item` for bf16 with AVX512-BF16 and no AMX, without dropout or window (scale > 0): per block of keys,
-// per tile of kVnniRows query rows, S = Q K^T, the softmax per row, acc (+)= P V.
-void attend_item_avx512bf16(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
-                            const c10::BFloat16* v, const int64_t* key_positions, float scale, c10::BFloat16* out,
-                            Bf16Scratch& w) {
+// One item on the kernel's products: on AMX all its rows at once on brgemm micro-kernels; with AVX512-BF16 alone,
+// per tile of kVnniRows query rows, S = Q K^T, the softmax and acc (+)= P V while the tile is in L1.
+void attend_item_bf16_products(Bf16Kernel kernel, const WorkItem& item, const Layout& L, const c10::BFloat16* q,
+                               const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* key_positions,
+                               float scale, c10::BFloat16* out, Bf16Scratch& w) {
   const int64_t dim = L.dim;
-  const int64_t rows = item.q_end - item.q_begin, rows_padded = round_up(rows, kVnniRows);
-  const c10::BFloat16* kb = k + L.k_offset(item.batch) + item.head * L.k_head;
-  const c10::BFloat16* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
-  gather_queries(q + L.q_offset(item.batch) + item.head * L.q_head + item.q_begin * L.q_pos, L.q_pos, rows,
-                 rows_padded, dim, w);
-  std::fill_n(w.row_sum.get(), rows, 0.f);
-  if (item.key_end == item.key_begin) std::fill_n(w.acc.get(), rows * dim, 0.f);
-
-  for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBf16KeyBlock) {
-    const int64_t nk = std::min(kBf16KeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBf16Keys);
-    const bool first_block = k0 == item.key_begin;
-    pack_keys_vnni(kb, L.k_pos, vb, L.v_pos, key_positions, k0, nk, nk_padded, dim, w);
-    for (int64_t r0 = 0; r0 < rows_padded; r0 += kVnniRows) {
-      gemm_tile_bf16(w.q.get() + r0 * dim, dim, w.kt.get(), nk_padded, dim / 2, nk_padded, w.s.get(), nk_padded,
-                     false);
-      for (int64_t r = 0; r < kVnniRows; ++r) {
-        c10::BFloat16* pr = w.p.get() + r * nk_padded;
-        if (r0 + r < rows) {
-          softmax_row_bf16(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[r0 + r],
-                           w.row_sum[r0 + r], w.acc.get() + (r0 + r) * dim, dim, pr);
-        } else {  // padding rows: zero probabilities, so their (unused) accumulator rows stay finite
-          std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
-        }
-      }
-      // Keys past nk have zero probabilities and zero V rows: the products stop at the last pair holding a key.
-      gemm_tile_bf16(w.p.get(), nk_padded, w.v.get(), dim, (nk + 1) / 2, dim, w.acc.get() + r0 * dim, dim,
-                     !first_block);
-    }
+  if (kernel == Bf16Kernel::kAmx) {
+    attend_item_bf16(item, L, q, k, v, key_positions, kBrgemmRows, out, w,
+                     [&](int64_t rows, int64_t rows_padded, int64_t nk, int64_t nk_padded, bool first_block) {
+                       at::native::cpublas::brgemm(rows_padded, nk_padded, dim, dim, nk_padded, nk_padded, false,
+                                                   w.q.get(), w.kt.get(), w.s.get());
+                       softmax_rows_bf16(0, rows_padded, rows, nk, nk_padded, scale, first_block, dim, w);
+                       // acc = P V on the first block, acc += P V after (acc already rescaled per row).
+                       at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, !first_block,
+                                                   w.p.get(), w.v.get(), w.acc.get());
+                     });
+    return;
   }
-  store_rows(item, L, rows, w, out);
+  attend_item_bf16(item, L, q, k, v, key_positions, kVnniRows, out, w,
+                   [&](int64_t rows, int64_t rows_padded, int64_t nk, int64_t nk_padded, bool first_block) {
+                     for (int64_t r0 = 0; r0 < rows_padded; r0 += kVnniRows) {
+                       gemm_tile_bf16(w.q.get() + r0 * dim, dim, w.kt.get(), nk_padded, dim / 2, nk_padded,
+                                      w.s.get(), nk_padded, false);
+                       softmax_rows_bf16(r0, kVnniRows, rows, nk, nk_padded, scale, first_block, dim, w);
+                       // Keys past nk have zero probabilities and zero V rows: stop at the last pair with a key.
+                       gemm_tile_bf16(w.p.get(), nk_padded, w.v.get(), dim, (nk + 1) / 2, dim,
+                                      w.acc.get() + r0 * dim, dim, !first_block);
+                     }
+                   });
 }
 
 // Every item on one of the bf16-product kernels, threads taking the next item as they finish (`attention_cpu`'s
@@ -672,11 +671,7 @@ void attend_items_bf16(Bf16Kernel kernel, const std::vector<WorkItem>& items, co
       for (int64_t i = next++; i < n_items; i = next++) {
         const int64_t* positions =
             key_positions.empty() ? nullptr : key_positions.data() + items[i].batch * positions_stride;
-        if (amx) {
-          attend_item_brgemm(items[i], L, qp, kp, vp, positions, scale, op, scratch);
-        } else {
-          attend_item_avx512bf16(items[i], L, qp, kp, vp, positions, scale, op, scratch);
-        }
+        attend_item_bf16_products(kernel, items[i], L, qp, kp, vp, positions, scale, op, scratch);
       }
     }
   });
