@@ -235,10 +235,12 @@ def ratio_text(ratio: float) -> str:
 
 
 def interleaved_markdown(report: dict[str, Any], title: str, machine_note: str, protocol: str,
-                         ms_digits: int) -> list[str]:
+                         ms_digits: int, baseline: str = "HF eager",
+                         error_key: str = "max_rel_err_vs_hf_eager") -> list[str]:
     """The Markdown lines every interleaved benchmark shares: header (date, machine, versions, command, protocol),
-    one table per case (median, min, speed-up vs HF eager, rel err) and the targets. ``machine_note``: what follows
-    the machine's thread count (how threads were set); ``ms_digits``: decimals of the milliseconds."""
+    one table per case (median, min, speed-up vs the runner ``baseline``, each runner's ``error_key``) and the
+    targets. ``machine_note``: what follows the machine's thread count (how threads were set); ``ms_digits``:
+    decimals of the milliseconds."""
     m = report["machine"]
     lines = [
         f"# {title}",
@@ -252,12 +254,12 @@ def interleaved_markdown(report: dict[str, Any], title: str, machine_note: str, 
         "",
     ]
     for case, data in report["cases"].items():
-        base = data["runners"]["HF eager"]["median_ms"]
+        base = data["runners"][baseline]["median_ms"]
         rows = [[name, f"{entry['median_ms']:.{ms_digits}f}", f"{entry['min_ms']:.{ms_digits}f}",
-                 f"{base / entry['median_ms']:.2f}x", f"{entry['max_rel_err_vs_hf_eager']:.1e}"]
+                 f"{base / entry['median_ms']:.2f}x", f"{entry[error_key]:.1e}"]
                 for name, entry in data["runners"].items()]
         lines += [f"## {case}: batch {data['batch'][0]} x {data['batch'][1]} ({data['real_tokens']} real tokens)", "",
-                  format_table(("runner", "median ms", "min ms", "speed-up vs HF eager (median)", "rel err"), rows,
+                  format_table(("runner", "median ms", "min ms", f"speed-up vs {baseline} (median)", "rel err"), rows,
                                markdown=True), ""]
     rows = [[t["case"], t["runner"], t["peer"], ratio_text(t["needed"]), f"{t['speedup']:.2f}x",
              "yes" if t["met"] else "NO"] for t in report["targets"]]

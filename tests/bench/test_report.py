@@ -46,3 +46,25 @@ def test_interleaved_results_and_figures_are_written_whole(tmp_path, capsys):
     saved = report.save_figure(fig, tmp_path / "out" / "plot.png")
     assert saved.read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["plot.png", "run.json", "run.md"]
+
+
+def _one_case_report(runners: dict) -> dict:
+    machine_fields = {"date": "2026-12-07", "cpu": "CPU", "cpu_cores": 2, "threads": 2, "python": "3.11",
+                      "versions": {"torch": "2.13.0"}}
+    cases = {"1x8": {"batch": [1, 8], "real_tokens": 8, "runners": runners}}
+    targets = [{"case": "1x8", "runner": "fast", "peer": "plain", "needed": 1.2, "speedup": 2.0, "met": True}]
+    return report.interleaved_report(machine_fields, "model", 3, cases, targets)
+
+
+def test_interleaved_markdown_against_another_baseline_and_error():
+    """Speed-ups against the runner named as baseline, errors under the key named (a bf16 run has no HF eager)."""
+    runners = {"plain": {"median_ms": 8.0, "min_ms": 7.0, "times_ms": [8.0], "max_rel_err_vs_fp32": 2e-3},
+               "fast": {"median_ms": 4.0, "min_ms": 3.5, "times_ms": [4.0], "max_rel_err_vs_fp32": 1e-3}}
+    lines = report.interleaved_markdown(_one_case_report(runners), "T", "(set)", "(protocol)", ms_digits=1,
+                                        baseline="plain", error_key="max_rel_err_vs_fp32")
+    text = "\n".join(lines)
+    assert "| runner | median ms | min ms | speed-up vs plain (median) | rel err |" in text
+    assert "| plain | 8.0 | 7.0 | 1.00x | 2.0e-03 |" in text
+    assert "| fast | 4.0 | 3.5 | 2.00x | 1.0e-03 |" in text
+    with pytest.raises(KeyError):  # the default baseline, HF eager, is not among these runners
+        report.interleaved_markdown(_one_case_report(runners), "T", "(set)", "(protocol)", ms_digits=1)
