@@ -146,7 +146,7 @@ def layer_cost(fast, seqlen: int, repeats: int) -> dict:
         kinds.setdefault(kind, index)
     hidden = config.hidden_size
     generator = torch.Generator().manual_seed(5)
-    x = torch.randn(seqlen, hidden, generator=generator)
+    x = torch.randn(seqlen, hidden, generator=generator).to(fast.final_norm_weight.dtype)
     varlen = varlen_from_mask(None, 1, seqlen, CPU)
     positions = torch.arange(seqlen)
     rotary = fast.rotary_tables(CPU)
