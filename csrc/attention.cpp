@@ -28,9 +28,9 @@
 //   (`attend_item_bf16_products`), bf16 x bf16 -> fp32 on AMX tiles; query rows are padded to a multiple of
 //   kBrgemmRows and keys to a multiple of kBf16Keys, so few distinct micro-kernels are generated;
 // - without AMX (AMD Zen 4 and later, Cooper Lake), on register tiles of kVnniRows query rows x 32 columns with
-//   vdpbf16ps (`gemm_tile_bf16`): ATen's brgemm is AMX-only, and these products in fp32 (the vector kernel) took
-//   about twice as long (benchmarks/results/cpu-2core-amd-bf16-attention). Each tile of rows runs Q K^T, its softmax
-//   and P V while it is in L1.
+//   vdpbf16ps (`gemm_tile_bf16`): ATen's brgemm is AMX-only, and with these products in fp32 the vector kernel
+//   took 1.5-2.1x as long (benchmarks/results/cpu-2core-amd-bf16-attention). Each tile of rows runs Q K^T, its
+//   softmax and P V while it is in L1.
 // Either way the softmax statistics stay in fp32, the probabilities are rounded to bf16 for the P V product (as
 // PyTorch's own CPU flash attention does) and each row is normalised by the sum of exactly those bf16 values.
 #include <ATen/native/CPUBlas.h>
