@@ -22,15 +22,16 @@
 // register tiles.
 //
 // bfloat16 products on CPUs that compute bf16 natively (`bf16_attention_kernel`: an AVX-512 build, AVX512-BF16,
-// an even head dim up to 256), without dropout or a window and with a positive scale: K and V are packed per block
-// into VNNI pairs (two bf16 values along the reduced dimension in one 32-bit unit), and
-// - with AMX-BF16, each work item runs its two products on oneDNN's brgemm micro-kernels through ATen
+// an even head dim up to 256), without dropout and with a positive scale: K and V are packed per block into VNNI
+// pairs (two bf16 values along the reduced dimension in one 32-bit unit), and
+// - with AMX-BF16 and no window, each work item runs its two products on oneDNN's brgemm micro-kernels through ATen
 //   (`attend_item_bf16_products`), bf16 x bf16 -> fp32 on AMX tiles; query rows are padded to a multiple of
 //   kBrgemmRows and keys to a multiple of kBf16Keys, so few distinct micro-kernels are generated;
 // - without AMX (AMD Zen 4 and later, Cooper Lake), on register tiles of kVnniRows query rows x 32 columns with
 //   vdpbf16ps (`gemm_tile_bf16`): ATen's brgemm is AMX-only, and with these products in fp32 the vector kernel
 //   took 1.5-2.1x as long (benchmarks/results/cpu-2core-amd-bf16-attention). Each tile of rows runs Q K^T, its
-//   softmax and P V while it is in L1.
+//   softmax and P V while it is in L1, over the columns of the block its rows' windows reach (with a window, the
+//   band's edges masked per row in the softmax).
 // Either way the softmax statistics stay in fp32, the probabilities are rounded to bf16 for the P V product (as
 // PyTorch's own CPU flash attention does) and each row is normalised by the sum of exactly those bf16 values.
 #include <ATen/native/CPUBlas.h>
@@ -210,12 +211,12 @@ void prefetch_item_start(const WorkItem& item, const Layout& L, const scalar_t* 
   }
 }
 
-// Columns [lo[r], hi[r]) of the block of keys key_begin.. (nk of them) that query row q_position + r may attend:
-// |position - key position| <= half_width (half_width < 0: every column). key_positions: the sequence's real keys'
-// positions (sorted), nullptr when key index = position.
+// Columns [lo[r], hi[r]) of the block of keys key_begin.. (nk of them) that query row q_position + r may attend, for
+// r < count: |position - key position| <= half_width (half_width < 0: every column). key_positions: the sequence's
+// real keys' positions (sorted), nullptr when key index = position.
 inline void window_columns(int64_t q_position, int64_t half_width, const int64_t* key_positions, int64_t key_begin,
-                           int64_t nk, int64_t* lo, int64_t* hi) {
-  for (int64_t r = 0; r < kRows; ++r) {
+                           int64_t nk, int64_t count, int64_t* lo, int64_t* hi) {
+  for (int64_t r = 0; r < count; ++r) {
     if (half_width < 0) {
       lo[r] = 0, hi[r] = nk;
     } else if (key_positions == nullptr) {
@@ -299,7 +300,7 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
       // The columns this tile's rows attend, widened to whole register tiles: [first, last). (Rows past the
       // item's end are zero queries whose output is never stored.)
       int64_t lo[kRows], hi[kRows];
-      window_columns(item.q_begin + r0, half_width, key_positions, k0, nk, lo, hi);
+      window_columns(item.q_begin + r0, half_width, key_positions, k0, nk, kRows, lo, hi);
       const int64_t first = *std::min_element(lo, lo + kRows) / kCols * kCols;
       const int64_t last = round_up(*std::max_element(hi, hi + kRows), kCols);
       if (last <= first) continue;  // no row of this tile has a key in this block
@@ -375,10 +376,12 @@ constexpr int64_t kBf16MaxDim = 256;
 struct Bf16Scratch {
   std::unique_ptr<c10::BFloat16[]> q, k_rows, kt, v, p;
   std::unique_ptr<float[]> s, acc, row_max, row_sum;
+  std::unique_ptr<int64_t[]> lo, hi;  // each row's columns of a block
   Bf16Scratch(int64_t rows, int64_t score_rows, int64_t keys, int64_t dim)
       : q(new c10::BFloat16[rows * dim]), k_rows(new c10::BFloat16[keys * dim]), kt(new c10::BFloat16[dim * keys]),
         v(new c10::BFloat16[keys * dim]), p(new c10::BFloat16[score_rows * keys]), s(new float[score_rows * keys]),
-        acc(new float[rows * dim]), row_max(new float[rows]), row_sum(new float[rows]) {}
+        acc(new float[rows * dim]), row_max(new float[rows]), row_sum(new float[rows]), lo(new int64_t[rows]),
+        hi(new int64_t[rows]) {}
 };
 
 // Releases the AMX tile state a thread's brgemm calls configured, also when one of them throws.
@@ -458,30 +461,36 @@ inline __m512 exp_scaled(__m512 s, __m512 scale_log2e, __m512 shift_log2e) {
   return _mm512_scalef_ps(poly, n);
 }
 
-// The largest of a row's first nk scores (-inf when nk is 0).
-inline float row_block_max(const float* s, int64_t nk) {
+// The lanes of columns col..col + 15 that lie in [lo, hi).
+inline __mmask16 lanes_within(int64_t col, int64_t lo, int64_t hi) {
+  const int64_t begin = std::clamp<int64_t>(lo - col, 0, 16), end = std::clamp<int64_t>(hi - col, 0, 16);
+  return static_cast<__mmask16>(((1u << end) - 1) & ~((1u << begin) - 1));
+}
+
+// The largest of a row's scores in columns [lo, hi) (-inf when there are none).
+inline float row_block_max(const float* s, int64_t lo, int64_t hi) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < nk; j += 16) {
-    const __mmask16 real = nk - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nk - j)) - 1);
-    mv = _mm512_mask_max_ps(mv, real, mv, _mm512_loadu_ps(s + j));
+  for (int64_t j = lo / 16 * 16; j < hi; j += 16) {
+    mv = _mm512_mask_max_ps(mv, lanes_within(j, lo, hi), mv, _mm512_loadu_ps(s + j));
   }
   return _mm512_reduce_max_ps(mv);
 }
 
-// p[0, nk_padded) = bf16(exp(s * scale - shift)) for the first nk scores and zeros after; returns the sum of the
-// bf16 values, the weights P V multiplies by, so that the output is normalised by exactly them (normalising by
-// the unrounded sum put a ModernBERT bf16 training step's loss 6.7e-3 off where plain PyTorch's was 1.1e-3).
+// p[0, n_padded) = bf16(exp(s * scale - shift)) for the scores in columns [lo, hi) and zeros elsewhere; returns the
+// sum of the bf16 values, the weights P V multiplies by, so that the output is normalised by exactly them
+// (normalising by the unrounded sum put a ModernBERT bf16 training step's loss 6.7e-3 off where plain PyTorch's was
+// 1.1e-3).
 __attribute__((target("avx512bf16")))  // vcvtne2ps2bf16 (bf16_attention_kernel checks the CPU has it)
-inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float scale, float shift,
+inline float exp_row_bf16(const float* s, int64_t lo, int64_t hi, int64_t n_padded, float scale, float shift,
                           c10::BFloat16* p) {
   const __m512 scale_log2e = _mm512_set1_ps(scale * static_cast<float>(M_LOG2E));
   const __m512 shift_log2e = _mm512_set1_ps(shift * static_cast<float>(M_LOG2E));
-  auto exp_at = [&](int64_t col) {  // zeros past nk
-    const __mmask16 real = nk - col >= 16 ? __mmask16(0xFFFF) : nk > col ? __mmask16((1u << (nk - col)) - 1) : 0;
-    return _mm512_maskz_mov_ps(real, exp_scaled(_mm512_loadu_ps(s + col), scale_log2e, shift_log2e));
+  auto exp_at = [&](int64_t col) {  // zeros outside [lo, hi)
+    return _mm512_maskz_mov_ps(lanes_within(col, lo, hi),
+                               exp_scaled(_mm512_loadu_ps(s + col), scale_log2e, shift_log2e));
   };
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < nk_padded; j += 32) {  // nk_padded is a multiple of kBf16Keys (32)
+  for (int64_t j = 0; j < n_padded; j += 32) {  // n_padded is a multiple of kBf16Keys (32)
     const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(exp_at(j + 16), exp_at(j));
     _mm512_storeu_si512(p + j, rounded);
     sum = _mm512_add_ps(sum, _mm512_add_ps(widen_bf16(_mm512_castsi512_si256(rounded)),
@@ -490,16 +499,22 @@ inline float exp_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float s
   return _mm512_reduce_add_ps(sum);
 }
 
-// One query row's online-softmax step over a block of nk scores (unscaled; scale > 0): the running max and sum
-// updated, the row's accumulator rescaled when the max moved, and the block's probabilities in bf16 into p.
-// first_block: row_max / row_sum / acc hold nothing yet.
-inline void softmax_row_bf16(const float* s, int64_t nk, int64_t nk_padded, float scale, bool first_block,
-                             float& row_max, float& row_sum, float* acc, int64_t dim, c10::BFloat16* p) {
-  const float block_max = row_block_max(s, nk) * scale;
-  const float new_max = first_block ? block_max : std::max(row_max, block_max);
-  const float block_sum = exp_row_bf16(s, nk, nk_padded, scale, new_max, p);
-  const float alpha = first_block ? 0.f : std::exp(row_max - new_max);
-  if (!first_block && alpha != 1.f) {
+// One query row's online-softmax step over its scores in columns [lo, hi) of a block (unscaled; scale > 0): the
+// running max and sum updated, the row's accumulator rescaled when the max moved, and the block's probabilities in
+// bf16 into p[0, n_padded) (zeros outside [lo, hi)). row_max is -inf while the row has had no key (row_sum 0, acc
+// unread); such a row keeps that state through a block without its keys.
+inline void softmax_row_bf16(const float* s, int64_t lo, int64_t hi, int64_t n_padded, float scale, float& row_max,
+                             float& row_sum, float* acc, int64_t dim, c10::BFloat16* p) {
+  constexpr float kNoKey = -std::numeric_limits<float>::infinity();
+  const float new_max = std::max(row_max, row_block_max(s, lo, hi) * scale);
+  if (new_max == kNoKey) {
+    std::fill(p, p + n_padded, c10::BFloat16(0.f));
+    return;
+  }
+  const float block_sum = exp_row_bf16(s, lo, hi, n_padded, scale, new_max, p);
+  const bool had_keys = row_max != kNoKey;
+  const float alpha = had_keys ? std::exp(row_max - new_max) : 0.f;
+  if (had_keys && alpha != 1.f) {
     const Vec alpha_v(alpha);
     for (int64_t c = 0; c < dim; c += kLanes) {
       const int64_t m = std::min<int64_t>(kLanes, dim - c);
@@ -522,14 +537,19 @@ void gather_queries(const c10::BFloat16* qb, int64_t q_pos, int64_t rows, int64_
   }
 }
 
-// out rows of the item = acc / row_sum in bf16 (zeros for a row without keys).
+// out rows of the item = acc / row_sum in bf16 (zeros for a row without keys, whose acc may never have been
+// written).
 void store_rows(const WorkItem& item, const Layout& L, int64_t rows, const Bf16Scratch& w, c10::BFloat16* out) {
   const int64_t dim = L.dim, out_row0 = L.first_row(item.batch) + item.q_begin;
   for (int64_t r = 0; r < rows; ++r) {
     const float total = w.row_sum[r];
-    const Vec inv(total > 0.f ? 1.f / total : 0.f);  // no real key: zeros, not NaN
-    const float* ar = w.acc.get() + r * dim;
     c10::BFloat16* dst = out + ((out_row0 + r) * L.heads + item.head) * dim;
+    if (!(total > 0.f)) {
+      std::fill(dst, dst + dim, c10::BFloat16(0.f));
+      continue;
+    }
+    const Vec inv(1.f / total);
+    const float* ar = w.acc.get() + r * dim;
     for (int64_t c = 0; c < dim; c += kLanes) {
       const int64_t m = std::min<int64_t>(kLanes, dim - c);
       store_f(dst + c, Vec::loadu(ar + c, m) * inv, m);
@@ -537,26 +557,26 @@ void store_rows(const WorkItem& item, const Layout& L, int64_t rows, const Bf16S
   }
 }
 
-// Score rows [0, count) hold query rows first.. of the item (`rows` of them real): each real row's online-softmax
-// step over the block (its probabilities into the same row of w.p), zero probabilities for padding rows, so that
-// their (unused) accumulator rows stay finite.
-void softmax_rows_bf16(int64_t first, int64_t count, int64_t rows, int64_t nk, int64_t nk_padded, float scale,
-                       bool first_block, int64_t dim, Bf16Scratch& w) {
+// Score rows [0, count) (ld_scores apart) hold query rows first.. of the item (`rows` of them real): each real
+// row's online-softmax step over its columns [lo[r], hi[r]) of the block (its probabilities into the same row of
+// w.p, n_padded of them), zero probabilities for padding rows, so that their (unused) accumulator rows stay finite.
+void softmax_rows_bf16(int64_t first, int64_t count, int64_t rows, const int64_t* lo, const int64_t* hi,
+                       int64_t n_padded, int64_t ld_scores, float scale, int64_t dim, Bf16Scratch& w) {
   for (int64_t r = 0; r < count; ++r) {
-    c10::BFloat16* pr = w.p.get() + r * nk_padded;
+    c10::BFloat16* pr = w.p.get() + r * ld_scores;
     const int64_t row = first + r;
     if (row < rows) {
-      softmax_row_bf16(w.s.get() + r * nk_padded, nk, nk_padded, scale, first_block, w.row_max[row], w.row_sum[row],
+      softmax_row_bf16(w.s.get() + r * ld_scores, lo[r], hi[r], n_padded, scale, w.row_max[row], w.row_sum[row],
                        w.acc.get() + row * dim, dim, pr);
     } else {
-      std::fill(pr, pr + nk_padded, c10::BFloat16(0.f));
+      std::fill(pr, pr + n_padded, c10::BFloat16(0.f));
     }
   }
 }
 
-// What both bf16 kernels do around their products, for one item without dropout or window (scale > 0): its query
-// rows gathered (padded to a multiple of row_padding), then per block of keys K and V packed into VNNI pairs and
-// `products(rows, rows_padded, nk, nk_padded, first_block)` run (S = Q K^T, the softmax, acc (+)= P V), then the
+// What both bf16 kernels do around their products, for one item without dropout (scale > 0): its query rows
+// gathered (padded to a multiple of row_padding), then per block of keys k0.. K and V packed into VNNI pairs and
+// `products(k0, rows, rows_padded, nk, nk_padded, first_block)` run (S = Q K^T, the softmax, acc (+)= P V), then the
 // rows stored.
 template <typename Products>
 void attend_item_bf16(const WorkItem& item, const Layout& L, const c10::BFloat16* q, const c10::BFloat16* k,
@@ -568,12 +588,12 @@ void attend_item_bf16(const WorkItem& item, const Layout& L, const c10::BFloat16
   const c10::BFloat16* vb = v + L.v_offset(item.batch) + item.head * L.v_head;
   gather_queries(q + L.q_offset(item.batch) + item.head * L.q_head + item.q_begin * L.q_pos, L.q_pos, rows,
                  rows_padded, dim, w);
+  std::fill_n(w.row_max.get(), rows, -std::numeric_limits<float>::infinity());
   std::fill_n(w.row_sum.get(), rows, 0.f);
-  if (item.key_end == item.key_begin) std::fill_n(w.acc.get(), rows * dim, 0.f);
   for (int64_t k0 = item.key_begin; k0 < item.key_end; k0 += kBf16KeyBlock) {
     const int64_t nk = std::min(kBf16KeyBlock, item.key_end - k0), nk_padded = round_up(nk, kBf16Keys);
     pack_keys_vnni(kb, L.k_pos, vb, L.v_pos, key_positions, k0, nk, nk_padded, dim, w);
-    products(rows, rows_padded, nk, nk_padded, k0 == item.key_begin);
+    products(k0, rows, rows_padded, nk, nk_padded, k0 == item.key_begin);
   }
   store_rows(item, L, rows, w, out);
 }
@@ -616,42 +636,66 @@ void gemm_tile_bf16(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b,
   }
 }
 
-// One item on the kernel's products: on AMX all its rows at once on brgemm micro-kernels; with AVX512-BF16 alone,
-// per tile of kVnniRows query rows, S = Q K^T, the softmax and acc (+)= P V while the tile is in L1.
+// One item on the kernel's products: on AMX all its rows at once on brgemm micro-kernels, every key of each block
+// (no window); with AVX512-BF16 alone, per tile of kVnniRows query rows, S = Q K^T over the columns its rows'
+// windows reach (all of them without a window), the softmax and acc (+)= P V while the tile is in L1.
 void attend_item_bf16_products(Bf16Kernel kernel, const WorkItem& item, const Layout& L, const c10::BFloat16* q,
                                const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* key_positions,
-                               float scale, c10::BFloat16* out, Bf16Scratch& w) {
+                               int64_t half_width, float scale, c10::BFloat16* out, Bf16Scratch& w) {
   const int64_t dim = L.dim;
   if (kernel == Bf16Kernel::kAmx) {
     attend_item_bf16(item, L, q, k, v, key_positions, kBrgemmRows, out, w,
-                     [&](int64_t rows, int64_t rows_padded, int64_t nk, int64_t nk_padded, bool first_block) {
+                     [&](int64_t, int64_t rows, int64_t rows_padded, int64_t nk, int64_t nk_padded, bool first_block) {
                        at::native::cpublas::brgemm(rows_padded, nk_padded, dim, dim, nk_padded, nk_padded, false,
                                                    w.q.get(), w.kt.get(), w.s.get());
-                       softmax_rows_bf16(0, rows_padded, rows, nk, nk_padded, scale, first_block, dim, w);
+                       std::fill_n(w.lo.get(), rows_padded, 0);
+                       std::fill_n(w.hi.get(), rows_padded, nk);
+                       softmax_rows_bf16(0, rows_padded, rows, w.lo.get(), w.hi.get(), nk_padded, nk_padded, scale,
+                                         dim, w);
                        // acc = P V on the first block, acc += P V after (acc already rescaled per row).
                        at::native::cpublas::brgemm(rows_padded, dim, nk_padded, nk_padded, dim, dim, !first_block,
                                                    w.p.get(), w.v.get(), w.acc.get());
                      });
     return;
   }
-  attend_item_bf16(item, L, q, k, v, key_positions, kVnniRows, out, w,
-                   [&](int64_t rows, int64_t rows_padded, int64_t nk, int64_t nk_padded, bool first_block) {
-                     for (int64_t r0 = 0; r0 < rows_padded; r0 += kVnniRows) {
-                       gemm_tile_bf16(w.q.get() + r0 * dim, dim, w.kt.get(), nk_padded, dim / 2, nk_padded,
-                                      w.s.get(), nk_padded, false);
-                       softmax_rows_bf16(r0, kVnniRows, rows, nk, nk_padded, scale, first_block, dim, w);
-                       // Keys past nk have zero probabilities and zero V rows: stop at the last pair with a key.
-                       gemm_tile_bf16(w.p.get(), nk_padded, w.v.get(), dim, (nk + 1) / 2, dim,
-                                      w.acc.get() + r0 * dim, dim, !first_block);
-                     }
-                   });
+  bool tile_written[kBf16QueryChunk / kVnniRows] = {};  // whether a tile's acc rows hold anything yet
+  attend_item_bf16(
+      item, L, q, k, v, key_positions, kVnniRows, out, w,
+      [&](int64_t k0, int64_t rows, int64_t rows_padded, int64_t nk, int64_t nk_padded, bool) {
+        for (int64_t r0 = 0; r0 < rows_padded; r0 += kVnniRows) {
+          int64_t lo[kVnniRows], hi[kVnniRows];
+          const int64_t real_rows = std::min(kVnniRows, rows - r0);
+          window_columns(item.q_begin + r0, half_width, key_positions, k0, nk, real_rows, lo, hi);
+          // The tile's columns [first, last): from the first pair any real row attends to the last key any attends.
+          int64_t first = nk, last = 0;
+          for (int64_t r = 0; r < real_rows; ++r) {
+            if (lo[r] < hi[r]) first = std::min(first, lo[r]), last = std::max(last, hi[r]);
+          }
+          if (last <= first) continue;  // no row of this tile has a key in this block
+          first -= first % 2;
+          for (int64_t r = 0; r < real_rows; ++r) {  // rows without a key here keep an empty range, from 0
+            lo[r] = std::max<int64_t>(lo[r] - first, 0);
+            hi[r] = std::max(hi[r] - first, lo[r]);
+          }
+          const int64_t n = last - first;
+          gemm_tile_bf16(w.q.get() + r0 * dim, dim, w.kt.get() + 2 * first, nk_padded, dim / 2, n, w.s.get(),
+                         nk_padded, false);
+          softmax_rows_bf16(r0, kVnniRows, rows, lo, hi, round_up(n, kBf16Keys), nk_padded, scale, dim, w);
+          // Columns past hi have zero probabilities (and keys past nk zero V rows): stop at the last pair with a key.
+          bool& written = tile_written[r0 / kVnniRows];
+          gemm_tile_bf16(w.p.get(), nk_padded, w.v.get() + first * dim, dim, (n + 1) / 2, dim, w.acc.get() + r0 * dim,
+                         dim, written);
+          written = true;
+        }
+      });
 }
 
 // Every item on one of the bf16-product kernels, threads taking the next item as they finish (`attention_cpu`'s
 // contract).
 void attend_items_bf16(Bf16Kernel kernel, const std::vector<WorkItem>& items, const Layout& L, const at::Tensor& q,
                        const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& key_positions,
-                       int64_t positions_stride, int64_t longest, int64_t longest_keys, float scale, at::Tensor& out) {
+                       int64_t positions_stride, int64_t longest, int64_t longest_keys, int64_t half_width, float scale,
+                       at::Tensor& out) {
   const auto* qp = q.data_ptr<c10::BFloat16>();
   const auto* kp = k.data_ptr<c10::BFloat16>();
   const auto* vp = v.data_ptr<c10::BFloat16>();
@@ -671,7 +715,7 @@ void attend_items_bf16(Bf16Kernel kernel, const std::vector<WorkItem>& items, co
       for (int64_t i = next++; i < n_items; i = next++) {
         const int64_t* positions =
             key_positions.empty() ? nullptr : key_positions.data() + items[i].batch * positions_stride;
-        attend_item_bf16_products(kernel, items[i], L, qp, kp, vp, positions, scale, op, scratch);
+        attend_item_bf16_products(kernel, items[i], L, qp, kp, vp, positions, half_width, scale, op, scratch);
       }
     }
   });
@@ -785,9 +829,10 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
   const int64_t half_width = window.has_value() && *window / 2 < longest - 1 ? *window / 2 : -1;
   const int64_t S = packed ? 0 : L.seqlen;
 #if defined(CPU_CAPABILITY_AVX512)
-  const Bf16Kernel bf16_kernel = dropout_p == 0.0 && half_width < 0 && softmax_scale > 0.f
-                                     ? bf16_attention_kernel(q.scalar_type(), dim)
-                                     : Bf16Kernel::kNone;
+  Bf16Kernel bf16_kernel =
+      dropout_p == 0.0 && softmax_scale > 0.f ? bf16_attention_kernel(q.scalar_type(), dim) : Bf16Kernel::kNone;
+  // The AMX path computes whole blocks of keys; only the AVX512-BF16 tiles follow a window.
+  if (half_width >= 0 && bf16_kernel == Bf16Kernel::kAmx) bf16_kernel = Bf16Kernel::kNone;
   // The bf16 kernels pack each block of keys once per item: longer chunks of queries pack them fewer times.
   const int64_t chunk = bf16_kernel != Bf16Kernel::kNone ? kBf16QueryChunk : kQueryChunk;
 #else
@@ -824,7 +869,8 @@ at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const a
 #if defined(CPU_CAPABILITY_AVX512)
   if (bf16_kernel != Bf16Kernel::kNone) {
     const int64_t longest_keys = num_keys.empty() ? 0 : *std::max_element(num_keys.begin(), num_keys.end());
-    attend_items_bf16(bf16_kernel, items, L, q, k, v, key_positions, S, longest, longest_keys, softmax_scale, out);
+    attend_items_bf16(bf16_kernel, items, L, q, k, v, key_positions, S, longest, longest_keys, half_width,
+                      softmax_scale, out);
     return out;
   }
 #endif

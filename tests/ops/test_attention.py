@@ -334,17 +334,28 @@ def test_cpp_long_sequence_window_128():
     check_against_reference("cpp", torch.float32, 128, [1024, 333], heads=2, head_dim=64)
 
 
-def test_cpp_window_padded_with_holes_against_reference():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_window_padded_with_holes_against_reference(dtype):
     """A key padding mask with holes: the window counts padded positions, the kernel walks the real keys' list."""
     gen = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(3, 300, 3, 2, 16, generator=gen).unbind(2)
+    q, k, v = torch.randn(3, 300, 3, 2, 16, generator=gen).to(dtype).unbind(2)
     mask = torch.rand(3, 300, generator=gen) > 0.6
     mask[2, 100:] = False
     for window in (2, 16, 128):
         kwargs = {"key_padding_mask": mask, "window": window}
         fast = ops.attention(q, k, v, backend="cpp", **kwargs)
+        plain = ops.attention(q, k, v, backend="eager", **kwargs)
         reference = ops.attention(q.double(), k.double(), v.double(), backend="eager", **kwargs)
-        assert_accurate(fast, fast, reference, f"cpp holes window={window}")
+        assert_accurate_fp64(fast, plain, reference, f"cpp {dtype} holes window={window}")
+
+
+@pytest.mark.parametrize("dim", (2, 48, 64, 256))
+def test_cpp_bf16_window_tiles_across_key_blocks(dim):
+    """bf16 with a window (on AVX512-BF16, register tiles that compute only the columns their rows' windows reach):
+    sequences of 600 and 1,024 keys whose tiles' bands straddle the 256-key blocks and the 256-row query chunks,
+    odd and even windows, head dims that fill the 32-column tiles partly (2, 48) and the largest (256)."""
+    for window in (7, 128, 300):
+        check_against_reference("cpp", torch.bfloat16, window, [600, 9, 1024], head_dim=dim, heads=1)
 
 
 def test_triton_window_packed_fp16_lengths_1_7_130():
@@ -386,6 +397,7 @@ def test_window_packed_and_padded_agree(backend, window, lengths):
 
 def _wide_cases():
     cases = [pytest.param(b, torch.float32, s, id=f"{b}-S{s}") for b in ("eager", "cpp") for s in (1, 2, 7, 130)]
+    cases += [pytest.param("cpp", torch.bfloat16, s, id=f"cpp-bf16-S{s}") for s in (2, 130, 300)]
     return cases + [pytest.param("triton", torch.float16, s, id=f"triton-S{s}", marks=INTERPRETER) for s in (1, 7, 130)]
 
 
@@ -397,6 +409,7 @@ def test_window_wider_than_the_sequence_is_global(backend, dtype, seqlen):
 @NAN_MATMUL
 @pytest.mark.parametrize("backend, dtype", [pytest.param("eager", torch.float32, id="eager-fp32"),
                                             pytest.param("cpp", torch.float32, id="cpp-fp32"),
+                                            pytest.param("cpp", torch.bfloat16, id="cpp-bf16"),
                                             pytest.param("triton", torch.float16, id="triton-fp16")])
 def test_query_without_a_real_key_in_its_window_gives_zeros(backend, dtype):
     check_no_key_in_window_gives_zeros(backend, dtype, device=DEVICE if backend == "triton" else "cpu")
