@@ -218,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(CPU)
     machine.update(threads=args.threads, torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
                    loadavg_before=load_before, loadavg_after=machine["load_average"])
+    kernel = cpp_backend.bf16_attention_kernel
     report = interleaved_report(
         machine, f"ModernBERT-base shapes, {args.layers} layers, random weights (seed {args.seed}), {args.dtype}",
         args.rounds, cases, targets,
         fastbert_backend={"backend": "auto", "compiled_capability": cpp_backend.compiled_capability(),
-                          "bf16_attention_kernel": cpp_backend.bf16_attention_kernel(config.head_dim)},
+                          "bf16_attention_kernel": kernel(config.head_dim),
+                          "bf16_attention_kernel_local": kernel(config.head_dim, window=True)},
         layer_cost_s1024=layers)
     write_interleaved(report, markdown(report, reference is None), args.out, args.name)
     return 0

@@ -104,12 +104,14 @@ def compiled_capability() -> str | None:
 _KERNEL_WORDS = {"amx": "AMX", "avx512_bf16": "AVX512-BF16"}
 
 
-def bf16_attention_kernel(head_dim: int) -> str:
+def bf16_attention_kernel(head_dim: int, window: bool = False) -> str:
     """Which kernel computes the two products of bfloat16 attention of this head dim here (`csrc/attention.cpp`),
-    without dropout or a window: ``"amx"`` (oneDNN's brgemm through ATen, on a CPU with AMX-BF16), ``"avx512_bf16"``
-    (register tiles of vdpbf16ps, on a CPU with AVX512-BF16 and no AMX), or ``"vector"`` (products in fp32: an odd head
-    dim or one over 256, another CPU or a build below AVX-512, or no extension)."""
-    return "vector" if _C is None else _C.bf16_attention_kernel(head_dim)
+    without dropout, in a sliding window narrower than the sequence if ``window``: ``"amx"`` (oneDNN's brgemm through
+    ATen, on a CPU with AMX-BF16, without a window), ``"avx512_bf16"`` (register tiles of vdpbf16ps, on a CPU with
+    AVX512-BF16 and no AMX), or ``"vector"`` (products in fp32: an odd head dim or one over 256, another CPU or a build
+    below AVX-512, no extension, or a window on AMX)."""
+    kernel = "vector" if _C is None else _C.bf16_attention_kernel(head_dim)
+    return "vector" if window and kernel == "amx" else kernel
 
 
 def describe() -> str:
