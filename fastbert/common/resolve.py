@@ -120,6 +120,11 @@ def resolve_device(name: str | None) -> torch.device:
         raise UserError(f"device {name!r} is not present (torch {torch.__version__} sees no CUDA GPU)")
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"device {name!r} is not supported (use cpu or cuda)")
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise UserError(f"device {name!r} is not a device: there is one CPU device, 'cpu'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"device {name!r} is not present (torch sees {torch.cuda.device_count()} CUDA GPU(s), "
+                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")
     return device
 
 

@@ -23,6 +23,20 @@ def test_resolve_errors_are_user_errors(tmp_path):
             resolve.resolve_device("cuda")
 
 
+def test_resolve_device_refuses_devices_that_are_not_there(monkeypatch):
+    assert resolve.resolve_device("cpu") == torch.device("cpu")
+    assert resolve.resolve_device("cpu:0") == torch.device("cpu:0")
+    with pytest.raises(resolve.UserError, match="one CPU device"):
+        resolve.resolve_device("cpu:5")
+    with pytest.raises(resolve.UserError, match="unknown device"):
+        resolve.resolve_device("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve.resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(resolve.UserError, match=r"is not present \(torch sees 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
+        resolve.resolve_device("cuda:2")
+
+
 def test_precision_auto_follows_the_cpu_and_int8_is_for_embed_and_serve(monkeypatch):
     from fastbert import quantization
 
