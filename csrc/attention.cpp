@@ -313,7 +313,7 @@ void attend_item(const WorkItem& item, const Layout& L, const scalar_t* q, const
         float* sr = s + r * kKeyBlock;
         const float block_max = tile_max[r];
         const float old_max = w.row_max[r0 + r];
-        const float new_max = std::max(old_max, block_max);
+        const float new_max = std::isnan(block_max) ? block_max : std::max(old_max, block_max);  // NaN in, NaN out
         if (new_max == -std::numeric_limits<float>::infinity()) {  // no key for this row yet: nothing to add
           std::fill(sr, sr + ncols, 0.f);
           continue;
@@ -372,7 +372,7 @@ constexpr int64_t kBf16MaxDim = 256;
 
 // Per-thread bf16 tiles and fp32 accumulators for up to `rows` query rows and `keys` keys per block; scores and
 // probabilities for `score_rows` of them at a time (all rows on AMX, one register tile's on AVX512-BF16). Allocated
-// once per call and not initialised (every element read is written first).
+// once per call and not initialised: every element read is written first, or read under a mask that drops it.
 struct Bf16Scratch {
   std::unique_ptr<c10::BFloat16[]> q, k_rows, kt, v, p;
   std::unique_ptr<float[]> s, acc, row_max, row_sum;
@@ -467,12 +467,12 @@ inline __mmask16 lanes_within(int64_t col, int64_t lo, int64_t hi) {
   return static_cast<__mmask16>(((1u << end) - 1) & ~((1u << begin) - 1));
 }
 
-// The largest of a row's scores in columns [lo, hi) (-inf when there are none).
+// The largest of a row's scores in columns [lo, hi) (-inf when there are none; 0 <= lo).
 inline float row_block_max(const float* s, int64_t lo, int64_t hi) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = lo / 16 * 16; j < hi; j += 16) {
-    mv = _mm512_mask_max_ps(mv, lanes_within(j, lo, hi), mv, _mm512_loadu_ps(s + j));
-  }
+  int64_t j = lo;
+  for (; j + 16 <= hi; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+  if (j < hi) mv = _mm512_mask_max_ps(mv, lanes_within(j, lo, hi), mv, _mm512_loadu_ps(s + j));
   return _mm512_reduce_max_ps(mv);
 }
 
@@ -485,13 +485,13 @@ inline float exp_row_bf16(const float* s, int64_t lo, int64_t hi, int64_t n_padd
                           c10::BFloat16* p) {
   const __m512 scale_log2e = _mm512_set1_ps(scale * static_cast<float>(M_LOG2E));
   const __m512 shift_log2e = _mm512_set1_ps(shift * static_cast<float>(M_LOG2E));
-  auto exp_at = [&](int64_t col) {  // zeros outside [lo, hi)
-    return _mm512_maskz_mov_ps(lanes_within(col, lo, hi),
-                               exp_scaled(_mm512_loadu_ps(s + col), scale_log2e, shift_log2e));
-  };
+  auto exp_at = [&](int64_t col) { return exp_scaled(_mm512_loadu_ps(s + col), scale_log2e, shift_log2e); };
+  auto exp_within = [&](int64_t col) { return _mm512_maskz_mov_ps(lanes_within(col, lo, hi), exp_at(col)); };
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n_padded; j += 32) {  // n_padded is a multiple of kBf16Keys (32)
-    const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(exp_at(j + 16), exp_at(j));
+    const bool inside = j >= lo && j + 32 <= hi;  // most steps: no column to zero
+    const __m512 low = inside ? exp_at(j) : exp_within(j), high = inside ? exp_at(j + 16) : exp_within(j + 16);
+    const __m512i rounded = (__m512i)_mm512_cvtne2ps_pbh(high, low);
     _mm512_storeu_si512(p + j, rounded);
     sum = _mm512_add_ps(sum, _mm512_add_ps(widen_bf16(_mm512_castsi512_si256(rounded)),
                                            widen_bf16(_mm512_extracti64x4_epi64(rounded, 1))));
@@ -506,7 +506,8 @@ inline float exp_row_bf16(const float* s, int64_t lo, int64_t hi, int64_t n_padd
 inline void softmax_row_bf16(const float* s, int64_t lo, int64_t hi, int64_t n_padded, float scale, float& row_max,
                              float& row_sum, float* acc, int64_t dim, c10::BFloat16* p) {
   constexpr float kNoKey = -std::numeric_limits<float>::infinity();
-  const float new_max = std::max(row_max, row_block_max(s, lo, hi) * scale);
+  const float block_max = row_block_max(s, lo, hi) * scale;
+  const float new_max = std::isnan(block_max) ? block_max : std::max(row_max, block_max);  // NaN in, NaN out
   if (new_max == kNoKey) {
     std::fill(p, p + n_padded, c10::BFloat16(0.f));
     return;
@@ -538,17 +539,16 @@ void gather_queries(const c10::BFloat16* qb, int64_t q_pos, int64_t rows, int64_
 }
 
 // out rows of the item = acc / row_sum in bf16 (zeros for a row without keys, whose acc may never have been
-// written).
+// written; NaN where the scores were).
 void store_rows(const WorkItem& item, const Layout& L, int64_t rows, const Bf16Scratch& w, c10::BFloat16* out) {
   const int64_t dim = L.dim, out_row0 = L.first_row(item.batch) + item.q_begin;
   for (int64_t r = 0; r < rows; ++r) {
-    const float total = w.row_sum[r];
     c10::BFloat16* dst = out + ((out_row0 + r) * L.heads + item.head) * dim;
-    if (!(total > 0.f)) {
+    if (w.row_max[r] == -std::numeric_limits<float>::infinity()) {
       std::fill(dst, dst + dim, c10::BFloat16(0.f));
       continue;
     }
-    const Vec inv(1.f / total);
+    const Vec inv(1.f / w.row_sum[r]);
     const float* ar = w.acc.get() + r * dim;
     for (int64_t c = 0; c < dim; c += kLanes) {
       const int64_t m = std::min<int64_t>(kLanes, dim - c);
@@ -673,9 +673,10 @@ void attend_item_bf16_products(Bf16Kernel kernel, const WorkItem& item, const La
           }
           if (last <= first) continue;  // no row of this tile has a key in this block
           first -= first % 2;
-          for (int64_t r = 0; r < real_rows; ++r) {  // rows without a key here keep an empty range, from 0
-            lo[r] = std::max<int64_t>(lo[r] - first, 0);
-            hi[r] = std::max(hi[r] - first, lo[r]);
+          for (int64_t r = 0; r < real_rows; ++r) {  // rows without a key here: the empty range [0, 0)
+            const bool empty = lo[r] >= hi[r];
+            lo[r] = empty ? 0 : lo[r] - first;
+            hi[r] = empty ? 0 : hi[r] - first;
           }
           const int64_t n = last - first;
           gemm_tile_bf16(w.q.get() + r0 * dim, dim, w.kt.get() + 2 * first, nk_padded, dim / 2, n, w.s.get(),

@@ -338,10 +338,10 @@ def test_cpp_long_sequence_window_128():
 def test_cpp_window_padded_with_holes_against_reference(dtype):
     """A key padding mask with holes: the window counts padded positions, the kernel walks the real keys' list."""
     gen = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(3, 300, 3, 2, 16, generator=gen).to(dtype).unbind(2)
-    mask = torch.rand(3, 300, generator=gen) > 0.6
+    q, k, v = torch.randn(3, 800, 3, 2, 16, generator=gen).to(dtype).unbind(2)
+    mask = torch.rand(3, 800, generator=gen) > 0.6
     mask[2, 100:] = False
-    for window in (2, 16, 128):
+    for window in (2, 16, 128, 600):  # 600: over 256 real keys per work item, whose softmax crosses key blocks
         kwargs = {"key_padding_mask": mask, "window": window}
         fast = ops.attention(q, k, v, backend="cpp", **kwargs)
         plain = ops.attention(q, k, v, backend="eager", **kwargs)
@@ -413,6 +413,21 @@ def test_window_wider_than_the_sequence_is_global(backend, dtype, seqlen):
                                             pytest.param("triton", torch.float16, id="triton-fp16")])
 def test_query_without_a_real_key_in_its_window_gives_zeros(backend, dtype):
     check_no_key_in_window_gives_zeros(backend, dtype, device=DEVICE if backend == "triton" else "cpu")
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["global", "w6"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_nan_in_a_real_query_comes_out_as_nan(dtype, window):
+    """NaN in a real query's row is NaN in its output, as in plain PyTorch (zeros would hide a diverged model);
+    the other rows stay finite."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = torch.randn(20, 3, 2, 64, generator=gen).to(dtype).unbind(1)
+    q = q.clone()
+    q[5, 1] = float("nan")
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    out = ops.attention(q, k, v, cu_seqlens=cu, max_seqlen=20, window=window, backend="cpp")
+    assert out[5, 1].isnan().all()
+    assert torch.isfinite(out[:5]).all() and torch.isfinite(out[6:]).all() and torch.isfinite(out[5, 0]).all()
 
 
 def _window_poison_cases():
