@@ -467,13 +467,24 @@ inline __mmask16 lanes_within(int64_t col, int64_t lo, int64_t hi) {
   return static_cast<__mmask16>(((1u << end) - 1) & ~((1u << begin) - 1));
 }
 
-// The largest of a row's scores in columns [lo, hi) (-inf when there are none; 0 <= lo).
+// The largest of a row's scores in columns [lo, hi) (-inf when there are none; 0 <= lo), NaN when one is NaN
+// (vmaxps alone would drop it).
 inline float row_block_max(const float* s, int64_t lo, int64_t hi) {
-  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m[4] = {none, none, none, none};  // four chains of vmaxps, not one: latency, not throughput, bounded it
+  __mmask16 nan = 0;
+  auto take = [&](int i, __mmask16 lanes, __m512 x) {
+    m[i] = _mm512_mask_max_ps(m[i], lanes, m[i], x);
+    nan |= _mm512_mask_cmp_ps_mask(lanes, x, x, _CMP_UNORD_Q);
+  };
   int64_t j = lo;
-  for (; j + 16 <= hi; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
-  if (j < hi) mv = _mm512_mask_max_ps(mv, lanes_within(j, lo, hi), mv, _mm512_loadu_ps(s + j));
-  return _mm512_reduce_max_ps(mv);
+  for (; j + 64 <= hi; j += 64) {
+    for (int i = 0; i < 4; ++i) take(i, 0xFFFF, _mm512_loadu_ps(s + j + 16 * i));
+  }
+  for (; j + 16 <= hi; j += 16) take(0, 0xFFFF, _mm512_loadu_ps(s + j));
+  if (j < hi) take(1, lanes_within(j, lo, hi), _mm512_loadu_ps(s + j));
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
 }
 
 // p[0, n_padded) = bf16(exp(s * scale - shift)) for the scores in columns [lo, hi) and zeros elsewhere; returns the
