@@ -121,7 +121,7 @@ def resolve_device(name: str | None) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"device {name!r} is not supported (use cpu or cuda)")
     if device.type == "cpu" and device.index not in (None, 0):
-        raise UserError(f"device {name!r} is not a device: there is one CPU device, 'cpu'")
+        raise UserError(f"device {name!r} does not exist: there is one CPU device, 'cpu'")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise UserError(f"device {name!r} is not present (torch sees {torch.cuda.device_count()} CUDA GPU(s), "
                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")
