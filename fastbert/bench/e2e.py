@@ -106,24 +106,25 @@ def _run_e2e(settings: BenchSettings, progress: bool) -> dict[str, Any]:
     load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     model_dir, config = resolve_model(settings.model_dir)
     workloads, names = _checked_workloads(settings, config)
-    busy = busy_warning(torch.get_num_threads())
-    if busy is not None and progress:  # after the settings' checks: an error stays the one line printed
-        print(busy, file=sys.stderr)
     device, dtype = settings.device, settings.dtype
-    peak_size = 512 if settings.quick else (8192 if device.type == "cuda" else 2048)
-    peaks = [measure_peak_flops(device, dtype, size=peak_size)] if settings.peak_flops is None else []
     inputs = [w.inputs(config, device, settings.seed + i) for i, w in enumerate(workloads)]
-    references, reference_note = _reference_outputs(model_dir, inputs, device)
     bar = tqdm(total=len(names) + len(workloads) * (1 + settings.repeats), desc="fastbert bench",
                disable=not (progress and sys.stderr.isatty()), leave=False, file=sys.stderr)  # no \r in a log
     run = _Run(settings, model_dir, config, workloads, names, bar, results={w.name: {} for w in workloads})
-    with tempfile.TemporaryDirectory(prefix="fastbert-bench-") as workdir:
-        runners = _load_runners(run, workdir)
+    peak_size = 512 if settings.quick else (8192 if device.type == "cuda" else 2048)
+    peaks: list[float] = []
+    with bar, tempfile.TemporaryDirectory(prefix="fastbert-bench-") as workdir:
+        runners = _load_runners(run, workdir)  # fastbert first: a checkpoint it cannot load is the one line printed
+        references, reference_note = _reference_outputs(model_dir, inputs, device)
+        busy = busy_warning(torch.get_num_threads())
+        if busy is not None and progress:
+            bar.write(busy, file=sys.stderr)
+        if settings.peak_flops is None:
+            peaks.append(measure_peak_flops(device, dtype, size=peak_size))
         for workload, batch, reference in zip(workloads, inputs, references, strict=True):
             _measure_workload(run, workload, batch, reference, runners)
         runners.clear()
         gc.collect()
-    bar.close()
     if settings.peak_flops is None:
         peaks.append(measure_peak_flops(device, dtype, size=peak_size))
     peak = _peak_used(settings, peaks, peak_size)
@@ -155,6 +156,9 @@ def _reference_outputs(model_dir: str, inputs: list[dict], device: torch.device
         reference = load_hf_model(model_dir, "eager", torch.float32, device)
     except ImportError as err:
         return references, f"none: transformers not installed ({err})"
+    except (OSError, RuntimeError, ValueError) as err:  # its own message is a table on stderr, which the load hides
+        reason = (str(err).splitlines() or [type(err).__name__])[0][:300]
+        raise UserError(f"{model_dir}: transformers cannot load it as the reference: {reason}") from err
     with torch.inference_mode():
         for i, batch in enumerate(inputs):
             references[i] = reference(**batch).last_hidden_state.float()
@@ -162,7 +166,8 @@ def _reference_outputs(model_dir: str, inputs: list[dict], device: torch.device
 
 
 def _load_runners(run: _Run, workdir: str) -> dict[str, Callable[[dict], torch.Tensor]]:
-    """Every implementation that loads, by name; one that does not is marked unavailable on every workload."""
+    """Every implementation that loads, by name; one that does not is marked unavailable on every workload, except
+    fastbert on a checkpoint it cannot load (a UserError)."""
     settings = run.settings
     runners: dict[str, Callable[[dict], torch.Tensor]] = {}
     for name in run.names:
@@ -171,6 +176,8 @@ def _load_runners(run: _Run, workdir: str) -> dict[str, Callable[[dict], torch.T
             runners[name], run.notes[name] = build_peer(name, run.model_dir, run.config, settings.dtype,
                                                         settings.device, settings.backend, settings.quick, workdir)
         except Exception as err:  # noqa: BLE001 - every failure of a peer is a row in the table, not a crash
+            if name == "fastbert" and isinstance(err, ValueError):  # a CheckpointError: nothing left to compare
+                raise UserError(str(err)) from err
             reason = str(err) if isinstance(err, PeerUnavailable) else f"{type(err).__name__}: {err}"
             run.notes[name] = []
             for w in run.workloads:

@@ -8,7 +8,6 @@ import math
 from pathlib import Path
 
 from fastbert.bench import e2e, peers, report
-from fastbert.cli import shared
 from fastbert.common.resolve import UserError, check_dir_creatable, resolve_device, resolve_dtype, resolve_model
 
 
@@ -18,7 +17,6 @@ def run(args: argparse.Namespace) -> int:
     out = None if args.no_write else Path(args.out) if args.out else report.default_out_dir(settings.device)
     if args.out and not args.no_write:  # checked before the run, whose results would be lost after it
         check_dir_creatable(out, "--out")
-    shared.check_checkpoint(settings.model_dir, settings.backend)  # the reference loads first, and says less
     results = e2e.run_e2e(settings, progress=True)
     for line in report.summary_lines(results):
         print(line)

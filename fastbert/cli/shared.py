@@ -62,12 +62,6 @@ def load_hf_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> t
         raise UserError(f"{model_dir}: transformers cannot load it: {reason}") from err
 
 
-def check_checkpoint(model_dir: str, backend: str) -> None:
-    """UserError when fastbert cannot load the checkpoint (the model is built and dropped): a command that loads
-    transformers' model first calls it, as transformers' errors do not say what is wrong."""
-    load_fastbert(model_dir, torch.float32, torch.device("cpu"), backend)
-
-
 def forward(model: torch.nn.Module, batch: dict, seen: dict | None = None) -> Any:
     """``model(**batch)`` under inference mode; with ``seen``, the backends each op ran on are added to it."""
     with torch.inference_mode():

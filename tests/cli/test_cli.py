@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastbert import cli
-from fastbert.bench import machine, peers
+from fastbert.bench import e2e, machine, peers
 from fastbert.bench.machine import machine_tag
 from fastbert.cli import check
 from tests.helpers import save_tiny_bert, tiny_model
@@ -237,8 +237,12 @@ def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir
     # Without --out, as a newcomer runs it: a new git-ignored folder, never the committed benchmarks/results/.
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(machine, "load_average", lambda: 64.0)  # a busy machine
+    fastbert_loads = []
+    load_fastbert = peers.load_fastbert
+    monkeypatch.setattr(peers, "load_fastbert", lambda *a, **k: fastbert_loads.append(a) or load_fastbert(*a, **k))
     code, out, err = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8")
     assert code == 0
+    assert len(fastbert_loads) == 1  # the checkpoint's check is the load itself
     assert [line for line in err.splitlines() if line.startswith("fastbert: warning: the machine is busy")]
     assert "\r" not in err  # no progress bar when stderr is not a terminal (a log, CI)
     assert not (tmp_path / "benchmarks").exists()
@@ -256,6 +260,17 @@ def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir
             "max_abs_err_vs_reference"} <= set(entry)
     assert (out_dir / "e2e.md").read_text().count("| b2 s8 |") == 2
     assert (out_dir / "e2e_latency.png").stat().st_size > 10_000
+
+
+def test_bench_says_in_one_line_when_transformers_cannot_load_the_reference(capsys, minilm_dir, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError("Error no file named pytorch_model.bin\nthe rest of transformers' explanation")
+
+    monkeypatch.setattr(e2e, "load_hf_model", refuse)
+    code, _, err = _run(capsys, "bench", "--quick", "--no-write", "--model", minilm_dir, "--peers", "hf-eager")
+    assert code != 0
+    assert err == (f"fastbert: error: {minilm_dir}: transformers cannot load it as the reference: "
+                   "Error no file named pytorch_model.bin\n"), err
 
 
 def test_no_command_runs_the_demo(capsys):
