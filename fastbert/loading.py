@@ -8,6 +8,7 @@ and `fastbert.optimize` (parameters shared with a live transformers module); the
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import warnings
@@ -23,6 +24,7 @@ from fastbert.model import FastBertModel
 from fastbert.quantization import PRECISIONS, precision_for, quantize_int8
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+SHARD_INDEX_SUFFIX = ".index.json"  # what save_pretrained writes beside the shards of a large checkpoint
 # Non-persistent buffers that older checkpoints saved; they carry no weights.
 _IGNORED_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
 
@@ -84,14 +86,41 @@ def _rename_legacy(key: str) -> str:
 
 
 def read_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The tensors of a checkpoint directory (model.safetensors preferred, else pytorch_model.bin)."""
+    """The tensors of a checkpoint directory: its `weight_files`, one file or every shard."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(directory):
+        state.update((_rename_legacy(k), v) for k, v in _read_weights_file(path).items())
+    return state
+
+
+def weight_files(directory: str | os.PathLike) -> list[Path]:
+    """The files holding a checkpoint's tensors: model.safetensors, else the shards its index names, else the same
+    for pytorch_model.bin. CheckpointError when there are none, or the index is broken or names a missing shard."""
     directory = Path(directory)
     for name in WEIGHT_FILES:
-        path = directory / name
-        if not path.is_file():
-            continue
-        return {_rename_legacy(k): v for k, v in _read_weights_file(path).items()}
-    raise CheckpointError(f"{directory} holds no weights: expected one of {', '.join(WEIGHT_FILES)}")
+        if (directory / name).is_file():
+            return [directory / name]
+        index = directory / (name + SHARD_INDEX_SUFFIX)
+        if index.is_file():
+            return _shard_files(index)
+    expected = [n for name in WEIGHT_FILES for n in (name, name + SHARD_INDEX_SUFFIX)]
+    raise CheckpointError(f"{directory} holds no weights: expected one of {', '.join(expected)}")
+
+
+def _shard_files(index: Path) -> list[Path]:
+    """The shards a sharded checkpoint's index maps tensors to, each once, in their names' order."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{index} is not a readable shard index (a JSON object with a 'weight_map' of tensor "
+                              f"names to files): {type(err).__name__}: {err}") from err
+    if not names or not all(isinstance(n, str) and n == Path(n).name for n in names):
+        raise CheckpointError(f"{index}: its weight_map must name shard files in the same directory")
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{index} names {len(missing)} shard(s) that are not there: {', '.join(missing[:3])}")
+    return [index.parent / n for n in names]
 
 
 def _read_weights_file(path: Path) -> dict[str, torch.Tensor]:
@@ -161,7 +190,7 @@ def from_pretrained(
     require_head: bool = False,
 ) -> torch.nn.Module:
     """Build fastbert's model from an HF checkpoint directory (config.json + model.safetensors or
-    pytorch_model.bin), offline and without transformers.
+    pytorch_model.bin, either one file or the shards of a ``.index.json``), offline and without transformers.
 
     task: None for the bare encoder (`FastBertModel`), else one of `fastbert.heads.TASKS`. Encoder keys that are
     missing, or tensors of the wrong shape, raise `CheckpointError`; checkpoint keys fastbert does not use are

@@ -46,6 +46,35 @@ def test_from_pretrained_reads_pytorch_bin_and_casts(tmp_path):
     assert rel_err(actual[mask.bool()], expected[mask.bool()]) <= 1e-12
 
 
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_from_pretrained_reads_a_sharded_checkpoint(safe, tmp_path):
+    reference = tiny_model("bert")
+    reference.save_pretrained(tmp_path, safe_serialization=safe, max_shard_size="20KB")
+    single = "model.safetensors" if safe else "pytorch_model.bin"
+    assert not (tmp_path / single).exists() and len(list(tmp_path.glob("*-of-*"))) > 2
+    model = fastbert.from_pretrained(tmp_path)
+    assert model.loading_info["unexpected_keys"] == []
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        expected = reference(input_ids=ids, attention_mask=mask)
+        actual = model(ids, mask)
+    assert rel_err(actual.last_hidden_state[mask.bool()], expected.last_hidden_state[mask.bool()]) <= 1e-5
+    assert rel_err(actual.pooler_output, expected.pooler_output) <= 1e-5
+
+
+def test_a_broken_shard_index_is_a_checkpoint_error(bert_dir, tmp_path):
+    shutil.copy(bert_dir / "config.json", tmp_path / "config.json")
+    index = tmp_path / "model.safetensors.index.json"
+    for text, match in [("{not json", "is not a readable shard index"),
+                        ('{"metadata": {}}', "is not a readable shard index"),
+                        ('{"weight_map": {"a.weight": "../model.safetensors"}}', "shard files in the same directory"),
+                        ('{"weight_map": {"a.weight": "model-00001-of-00002.safetensors"}}',
+                         r"names 1 shard\(s\) that are not there: model-00001-of-00002.safetensors")]:
+        index.write_text(text)
+        with pytest.raises(fastbert.CheckpointError, match=match):
+            fastbert.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta", "albert"])
 def test_padded_and_packed_execution_agree(family, tmp_path):
     reference = tiny_model(family)

@@ -22,6 +22,7 @@ import torch
 from fastbert.common.resolve import DTYPES, UserError, model_error, resolve_device, resolve_model, resolve_precision
 from fastbert.common.text import load_auto_tokenizer
 from fastbert.embedding import Embedder, sentence_transformers_head
+from fastbert.loading import weight_files
 from fastbert.serving.schemas import InputError
 
 TASKS = ("embed", "rerank", "classify")
@@ -282,16 +283,16 @@ def plain_tokenizer(model_dir: str):
 
 
 def checkpoint_has_mlm_head(model_dir: str) -> bool:
-    """Whether the checkpoint's weights (safetensors or pytorch_model.bin) hold a masked-LM head."""
+    """Whether the checkpoint's weights (safetensors or pytorch_model.bin, one file or shards) hold a masked-LM
+    head; the tensors' names are read, not their data."""
     names: list[str] = []
-    for file in sorted(os.listdir(model_dir)):
-        path = os.path.join(model_dir, file)
-        if file.endswith(".safetensors"):
+    for path in weight_files(model_dir):
+        if path.suffix == ".safetensors":
             from safetensors import safe_open
 
-            with safe_open(path, framework="pt") as f:
+            with safe_open(str(path), framework="pt") as f:
                 names += list(f.keys())
-        elif file == "pytorch_model.bin":
+        else:
             names += list(torch.load(path, map_location="meta", weights_only=True))
     heads = ("cls.predictions.", "lm_head.", "decoder.", "vocab_projector.")  # BERT, RoBERTa, ModernBERT, DistilBERT
     return any(name.startswith(heads) for name in names)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from fastbert.common.resolve import UserError
-from fastbert.serving.engines import PairTokenizer, load_engine
+from fastbert.serving.engines import PairTokenizer, checkpoint_has_mlm_head, load_engine
 
 
 @pytest.mark.parametrize("task", ["embed", "classify"])
@@ -52,3 +52,17 @@ def test_a_checkpoint_without_a_trained_head_is_not_served(minilm_dir, task):
     with pytest.raises(UserError, match=r"no trained sequence-classification head \(classifier.weight, "
                                         r"classifier.bias missing\)"):
         load_engine(task, minilm_dir, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_a_masked_lm_head_is_found_in_the_shards_of_a_checkpoint(safe, tmp_path):
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=99, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32)
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "mlm", safe_serialization=safe,
+                                                         max_shard_size="10KB")
+    transformers.BertModel(config).save_pretrained(tmp_path / "base", safe_serialization=safe, max_shard_size="10KB")
+    assert len(list((tmp_path / "mlm").glob("*-of-*"))) > 1
+    assert checkpoint_has_mlm_head(str(tmp_path / "mlm"))
+    assert not checkpoint_has_mlm_head(str(tmp_path / "base"))
