@@ -38,9 +38,12 @@ def run(args: argparse.Namespace) -> int:
     reference = outputs(shared.load_hf_model(model_dir, torch.float32, device), batch)
     hf_same = outputs(shared.load_hf_model(model_dir, dtype, device), batch) if dtype != torch.float32 else None
     ours = outputs(fast, batch, seen)
+    untrained = untrained_pooler(reference, hf_same, fast)
     rows, passed = compare(reference, hf_same, ours, mask, dtype)
     headers = ("output", "max abs err", "mean abs err", f"HF {str(dtype)[6:]} err", "rule", "result")
     print(report.format_table(headers, rows))
+    if untrained:
+        print(untrained)
     ref_emb = mean_pool(reference["last_hidden_state"], batch["attention_mask"])
     our_emb = mean_pool(ours["last_hidden_state"], batch["attention_mask"])
     print(f"\nsentence embeddings (mean pooling, normalised): min cosine {float((ref_emb * our_emb).sum(1).min()):.6f}")
@@ -62,6 +65,19 @@ def check_batch(model_dir: str, config, device: torch.device) -> tuple[dict, str
         lengths = torch.linspace(1, seqlen, len(SENTENCES)).round().long().tolist()
         batch = Workload("check", len(lengths), seqlen, lengths, True).inputs(config, device)
         return batch, f"{len(lengths)} random token sequences (no tokenizer in the checkpoint)"
+
+
+def untrained_pooler(reference: dict[str, torch.Tensor], hf_same: dict[str, torch.Tensor] | None,
+                     fast: torch.nn.Module) -> str | None:
+    """For a checkpoint without pooler weights (saved from a masked-LM class, say), transformers' AutoModel adds a
+    pooler initialised at random, and fastbert has none: its pooler_output is dropped from the comparison, and the
+    line that says so is returned."""
+    if "pooler_output" not in reference or fast.config.has_pooler:
+        return None
+    for found in (reference, hf_same or {}):
+        found.pop("pooler_output", None)
+    return ("pooler_output: not compared: the checkpoint holds no pooler weights (transformers initialises a pooler "
+            "at random; fastbert has none)")
 
 
 def outputs(model: torch.nn.Module, batch: dict, seen: dict | None = None) -> dict[str, torch.Tensor]:

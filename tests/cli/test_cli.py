@@ -84,6 +84,18 @@ def test_check_other_families_without_tokenizer(capsys, tmp_path, family, pooler
     assert any(line.startswith("pooler_output") for line in out.splitlines()) is pooler
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_check_passes_a_masked_lm_checkpoint_without_pooler_weights(capsys, tmp_path, family):
+    """transformers' AutoModel gives such a checkpoint a pooler initialised at random: there is nothing to compare."""
+    tiny_model(family, head="ForMaskedLM").save_pretrained(tmp_path)
+    code, out, _ = _run(capsys, "check", "--model", str(tmp_path))
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[-1] == "PASS"
+    assert "pooler_output: not compared: the checkpoint holds no pooler weights" in out
+    assert not [line for line in lines if line.startswith("pooler_output ") or "pooler_output: min cosine" in line]
+
+
 @pytest.mark.parametrize("dtype, fast_err, hf_err, scale, expected", [
     (torch.float32, 1e-5, None, 1.0, True),
     (torch.float32, 2e-4, None, 1.0, False),
