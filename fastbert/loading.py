@@ -19,6 +19,7 @@ import torch
 from fastbert import backends, families
 from fastbert.config import FastBertConfig
 from fastbert.cuda_graphs import enable_on_cuda
+from fastbert.devices import checked_device
 from fastbert.heads import build_task_model, head_key_map, redundant_checkpoint_keys
 from fastbert.model import FastBertModel
 from fastbert.quantization import PRECISIONS, precision_for, quantize_int8
@@ -191,6 +192,7 @@ def from_pretrained(
 ) -> torch.nn.Module:
     """Build fastbert's model from an HF checkpoint directory (config.json + model.safetensors or
     pytorch_model.bin, either one file or the shards of a ``.index.json``), offline and without transformers.
+    ``device`` a GPU torch does not see is a ValueError (`fastbert.devices.checked_device`).
 
     task: None for the bare encoder (`FastBertModel`), else one of `fastbert.heads.TASKS`. Encoder keys that are
     missing, or tensors of the wrong shape, raise `CheckpointError`; checkpoint keys fastbert does not use are
@@ -207,7 +209,8 @@ def from_pretrained(
     ``torch.inference_mode()``) replay CUDA graphs of the packed encoder, one per bucket of shapes
     (`fastbert.cuda_graphs`); False launches every op. On CPU it does nothing.
     """
-    backends.requested_backend(backend)  # an unknown name fails before the checkpoint is read
+    backends.requested_backend(backend)  # an unknown name or a missing GPU fails before the checkpoint is read
+    device = checked_device(device) if device is not None else None
     directory = Path(path)
     config, source = _read_checkpoint(directory)
     prefix = detect_prefix(config, source)

@@ -227,6 +227,13 @@ def test_checkpoint_unreadable_weights_and_an_unknown_backend(bert_dir, tmp_path
         fastbert.FastBertModel(fastbert.from_pretrained(bert_dir).config, backend="tpu")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_a_gpu_torch_does_not_see_is_a_value_error_before_the_checkpoint_is_read(tmp_path):
+    for device in ("cuda", torch.device("cuda:0")):  # torch raised an AssertionError about how it was compiled
+        with pytest.raises(ValueError, match=r"^device 'cuda(:0)?' is not present \(torch .* sees no CUDA GPU\)$"):
+            fastbert.from_pretrained(tmp_path / "absent", device=device)
+
+
 def test_checkpoint_wrong_shapes_and_missing_keys(bert_dir, tmp_path):
     shutil.copy(bert_dir / "config.json", tmp_path / "config.json")
     state = load_file(bert_dir / "model.safetensors")

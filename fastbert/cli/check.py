@@ -30,14 +30,16 @@ def run(args: argparse.Namespace) -> int:
     shared.need_transformers("check")
     batch, source = check_batch(model_dir, config, device)
     mask = batch["attention_mask"].bool()
+    seen: dict = {}
+    # fastbert first, before anything is printed: its errors (a checkpoint it cannot load, a backend that cannot run
+    # on the device) name what is wrong
+    fast = shared.load_fastbert(model_dir, dtype, device, args.backend)
+    ours = outputs(fast, batch, seen)
     print(f"fastbert check: {shared.model_line(model_dir, config, device, dtype)}")
     print(f"{source} padded to {batch['input_ids'].shape[1]} tokens ({int(mask.sum())} real); reference: "
           "transformers AutoModel (eager) in float32; hidden states compared at real tokens only\n")
-    seen: dict = {}
-    fast = shared.load_fastbert(model_dir, dtype, device, args.backend)  # first: its errors name what is wrong
     reference = outputs(shared.load_hf_model(model_dir, torch.float32, device), batch)
     hf_same = outputs(shared.load_hf_model(model_dir, dtype, device), batch) if dtype != torch.float32 else None
-    ours = outputs(fast, batch, seen)
     untrained = untrained_pooler(reference, hf_same, fast)
     rows, passed = compare(reference, hf_same, ours, mask, dtype)
     headers = ("output", "max abs err", "mean abs err", f"HF {str(dtype)[6:]} err", "rule", "result")

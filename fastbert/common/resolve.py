@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from fastbert.config import FastBertConfig
+from fastbert.devices import checked_device
 from fastbert.quantization import precision_for
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -111,21 +112,11 @@ def model_error(model_dir: str | os.PathLike, err: Exception) -> UserError:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    name = name or best_device()
+    """The device a user named (default `best_device`), checked against what torch sees (`checked_device`)."""
     try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise UserError(f"unknown device {name!r}") from err
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} is not present (torch {torch.__version__} sees no CUDA GPU)")
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"device {name!r} is not supported (use cpu or cuda)")
-    if device.type == "cpu" and device.index not in (None, 0):
-        raise UserError(f"device {name!r} does not exist: there is one CPU device, 'cpu'")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UserError(f"device {name!r} is not present (torch sees {torch.cuda.device_count()} CUDA GPU(s), "
-                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1})")
-    return device
+        return checked_device(name or best_device())
+    except ValueError as err:
+        raise UserError(str(err)) from err
 
 
 def resolve_precision(name: str | None, device: torch.device) -> str:

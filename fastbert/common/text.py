@@ -62,6 +62,23 @@ def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any)
     return tokenizer
 
 
+def special_tokens_added(tokenizer: Any, pair: bool = False) -> int:
+    """How many special tokens a tokenizer (the tokenizers library's or transformers') adds to one text, or to a
+    pair: 2 for BERT's [CLS] ... [SEP], 3 for a pair."""
+    return tokenizer.num_special_tokens_to_add(pair)  # both libraries name the argument differently
+
+
+def require_room_for_text(tokenizer: Any, max_length: int, option: str, pair: bool = False) -> None:
+    """A `UserError` when ``max_length`` leaves no token of a text (of each text of a pair) beside the special
+    tokens: a tokenizer cannot truncate below them, and would leave every text whole instead."""
+    specials = special_tokens_added(tokenizer, pair)
+    least = specials + (2 if pair else 1)
+    if max_length < least:
+        what = "a pair of texts" if pair else "a text"
+        raise UserError(f"{option} {max_length} leaves no room: the tokenizer adds {specials} special tokens to "
+                        f"{what}, so {option} must be at least {least}")
+
+
 class TextEncoder:
     """Tokenizes sentences for a checkpoint: its tokenizer.json through `tokenizers` (padding to the longest),
     else transformers' AutoTokenizer."""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fastbert.common.resolve import UserError, model_error
-from fastbert.common.text import load_auto_tokenizer, mean_pool
+from fastbert.common.text import load_auto_tokenizer, mean_pool, require_room_for_text
 from fastbert.embedding.batching import real_token_batches
 from fastbert.embedding.checkpoint import config_digest, default_max_length, sentence_transformers_head
 from fastbert.embedding.reading import InputError
@@ -57,23 +57,24 @@ class Embedder:
         from fastbert.common.resolve import resolve_dtype, resolve_model
 
         self.model_dir, self.config = resolve_model(model_dir)
-        self.max_length = self._max_length(max_length, length_option)  # before any slow step: a dtype's measuring
+        # the quick checks before any slow step (a dtype's measuring, the model's loading) and anything printed
+        self.max_length = self._max_length(max_length, length_option)
+        self._load_tokenizer(length_option)
         self.pooling, self.normalize = self._head(pooling, normalize)
         self.device = self._device(device, load_model)
+        self.max_batch_tokens = self._max_batch_tokens(max_batch_tokens)
+        if max_batch_size is not None and max_batch_size < 1:
+            raise UserError("--batch-size must be >= 1")
+        self.max_batch_size = max_batch_size
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).replace("torch.", "")
         # "int8" (CPU: int8 GEMMs) or a float dtype's name; "auto" resolved here (`fastbert.quantization`)
         self.precision = self._precision(dtype, load_model)
         self.dtype = resolve_dtype("float32" if self.precision == "int8" else self.precision, self.device)
-        self.max_batch_tokens = self._max_batch_tokens(max_batch_tokens)
-        if max_batch_size is not None and max_batch_size < 1:
-            raise UserError("--batch-size must be >= 1")
-        self.max_batch_size = max_batch_size
         self.dimension = self.config.hidden_size
         self.uses_token_types = bool(self.config.type_vocab_size)
         self.cuda_graphs = cuda_graphs
         self.model = self._load_model(backend) if load_model else None
-        self._load_tokenizer()
 
     def _head(self, pooling: str | None, normalize: bool | None) -> tuple[str, bool]:
         """The pooling and normalisation: as given, else as the checkpoint declares, else mean and normalised."""
@@ -135,8 +136,9 @@ class Embedder:
         except ValueError as err:  # CheckpointError, an unsupported family
             raise model_error(self.model_dir, err) from err
 
-    def _load_tokenizer(self) -> None:
-        """The checkpoint's tokenizer.json through the tokenizers library, else transformers' AutoTokenizer."""
+    def _load_tokenizer(self, length_option: str) -> None:
+        """The checkpoint's tokenizer.json through the tokenizers library, else transformers' AutoTokenizer; a
+        max_length with no room for text beside its special tokens is an error."""
         path = os.path.join(self.model_dir, "tokenizer.json")
         if os.path.isfile(path):
             from tokenizers import Tokenizer
@@ -148,9 +150,11 @@ class Embedder:
             tokenizer.no_padding()
             tokenizer.enable_truncation(max_length=self.max_length)
             self._tokenizer, self._hf_tokenizer = tokenizer, None
-            return
-        self._hf_tokenizer = load_auto_tokenizer(self.model_dir)
-        self._tokenizer = None
+        else:
+            self._hf_tokenizer = load_auto_tokenizer(self.model_dir)
+            self._tokenizer = None
+        tokenizer = self._tokenizer if self._tokenizer is not None else self._hf_tokenizer
+        require_room_for_text(tokenizer, self.max_length, length_option)
 
     def tokenize(self, texts: Sequence[str]) -> tuple[list[list[int]], list[bool]]:
         """Token ids of each text (special tokens added, truncated to max_length) and whether it was truncated."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from fastbert.common.resolve import DTYPES, UserError, model_error, resolve_device, resolve_model, resolve_precision
-from fastbert.common.text import load_auto_tokenizer
+from fastbert.common.text import load_auto_tokenizer, require_room_for_text
 from fastbert.embedding import Embedder, sentence_transformers_head
 from fastbert.loading import weight_files
 from fastbert.serving.schemas import InputError
@@ -190,6 +190,8 @@ class ClassifyEngine:
             raise UserError(f"--max-input-length must lie in [1, {limit}] for this model, got {self.max_length}")
         # the quick checks first: the tokenizer, then the dtype (auto may measure), then the model
         self.tokenizers = {d: PairTokenizer(self.model_dir, self.max_length, d) for d in DIRECTIONS}
+        # a request may hold pairs, which need room for a token of each text
+        require_room_for_text(self.tokenizers["right"].tokenizer, self.max_length, "--max-input-length", pair=True)
         self.device = resolve_device(device)
         self.precision = resolve_precision(dtype or "float32", self.device)  # auto resolved and announced here
         self.dtype = DTYPES["float32" if self.precision == "int8" else self.precision]
@@ -242,6 +244,11 @@ class PairTokenizer:
             self.fast.enable_truncation(max_length=max_length, direction=direction)
             return
         self.fast, self.slow = None, load_auto_tokenizer(model_dir, truncation_side=direction)
+
+    @property
+    def tokenizer(self):
+        """The tokenizers library's tokenizer, else transformers'."""
+        return self.fast if self.fast is not None else self.slow
 
     def __call__(self, texts: Sequence[Text]) -> tuple[list[list[int]], list[list[int]], list[bool]]:
         """(ids, type ids, truncated) per text or pair."""

@@ -84,6 +84,16 @@ def test_check_other_families_without_tokenizer(capsys, tmp_path, family, pooler
     assert any(line.startswith("pooler_output") for line in out.splitlines()) is pooler
 
 
+def test_check_says_first_and_alone_that_a_forced_backend_cannot_run_on_the_device(capsys, monkeypatch):
+    from fastbert import backends
+
+    monkeypatch.setattr(backends, "why_not", lambda op, backend, *args, **kwargs: "tensors are on cpu (test)")
+    code, out, err = _run(capsys, "check", "--backend", "triton")
+    assert code == 1 and out == ""
+    assert err.strip().splitlines() == ["fastbert: error: fastbert.ops.embedding_layernorm: backend 'triton' cannot "
+                                        "run these inputs: tensors are on cpu (test)"]
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta"])
 def test_check_passes_a_masked_lm_checkpoint_without_pooler_weights(capsys, tmp_path, family):
     """transformers' AutoModel gives such a checkpoint a pooler initialised at random: there is nothing to compare."""

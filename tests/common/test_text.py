@@ -84,3 +84,33 @@ def test_a_vocabulary_alone_loads_and_tokenizes_as_the_fast_tokenizer(tmp_path, 
 def test_the_label_names_the_directory_in_the_error(tmp_path, minilm_dir):
     with pytest.raises(UserError, match=r"^--teacher X has no tokenizer"):
         text.load_auto_tokenizer(_checkpoint_with(tmp_path, minilm_dir), label="--teacher X")
+
+
+@pytest.mark.parametrize("vocab_only", [False, True], ids=["tokenizers", "transformers"])
+def test_special_tokens_added_and_the_room_left_for_text(minilm_dir, tmp_path, vocab_only):
+    if vocab_only:
+        shutil.copy(f"{minilm_dir}/vocab.txt", tmp_path / "vocab.txt")
+        shutil.copy(f"{minilm_dir}/config.json", tmp_path / "config.json")
+        tokenizer = text.load_auto_tokenizer(str(tmp_path))
+    else:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(f"{minilm_dir}/tokenizer.json")
+    assert (text.special_tokens_added(tokenizer), text.special_tokens_added(tokenizer, pair=True)) == (2, 3)
+    text.require_room_for_text(tokenizer, 3, "--max-length")
+    text.require_room_for_text(tokenizer, 5, "--max-length", pair=True)
+    with pytest.raises(UserError, match="^--max-length 2 leaves no room: the tokenizer adds 2 special tokens to a "
+                                        "text, so --max-length must be at least 3$"):
+        text.require_room_for_text(tokenizer, 2, "--max-length")
+    with pytest.raises(UserError, match="must be at least 5$"):
+        text.require_room_for_text(tokenizer, 4, "--max-length", pair=True)
+
+
+def test_a_tokenizer_without_special_tokens_needs_room_for_one_token():
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    assert text.special_tokens_added(tokenizer, pair=True) == 0
+    text.require_room_for_text(tokenizer, 1, "--max-length")
+    with pytest.raises(UserError, match="must be at least 2$"):
+        text.require_room_for_text(tokenizer, 1, "--max-length", pair=True)

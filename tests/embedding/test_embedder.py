@@ -4,6 +4,7 @@ non-finite embedding stopped with its line."""
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -32,6 +33,38 @@ def test_settings_below_one_longest_text_are_refused(tiny_dir):
     with pytest.raises(UserError, match="pooling must be one of"):
         Embedder(tiny_dir, pooling="max")
     assert Embedder(tiny_dir, max_length=64, load_model=False).max_batch_tokens >= 64
+
+
+def test_every_setting_is_checked_before_auto_measures_or_announces_a_dtype(tiny_dir, monkeypatch):
+    def chosen(*args, **kwargs):
+        raise AssertionError("a setting was checked after the dtype was chosen")
+
+    monkeypatch.setattr(Embedder, "_precision", chosen)
+    for settings, message in [(dict(max_batch_size=0), "--batch-size must be >= 1"),
+                              (dict(max_length=64, max_batch_tokens=32), "must be at least --max-length"),
+                              (dict(pooling="max"), "pooling must be one of"),
+                              (dict(max_length=2), "leaves no room")]:
+        with pytest.raises(UserError, match=message):
+            Embedder(tiny_dir, dtype="auto", **settings)
+
+
+@pytest.mark.parametrize("vocab_only", [False, True], ids=["tokenizer.json", "vocab.txt"])
+def test_a_max_length_without_room_beside_the_special_tokens_is_refused(tiny_dir, minilm_dir, tmp_path, vocab_only):
+    """A tokenizer cannot cut a text below its [CLS] and [SEP]: it left every text whole, and a long one failed
+    later with a traceback."""
+    if vocab_only:  # transformers' tokenizer instead of the tokenizers library's
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(tiny_dir, name), tmp_path / name)
+        shutil.copy(os.path.join(minilm_dir, "vocab.txt"), tmp_path / "vocab.txt")
+        tiny_dir = str(tmp_path)
+    for too_short in (1, 2):
+        with pytest.raises(UserError, match=rf"^--max-length {too_short} leaves no room: the tokenizer adds 2 "
+                                            r"special tokens to a text, so --max-length must be at least 3$"):
+            Embedder(tiny_dir, max_length=too_short, load_model=False)
+    embedder = Embedder(tiny_dir, max_length=3)
+    ids, truncated = embedder.tokenize(["word " * 1000, "a"])
+    assert [len(row) for row in ids] == [3, 3] and truncated == [True, False]
+    assert np.isfinite(embedder.embed(["word " * 1000])[0]).all()
 
 
 def test_embeddings_come_back_in_input_order_and_do_not_depend_on_the_batch(tiny_dir, sentences):

@@ -47,6 +47,25 @@ def test_a_max_input_length_past_the_model_names_the_servers_option_before_the_d
         load_engine(task, None, device="cpu", dtype="auto", max_length=100_000)
 
 
+@pytest.mark.parametrize("task, length, specials, what, least", [
+    ("embed", 2, 2, "a text", 3), ("classify", 4, 3, "a pair of texts", 5), ("rerank", 1, 3, "a pair of texts", 5)])
+def test_a_max_input_length_without_room_beside_the_special_tokens_is_refused_first(monkeypatch, task, length, specials,
+                                                                                  what, least):
+    """A classifier's requests may hold pairs: [CLS] a [SEP] b [SEP] needs a token of each text."""
+    from fastbert.embedding import Embedder
+    from fastbert.serving import engines
+
+    def chosen(*args, **kwargs):
+        raise AssertionError("the length was checked after the dtype was chosen (auto measures)")
+
+    monkeypatch.setattr(Embedder, "_precision", chosen)
+    monkeypatch.setattr(engines, "resolve_precision", chosen)
+    message = (f"--max-input-length {length} leaves no room: the tokenizer adds {specials} "
+               f"special tokens to {what}, so --max-input-length must be at least {least}")
+    with pytest.raises(UserError, match=f"^{message}$"):
+        load_engine(task, None, device="cpu", dtype="auto", max_length=length)
+
+
 @pytest.mark.parametrize("task", ["classify", "rerank"])
 def test_a_checkpoint_without_a_trained_head_is_not_served(minilm_dir, task):
     with pytest.raises(UserError, match=r"no trained sequence-classification head \(classifier.weight, "
