@@ -116,8 +116,13 @@ def _shard_files(index: Path) -> list[Path]:
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{index} is not a readable shard index (a JSON object with a 'weight_map' of tensor "
                               f"names to files): {type(err).__name__}: {err}") from err
-    if not names or not all(isinstance(n, str) and n == Path(n).name for n in names):
-        raise CheckpointError(f"{index}: its weight_map must name shard files in the same directory")
+    if not names:
+        raise CheckpointError(f"{index}: its weight_map names no shard file")
+    suffix = index.name.removesuffix(SHARD_INDEX_SUFFIX).rsplit(".", 1)[-1]  # safetensors or bin
+    odd = [n for n in names if not (isinstance(n, str) and n == Path(n).name and n.endswith(f".{suffix}"))]
+    if odd:
+        raise CheckpointError(f"{index}: its weight_map must name .{suffix} shard files in the same directory, "
+                              f"not {odd[0]!r}")
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
         raise CheckpointError(f"{index} names {len(missing)} shard(s) that are not there: {', '.join(missing[:3])}")
@@ -192,7 +197,8 @@ def from_pretrained(
 ) -> torch.nn.Module:
     """Build fastbert's model from an HF checkpoint directory (config.json + model.safetensors or
     pytorch_model.bin, either one file or the shards of a ``.index.json``), offline and without transformers.
-    ``device`` a GPU torch does not see is a ValueError (`fastbert.devices.checked_device`).
+    ``device``: the CPU or a CUDA GPU torch sees; anything else (a missing GPU, mps) is a ValueError
+    (`fastbert.devices.checked_device`).
 
     task: None for the bare encoder (`FastBertModel`), else one of `fastbert.heads.TASKS`. Encoder keys that are
     missing, or tensors of the wrong shape, raise `CheckpointError`; checkpoint keys fastbert does not use are

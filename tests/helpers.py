@@ -1008,3 +1008,23 @@ def save_tiny_bert(directory: Path, tokenizer_dir: str, layers: int = 2, hidden:
     for name in TOKENIZER_FILES:
         shutil.copy(Path(tokenizer_dir) / name, Path(directory) / name)
     return str(directory)
+
+
+def save_sharded(model: torch.nn.Module, directory: Path, safe: bool, shards: int = 3) -> None:
+    """The checkpoint in ``shards`` files and their index, as save_pretrained(max_shard_size=...) writes them."""
+    model.config.save_pretrained(directory)
+    state = model.state_dict()
+    names = list(state)
+    suffix, stem = ("safetensors", "model") if safe else ("bin", "pytorch_model")
+    weight_map = {}
+    for i in range(shards):
+        file = f"{stem}-{i + 1:05d}-of-{shards:05d}.{suffix}"
+        part = {name: state[name].clone() for name in names[i::shards]}
+        if safe:
+            from safetensors.torch import save_file
+
+            save_file(part, directory / file)
+        else:
+            torch.save(part, directory / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (directory / f"{stem}.{suffix}.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

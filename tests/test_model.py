@@ -10,11 +10,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fastbert
-from tests.helpers import FAMILIES, MAX_POSITIONS, VOCAB, OpsSeen, padded_batch, rel_err, tiny_model
+from tests.helpers import FAMILIES, MAX_POSITIONS, VOCAB, OpsSeen, padded_batch, rel_err, save_sharded, tiny_model
 
 
 def _save(model, directory, safe: bool = True):
-    model.save_pretrained(directory, safe_serialization=safe)
+    """The checkpoint as save_pretrained writes it, or with pytorch_model.bin (transformers 5 writes safetensors
+    whatever it is asked)."""
+    if safe:
+        model.save_pretrained(directory, safe_serialization=True)
+    else:
+        model.config.save_pretrained(directory)
+        torch.save(model.state_dict(), directory / "pytorch_model.bin")
     return directory
 
 
@@ -38,6 +44,7 @@ def test_from_pretrained_matches_transformers(family, tmp_path):
 def test_from_pretrained_reads_pytorch_bin_and_casts(tmp_path):
     reference = tiny_model("bert")
     model = fastbert.from_pretrained(_save(reference, tmp_path, safe=False), dtype="float64")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "pytorch_model.bin"]
     assert next(model.parameters()).dtype == torch.float64
     ids, mask = padded_batch()
     with torch.inference_mode():
@@ -49,9 +56,8 @@ def test_from_pretrained_reads_pytorch_bin_and_casts(tmp_path):
 @pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
 def test_from_pretrained_reads_a_sharded_checkpoint(safe, tmp_path):
     reference = tiny_model("bert")
-    reference.save_pretrained(tmp_path, safe_serialization=safe, max_shard_size="20KB")
-    single = "model.safetensors" if safe else "pytorch_model.bin"
-    assert not (tmp_path / single).exists() and len(list(tmp_path.glob("*-of-*"))) > 2
+    save_sharded(reference, tmp_path, safe)
+    assert {p.suffix for p in tmp_path.glob("*-of-*")} == {".safetensors" if safe else ".bin"}
     model = fastbert.from_pretrained(tmp_path)
     assert model.loading_info["unexpected_keys"] == []
     ids, mask = padded_batch()
@@ -67,7 +73,12 @@ def test_a_broken_shard_index_is_a_checkpoint_error(bert_dir, tmp_path):
     index = tmp_path / "model.safetensors.index.json"
     for text, match in [("{not json", "is not a readable shard index"),
                         ('{"metadata": {}}', "is not a readable shard index"),
-                        ('{"weight_map": {"a.weight": "../model.safetensors"}}', "shard files in the same directory"),
+                        ('{"weight_map": {"a.weight": "../model.safetensors"}}',
+                         "must name .safetensors shard files in the same directory, not '../model.safetensors'"),
+                        ('{"weight_map": {"a.weight": ""}}', "shard files in the same directory, not ''"),
+                        ('{"weight_map": {"a.weight": "model.safetensors.index.json"}}',
+                         "not 'model.safetensors.index.json'"),
+                        ('{"weight_map": {}}', "its weight_map names no shard file"),
                         ('{"weight_map": {"a.weight": "model-00001-of-00002.safetensors"}}',
                          r"names 1 shard\(s\) that are not there: model-00001-of-00002.safetensors")]:
         index.write_text(text)

@@ -59,6 +59,8 @@ class Embedder:
         self.model_dir, self.config = resolve_model(model_dir)
         # the quick checks before any slow step (a dtype's measuring, the model's loading) and anything printed
         self.max_length = self._max_length(max_length, length_option)
+        if load_model:  # a directory without weights is the likelier mistake than its tokenizer
+            self._check_weights()
         self._load_tokenizer(length_option)
         self.pooling, self.normalize = self._head(pooling, normalize)
         self.device = self._device(device, load_model)
@@ -125,6 +127,14 @@ class Embedder:
             raise UserError(f"--max-batch-tokens ({max_batch_tokens}) must be at least --max-length "
                             f"({self.max_length}): one text of the longest kind must fit in a batch")
         return max_batch_tokens
+
+    def _check_weights(self) -> None:
+        from fastbert.loading import weight_files
+
+        try:
+            weight_files(self.model_dir)
+        except ValueError as err:  # CheckpointError: none, or a broken shard index
+            raise model_error(self.model_dir, err) from err
 
     def _load_model(self, backend: str) -> torch.nn.Module:
         import fastbert

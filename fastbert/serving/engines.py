@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -246,7 +247,7 @@ class PairTokenizer:
         self.fast, self.slow = None, load_auto_tokenizer(model_dir, truncation_side=direction)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         """The tokenizers library's tokenizer, else transformers'."""
         return self.fast if self.fast is not None else self.slow
 

@@ -262,9 +262,13 @@ def test_bench_quick_writes_json_markdown_and_plots(capsys, tmp_path, minilm_dir
     fastbert_loads = []
     load_fastbert = peers.load_fastbert
     monkeypatch.setattr(peers, "load_fastbert", lambda *a, **k: fastbert_loads.append(a) or load_fastbert(*a, **k))
+    loads, build_peer, load_reference = [], e2e.build_peer, e2e.load_hf_model
+    monkeypatch.setattr(e2e, "build_peer", lambda name, *a, **k: loads.append(name) or build_peer(name, *a, **k))
+    monkeypatch.setattr(e2e, "load_hf_model", lambda *a, **k: loads.append("reference") or load_reference(*a, **k))
     code, out, err = _run(capsys, "bench", "--quick", "--model", minilm_dir, "--peers", "hf-eager", "--seq", "8")
     assert code == 0
     assert len(fastbert_loads) == 1  # the checkpoint's check is the load itself
+    assert loads == ["fastbert", "reference", "hf-eager"]  # the reference is gone before the peers load
     assert [line for line in err.splitlines() if line.startswith("fastbert: warning: the machine is busy")]
     assert "\r" not in err  # no progress bar when stderr is not a terminal (a log, CI)
     assert not (tmp_path / "benchmarks").exists()

@@ -9,6 +9,7 @@ import pytest
 
 from fastbert.common.resolve import UserError
 from fastbert.serving.engines import PairTokenizer, checkpoint_has_mlm_head, load_engine
+from tests.helpers import save_sharded
 
 
 @pytest.mark.parametrize("task", ["embed", "classify"])
@@ -79,9 +80,10 @@ def test_a_masked_lm_head_is_found_in_the_shards_of_a_checkpoint(safe, tmp_path)
 
     config = transformers.BertConfig(vocab_size=99, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=32, max_position_embeddings=32)
-    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "mlm", safe_serialization=safe,
-                                                         max_shard_size="10KB")
-    transformers.BertModel(config).save_pretrained(tmp_path / "base", safe_serialization=safe, max_shard_size="10KB")
-    assert len(list((tmp_path / "mlm").glob("*-of-*"))) > 1
+    for name, model in [("mlm", transformers.BertForMaskedLM(config)), ("base", transformers.BertModel(config))]:
+        (tmp_path / name).mkdir()
+        save_sharded(model, tmp_path / name, safe)
+    assert {p.suffix for p in (tmp_path / "mlm").glob("*-of-*")} == {".safetensors" if safe else ".bin"}
+    assert not list((tmp_path / "mlm").glob("*.bin" if safe else "*.safetensors"))
     assert checkpoint_has_mlm_head(str(tmp_path / "mlm"))
     assert not checkpoint_has_mlm_head(str(tmp_path / "base"))
