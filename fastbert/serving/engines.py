@@ -22,6 +22,7 @@ import torch
 
 from fastbert.common.resolve import DTYPES, UserError, model_error, resolve_device, resolve_model, resolve_precision
 from fastbert.common.text import load_auto_tokenizer, require_room_for_text
+from fastbert.config import FastBertConfig
 from fastbert.embedding import Embedder, sentence_transformers_head
 from fastbert.loading import weight_files
 from fastbert.serving.schemas import InputError
@@ -184,15 +185,9 @@ class ClassifyEngine:
         import fastbert
 
         self.task = task
-        self.model_dir, self.config = resolve_model(model_dir)
-        limit = self.config.token_positions
-        self.max_length = max_length or limit
-        if not 1 <= self.max_length <= limit:
-            raise UserError(f"--max-input-length must lie in [1, {limit}] for this model, got {self.max_length}")
-        # the quick checks first: the tokenizer, then the dtype (auto may measure), then the model
-        self.tokenizers = {d: PairTokenizer(self.model_dir, self.max_length, d) for d in DIRECTIONS}
-        # a request may hold pairs, which need room for a token of each text
-        require_room_for_text(self.tokenizers["right"].tokenizer, self.max_length, "--max-input-length", pair=True)
+        # the quick checks first: the checkpoint, its tokenizer and the length, then the dtype (auto may measure),
+        # then the model
+        self.model_dir, self.config, self.max_length, self.tokenizers = pair_tokenizers(model_dir, max_length)
         self.device = resolve_device(device)
         self.precision = resolve_precision(dtype or "float32", self.device)  # auto resolved and announced here
         self.dtype = DTYPES["float32" if self.precision == "int8" else self.precision]
@@ -226,6 +221,22 @@ class ClassifyEngine:
         with torch.inference_mode():
             logits = self.model(**{k: v.to(self.device) for k, v in inputs.items()}).logits
         return logits.float().cpu().numpy()
+
+
+def pair_tokenizers(model_dir: str | None, max_length: int | None
+                    ) -> tuple[str, FastBertConfig, int, dict[str, PairTokenizer]]:
+    """(checkpoint directory, config, max input length, tokenizer per truncation direction) of a classifier;
+    UserError for a length out of the model's range or without room for a pair's texts beside the special
+    tokens."""
+    model_dir, config = resolve_model(model_dir)
+    limit = config.token_positions
+    max_length = max_length or limit
+    if not 1 <= max_length <= limit:
+        raise UserError(f"--max-input-length must lie in [1, {limit}] for this model, got {max_length}")
+    tokenizers = {d: PairTokenizer(model_dir, max_length, d) for d in DIRECTIONS}
+    # a request may hold pairs, which need room for a token of each text
+    require_room_for_text(tokenizers["right"].tokenizer, max_length, "--max-input-length", pair=True)
+    return model_dir, config, max_length, tokenizers
 
 
 class PairTokenizer:
@@ -333,6 +344,18 @@ def checkpoint_labels(model_dir: str, num_labels: int) -> list[str]:
     names = raw.get("id2label") or {}
     count = raw.get("num_labels") or len(names) or num_labels
     return [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count)]
+
+
+def check_engine_settings(task: str, model_dir: str | None = None, max_length: int | None = None) -> None:
+    """What an engine of ``task`` checks before its dtype and model (the checkpoint, its tokenizer, the input
+    length), for a process that loads no model: `fastbert serve --ray`'s driver, whose replicas would otherwise
+    fail inside Ray Serve."""
+    if task not in TASKS:
+        raise UserError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task == "embed":
+        Embedder(model_dir, max_length=max_length, length_option="--max-input-length", load_model=False)
+    else:
+        pair_tokenizers(model_dir, max_length)
 
 
 def load_engine(task: str, model_dir: str | None = None, device: str | None = None, dtype: str | None = None,

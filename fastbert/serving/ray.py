@@ -20,7 +20,11 @@ from typing import Any
 import ray
 from ray import serve
 
+from fastbert.common.resolve import UserError
 from fastbert.serving.app import ServeSettings, Service
+from fastbert.serving.engines import check_engine_settings
+
+APP_NAME = "fastbert"  # the Ray Serve application (and its deployment)
 
 
 @serve.ingress()
@@ -42,23 +46,43 @@ class Replica:
 def application(settings: ServeSettings, replicas: int = 1, threads: int | None = None,
                 cpus_per_replica: float = 1.0) -> Any:
     """The bound Ray Serve application of ``replicas`` copies of the service (for `serve.run`)."""
-    deployment = serve.deployment(Replica, name="fastbert", num_replicas=replicas,
+    deployment = serve.deployment(Replica, name=APP_NAME, num_replicas=replicas,
                                   max_ongoing_requests=settings.max_queue + 8,
                                   ray_actor_options={"num_cpus": cpus_per_replica})
     return deployment.bind(asdict(settings), threads)
+
+
+def replica_error(app_name: str) -> str | None:
+    """The error a replica of ``app_name`` failed with while it started: the last line of the traceback that Ray
+    Serve keeps in the deployment's status, without the exception's module ("UserError: ..."); None if none."""
+    application = serve.status().applications.get(app_name)
+    for deployment in (application.deployments.values() if application else ()):
+        lines = [line.strip() for line in (deployment.message or "").splitlines() if line.strip()]
+        if lines and ": " in lines[-1]:
+            name, text = lines[-1].split(": ", 1)
+            return f"{name.rsplit('.', 1)[-1]}: {text}" if name.replace(".", "").isidentifier() else lines[-1]
+    return None
 
 
 def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, threads: int | None = None,
                  url: str | None = None) -> int:
     """Start Ray (or join the cluster of RAY_ADDRESS), serve on host:port until SIGTERM or Ctrl-C, shut down.
     ``url``: the address the ready line prints (default http://host:port)."""
+    check_engine_settings(settings.task, settings.model_dir, settings.max_input_length)  # before Ray starts
     ray.init(ignore_reinit_error=True)
     # Ray's own handler (installed by ray.init) aborts the process on SIGTERM; ours, installed before serve.run,
     # turns a SIGTERM at any point after this one (the proxy answers before serve.run returns) into the shutdown.
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application(settings, replicas, threads), name="fastbert", route_prefix="/")
+    try:
+        serve.run(application(settings, replicas, threads), name=APP_NAME, route_prefix="/")
+    except RuntimeError as err:  # a replica's constructor failed: Ray logged its traceback
+        reason = replica_error(APP_NAME) or str(err).splitlines()[0]
+        serve.shutdown()
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        raise UserError(f"Ray Serve could not start the replicas: {reason}") from err
     print(f"fastbert serve: {replicas} replica(s) on Ray Serve at {url or f'http://{host}:{port}'}", flush=True)
     try:
         stop.wait()
