@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from types import ModuleType
@@ -112,11 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fastbert.loading import CheckpointError
 
     warnings.formatwarning = _one_line_warning
+    previous = _stop_on_sigterm()
     try:
         return command_module(args.command).run(args)
     except (UserError, CheckpointError, BackendUnavailable) as err:
         sys.stderr.write(f"fastbert: error: {err}\n")
         return 1
+    except Terminated:
+        sys.stderr.write("fastbert: terminated\n")
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         sys.stderr.write("fastbert: interrupted\n")
         return 130
@@ -126,6 +132,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as err:  # the system refused (a full disk, a path that is a file, no permission): what it said
         sys.stderr.write(f"fastbert: error: {os_error_line(err)}\n")
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what timeout, Docker, Kubernetes and Slurm send) as an interrupt: a command closes its output as on
+    Ctrl-C (a Parquet file is completed, a training run keeps its checkpoints) instead of dying mid-write."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise Terminated
+
+
+def _stop_on_sigterm():
+    """Install `_raise_terminated` for SIGTERM (in the main thread only, where Python delivers signals); the handler
+    it replaced, or None. `fastbert serve` installs its own (a drained shutdown)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def os_error_line(err: OSError) -> str:

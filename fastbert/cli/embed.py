@@ -41,17 +41,24 @@ def run(args: argparse.Namespace) -> int:
                          f"({len(output.manifest['shards'])} shards done)\n")
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     progress = embedding.Progress(size, show, initial=initial)
-    error, stats = None, None
+    error, stats, stopped = None, None, False
     try:
         stats = embedding.run(embedder, rows, output, window_rows, progress,
                               bytes_read=(lambda: counter.bytes_read) if counter is not None else (lambda: 0),
                               blank=args.on_blank, initial=initial)
     except embedding.InputError as err:
         error = err
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays valid; say where, before the CLI's line
+        stopped = True
+        raise
     finally:
         if stream is not None and stream is not sys.stdin.buffer:
             stream.close()
         output.close(stats)  # stats None: the run stopped early (a sharded run stays resumable)
+        if stopped:
+            resume = "; --resume continues the run" if args.output_dir is not None else ""
+            sys.stderr.write(f"fastbert embed: stopped: the first {output.rows_done:,} rows are written to "
+                             f"{output.describe()} and are valid{resume}\n")
     if error is not None:
         if output.rows_done == 0:
             raise UserError(f"{error} (nothing was written)")
@@ -95,10 +102,23 @@ def check_input_options(args: argparse.Namespace) -> None:
     """UserError for TEXTs with --input, a --input that cannot be read, --id-field on anything but JSONL."""
     if args.texts and args.input is not None:
         raise UserError("give TEXT arguments or --input, not both")
-    if args.id_field is not None and (args.texts or input_format_of(args) != "jsonl"):
-        raise UserError("--id-field needs JSONL input")
+    for option, value in (("--field", args.field), ("--id-field", args.id_field)):
+        if value is not None and (args.texts or input_format_of(args) != "jsonl"):
+            raise UserError(f"{option} needs JSONL input: a --input named *.jsonl or *.ndjson, or --input-format "
+                            "jsonl (stdin and other files are read as text lines)")
     if not args.texts:
         embedding.check_input_path(args.input or "-")
+    if args.input not in (None, "-") and args.output is not None and same_file(args.input, args.output):
+        raise UserError(f"--output {args.output} is the --input file: writing it would destroy the input before "
+                        "it is read; write to another file")
+
+
+def same_file(first: str, second: str) -> bool:
+    """Whether two paths name one existing file (through links, ./ and the like)."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one of them does not exist (yet)
+        return False
 
 
 def check_output_dir(args: argparse.Namespace) -> None:
@@ -159,7 +179,7 @@ def input_rows(args: argparse.Namespace) -> tuple:
         rows = (embedding.Row(i, i, t if t.strip() else None) for i, t in enumerate(args.texts, start=1))
         return rows, None, None, None
     counter, size, name = embedding.open_input(args.input or "-")
-    rows = embedding.read_rows(counter, input_format_of(args), args.field, args.id_field, name)
+    rows = embedding.read_rows(counter, input_format_of(args), args.field or "text", args.id_field, name)
     return rows, counter, size, counter.stream
 
 
@@ -169,8 +189,9 @@ def open_output(args: argparse.Namespace, embedder, output_format: str, window_r
     dtype = np.float16 if args.output_dtype == "float16" else np.float32
     if args.output_dir is None:
         return embedding.FileOutput(args.output, output_format, embedder.dimension, dtype, string_ids)
-    settings = {**embedder.settings(), "window_rows": window_rows, "input": args.input or "-",
-                "input_format": args.input_format, "field": args.field, "id_field": args.id_field}
+    source = os.path.abspath(args.input) if args.input not in (None, "-") else "-"  # resumable from any directory
+    settings = {**embedder.settings(), "window_rows": window_rows, "input": source,
+                "input_format": args.input_format, "field": args.field or "text", "id_field": args.id_field}
     if args.id_field is not None:  # fastbert 0.1.0 wrote a null row for them: its runs resume with other rows
         settings["blank_jsonl_lines"] = "skipped"
     return embedding.ShardedOutput(args.output_dir, output_format, embedder.dimension, dtype, settings,
@@ -194,7 +215,7 @@ def write_summary(stats, initial, embedder, output, elapsed: float) -> None:
 def check_similarity_options(args: argparse.Namespace) -> None:
     """UserError for an option --similarity would ignore: it prints a table of its TEXTs, reads and writes no file."""
     ignored = (("--input", args.input), ("--input-format", args.input_format != "auto"),
-               ("--field", args.field != "text"), ("--id-field", args.id_field), ("--output", args.output),
+               ("--field", args.field), ("--id-field", args.id_field), ("--output", args.output),
                ("--output-dir", args.output_dir), ("--format", args.format), ("--resume", args.resume),
                ("--output-dtype", args.output_dtype != "float32"), ("--window-rows", args.window_rows),
                ("--on-blank", args.on_blank != "null"))

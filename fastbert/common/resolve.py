@@ -54,6 +54,9 @@ def check_file_writable(path: str | os.PathLike, option: str, replaced: bool = F
             raise UserError(f"{option} {path}: cannot write the file (permission denied)")
         return
     if not path.parent.is_dir():
+        blocking = next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            raise UserError(f"{option} {path}: {blocking} is a file, not a directory")
         raise UserError(f"{option} {path}: the directory {path.parent} does not exist")
     try:
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".fastbert-probe-"):

@@ -68,15 +68,16 @@ def special_tokens_added(tokenizer: Any, pair: bool = False) -> int:
     return tokenizer.num_special_tokens_to_add(pair)  # both libraries name the argument differently
 
 
-def require_room_for_text(tokenizer: Any, max_length: int, option: str, pair: bool = False) -> None:
-    """A `UserError` when ``max_length`` leaves no token of a text (of each text of a pair) beside the special
-    tokens: a tokenizer cannot truncate below them, and would leave every text whole instead."""
+def check_max_length(max_length: int, tokenizer: Any, limit: int, option: str, pair: bool = False) -> None:
+    """A `UserError` unless ``max_length`` lies between the model's ``limit`` and the least that leaves a token of a
+    text (of each text of a pair) beside the tokenizer's special tokens: a tokenizer cannot truncate below them, and
+    would leave every text whole instead."""
     specials = special_tokens_added(tokenizer, pair)
     least = specials + (2 if pair else 1)
-    if max_length < least:
+    if not least <= max_length <= limit:
         what = "a pair of texts" if pair else "a text"
-        raise UserError(f"{option} {max_length} leaves no room: the tokenizer adds {specials} special tokens to "
-                        f"{what}, so {option} must be at least {least}")
+        why = f": the tokenizer adds {specials} special tokens to {what}" if max_length < least else ""
+        raise UserError(f"{option} must lie in [{least}, {limit}] for this model, got {max_length}{why}")
 
 
 class TextEncoder:

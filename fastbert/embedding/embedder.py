@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from fastbert.common.resolve import UserError, model_error
-from fastbert.common.text import load_auto_tokenizer, mean_pool, require_room_for_text
+from fastbert.common.text import check_max_length, load_auto_tokenizer, mean_pool
 from fastbert.embedding.batching import real_token_batches
 from fastbert.embedding.checkpoint import config_digest, default_max_length, sentence_transformers_head
 from fastbert.embedding.reading import InputError
@@ -58,7 +58,7 @@ class Embedder:
 
         self.model_dir, self.config = resolve_model(model_dir)
         # the quick checks before any slow step (a dtype's measuring, the model's loading) and anything printed
-        self.max_length = self._max_length(max_length, length_option)
+        self.max_length = self._max_length(max_length)
         if load_model:  # a directory without weights is the likelier mistake than its tokenizer
             self._check_weights()
         self._load_tokenizer(length_option)
@@ -112,13 +112,10 @@ class Embedder:
             return resolve_device(None if device is None else str(device))
         return torch.device(str(device) if device is not None else "cpu")
 
-    def _max_length(self, max_length: int | None, option: str) -> int:
-        model_limit = self.config.token_positions
-        if max_length is None:
-            max_length = default_max_length(self.model_dir, model_limit)
-        if not 1 <= max_length <= model_limit:
-            raise UserError(f"{option} must lie in [1, {model_limit}] for this model, got {max_length}")
-        return max_length
+    def _max_length(self, max_length: int | None) -> int:
+        """As given, else the checkpoint's default (checked with the tokenizer, by `_load_tokenizer`)."""
+        return max_length if max_length is not None else default_max_length(self.model_dir,
+                                                                             self.config.token_positions)
 
     def _max_batch_tokens(self, max_batch_tokens: int | None) -> int:
         if max_batch_tokens is None:  # never below one longest text
@@ -157,14 +154,14 @@ class Embedder:
                 tokenizer = Tokenizer.from_file(path)
             except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
                 raise UserError(f"{path} is not a tokenizer file the tokenizers library can read ({err})") from err
+            check_max_length(self.max_length, tokenizer, self.config.token_positions, length_option)
             tokenizer.no_padding()
             tokenizer.enable_truncation(max_length=self.max_length)
             self._tokenizer, self._hf_tokenizer = tokenizer, None
         else:
             self._hf_tokenizer = load_auto_tokenizer(self.model_dir)
             self._tokenizer = None
-        tokenizer = self._tokenizer if self._tokenizer is not None else self._hf_tokenizer
-        require_room_for_text(tokenizer, self.max_length, length_option)
+            check_max_length(self.max_length, self._hf_tokenizer, self.config.token_positions, length_option)
 
     def tokenize(self, texts: Sequence[str]) -> tuple[list[list[int]], list[bool]]:
         """Token ids of each text (special tokens added, truncated to max_length) and whether it was truncated."""

@@ -113,6 +113,17 @@ def check_run_directory(directory: str | os.PathLike, resume: bool) -> dict[str,
     return manifest
 
 
+def same_input(recorded: str | None, given: str) -> bool:
+    """Whether the input a run recorded (a path: as given on its command line by earlier runs, absolute by later
+    ones; or '-') is the file ``given`` names now, however it is spelled."""
+    if recorded is None or "-" in (recorded, given):
+        return recorded == given
+    try:
+        return os.path.samefile(recorded, given)
+    except OSError:  # moved or deleted since: not the same input
+        return False
+
+
 class ShardedOutput:
     """A directory of shards, one per window (``part-000000.<format>``), and ``manifest.json``: the settings of
     the run, each shard's first row and row count, the counts so far, and whether the run completed. Each shard,
@@ -141,7 +152,7 @@ class ShardedOutput:
     def _same_settings(self, found: dict[str, Any]) -> dict[str, Any]:
         """``found``, the manifest of the run to resume, refused if its settings differ from this run's."""
         changed = {k: (found["settings"].get(k), v) for k, v in self.settings.items()
-                   if found["settings"].get(k) != v}
+                   if found["settings"].get(k) != v and not (k == "input" and same_input(found["settings"][k], v))}
         if changed:
             raise UserError("--resume with other settings than the interrupted run: " + "; ".join(
                 f"{k} was {old!r}, now {new!r}" for k, (old, new) in changed.items()))

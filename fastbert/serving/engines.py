@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fastbert.common.resolve import DTYPES, UserError, model_error, resolve_device, resolve_model, resolve_precision
-from fastbert.common.text import load_auto_tokenizer, require_room_for_text
+from fastbert.common.text import check_max_length, load_auto_tokenizer
 from fastbert.config import FastBertConfig
 from fastbert.embedding import Embedder, sentence_transformers_head
 from fastbert.loading import weight_files
@@ -231,11 +231,11 @@ def pair_tokenizers(model_dir: str | None, max_length: int | None
     model_dir, config = resolve_model(model_dir)
     limit = config.token_positions
     max_length = max_length or limit
-    if not 1 <= max_length <= limit:
-        raise UserError(f"--max-input-length must lie in [1, {limit}] for this model, got {max_length}")
-    tokenizers = {d: PairTokenizer(model_dir, max_length, d) for d in DIRECTIONS}
+    tokenizers = {d: PairTokenizer(model_dir, limit, d) for d in DIRECTIONS}
     # a request may hold pairs, which need room for a token of each text
-    require_room_for_text(tokenizers["right"].tokenizer, max_length, "--max-input-length", pair=True)
+    check_max_length(max_length, tokenizers["right"].tokenizer, limit, "--max-input-length", pair=True)
+    for tokenizer in tokenizers.values():
+        tokenizer.truncate_at(max_length)
     return model_dir, config, max_length, tokenizers
 
 
@@ -246,16 +246,22 @@ class PairTokenizer:
     def __init__(self, model_dir: str, max_length: int, direction: str = "right"):
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        self.max_length = max_length
+        self.direction = direction
         path = os.path.join(model_dir, "tokenizer.json")
         if os.path.isfile(path):
             from tokenizers import Tokenizer
 
             self.fast = Tokenizer.from_file(path)
             self.fast.no_padding()
-            self.fast.enable_truncation(max_length=max_length, direction=direction)
-            return
-        self.fast, self.slow = None, load_auto_tokenizer(model_dir, truncation_side=direction)
+        else:
+            self.fast, self.slow = None, load_auto_tokenizer(model_dir, truncation_side=direction)
+        self.truncate_at(max_length)
+
+    def truncate_at(self, max_length: int) -> None:
+        """Cut what is longer than ``max_length`` tokens from now on."""
+        self.max_length = max_length
+        if self.fast is not None:
+            self.fast.enable_truncation(max_length=max_length, direction=self.direction)
 
     @property
     def tokenizer(self) -> Any:

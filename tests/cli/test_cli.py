@@ -3,9 +3,12 @@ stderr, non-zero exit, no traceback)."""
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -387,7 +390,8 @@ def test_output_paths_the_system_refuses_are_one_line_errors_before_the_work(cap
 
 @pytest.mark.parametrize("argv, message", [
     (["hello", "--output-dir", "/proc"], "--output-dir /proc: cannot write in the directory ("),
-    (["hello", "-o", "AFILE/sub/out.jsonl"], "--output AFILE/sub/out.jsonl: the directory AFILE/sub does not exist"),
+    (["hello", "-o", "AFILE/sub/out.jsonl"], "--output AFILE/sub/out.jsonl: AFILE is a file, not a directory"),
+    (["hello", "-o", "RUN/sub/out.jsonl"], "--output RUN/sub/out.jsonl: the directory RUN/sub does not exist"),
     (["hello", "-o", "/proc"], "--output /proc is a directory, not a file"),
     (["-i", "AFILE.missing"], "input file AFILE.missing does not exist"),
     (["hello", "-i", "AFILE"], "give TEXT arguments or --input, not both"),
@@ -397,13 +401,19 @@ def test_output_paths_the_system_refuses_are_one_line_errors_before_the_work(cap
      "it takes no --field, --window-rows, --on-blank"),
     (["-i", "AFILE", "--id-field", "id"], "--id-field needs JSONL input"),
     (["hello", "--id-field", "id"], "--id-field needs JSONL input"),
+    (["-i", "AFILE", "--field", "body"], "--field needs JSONL input: a --input named *.jsonl or *.ndjson, or "
+                                         "--input-format jsonl"),
+    (["-i", "AFILE", "-o", "AFILE"], "--output AFILE is the --input file: writing it would destroy the input"),
+    (["-i", "AFILE", "-o", "LINK"], "--output LINK is the --input file"),
+    (["-i", "PARQUET"], "input file PARQUET is a Parquet file: embed reads UTF-8 text"),
     (["hello", "--format", "npy"], "npy output needs --output FILE or --output-dir (stdout takes JSONL only)"),
     (["hello", "--output-dir", "RUN", "--resume"], "--resume: RUN holds no manifest.json (nothing to resume"),
     (["hello", "--output-dir", "AFILE"], "--output-dir AFILE exists and is not a directory"),
     (["hello", "--output-dir", "BROKEN", "--resume"], "--resume: BROKEN/manifest.json cannot be read (Expecting"),
     (["hello", "--output-dir", "LISTED", "--resume"], "--resume: LISTED/manifest.json is not the manifest of a"),
-], ids=["dir-unwritable", "file-no-dir", "file-is-dir", "input-missing", "texts-and-input", "similarity-no-text",
-        "similarity-blank", "similarity-file-options", "id-field-text-input", "id-field-texts", "npy-to-stdout",
+], ids=["dir-unwritable", "file-in-a-file", "file-no-dir", "file-is-dir", "input-missing", "texts-and-input",
+        "similarity-no-text", "similarity-blank", "similarity-file-options", "id-field-text-input", "id-field-texts",
+        "field-text-input", "output-is-input", "output-links-to-input", "parquet-input", "npy-to-stdout",
         "resume-nothing", "output-dir-is-a-file", "resume-broken-manifest", "resume-foreign-manifest"])
 def test_embed_checks_its_input_and_output_before_loading_the_model(capsys, monkeypatch, tmp_path, argv, message):
     from fastbert.cli import embed as embed_command
@@ -414,7 +424,10 @@ def test_embed_checks_its_input_and_output_before_loading_the_model(capsys, monk
     monkeypatch.setattr(embed_command, "build_embedder", loading)
     afile = tmp_path / "afile"
     afile.write_text("one line\n")
-    paths = {"AFILE": afile, "RUN": tmp_path / "run", "BROKEN": tmp_path / "broken", "LISTED": tmp_path / "listed"}
+    (tmp_path / "link").symlink_to(afile)
+    (tmp_path / "table.parquet").write_bytes(b"PAR1" + bytes(64) + b"PAR1")
+    paths = {"AFILE": afile, "RUN": tmp_path / "run", "BROKEN": tmp_path / "broken", "LISTED": tmp_path / "listed",
+             "LINK": tmp_path / "link", "PARQUET": tmp_path / "table.parquet"}
     for name, manifest in (("BROKEN", "{not json"), ("LISTED", "[1, 2]")):
         paths[name].mkdir()
         (paths[name] / "manifest.json").write_text(manifest)
@@ -428,3 +441,37 @@ def test_embed_checks_its_input_and_output_before_loading_the_model(capsys, monk
     _, err = capsys.readouterr()
     message = filled(message)
     assert code == 1 and err.count("\n") == 1 and err.startswith("fastbert: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("output", ["out.parquet", "run"])
+def test_sigterm_stops_embed_as_ctrl_c_does_and_what_was_written_stays_valid(capsys, tmp_path, monkeypatch, output):
+    """timeout, Docker, Kubernetes and Slurm stop a job with SIGTERM: a Parquet file was left unfinished (only its
+    hidden temporary file) where Ctrl-C completed it."""
+    import pyarrow.parquet as pq
+
+    from fastbert import embedding
+
+    real_run = embedding.run
+
+    def run_then_terminated(*args, **kwargs):
+        real_run(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises in here
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(embedding, "run", run_then_terminated)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one\ntwo\nthree\n")
+    where = ["-o", str(tmp_path / output)] if output.endswith(".parquet") else ["--output-dir", str(tmp_path / output)]
+    original = signal.signal(signal.SIGTERM, ignored := lambda signum, frame: None)  # without the CLI's, pytest dies
+    try:
+        code, _, err = _run(capsys, "embed", "-i", str(corpus), *where, "--format", "parquet", "--no-progress")
+        assert signal.getsignal(signal.SIGTERM) is ignored  # the CLI's handler lasts as long as the command
+    finally:
+        signal.signal(signal.SIGTERM, original)
+    assert code == 143 and err.endswith("fastbert: terminated\n"), err
+    assert "fastbert embed: stopped: the first 3 rows are written to" in err
+    assert ("--resume continues the run" in err) is (output == "run")
+    files = [tmp_path / output] if output.endswith(".parquet") else sorted((tmp_path / output).glob("*.parquet"))
+    assert sum(pq.read_table(f).num_rows for f in files) == 3
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".tmp")]

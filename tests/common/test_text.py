@@ -87,7 +87,7 @@ def test_the_label_names_the_directory_in_the_error(tmp_path, minilm_dir):
 
 
 @pytest.mark.parametrize("vocab_only", [False, True], ids=["tokenizers", "transformers"])
-def test_special_tokens_added_and_the_room_left_for_text(minilm_dir, tmp_path, vocab_only):
+def test_special_tokens_added_and_the_lengths_that_leave_room_for_text(minilm_dir, tmp_path, vocab_only):
     if vocab_only:
         shutil.copy(f"{minilm_dir}/vocab.txt", tmp_path / "vocab.txt")
         shutil.copy(f"{minilm_dir}/config.json", tmp_path / "config.json")
@@ -97,13 +97,18 @@ def test_special_tokens_added_and_the_room_left_for_text(minilm_dir, tmp_path, v
 
         tokenizer = Tokenizer.from_file(f"{minilm_dir}/tokenizer.json")
     assert (text.special_tokens_added(tokenizer), text.special_tokens_added(tokenizer, pair=True)) == (2, 3)
-    text.require_room_for_text(tokenizer, 3, "--max-length")
-    text.require_room_for_text(tokenizer, 5, "--max-length", pair=True)
-    with pytest.raises(UserError, match="^--max-length 2 leaves no room: the tokenizer adds 2 special tokens to a "
-                                        "text, so --max-length must be at least 3$"):
-        text.require_room_for_text(tokenizer, 2, "--max-length")
-    with pytest.raises(UserError, match="must be at least 5$"):
-        text.require_room_for_text(tokenizer, 4, "--max-length", pair=True)
+    for length in (3, 512):
+        text.check_max_length(length, tokenizer, 512, "--max-length")
+    text.check_max_length(5, tokenizer, 512, "--max-length", pair=True)
+    for length in (0, 2):
+        with pytest.raises(UserError, match=rf"^--max-length must lie in \[3, 512\] for this model, got {length}: the "
+                                            r"tokenizer adds 2 special tokens to a text$"):
+            text.check_max_length(length, tokenizer, 512, "--max-length")
+    with pytest.raises(UserError, match=r"^--max-length must lie in \[3, 512\] for this model, got 513$"):
+        text.check_max_length(513, tokenizer, 512, "--max-length")
+    with pytest.raises(UserError, match=r"^--max-length must lie in \[5, 512\] for this model, got 4: the tokenizer "
+                                        "adds 3 special tokens to a pair of texts$"):
+        text.check_max_length(4, tokenizer, 512, "--max-length", pair=True)
 
 
 def test_a_tokenizer_without_special_tokens_needs_room_for_one_token():
@@ -111,6 +116,6 @@ def test_a_tokenizer_without_special_tokens_needs_room_for_one_token():
 
     tokenizer = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     assert text.special_tokens_added(tokenizer, pair=True) == 0
-    text.require_room_for_text(tokenizer, 1, "--max-length")
-    with pytest.raises(UserError, match="must be at least 2$"):
-        text.require_room_for_text(tokenizer, 1, "--max-length", pair=True)
+    text.check_max_length(1, tokenizer, 8, "--max-length")
+    with pytest.raises(UserError, match=r"must lie in \[2, 8\] for this model, got 1: the tokenizer adds 0 special"):
+        text.check_max_length(1, tokenizer, 8, "--max-length", pair=True)

@@ -24,7 +24,7 @@ def test_batches_follow_the_token_budget_settings(tiny_dir):
 
 
 def test_settings_below_one_longest_text_are_refused(tiny_dir):
-    with pytest.raises(UserError, match="--max-length must lie in"):
+    with pytest.raises(UserError, match=r"^--max-length must lie in \[3, 128\] for this model, got 1000$"):
         Embedder(tiny_dir, max_length=1000)
     with pytest.raises(UserError, match="must be at least --max-length"):
         Embedder(tiny_dir, max_length=64, max_batch_tokens=32)
@@ -43,7 +43,7 @@ def test_every_setting_is_checked_before_auto_measures_or_announces_a_dtype(tiny
     for settings, message in [(dict(max_batch_size=0), "--batch-size must be >= 1"),
                               (dict(max_length=64, max_batch_tokens=32), "must be at least --max-length"),
                               (dict(pooling="max"), "pooling must be one of"),
-                              (dict(max_length=2), "leaves no room")]:
+                              (dict(max_length=2), r"must lie in \[3, 128\]")]:
         with pytest.raises(UserError, match=message):
             Embedder(tiny_dir, dtype="auto", **settings)
 
@@ -57,9 +57,9 @@ def test_a_max_length_without_room_beside_the_special_tokens_is_refused(tiny_dir
             shutil.copy(os.path.join(tiny_dir, name), tmp_path / name)
         shutil.copy(os.path.join(minilm_dir, "vocab.txt"), tmp_path / "vocab.txt")
         tiny_dir = str(tmp_path)
-    for too_short in (1, 2):
-        with pytest.raises(UserError, match=rf"^--max-length {too_short} leaves no room: the tokenizer adds 2 "
-                                            r"special tokens to a text, so --max-length must be at least 3$"):
+    for too_short in (0, 1, 2):
+        with pytest.raises(UserError, match=rf"^--max-length must lie in \[3, 128\] for this model, got {too_short}: "
+                                            r"the tokenizer adds 2 special tokens to a text$"):
             Embedder(tiny_dir, max_length=too_short, load_model=False)
     embedder = Embedder(tiny_dir, max_length=3)
     ids, truncated = embedder.tokenize(["word " * 1000, "a"])

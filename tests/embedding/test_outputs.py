@@ -95,6 +95,23 @@ def test_resuming_removes_what_a_killed_write_left(tmp_path):
     assert (resumed.rows_done, resumed.stats().rows) == (2, 2)
 
 
+def test_a_run_resumes_with_its_input_spelled_another_way_but_not_with_another_input(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    source, other = tmp_path / "in.txt", tmp_path / "other.txt"
+    source.write_text("one\n")
+    other.write_text("one\n")
+    (tmp_path / "link.txt").symlink_to(source)
+    directory = str(tmp_path / "run")
+    output = ShardedOutput(directory, "npy", 4, np.float32, {"input": "in.txt"}, resume=False)  # recorded relative
+    monkeypatch.chdir(tmp_path)
+    output.write([1], _rows(1), EmbedStats(rows=1))
+    for spelled in ("in.txt", "./in.txt", str(source), "sub/../in.txt", "link.txt"):
+        assert ShardedOutput(directory, "npy", 4, np.float32, {"input": spelled}, resume=True).rows_done == 1
+    for changed in ("other.txt", "-", "missing.txt"):
+        with pytest.raises(UserError, match=f"input was 'in.txt', now '{changed}'"):
+            ShardedOutput(directory, "npy", 4, np.float32, {"input": changed}, resume=True)
+
+
 @pytest.mark.slow  # ~15 s here
 def test_sharded_output_resumes_after_sigkill_without_missing_or_repeated_rows(tiny_dir, tmp_path, sentences,
                                                                               write_lines, embed_cli):

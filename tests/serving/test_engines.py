@@ -44,7 +44,7 @@ def test_a_max_input_length_past_the_model_names_the_servers_option_before_the_d
 
     monkeypatch.setattr(Embedder, "_precision", chosen)
     monkeypatch.setattr(engines, "resolve_precision", chosen)
-    with pytest.raises(UserError, match=r"^--max-input-length must lie in \[1, 512\] for this model, got 100000$"):
+    with pytest.raises(UserError, match=r"^--max-input-length must lie in \[[35], 512\] for this model, got 100000$"):
         load_engine(task, None, device="cpu", dtype="auto", max_length=100_000)
 
 
@@ -61,8 +61,8 @@ def test_a_max_input_length_without_room_beside_the_special_tokens_is_refused_fi
 
     monkeypatch.setattr(Embedder, "_precision", chosen)
     monkeypatch.setattr(engines, "resolve_precision", chosen)
-    message = (f"--max-input-length {length} leaves no room: the tokenizer adds {specials} "
-               f"special tokens to {what}, so --max-input-length must be at least {least}")
+    message = (f"--max-input-length must lie in \\[{least}, 512\\] for this model, got {length}: the tokenizer adds "
+               f"{specials} special tokens to {what}")
     with pytest.raises(UserError, match=f"^{message}$"):
         load_engine(task, None, device="cpu", dtype="auto", max_length=length)
 

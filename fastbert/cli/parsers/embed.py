@@ -31,7 +31,7 @@ def add_io_options(parser: argparse.ArgumentParser) -> None:
                         help="one text per line, or JSONL with --field; '-' = stdin (the default without TEXT)")
     parser.add_argument("--input-format", choices=("auto", "text", "jsonl"), default="auto",
                         help="auto (default): jsonl for *.jsonl / *.ndjson, else text")
-    parser.add_argument("--field", default="text", help="JSONL: the field holding the text (default: text)")
+    parser.add_argument("--field", default=None, help="JSONL: the field holding the text (default: text)")
     parser.add_argument("--id-field", default=None,
                         help="JSONL: the field written as each row's id (default: the line number)")
     parser.add_argument("-o", "--output", metavar="FILE", default=None,
