@@ -54,6 +54,17 @@ class FileOutput:
 
     def write(self, ids: Sequence[int | str], embeddings: np.ndarray, stats: EmbedStats | None = None) -> None:
         """Append one window's rows (``stats`` is for `ShardedOutput`'s manifest; a file does not record it)."""
+        try:
+            self._append(ids, embeddings)
+        except OSError as err:  # a full disk: the error names no file, the message should
+            raise self._naming_the_file(err) from None
+
+    def _naming_the_file(self, err: OSError) -> OSError:
+        if err.filename is None:
+            err.filename = self.describe()
+        return err
+
+    def _append(self, ids: Sequence[int | str], embeddings: np.ndarray) -> None:
         if self.format == "jsonl":
             self.stream.write(jsonl_bytes(ids, embeddings))
             self.stream.flush()
@@ -72,6 +83,12 @@ class FileOutput:
 
     def close(self, stats: EmbedStats | None = None) -> None:
         """Finish the file (whether or not the run completed: what was written stays valid)."""
+        try:
+            self._finish()
+        except OSError as err:
+            raise self._naming_the_file(err) from None
+
+    def _finish(self) -> None:
         if self.format == "parquet":
             if self._parquet is None:  # no rows: still a valid, empty file
                 self._parquet_writer(parquet_table([], np.zeros((0, self.dimension), dtype=np.float32), self.dtype,

@@ -67,7 +67,7 @@ from fastbert.training.pretrain import (
     tokenize_documents,
     vocab_fingerprint,
 )
-from fastbert.training.settings import RunSettings
+from fastbert.training.settings import RunSettings, check_number
 
 OBJECTIVES = ("mlm", "embedding")
 MLM_TEACHER_TYPES = ("bert", "roberta")
@@ -765,20 +765,20 @@ class DistillSettings(RunSettings):
             raise UserError(f"--mlm-probability must be between 0 and 1, got {self.mlm_probability}")
         if not 0 <= self.held_out < 0.5:
             raise UserError(f"--held-out must be in [0, 0.5), got {self.held_out}")
-        weights = self.loss_weights()
-        alphas = (weights.alpha_ce, weights.alpha_mlm, weights.alpha_cos, weights.alpha_mse, weights.alpha_hidden,
-                  weights.alpha_layers)
-        if weights.temperature <= 0 or min(alphas) < 0:
-            raise UserError("--temperature must be > 0 and every --alpha-* >= 0")
+        weights = asdict(self.loss_weights())
+        for name, value in weights.items():  # a weight not given is the objective's default, in range
+            check_number(f"--{name.replace('_', '-')}", value, strict=name == "temperature")
+        alphas = [value for name, value in weights.items() if name.startswith("alpha_")]
         if not 0 <= self.pairs <= 1:
             raise UserError(f"--pairs must be between 0 and 1, got {self.pairs}")
         if self.pairs and self.objective != "embedding":
             raise UserError("--pairs is an option of the embedding objective")
         if not any(alphas):
             raise UserError("every --alpha-* is 0: there is no loss to train on")
-        if self.learning_rate is not None and self.learning_rate <= 0:
-            raise UserError(f"--learning-rate must be > 0, got {self.learning_rate}")
-        super().check()  # the run options: --threads
+        check_number("--learning-rate", self.learning_rate, strict=True)
+        check_number("--weight-decay", self.weight_decay)
+        check_number("--max-grad-norm", self.max_grad_norm)
+        super().check()  # the run options: --threads, checkpoints, logging
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.max_steps:
             raise UserError("--warmup-steps must be between 0 and --max-steps")
 

@@ -50,7 +50,7 @@ from fastbert.training.corpus import (
 from fastbert.training.distill import freeze
 from fastbert.training.loop import StepOutput, TrainingTask
 from fastbert.training.masking import IGNORE_INDEX
-from fastbert.training.settings import check_output_dir
+from fastbert.training.settings import check_number, check_output_dir
 from fastbert.training.task_distillation import (
     TaskTeacher,
     TeacherLoss,
@@ -441,11 +441,14 @@ class FinetuneSettings:
             raise ValueError("need --batch-size >= 1 and --max-length >= 8")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
-        if self.epochs <= 0 or not 0 <= self.warmup_ratio < 1 or self.learning_rate <= 0:
-            raise ValueError("need --epochs > 0, 0 <= --warmup-ratio < 1 and --learning-rate > 0")
-        for name, value in (("--train-limit", self.train_limit), ("--eval-limit", self.eval_limit)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_number("--epochs", self.epochs, strict=True, error=ValueError)
+        check_number("--learning-rate", self.learning_rate, strict=True, error=ValueError)
+        if not 0 <= self.warmup_ratio < 1:  # (refuses nan too)
+            raise ValueError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        for name, value, minimum in (("--train-limit", self.train_limit, 1), ("--eval-limit", self.eval_limit, 1),
+                                     ("--save-every", self.save_every, 0), ("--log-every", self.log_every, 1)):
+            if value is not None and value < minimum:
+                raise ValueError(f"{name} must be >= {minimum}, got {value}")
         if self.resample_pairs and self.task != "pair":
             raise ValueError("--resample-pairs is an option of --task pair")
         if self.teacher is not None and not self.teacher.strip():

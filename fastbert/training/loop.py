@@ -44,6 +44,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -95,15 +96,19 @@ class TrainingArguments:
     progress: bool | None = None  # None: redraw in place on a terminal, else one line per log_every steps
 
     def check(self) -> None:
-        """Raise TrainingError on settings that cannot run."""
+        """Raise TrainingError on settings that cannot run (the commands check their options before this, by their
+        command-line names; this guards callers from Python). nan and inf are refused: they train to nan."""
         if self.max_steps < 1:
             raise TrainingError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.learning_rate <= 0 or self.warmup_steps < 0 or self.warmup_steps > self.max_steps:
-            raise TrainingError("need learning_rate > 0 and 0 <= warmup_steps <= max_steps")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0 and 0 <= self.warmup_steps
+                <= self.max_steps):
+            raise TrainingError("need a finite learning_rate > 0 and 0 <= warmup_steps <= max_steps")
         if self.save_every < 0 or self.eval_every < 0 or self.log_every < 1 or self.keep_checkpoints < 1:
             raise TrainingError("need save_every >= 0, eval_every >= 0, log_every >= 1, keep_checkpoints >= 1")
-        if self.max_grad_norm < 0:
-            raise TrainingError("max_grad_norm must be >= 0 (0: no clipping)")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise TrainingError("max_grad_norm must be a finite number >= 0 (0: no clipping)")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise TrainingError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
 
     def trajectory_settings(self) -> dict[str, Any]:
         """The settings a resume must match."""
@@ -480,8 +485,21 @@ class TrainingRun:
             # checkpoint hook) can leave one of them waiting in the teardown (seen under torchrun, 1 run in ~20)
             self.dist.barrier()
             return result
+        except KeyboardInterrupt:
+            self.tell_how_to_resume()
+            raise
         finally:
             self.close()
+
+    def tell_how_to_resume(self) -> None:
+        """On rank 0, after an interrupt (Ctrl-C): the step reached and the checkpoint a --resume continues from."""
+        last = latest_checkpoint(self.output_dir) if self.dist.main else None
+        if last is None:
+            return
+        self.progress.close()  # the line goes below an in-place progress line, not over it
+        self.progress = None
+        sys.stderr.write(f"stopped after step {self.step}; the last checkpoint is step {_checkpoint_step(last)} "
+                         f"({last}): rerun with --resume to continue\n")
 
     def find_checkpoint(self) -> Path | None:
         """The checkpoint to resume from (None for a fresh run); TrainingError when that does not fit ``resume``.
@@ -503,7 +521,7 @@ class TrainingRun:
     def restore(self, checkpoint: Path) -> None:
         """Weights, optimizer, scheduler, position and this rank's RNG states of ``checkpoint``, whose settings must
         be the run's."""
-        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
+        state = _read_state(checkpoint / STATE_FILE)
         if state["settings"] != self.settings:
             raise TrainingError(f"--resume: the settings differ from the checkpoint's ({checkpoint}): "
                                 f"{_describe_differences(state['settings'], self.settings)}; resume with the same "
@@ -558,34 +576,45 @@ class TrainingRun:
             if self.position >= len(batches):
                 self.epoch, self.position = self.epoch + 1, 0
                 batches = self.task.batches(self.epoch)
-            out, lr = self.train_step(batches[self.position])
-            self.record_step(out, lr)
+            out, values, lr = self.train_step(batches[self.position])
+            self.record_step(out, values, lr)
             last_saved = self.after_step() or last_saved
         return TrainResult(self.step, last_saved or checkpoint, self.records)
 
-    def train_step(self, batch: Any) -> tuple[StepOutput, float]:
+    def train_step(self, batch: Any) -> tuple[StepOutput, list[float], float]:
         """Forward, backward, clipping and one optimizer and scheduler step on one global batch (this rank's shard
-        under DDP); returns the task's output and the learning rate the step used."""
+        under DDP); returns the task's output, its loss, metrics and tokens averaged over the ranks, and the learning
+        rate the step used. TrainingError, before the update, when the loss is not finite."""
         if self.dist.world_size > 1:
             batch = self.task.shard(batch, self.dist.rank, self.dist.world_size)
         batch = _to_device(batch, self.device)
         out = self.task.compute(self.train_model, batch)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
+        # averaged before the update: every rank sees the same loss, so all of them stop at the same step
+        values = self.dist.mean([float(out.loss.detach()), *(float(v) for v in out.metrics.values()),
+                                 float(out.tokens)])
+        if not math.isfinite(values[0]):
+            raise TrainingError(self.divergence(f"the training loss is {values[0]} at step {self.step + 1}"))
         if self.args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step, self.position = self.step + 1, self.position + 1
-        return out, lr
+        return out, values, lr
 
-    def record_step(self, out: StepOutput, lr: float) -> None:
-        """The step's loss, metrics and tokens (averaged over ranks) as a metrics record and, on its schedule, a
-        progress line."""
+    def divergence(self, what: str) -> str:
+        """The error of a run stopped by a non-finite loss or weights: ``what``, the likely cause, what is kept."""
+        last = latest_checkpoint(self.output_dir)
+        kept = f"its last checkpoint, {last.name}, is kept" if last is not None else "no checkpoint was written"
+        return (f"{what}: the run diverged (try a lower --learning-rate or milder loss settings); nothing non-finite "
+                f"was saved, {kept}")
+
+    def record_step(self, out: StepOutput, values: list[float], lr: float) -> None:
+        """The step's loss, metrics and tokens (``values``: averaged over ranks) as a metrics record and, on its
+        schedule, a progress line."""
         names = list(out.metrics)
-        values = self.dist.mean([float(out.loss.detach()), *(float(out.metrics[k]) for k in names),
-                                 float(out.tokens)])
         if not self.dist.main:
             return
         record = {"step": self.step, "epoch": self.epoch, "loss": values[0],
@@ -631,7 +660,10 @@ class TrainingRun:
         self.log.flush()
 
     def save(self, final: bool) -> Path:
-        """A checkpoint at the current step (every rank takes part), then the task's hook on rank 0."""
+        """A checkpoint at the current step (every rank takes part), then the task's hook on rank 0. TrainingError
+        instead when a weight is not finite (a finite loss can still give non-finite gradients)."""
+        if not torch.stack([p.detach().isfinite().all() for p in self.model.parameters()]).all():
+            raise TrainingError(self.divergence(f"the weights are not finite after step {self.step}"))
         path = _save_checkpoint(self.model, self.task, self.optimizer, self.scheduler, self.output_dir, self.step,
                                 self.epoch, self.position, self.settings, self.args.keep_checkpoints, self.dist)
         if self.dist.main:
@@ -653,9 +685,12 @@ class TrainingRun:
 def _load_weights(model: nn.Module, checkpoint: Path) -> None:
     """Copy a checkpoint's model.safetensors into ``model`` in place (keeps fastbert.optimize's views valid). Keys
     absent from the file must be tied to a key that is present (save_pretrained writes a tied tensor once)."""
-    from safetensors.torch import load_file
+    from fastbert.loading import CheckpointError, read_state_dict
 
-    saved = load_file(checkpoint / "model.safetensors")
+    try:
+        saved = read_state_dict(checkpoint)
+    except CheckpointError as err:  # a file cut short (a full disk), say: one line naming it
+        raise TrainingError(f"--resume: {err}") from err
     own = model.state_dict()
     missing = [k for k in own if k not in saved]
     unexpected = [k for k in saved if k not in own]
@@ -667,6 +702,15 @@ def _load_weights(model: nn.Module, checkpoint: Path) -> None:
     with torch.no_grad():
         for key, tensor in saved.items():
             own[key].copy_(tensor)
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state; TrainingError naming the file when it cannot be read."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:  # missing, empty, cut short
+        reason = (str(err).splitlines() or [type(err).__name__])[0].split(". ")[0][:200]  # torch's first sentence
+        raise TrainingError(f"--resume: {path} is not a readable trainer state: {reason}") from err
 
 
 @contextlib.contextmanager

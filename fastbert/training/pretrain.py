@@ -68,7 +68,7 @@ from fastbert.training.masking import (
     next_sentence_pairs,
     sentence_order_pairs,
 )
-from fastbert.training.settings import RunSettings
+from fastbert.training.settings import RunSettings, check_number
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes  # matplotlib is optional and imported where a curve is drawn
@@ -566,9 +566,10 @@ class PretrainSettings(RunSettings):
             raise UserError(f"--mlm-probability must be between 0 and 1, got {self.mlm_probability}")
         if not 0 <= self.held_out < 0.5:
             raise UserError(f"--held-out must be in [0, 0.5), got {self.held_out}")
-        if self.learning_rate <= 0:
-            raise UserError(f"--learning-rate must be > 0, got {self.learning_rate}")
-        super().check()  # the run options: --threads
+        check_number("--learning-rate", self.learning_rate, strict=True)
+        check_number("--weight-decay", self.weight_decay)
+        check_number("--max-grad-norm", self.max_grad_norm)
+        super().check()  # the run options: --threads, checkpoints, logging
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.max_steps:
             raise UserError("--warmup-steps must be between 0 and --max-steps")
 
@@ -737,19 +738,47 @@ class VocabularyShape:
 
 
 def check_model_config(settings: PretrainSettings, overrides: dict[str, Any]) -> None:
-    """UserError for config fields transformers refuses, found before the corpus is read and the tokenizer trained
-    and written (minutes of work, and a file left behind): the model is built on the meta device (no memory, no
-    initialisation) with a stand-in for the tokenizer."""
+    """UserError for config fields transformers refuses or the run cannot train with, found before the corpus is
+    read and the tokenizer trained and written (minutes of work, and a file left behind): the model is built on the
+    meta device (no memory, no initialisation) with a stand-in for the tokenizer."""
     try:
         config = build_config(settings.objective, VocabularyShape(settings.objective, settings.vocab_size),
                               settings.max_length, overrides)
         for field_name in DEFAULT_SIZES:  # transformers takes 0, then fails (zero division, oneDNN) or trains no layer
             if getattr(config, field_name) < 1:
                 raise ValueError(f"{field_name} must be >= 1, got {getattr(config, field_name)}")
+        check_config_fits_data(settings, config)
         with torch.device("meta"):
             build_model(settings.objective, config)
-    except (TypeError, ValueError, KeyError, ZeroDivisionError) as err:  # (a --config with zero heads divides by 0)
-        raise UserError(f"model config: {err}") from err
+    except _config_errors() as err:  # (a --config with zero heads divides by 0)
+        raise UserError(f"model config: {' '.join(str(err).split())}") from err
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What a config with a field of the wrong type or value raises: recent transformers check fields with
+    huggingface_hub's strict dataclasses, whose errors are no ValueError."""
+    errors: tuple[type[Exception], ...] = (TypeError, ValueError, KeyError, ZeroDivisionError)
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: transformers raises ValueError or TypeError
+        return errors
+    return (*errors, StrictDataclassError)
+
+
+def check_config_fits_data(settings: PretrainSettings, config) -> None:
+    """ValueError when the model cannot read the run's examples: fewer positions than --max-length tokens (the
+    default 128 included; a --config that sets max_position_embeddings decides it alone), or fewer token types than
+    the objective's segments (bert and albert: 2)."""
+    offset = config.pad_token_id + 1 if settings.objective == "roberta" else 0  # RoBERTa's positions start there
+    positions = config.max_position_embeddings - offset
+    if positions < settings.max_length:
+        fix = f"give --max-length {positions} or less" if positions >= 8 else "a sequence needs 8 at least"
+        raise ValueError(f"max_position_embeddings {config.max_position_embeddings} gives {positions} positions, "
+                         f"fewer than --max-length {settings.max_length}; {fix}")
+    types = 1 if settings.objective == "roberta" else 2
+    if config.type_vocab_size < types:
+        raise ValueError(f"type_vocab_size must be >= {types} for the {settings.objective} objective, got "
+                         f"{config.type_vocab_size}")
 
 
 def build_pretraining_model(settings: PretrainSettings, tokenizer, overrides: dict[str, Any],

@@ -4,6 +4,7 @@ both do with them before anything loads (`RunSettings.start`)."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,11 @@ class RunSettings:
         """UserError naming the first run option that cannot run (by its command-line option)."""
         if self.threads is not None and self.threads < 1:
             raise UserError("--threads must be >= 1")
+        for option, value, minimum in (("--save-every", self.save_every, 0), ("--eval-every", self.eval_every, 0),
+                                       ("--log-every", self.log_every, 1),
+                                       ("--keep-checkpoints", self.keep_checkpoints, 1)):
+            if value < minimum:
+                raise UserError(f"{option} must be >= {minimum}, got {value}")
 
     def start(self, output_dir: str) -> torch.device:
         """Before anything loads or is written: check these options and ``output_dir`` (a resume needs it, a new run
@@ -51,6 +57,16 @@ class RunSettings:
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
         return device
+
+
+def check_number(option: str, value: float | None, minimum: float = 0.0, *, strict: bool = False,
+                 error: type[Exception] = UserError) -> None:
+    """``error`` naming ``option`` unless ``value`` (None: not given) is a finite number >= ``minimum`` (> with
+    ``strict``). A comparison alone lets nan through (``nan <= 0`` is False), and nan or inf trains to nan."""
+    if value is None:
+        return
+    if not (math.isfinite(value) and (value > minimum if strict else value >= minimum)):
+        raise error(f"{option} must be a number {'>' if strict else '>='} {minimum:g}, got {value}")
 
 
 def check_output_dir(output_dir: str | os.PathLike, resume: bool) -> None:

@@ -203,3 +203,14 @@ def test_an_error_before_any_row_leaves_no_empty_directory_nor_names_one(tiny_di
     proc = embed_cli("-i", str(source), "--model", tiny_dir, "--output-dir", str(out), check=False)
     assert proc.returncode == 1 and "in.jsonl:1" in proc.stderr and "nothing was written" in proc.stderr
     assert "0 shards" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device that is always full)")
+@pytest.mark.parametrize("output_format", ["jsonl", "npy"])
+def test_a_full_disk_is_an_error_naming_the_file(output_format):
+    """The system's error names no file when a write fails for space; the message must."""
+    output = FileOutput("/dev/full", output_format, 4, np.float32)
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        output.write([1, 2], _rows(2))
+        output.close()
+    assert failed.value.filename == "/dev/full"

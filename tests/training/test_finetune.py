@@ -249,6 +249,21 @@ def test_cli_errors_are_one_line(capsys, tmp_path, tiny_checkpoint):
     assert exit_info.value.code == 2 and "invalid choice" in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("option, value, message", [
+    ("--learning-rate", "nan", "--learning-rate must be a number > 0, got nan"),
+    ("--epochs", "inf", "--epochs must be a number > 0, got inf"),
+    ("--warmup-ratio", "nan", "--warmup-ratio must be in [0, 1), got nan"),
+    ("--save-every", "-1", "--save-every must be >= 0, got -1"),
+    ("--log-every", "0", "--log-every must be >= 1, got 0"),
+])
+def test_option_values_are_refused_before_any_work(capsys, tmp_path, option, value, message):
+    out = tmp_path / "run"
+    code, _, err = _run(capsys, "finetune", "--task", "topic", "--model", str(tmp_path / "unread"), "-o", str(out),
+                        option, value)
+    assert code == 1 and err == f"fastbert: error: {message}\n"  # before the model is looked for
+    assert not out.exists()
+
+
 def test_cli_refuses_an_output_dir_that_holds_a_run(capsys, tmp_path, tiny_checkpoint):
     argv = ["finetune", "--task", "topic", "--model", tiny_checkpoint, "-o", str(tmp_path / "run"), "--max-steps", "1",
             "--batch-size", "4", "--train-limit", "4", "--eval-limit", "4"]

@@ -4,6 +4,7 @@ refusals). The SIGKILL test of a whole run is in tests/training/test_pretrain.py
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -37,8 +38,10 @@ class _Interrupt(Exception):
 class _TinyTask(TrainingTask):
     """Random token sequences labelled by whether token 5 occurs: learnable, deterministic per (epoch, index)."""
 
-    def __init__(self, seed: int = 0, crash_at_call: int | None = None):
-        self.seed, self.crash_at_call, self.calls = seed, crash_at_call, 0
+    def __init__(self, seed: int = 0, crash_at_call: int | None = None, crash: type[BaseException] = _Interrupt,
+                 poison_at_call: int | None = None, poison: str = "loss"):
+        self.seed, self.crash_at_call, self.crash, self.calls = seed, crash_at_call, crash, 0
+        self.poison_at_call, self.poison = poison_at_call, poison  # "loss": a nan loss; "grads": nan gradients
 
     def batches(self, epoch: int):
         task = self
@@ -59,10 +62,15 @@ class _TinyTask(TrainingTask):
     def compute(self, model, batch) -> StepOutput:
         self.calls += 1
         if self.crash_at_call is not None and self.calls == self.crash_at_call:
-            raise _Interrupt
+            raise self.crash
         out = model(**batch)
         accuracy = float((out.logits.argmax(-1) == batch["labels"]).float().mean())
-        return StepOutput(out.loss, {"accuracy": accuracy}, int(batch["input_ids"].numel()))
+        loss = out.loss
+        if self.calls == self.poison_at_call:
+            # a nan loss, or a finite loss (0 is added) whose gradient is nan: 0 * d sqrt(u)/du at u = 0
+            weight = model.classifier.weight
+            loss = loss * math.nan if self.poison == "loss" else loss + 0.0 * torch.sqrt(weight.sum() * 0.0)
+        return StepOutput(loss, {"accuracy": accuracy}, int(batch["input_ids"].numel()))
 
     def settings(self) -> dict:
         return {"seed": self.seed}
@@ -170,3 +178,53 @@ def test_refusals(tmp_path):
         train(_model(), _TinyTask(seed=1), _args(tmp_path, max_steps=2, resume=True))
     with pytest.raises(TrainingError, match="max_steps"):
         TrainingArguments(output_dir="x", max_steps=0).check()
+
+
+def _all_finite(checkpoint: Path) -> bool:
+    from safetensors.torch import load_file
+
+    return all(bool(t.isfinite().all()) for t in load_file(checkpoint / "model.safetensors").values())
+
+
+@pytest.mark.parametrize("poison, message", [
+    ("loss", "the training loss is nan at step 5: the run diverged"),
+    ("grads", "the weights are not finite after step 6: the run diverged"),  # a finite loss, nan weights at a save
+])
+def test_a_run_that_diverges_stops_without_saving_non_finite_weights(tmp_path, poison, message):
+    run = tmp_path / "run"
+    poisoned = _TinyTask(poison_at_call=5 if poison == "loss" else 6, poison=poison)
+    with pytest.raises(TrainingError, match=f"{message}.*its last checkpoint, checkpoint-0000004, is kept"):
+        train(_model(), poisoned, _args(tmp_path))
+    assert [p.name for p in list_checkpoints(run)] == ["checkpoint-0000002", "checkpoint-0000004"]
+    assert all(_all_finite(p) for p in list_checkpoints(run))
+    # the last good checkpoint still resumes
+    result = train(_model(), _TinyTask(), _args(tmp_path, resume=True))
+    assert result.step == 7 and _all_finite(result.checkpoint)
+
+
+def test_non_finite_settings_are_refused():
+    for bad in ({"learning_rate": math.nan}, {"learning_rate": math.inf}, {"max_grad_norm": math.nan},
+                {"weight_decay": -1.0}, {"weight_decay": math.nan}):
+        with pytest.raises(TrainingError):
+            TrainingArguments(output_dir="x", max_steps=1, **bad).check()
+
+
+@pytest.mark.parametrize("name, message", [("model.safetensors", "is not a readable safetensors file"),
+                                           (STATE_FILE, "is not a readable trainer state")])
+def test_a_truncated_checkpoint_is_named_on_resume(tmp_path, name, message):
+    train(_model(), _TinyTask(), _args(tmp_path, max_steps=4))
+    broken = tmp_path / "run" / "checkpoint-0000004" / name
+    broken.write_bytes(broken.read_bytes()[:100])  # what a full disk can leave
+    with pytest.raises(TrainingError, match=f"^--resume: {broken} {message}"):
+        train(_model(), _TinyTask(), _args(tmp_path, max_steps=4, resume=True))
+
+
+def test_an_interrupted_run_says_how_to_resume(tmp_path, capsys):
+    with pytest.raises(KeyboardInterrupt):  # in step 6, after the checkpoint at step 4
+        train(_model(), _TinyTask(crash_at_call=6, crash=KeyboardInterrupt), _args(tmp_path))
+    checkpoint = tmp_path / "run" / "checkpoint-0000004"
+    assert (f"stopped after step 5; the last checkpoint is step 4 ({checkpoint}): rerun with --resume to continue"
+            in capsys.readouterr().err)
+    with pytest.raises(KeyboardInterrupt):  # before the first checkpoint: nothing to resume, nothing said
+        train(_model(), _TinyTask(crash_at_call=1, crash=KeyboardInterrupt), _args(tmp_path / "early"))
+    assert "--resume" not in capsys.readouterr().err

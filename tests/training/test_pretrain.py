@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -375,14 +376,54 @@ def test_cli_errors_are_one_line(tmp_path, capsys, args, message):
     assert message.replace("{tmp}", str(tmp_path)) in err
 
 
-def test_an_invalid_model_config_fails_before_a_tokenizer_is_trained_or_written(tmp_path, corpus, capsys):
+@pytest.mark.parametrize("fields, message", [
+    ({"num_attention_heads": 3}, ""),  # H=16 is no multiple of 3 heads
+    ({"max_position_embeddings": 16}, "16 positions, fewer than --max-length 32; give --max-length 16 or less"),
+    ({"type_vocab_size": 0}, "type_vocab_size must be >= 2 for the bert objective, got 0"),
+    ({"intermediate_size": "big"}, "intermediate_size"),  # transformers' own check of the field's type
+])
+def test_an_invalid_model_config_fails_before_a_tokenizer_is_trained_or_written(tmp_path, corpus, capsys, fields,
+                                                                                message):
     config = tmp_path / "bad.json"
-    config.write_text(json.dumps({"num_attention_heads": 3}))  # H=16 is no multiple of 3 heads
+    config.write_text(json.dumps(fields))
     out = tmp_path / "run"
     sizes = TINY[:TINY.index("--num-heads")] + TINY[TINY.index("--num-heads") + 2:]  # the heads from --config
     code, err = _run([str(corpus), "-o", str(out), "--max-steps", "1", *sizes, "--config", str(config)], capsys)
     assert code == 1 and err.count("\n") == 1 and err.startswith("fastbert: error: model config:"), err
-    assert "Training the tokenizer" not in err and not out.exists()
+    assert message in err and "Training the tokenizer" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--learning-rate", "nan", "--learning-rate must be a number > 0, got nan"),
+    ("--learning-rate", "inf", "--learning-rate must be a number > 0, got inf"),
+    ("--weight-decay", "-1", "--weight-decay must be a number >= 0, got -1.0"),
+    ("--max-grad-norm", "nan", "--max-grad-norm must be a number >= 0, got nan"),
+    ("--max-grad-norm", "-1", "--max-grad-norm must be a number >= 0, got -1.0"),
+    ("--save-every", "-1", "--save-every must be >= 0, got -1"),
+    ("--keep-checkpoints", "0", "--keep-checkpoints must be >= 1, got 0"),
+    ("--log-every", "0", "--log-every must be >= 1, got 0"),
+])
+def test_option_values_are_refused_before_any_work(tmp_path, corpus, capsys, option, value, message):
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), *TINY, option, value], capsys)
+    assert code == 1 and err == f"fastbert: error: {message}\n"
+    assert not out.exists()
+
+
+def test_a_diverging_run_stops_with_one_line_and_keeps_its_finite_checkpoints(tmp_path, corpus, capsys, one_thread):
+    from safetensors.torch import load_file
+
+    from fastbert.training.loop import list_checkpoints
+
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), "--max-steps", "6", "--save-every", "1", "--keep-checkpoints",
+                      "9", "--learning-rate", "1e30", *TINY], capsys)
+    assert code == 1 and "Traceback" not in err, err
+    assert re.search(r"^fastbert: error: the training loss is (nan|inf) at step \d: the run diverged", err, re.M), err
+    checkpoints = list_checkpoints(out)
+    assert len(checkpoints) < 6 and not (out / "summary.json").exists()
+    for checkpoint in checkpoints:
+        assert all(bool(t.isfinite().all()) for t in load_file(checkpoint / "model.safetensors").values())
 
 
 @pytest.mark.parametrize("files, message", [
