@@ -29,8 +29,8 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
-from types import ModuleType
-from typing import NoReturn
+from types import FrameType, ModuleType
+from typing import Any, NoReturn
 
 from fastbert import __version__
 
@@ -142,11 +142,11 @@ class Terminated(KeyboardInterrupt):
     Ctrl-C (a Parquet file is completed, a training run keeps its checkpoints) instead of dying mid-write."""
 
 
-def _raise_terminated(signum: int, frame) -> None:
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise Terminated
 
 
-def _stop_on_sigterm():
+def _stop_on_sigterm() -> Any:
     """Install `_raise_terminated` for SIGTERM (in the main thread only, where Python delivers signals); the handler
     it replaced, or None. `fastbert serve` installs its own (a drained shutdown)."""
     if threading.current_thread() is not threading.main_thread():

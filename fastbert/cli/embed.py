@@ -56,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
             stream.close()
         output.close(stats)  # stats None: the run stopped early (a sharded run stays resumable)
         if stopped:
-            resume = "; --resume continues the run" if args.output_dir is not None else ""
-            sys.stderr.write(f"fastbert embed: stopped: the first {output.rows_done:,} rows are written to "
-                             f"{output.describe()} and are valid{resume}\n")
+            sys.stderr.write(f"fastbert embed: stopped: {stopped_note(args, output)}\n")
     if error is not None:
         if output.rows_done == 0:
             raise UserError(f"{error} (nothing was written)")
@@ -66,6 +64,14 @@ def run(args: argparse.Namespace) -> int:
                         "valid)")
     write_summary(stats, initial, embedder, output, time.perf_counter() - started)
     return 0
+
+
+def stopped_note(args: argparse.Namespace, output) -> str:
+    """What an embed run stopped early (Ctrl-C, SIGTERM) leaves: nothing, or its first rows, valid."""
+    if output.rows_done == 0:
+        return "nothing was written"
+    resume = "; --resume continues the run" if args.output_dir is not None else ""
+    return f"the first {output.rows_done:,} rows are written to {output.describe()} and are valid{resume}"
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -179,7 +185,8 @@ def input_rows(args: argparse.Namespace) -> tuple:
         rows = (embedding.Row(i, i, t if t.strip() else None) for i, t in enumerate(args.texts, start=1))
         return rows, None, None, None
     counter, size, name = embedding.open_input(args.input or "-")
-    rows = embedding.read_rows(counter, input_format_of(args), args.field or "text", args.id_field, name)
+    field = args.field if args.field is not None else "text"
+    rows = embedding.read_rows(counter, input_format_of(args), field, args.id_field, name)
     return rows, counter, size, counter.stream
 
 
@@ -190,8 +197,9 @@ def open_output(args: argparse.Namespace, embedder, output_format: str, window_r
     if args.output_dir is None:
         return embedding.FileOutput(args.output, output_format, embedder.dimension, dtype, string_ids)
     source = os.path.abspath(args.input) if args.input not in (None, "-") else "-"  # resumable from any directory
+    field = args.field if args.field is not None else "text"
     settings = {**embedder.settings(), "window_rows": window_rows, "input": source,
-                "input_format": args.input_format, "field": args.field or "text", "id_field": args.id_field}
+                "input_format": args.input_format, "field": field, "id_field": args.id_field}
     if args.id_field is not None:  # fastbert 0.1.0 wrote a null row for them: its runs resume with other rows
         settings["blank_jsonl_lines"] = "skipped"
     return embedding.ShardedOutput(args.output_dir, output_format, embedder.dimension, dtype, settings,

@@ -169,7 +169,7 @@ class ShardedOutput:
     def _same_settings(self, found: dict[str, Any]) -> dict[str, Any]:
         """``found``, the manifest of the run to resume, refused if its settings differ from this run's."""
         changed = {k: (found["settings"].get(k), v) for k, v in self.settings.items()
-                   if found["settings"].get(k) != v and not (k == "input" and same_input(found["settings"][k], v))}
+                   if found["settings"].get(k) != v and not (k == "input" and same_input(found["settings"].get(k), v))}
         if changed:
             raise UserError("--resume with other settings than the interrupted run: " + "; ".join(
                 f"{k} was {old!r}, now {new!r}" for k, (old, new) in changed.items()))

@@ -21,6 +21,8 @@ imports it only when a class is built.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 
 import numpy as np
 
@@ -85,8 +87,12 @@ class RayClusterEmbedder:
             raise UserError("--ray-actors must be >= 1")
         self.ray = ray
         if not ray.is_initialized():
+            keep_sigterm = threading.current_thread() is threading.main_thread()
+            handler = signal.getsignal(signal.SIGTERM) if keep_sigterm else None
             ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                      configure_logging=False)
+            if handler is not None:  # Ray's own exits at once; the caller's (the CLI's) stops as Ctrl-C does
+                signal.signal(signal.SIGTERM, handler)
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True
         context.enable_progress_bars = False

@@ -53,25 +53,24 @@ def check_input_path(path: str) -> None:
         raise UserError(f"input file {path} does not exist")
     if os.path.isdir(path):
         raise UserError(f"input {path} is a directory, not a file")
-    kind = binary_kind(path)
-    if kind is not None:
-        raise UserError(f"input file {path} is {kind}: embed reads UTF-8 text, one text per line, or JSONL (export "
-                        "the text column as either)")
+    if is_parquet(path):
+        raise UserError(f"input file {path} is a Parquet file: embed reads UTF-8 text, one text per line, or JSONL "
+                        "(export the text column as either)")
 
 
-def binary_kind(path: str) -> str | None:
-    """What a file that is not UTF-8 text is ("a Parquet file", "binary ..."), from its first 8 KiB; None
-    for text, and for what cannot be read here (a FIFO, no permission: reading it later says)."""
-    if not os.path.isfile(path):
-        return None
+def is_parquet(path: str) -> bool:
+    """Whether ``path`` is a Parquet file (its magic at both ends), which read as text gives garbage rows; other
+    binary files fail as invalid UTF-8 at their first line. False for what cannot be read here (a FIFO, no
+    permission: reading it later says)."""
+    if not os.path.isfile(path) or os.path.getsize(path) < 8:
+        return False
     try:
         with open(path, "rb") as stream:
-            head = stream.read(8192)
+            head = stream.read(4)
+            stream.seek(-4, os.SEEK_END)
+            return head == stream.read(4) == b"PAR1"
     except OSError:
-        return None
-    if head.startswith(b"PAR1"):
-        return "a Parquet file"
-    return "binary (or UTF-16 text): it holds NUL bytes" if b"\0" in head else None
+        return False
 
 
 def open_input(path: str) -> tuple[ByteCounter, int | None, str]:

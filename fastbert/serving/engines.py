@@ -230,7 +230,9 @@ def pair_tokenizers(model_dir: str | None, max_length: int | None
     tokens."""
     model_dir, config = resolve_model(model_dir)
     limit = config.token_positions
-    max_length = max_length or limit
+    max_length = limit if max_length is None else max_length
+    # built at the model's limit, a length that is always valid, to count the special tokens; then cut to the one
+    # asked for once it is checked
     tokenizers = {d: PairTokenizer(model_dir, limit, d) for d in DIRECTIONS}
     # a request may hold pairs, which need room for a token of each text
     check_max_length(max_length, tokenizers["right"].tokenizer, limit, "--max-input-length", pair=True)

@@ -69,11 +69,12 @@ def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, t
     """Start Ray (or join the cluster of RAY_ADDRESS), serve on host:port until SIGTERM or Ctrl-C, shut down.
     ``url``: the address the ready line prints (default http://host:port)."""
     check_engine_settings(settings.task, settings.model_dir, settings.max_input_length)  # before Ray starts
+    previous = signal.getsignal(signal.SIGTERM)
     ray.init(ignore_reinit_error=True)
     # Ray's own handler (installed by ray.init) aborts the process on SIGTERM; ours, installed before serve.run,
     # turns a SIGTERM at any point after this one (the proxy answers before serve.run returns) into the shutdown.
     stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     serve.start(http_options={"host": host, "port": port})
     try:
         serve.run(application(settings, replicas, threads), name=APP_NAME, route_prefix="/")
@@ -90,4 +91,5 @@ def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, t
         pass
     serve.shutdown()
     ray.shutdown()
+    signal.signal(signal.SIGTERM, previous)
     return 0

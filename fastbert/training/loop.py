@@ -444,8 +444,9 @@ def train(model: nn.Module, task: TrainingTask, args: TrainingArguments) -> Trai
     The model must be on its device already; batches are moved there. A fresh run seeds python/torch/numpy with
     ``args.seed`` (seed before building the model as well, for a reproducible initialisation); a resumed run
     restores the weights, optimizer, scheduler, RNG states and data position of the latest checkpoint.
-    Raises TrainingError when the output directory already holds a run and ``resume`` is False, or when a resume
-    has nothing to resume or different settings.
+    Raises TrainingError when the output directory already holds a run and ``resume`` is False, when a resume
+    has nothing to resume or different settings, and when the loss or the weights stop being finite (nothing
+    non-finite is saved; earlier checkpoints stay).
     """
     return TrainingRun(model, task, args).run()
 

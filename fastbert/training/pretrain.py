@@ -765,7 +765,7 @@ def _config_errors() -> tuple[type[Exception], ...]:
     return (*errors, StrictDataclassError)
 
 
-def check_config_fits_data(settings: PretrainSettings, config) -> None:
+def check_config_fits_data(settings: PretrainSettings, config: Any) -> None:
     """ValueError when the model cannot read the run's examples: fewer positions than --max-length tokens (the
     default 128 included; a --config that sets max_position_embeddings decides it alone), or fewer token types than
     the objective's segments (bert and albert: 2)."""

@@ -475,3 +475,18 @@ def test_sigterm_stops_embed_as_ctrl_c_does_and_what_was_written_stays_valid(cap
     files = [tmp_path / output] if output.endswith(".parquet") else sorted((tmp_path / output).glob("*.parquet"))
     assert sum(pq.read_table(f).num_rows for f in files) == 3
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".tmp")]
+
+
+def test_an_embed_stopped_before_its_first_window_says_nothing_was_written(capsys, tmp_path, monkeypatch):
+    from fastbert import embedding
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(embedding, "run", interrupted)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("one\n")
+    code, _, err = _run(capsys, "embed", "-i", str(corpus), "--output-dir", str(tmp_path / "run"), "--no-progress")
+    assert code == 130
+    assert err.splitlines()[-2:] == ["fastbert embed: stopped: nothing was written", "fastbert: interrupted"], err
+    assert not (tmp_path / "run").exists()  # no run to --resume

@@ -214,3 +214,5 @@ def test_a_full_disk_is_an_error_naming_the_file(output_format):
         output.write([1, 2], _rows(2))
         output.close()
     assert failed.value.filename == "/dev/full"
+    with pytest.raises(OSError):  # what is still buffered fails again; the stream is closed all the same
+        output.stream.close()

@@ -49,7 +49,8 @@ def test_a_max_input_length_past_the_model_names_the_servers_option_before_the_d
 
 
 @pytest.mark.parametrize("task, length, specials, what, least", [
-    ("embed", 2, 2, "a text", 3), ("classify", 4, 3, "a pair of texts", 5), ("rerank", 1, 3, "a pair of texts", 5)])
+    ("embed", 2, 2, "a text", 3), ("classify", 4, 3, "a pair of texts", 5), ("rerank", 1, 3, "a pair of texts", 5),
+    ("embed", 0, 2, "a text", 3), ("classify", 0, 3, "a pair of texts", 5)])
 def test_a_max_input_length_without_room_beside_the_special_tokens_is_refused_first(monkeypatch, task, length, specials,
                                                                                   what, least):
     """A classifier's requests may hold pairs: [CLS] a [SEP] b [SEP] needs a token of each text."""
