@@ -67,7 +67,7 @@ from fastbert.training.pretrain import (
     tokenize_documents,
     vocab_fingerprint,
 )
-from fastbert.training.settings import RunSettings, check_number
+from fastbert.training.settings import RunSettings, check_number, run_model_hint
 
 OBJECTIVES = ("mlm", "embedding")
 MLM_TEACHER_TYPES = ("bert", "roberta")
@@ -332,7 +332,8 @@ def teacher_config_fields(teacher_dir: str) -> dict[str, Any]:
     if not directory.is_dir():
         raise UserError(f"--teacher {teacher_dir} is not a directory")
     if not (directory / "config.json").is_file():
-        raise UserError(f"--teacher {teacher_dir} has no config.json (expected an HF checkpoint directory)")
+        raise UserError(f"--teacher {teacher_dir} has no config.json (expected an HF checkpoint directory)"
+                        f"{run_model_hint(teacher_dir)}")
     return read_json_file(directory / "config.json")
 
 
@@ -385,7 +386,8 @@ def sentence_transformer_modules(teacher_dir: str) -> tuple[str, bool, list[dict
     directory = Path(teacher_dir)
     if not (directory / "modules.json").is_file():
         raise UserError(f"--teacher {teacher_dir} is not a sentence-transformers checkpoint (no modules.json); the "
-                        "embedding objective distils one (e.g. the embedded all-MiniLM-L6-v2)")
+                        "embedding objective distils one (e.g. the embedded all-MiniLM-L6-v2)"
+                        f"{run_model_hint(teacher_dir, 'modules.json')}")
     modules = read_json_file(directory / "modules.json")
     pooling = [m for m in modules if str(m.get("type", "")).endswith(".Pooling")]
     if not pooling:

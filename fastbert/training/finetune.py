@@ -35,7 +35,7 @@ from itertools import pairwise
 
 import torch
 
-from fastbert.common.resolve import UserError, resolve_device, resolve_model
+from fastbert.common.resolve import UserError, resolve_device
 from fastbert.common.text import load_auto_tokenizer
 from fastbert.files import write_atomic
 from fastbert.training import curves
@@ -50,7 +50,7 @@ from fastbert.training.corpus import (
 from fastbert.training.distill import freeze
 from fastbert.training.loop import StepOutput, TrainingTask
 from fastbert.training.masking import IGNORE_INDEX
-from fastbert.training.settings import check_number, check_output_dir
+from fastbert.training.settings import check_number, check_output_dir, resolve_model_option
 from fastbert.training.task_distillation import (
     TaskTeacher,
     TeacherLoss,
@@ -334,10 +334,13 @@ def batches(tokenizer, examples: Sequence[Example], kind: str, batch_size: int, 
 
 
 # ------------------------------------------------------------------------------------------------- metrics
-def majority_baseline(data: TaskData, test: Sequence[Example] | None = None) -> dict:
-    """The most frequent label of the training split (examples, or words for the token task) and the held-out
-    accuracy of always predicting it."""
-    train_counts = data.label_counts("train")
+def majority_baseline(data: TaskData, test: Sequence[Example] | None = None,
+                      train: Sequence[Example] | None = None) -> dict:
+    """The most frequent label of the training examples (``train``: those a run trained on, a --train-limit sample;
+    default the whole training split; examples, or words for the token task) and the accuracy on ``test``
+    (default the whole held-out split) of always predicting it: what a model that learnt only the label shares of
+    its training data scores."""
+    train_counts = count_labels(data.labels, data.train if train is None else train)
     label = max(range(len(data.labels)), key=lambda i: train_counts[data.labels[i]])
     test = data.test if test is None else test
     labels = [x for e in test for x in (e.label if isinstance(e.label, tuple) else (e.label,))]
@@ -559,7 +562,7 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
     log = log or sys.stderr
     settings.check()
     check_output_dir(settings.output_dir, settings.resume)  # before a minute of loading, not after
-    model_dir, config = resolve_model(settings.model_dir)
+    model_dir, config = resolve_model_option("--model", settings.model_dir)
     settings = cap_max_length(settings, config, log)
     device = resolve_device(settings.device)
     tokenizer = load_tokenizer(model_dir)
@@ -701,7 +704,7 @@ def results_record(task: FinetuneTask, result: training.TrainResult, model_out: 
 
     data, train_examples, test_examples = task.data, task.train_examples, task.test_examples
     assert task.evaluation is not None
-    baseline = majority_baseline(data, test_examples)
+    baseline = majority_baseline(data, test_examples, train_examples)  # what was trained on, and evaluated
     steps, evals = curves.split_records(result.records)
     before = [r for r in evals if r["step"] == 0]
     return {

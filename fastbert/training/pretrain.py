@@ -41,7 +41,7 @@ import os
 import random
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +68,7 @@ from fastbert.training.masking import (
     next_sentence_pairs,
     sentence_order_pairs,
 )
-from fastbert.training.settings import RunSettings, check_number
+from fastbert.training.settings import RunSettings, check_number, run_model_hint
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes  # matplotlib is optional and imported where a curve is drawn
@@ -76,9 +76,12 @@ if TYPE_CHECKING:
 OBJECTIVES = ("bert", "roberta", "albert")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 BPE_SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")  # RoBERTa's, in its id order
+# A byte-level BPE holds every byte, whatever its size: --vocab-size below this cannot be trained (roberta)
+BPE_MIN_VOCAB = 256 + len(BPE_SPECIAL_TOKENS)
 BYTE_LEVEL_SPACE = "\u0120"  # how byte-level BPE writes the space byte: a token that starts a word after a space
 # The small default model: a few minutes on two CPU cores teach it something.
 DEFAULT_SIZES = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 1024}
+DEFAULT_MAX_LENGTH = 128  # tokens per sequence when --max-length is not given (fewer if the --config's positions are)
 
 
 # ------------------------------------------------------------------------------------------------ held out
@@ -536,7 +539,7 @@ class PretrainSettings(RunSettings):
     whole_word_masking: bool = False
     pack: bool = False
     mlm_probability: float = 0.15
-    max_length: int = 128
+    max_length: int | None = None  # None: DEFAULT_MAX_LENGTH, or a --config's positions if fewer (`settle_max_length`)
     vocab_size: int = 8000
     tokenizer: str | None = None  # a transformers tokenizer directory instead of training one
     config: str | None = None  # a JSON file of model config fields
@@ -560,8 +563,11 @@ class PretrainSettings(RunSettings):
         for name, value in positive.items():
             if value is not None and value < 1:
                 raise UserError(f"{name} must be >= 1, got {value}")
-        if self.max_length < 8:
+        if self.max_length is not None and self.max_length < 8:
             raise UserError(f"--max-length must be >= 8, got {self.max_length}")
+        if self.objective == "roberta" and self.tokenizer is None and self.vocab_size < BPE_MIN_VOCAB:
+            raise UserError(f"--vocab-size must be >= {BPE_MIN_VOCAB} for --objective roberta (a byte-level BPE holds "
+                            f"all 256 bytes and {len(BPE_SPECIAL_TOKENS)} special tokens), got {self.vocab_size}")
         if not 0 < self.mlm_probability < 1:
             raise UserError(f"--mlm-probability must be between 0 and 1, got {self.mlm_probability}")
         if not 0 <= self.held_out < 0.5:
@@ -574,7 +580,8 @@ class PretrainSettings(RunSettings):
             raise UserError("--warmup-steps must be between 0 and --max-steps")
 
     def data_options(self) -> DataOptions:
-        """How this run builds its examples."""
+        """How this run builds its examples (with max_length settled: `settle_max_length`)."""
+        assert self.max_length is not None
         return DataOptions(objective=self.objective, max_length=self.max_length, batch_size=self.batch_size,
                            mlm_probability=self.mlm_probability, whole_word_masking=self.whole_word_masking,
                            pack=self.pack, seed=self.seed)
@@ -599,10 +606,13 @@ def pretrain(settings: PretrainSettings, log=None) -> TrainResult | None:
     log = log or sys.stderr
     device = settings.start(settings.output_dir)
     overrides = model_overrides(settings)
-    check_model_config(settings, overrides)
+    settings = check_model_config(settings, overrides, log)
     documents = run_documents(settings.files, settings.corpus, "pydoc")
     train_docs, held_docs = hold_out(documents, settings.held_out, settings.seed)
     tokenizer = distributed_tokenizer(settings, train_docs)
+    note = vocabulary_note(settings, tokenizer)
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        log.write(note + "\n")
     data, held_out = build_data(settings, tokenizer, train_docs, held_docs)
     model, config = build_pretraining_model(settings, tokenizer, overrides, device)
     task = PretrainingTask(data, tokenizer, run_settings(settings, documents, tokenizer, config), held_out)
@@ -661,7 +671,7 @@ def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[st
     if settings.tokenizer is not None:
         tokenizer = load_given_tokenizer(settings.tokenizer)
     else:
-        tokenizer = train_tokenizer(train_docs, settings.vocab_size, settings.max_length,
+        tokenizer = train_tokenizer(train_docs, settings.vocab_size, settings.data_options().max_length,
                                     objective=settings.objective)
     output_dir.mkdir(parents=True, exist_ok=True)
     saved = output_dir / "tokenizer"
@@ -673,7 +683,10 @@ def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[st
 
 def load_given_tokenizer(directory: str):
     """A --tokenizer directory's tokenizer, which must have a vocabulary and the special tokens pretraining uses."""
-    tokenizer = load_auto_tokenizer(directory, label=f"--tokenizer {directory}")
+    try:
+        tokenizer = load_auto_tokenizer(directory, label=f"--tokenizer {directory}")
+    except UserError as err:  # a run's output directory: its model directory holds the tokenizer
+        raise UserError(f"{err}{run_model_hint(directory)}") from err
     missing = [name for name in ("pad_token", "cls_token", "sep_token", "mask_token")
                if getattr(tokenizer, name) is None]
     if missing:
@@ -737,21 +750,59 @@ class VocabularyShape:
         return self.size
 
 
-def check_model_config(settings: PretrainSettings, overrides: dict[str, Any]) -> None:
-    """UserError for config fields transformers refuses or the run cannot train with, found before the corpus is
-    read and the tokenizer trained and written (minutes of work, and a file left behind): the model is built on the
-    meta device (no memory, no initialisation) with a stand-in for the tokenizer."""
+def vocabulary_note(settings: PretrainSettings, tokenizer) -> str:
+    """A line for a vocabulary trained larger than --vocab-size ('' otherwise): a WordPiece vocabulary keeps every
+    character of the training text, however small the size asked for (a byte-level BPE's least, every byte, is
+    refused before any work: `PretrainSettings.check`)."""
+    if settings.tokenizer is not None or settings.resume or len(tokenizer) <= settings.vocab_size:
+        return ""
+    return (f"fastbert pretrain: vocabulary {len(tokenizer)}, more than --vocab-size {settings.vocab_size}: WordPiece "
+            f"keeps every character of the training text (and its ## form) besides its {len(SPECIAL_TOKENS)} special "
+            "tokens")
+
+
+def check_model_config(settings: PretrainSettings, overrides: dict[str, Any], log=None) -> PretrainSettings:
+    """The settings with max_length settled (`settle_max_length`, saying on ``log`` when the default is cut);
+    UserError for config fields transformers refuses or the run cannot train with, found before the corpus is read
+    and the tokenizer trained and written (minutes of work, and a file left behind): the model is built on the meta
+    device (no memory, no initialisation) with a stand-in for the tokenizer."""
     try:
         config = build_config(settings.objective, VocabularyShape(settings.objective, settings.vocab_size),
-                              settings.max_length, overrides)
+                              settings.max_length or DEFAULT_MAX_LENGTH, overrides)
         for field_name in DEFAULT_SIZES:  # transformers takes 0, then fails (zero division, oneDNN) or trains no layer
             if getattr(config, field_name) < 1:
                 raise ValueError(f"{field_name} must be >= 1, got {getattr(config, field_name)}")
+        settings = settle_max_length(settings, config, log)
         check_config_fits_data(settings, config)
         with torch.device("meta"):
             build_model(settings.objective, config)
     except _config_errors() as err:  # (a --config with zero heads divides by 0)
         raise UserError(f"model config: {' '.join(str(err).split())}") from err
+    return settings
+
+
+def config_positions(objective: str, config: Any) -> int:
+    """How many tokens a sequence of the config's model may hold (RoBERTa's positions start past the padding id)."""
+    offset = config.pad_token_id + 1 if objective == "roberta" else 0
+    return config.max_position_embeddings - offset
+
+
+def settle_max_length(settings: PretrainSettings, config: Any, log=None) -> PretrainSettings:
+    """The settings with max_length set: --max-length as given (`check_config_fits_data` refuses one the config has
+    no positions for), else DEFAULT_MAX_LENGTH, cut to the config's positions when it has fewer (a --config's
+    max_position_embeddings) and said on ``log``; ValueError when they are fewer than a sequence needs (8)."""
+    if settings.max_length is not None:
+        return settings
+    positions = config_positions(settings.objective, config)
+    if positions >= DEFAULT_MAX_LENGTH:
+        return replace(settings, max_length=DEFAULT_MAX_LENGTH)
+    if positions < 8:
+        raise ValueError(f"max_position_embeddings {config.max_position_embeddings} gives {positions} positions; a "
+                         "sequence needs 8 at least")
+    if log is not None and int(os.environ.get("RANK", "0")) == 0:
+        log.write(f"fastbert pretrain: --max-length {DEFAULT_MAX_LENGTH} (the default) capped to the model config's "
+                  f"{positions} positions\n")
+    return replace(settings, max_length=positions)
 
 
 def _config_errors() -> tuple[type[Exception], ...]:
@@ -766,11 +817,11 @@ def _config_errors() -> tuple[type[Exception], ...]:
 
 
 def check_config_fits_data(settings: PretrainSettings, config: Any) -> None:
-    """ValueError when the model cannot read the run's examples: fewer positions than --max-length tokens (the
-    default 128 included; a --config that sets max_position_embeddings decides it alone), or fewer token types than
-    the objective's segments (bert and albert: 2)."""
-    offset = config.pad_token_id + 1 if settings.objective == "roberta" else 0  # RoBERTa's positions start there
-    positions = config.max_position_embeddings - offset
+    """ValueError when the model cannot read the run's examples: fewer positions than --max-length tokens (one
+    given; the default is cut to them: `settle_max_length`), or fewer token types than the objective's segments
+    (bert and albert: 2)."""
+    assert settings.max_length is not None
+    positions = config_positions(settings.objective, config)
     if positions < settings.max_length:
         fix = f"give --max-length {positions} or less" if positions >= 8 else "a sequence needs 8 at least"
         raise ValueError(f"max_position_embeddings {config.max_position_embeddings} gives {positions} positions, "
@@ -786,7 +837,7 @@ def build_pretraining_model(settings: PretrainSettings, tokenizer, overrides: di
     """(model on ``device``, its transformers config), initialised from the seed and passed through
     `fastbert.optimize` unless the settings say not to; UserError for config fields transformers refuses."""
     try:
-        config = build_config(settings.objective, tokenizer, settings.max_length, overrides)
+        config = build_config(settings.objective, tokenizer, settings.data_options().max_length, overrides)
     except (TypeError, ValueError) as err:
         raise UserError(f"model config: {err}") from err
     torch.manual_seed(settings.seed)  # the initialisation is part of the run

@@ -1,6 +1,7 @@
 """What the settings of `fastbert pretrain` and `fastbert distill` share: the options of a run that are not about its
 data, model or loss (checkpoints, evaluation, logging, seed, resume, threads, device, backend, progress), and what
-both do with them before anything loads (`RunSettings.start`)."""
+both do with them before anything loads (`RunSettings.start`); and what every training command's checkpoint options
+(``--model``, ``--teacher``, ``--tokenizer``) say when given a run's output directory instead (`run_model_hint`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from fastbert.common.resolve import UserError, check_dir_creatable, resolve_device
+from fastbert.common.resolve import UserError, check_dir_creatable, resolve_device, resolve_model
+from fastbert.config import FastBertConfig
 from fastbert.training.loop import latest_checkpoint
 
 
@@ -77,3 +79,32 @@ def check_output_dir(output_dir: str | os.PathLike, resume: bool) -> None:
     if not resume and latest_checkpoint(output_dir) is not None:
         raise UserError(f"{output_dir} already holds a run; continue it with --resume or choose another -o")
     check_dir_creatable(output_dir, "-o")
+
+
+def run_model(directory: str | os.PathLike, marker: str = "config.json") -> Path | None:
+    """The checkpoint a training run's output directory holds: ``DIR/model`` (the model a finished `fastbert
+    finetune` or `fastbert distill` keeps), else its latest checkpoint (`fastbert pretrain`'s, or a run stopped
+    before its end); the first of them with a ``marker`` file, None when neither has one (no run)."""
+    directory = Path(directory)
+    for found in (directory / "model", latest_checkpoint(directory)):
+        if found is not None and (found / marker).is_file():
+            return found
+    return None
+
+
+def run_model_hint(directory: str | os.PathLike, marker: str = "config.json") -> str:
+    """What an option that wants a checkpoint directory adds to its error when given a run's output directory
+    instead: '; did you mean DIR/model?' (`run_model`'s choice), or '' when ``directory`` is no run."""
+    found = run_model(directory, marker) if os.path.isdir(directory) else None
+    return f"; did you mean {found}?" if found is not None else ""
+
+
+def resolve_model_option(option: str, path: str | None) -> tuple[str, FastBertConfig]:
+    """`fastbert.common.resolve.resolve_model` of a command-line option (None: the default model); its UserError
+    names ``option`` and points at the model of a run's output directory (`run_model_hint`)."""
+    try:
+        return resolve_model(path)
+    except UserError as err:
+        if path is None:  # the default model's own error (a package to install)
+            raise
+        raise UserError(f"{option}: {err}{run_model_hint(path)}") from err

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
-from fastbert.common.resolve import UserError, resolve_model
+from fastbert.common.resolve import UserError
 from fastbert.config import FastBertConfig
 from fastbert.training.distill import layer_cosine_loss, soft_target_loss, teacher_fingerprint
 from fastbert.training.masking import IGNORE_INDEX
+from fastbert.training.settings import resolve_model_option
 
 
 @dataclass(frozen=True)
@@ -115,13 +116,8 @@ class TaskTeacher:
 
 def resolve_teacher(teacher_dir: str) -> tuple[str, FastBertConfig]:
     """(directory, config) of the teacher checkpoint; UserError naming --teacher when there is none (and pointing
-    at ``DIR/model`` when DIR is a `fastbert finetune` run's output directory)."""
-    try:
-        return resolve_model(teacher_dir)
-    except UserError as err:
-        inner = os.path.join(teacher_dir, "model")
-        hint = f"; did you mean {inner}?" if os.path.isfile(os.path.join(inner, "config.json")) else ""
-        raise UserError(f"--teacher: {err}{hint}") from err
+    at ``DIR/model`` when DIR is a `fastbert finetune` run's output directory: `resolve_model_option`)."""
+    return resolve_model_option("--teacher", teacher_dir)
 
 
 def check_teacher(directory: str, config: FastBertConfig, labels: tuple[str, ...], task: str, student_config,

@@ -498,6 +498,24 @@ def test_bad_input_is_one_line_before_training(tmp_path, bert_teacher, capsys, a
     assert not (tmp_path / "out").exists() or latest_checkpoint(tmp_path / "out") is None
 
 
+@pytest.mark.parametrize("objective, kept, needed", [
+    ("mlm", "checkpoint-0000002", "has no config.json (expected an HF checkpoint directory)"),
+    ("embedding", "model", "is not a sentence-transformers checkpoint (no modules.json); the embedding objective "
+     "distils one (e.g. the embedded all-MiniLM-L6-v2)"),
+], ids=["pretrain-run", "distill-run"])
+def test_a_run_directory_as_teacher_is_pointed_at_its_model(tmp_path, capsys, objective, kept, needed):
+    """--teacher given a run's output directory: one line naming the model in it (a pretrain run's latest
+    checkpoint, a distill run's DIR/model), as finetune's --model and --teacher do."""
+    run = tmp_path / "earlier-run"
+    (run / kept).mkdir(parents=True)
+    for name in ("config.json", "modules.json", "trainer_state.pt"):
+        (run / kept / name).write_text("{}")
+    code, err = _run(["distill", "--objective", objective, "--teacher", str(run), "-o", str(tmp_path / "out"),
+                      *FAST], capsys)
+    assert code == 1
+    assert err == f"fastbert: error: --teacher {run} {needed}; did you mean {run / kept}?\n"
+
+
 def test_every_option_reaches_the_settings():
     import dataclasses
 

@@ -3,6 +3,7 @@ fine-tune through the CLI end to end, and the CLI's one-line errors."""
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from collections import Counter
@@ -130,6 +131,13 @@ def test_majority_baseline_and_subsample():
     assert finetune.subsample(data.test, None, seed=3) == data.test
 
 
+def test_majority_baseline_takes_the_label_of_the_examples_given_for_training():
+    data = TaskData("t", "sequence", ("a", "b"), [Example("s", 0)] * 3 + [Example("s", 1)],
+                    [Example("u", 1), Example("u", 1), Example("u", 0)], "")
+    assert finetune.majority_baseline(data) == {"label": "a", "accuracy": pytest.approx(1 / 3)}
+    assert finetune.majority_baseline(data, train=data.train[3:]) == {"label": "b", "accuracy": pytest.approx(2 / 3)}
+
+
 def test_token_labels_sit_on_each_words_first_subtoken(minilm_dir):
     tokenizer = transformers.AutoTokenizer.from_pretrained(minilm_dir)
     example = Example("x", (0, 1, 0), words=("Call", "__init_subclass__", "here."))
@@ -211,8 +219,9 @@ def test_tiny_finetune_through_the_cli(capsys, tmp_path, tiny_checkpoint, task):
     assert not torch.equal(saved["encoder.layer.0.attention.self.query.weight"],
                            start["encoder.layer.0.attention.self.query.weight"])
     assert results["evaluation"]["accuracy"] == pytest.approx(_independent_accuracy(out / "model", results))
-    baseline = finetune.majority_baseline(finetune.build_task(task), finetune.subsample(
-        finetune.build_task(task).test, 24, 0))
+    data = finetune.build_task(task)
+    baseline = finetune.majority_baseline(data, finetune.subsample(data.test, 24, 0),
+                                          finetune.subsample(data.train, 32, 0))
     assert results["majority_baseline"] == baseline
 
     # resuming a finished run evaluates the same weights again
@@ -270,6 +279,42 @@ def test_cli_refuses_an_output_dir_that_holds_a_run(capsys, tmp_path, tiny_check
     assert _run(capsys, *argv)[0] == 0
     code, _, err = _run(capsys, *argv)
     assert code == 1 and "already holds a run" in _one_error_line(err)
+
+
+def test_the_majority_baseline_is_that_of_the_train_limit_sample(tmp_path, tiny_checkpoint, monkeypatch):
+    """The baseline is comparable with the run: the most frequent label of the --train-limit sample trained on (here
+    'b', 4 of 4), not of the whole training split (there 'a', 16 of 20), scored on the held-out examples."""
+    import random
+
+    chosen = set(random.Random(0).sample(range(20), 4))  # what `subsample(train, 4, seed=0)` keeps
+    assert finetune.subsample(list(range(20)), 4, 0) == sorted(chosen)
+    train = [Example(f"s{i}", int(i in chosen), text=f"Sentence number {i} of the training side.") for i in range(20)]
+    test = [Example(f"u{i}", label, text=f"Held-out sentence {i}.") for i, label in enumerate((1, 1, 1, 0))]
+    data = TaskData("topic", "sequence", ("a", "b"), train, test, "synthetic")
+    monkeypatch.setattr(finetune, "build_task", lambda name, seed=0: data)
+    log = io.StringIO()
+    results = finetune.finetune(finetune.FinetuneSettings(
+        task="topic", output_dir=str(tmp_path / "run"), model_dir=tiny_checkpoint, max_steps=1, batch_size=4,
+        train_limit=4, seed=0), log=log)
+    assert results["train"]["label_counts"] == {"a": 0, "b": 4}
+    assert results["majority_baseline"] == {"label": "b", "accuracy": 0.75}
+    assert "(majority baseline 0.7500: always 'b')" in log.getvalue()
+
+
+@pytest.mark.parametrize("option", ["--model", "--teacher"])
+@pytest.mark.parametrize("kept", ["model", "checkpoint-0000003"], ids=["finetune-run", "pretrain-run"])
+def test_a_run_directory_is_pointed_at_its_model(capsys, tmp_path, tiny_checkpoint, option, kept):
+    """A run's output directory given for a checkpoint: one line naming the model in it, DIR/model (a finetune or
+    distill run) or its latest checkpoint (a pretrain run), for --model as for --teacher."""
+    run = tmp_path / "earlier-run"
+    shutil.copytree(tiny_checkpoint, run / kept)
+    (run / kept / "trainer_state.pt").touch()  # what makes a checkpoint directory complete
+    model = ["--teacher", str(run), "--model", tiny_checkpoint] if option == "--teacher" else ["--model", str(run)]
+    code, _, err = _run(capsys, "finetune", "--task", "pair", *model, "-o", str(tmp_path / "new"), "--max-steps", "1")
+    assert code == 1
+    assert _one_error_line(err) == (f"fastbert: error: {option}: model path {run} has no config.json; did you mean "
+                                    f"{run / kept}?")
+    assert not (tmp_path / "new").exists()
 
 
 def test_max_length_is_capped_to_the_models_positions(tmp_path, minilm_dir, capsys):

@@ -279,7 +279,7 @@ def test_other_objectives(tmp_path, corpus, capsys, one_thread, objective, model
 
     out = tmp_path / objective
     code, err = _run([str(corpus), "-o", str(out), "--objective", objective, "--pack", "--max-steps", "3",
-                      "--save-every", "0", *TINY], capsys)
+                      "--save-every", "0", *TINY, "--vocab-size", "300"], capsys)  # (a byte-level BPE: 261 at least)
     assert code == 0, err
     checkpoint = latest_checkpoint(out)
     loaded = transformers.AutoModelForPreTraining.from_pretrained(checkpoint)
@@ -327,7 +327,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, corpus, capsys,
 def test_pretrain_runs_from_python_without_argparse(tmp_path, corpus, one_thread):
     log = io.StringIO()
     settings = PretrainSettings(output_dir=str(tmp_path / "run"), files=(str(corpus),), objective="roberta",
-                                hidden_size=16, num_layers=1, num_heads=2, vocab_size=200, max_length=32,
+                                hidden_size=16, num_layers=1, num_heads=2, vocab_size=300, max_length=32,
                                 batch_size=4, max_steps=2, save_every=0, threads=1, progress=False)
     result = pretrain(settings, log=log)
     assert result.step == 2 and result.checkpoint == latest_checkpoint(tmp_path / "run")
@@ -391,6 +391,78 @@ def test_an_invalid_model_config_fails_before_a_tokenizer_is_trained_or_written(
     code, err = _run([str(corpus), "-o", str(out), "--max-steps", "1", *sizes, "--config", str(config)], capsys)
     assert code == 1 and err.count("\n") == 1 and err.startswith("fastbert: error: model config:"), err
     assert message in err and "Training the tokenizer" not in err and not out.exists()
+
+
+def test_a_roberta_vocabulary_smaller_than_its_bytes_is_refused_before_any_work(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), *TINY, "--objective", "roberta", "--vocab-size", "260"], capsys)
+    assert code == 1 and err == ("fastbert: error: --vocab-size must be >= 261 for --objective roberta (a byte-level "
+                                 "BPE holds all 256 bytes and 5 special tokens), got 260\n")
+    assert not out.exists()
+    PretrainSettings(output_dir=str(out), objective="roberta", vocab_size=261).check()  # the least is taken
+    PretrainSettings(output_dir=str(out), objective="roberta", vocab_size=5, tokenizer="tok").check()  # unused
+
+
+def test_a_wordpiece_vocabulary_larger_than_asked_says_so(tmp_path, corpus, capsys, one_thread):
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), *TINY, "--vocab-size", "20", "--max-steps", "1", "--eval-every",
+                      "0"], capsys)
+    assert code == 0, err
+    size = len(transformers.AutoTokenizer.from_pretrained(out / "tokenizer"))
+    assert size > 20
+    assert (f"fastbert pretrain: vocabulary {size}, more than --vocab-size 20: WordPiece keeps every character of "
+            "the training text (and its ## form) besides its 5 special tokens\n") in err
+    code, err = _run([str(corpus), "-o", str(tmp_path / "big"), *TINY, "--max-steps", "1", "--eval-every", "0"],
+                     capsys)
+    assert code == 0 and "more than --vocab-size" not in err, err  # 200 asked, fewer found in this small text
+
+
+@pytest.mark.parametrize("objective, positions", [("bert", 40), ("roberta", 38)])
+def test_the_default_max_length_is_capped_to_a_small_configs_positions(tmp_path, corpus, capsys, one_thread,
+                                                                       objective, positions):
+    config = tmp_path / "small.json"
+    config.write_text(json.dumps({"max_position_embeddings": 40}))  # roberta's positions start past its padding id
+    sizes = TINY[:TINY.index("--max-length")] + TINY[TINY.index("--max-length") + 2:]  # no --max-length
+    out = tmp_path / "run"
+    code, err = _run([str(corpus), "-o", str(out), *sizes, "--objective", objective, "--config", str(config),
+                      "--max-steps", "1", "--eval-every", "0", "--vocab-size", "300"], capsys)
+    assert code == 0, err
+    assert (f"fastbert pretrain: --max-length 128 (the default) capped to the model config's {positions} "
+            "positions\n") in err
+    assert transformers.AutoTokenizer.from_pretrained(out / "tokenizer").model_max_length == positions
+    # asked for explicitly, a length the config has no positions for is still refused, before any work
+    code, err = _run([str(corpus), "-o", str(tmp_path / "asked"), *sizes, "--objective", objective, "--config",
+                      str(config), "--max-length", "128", "--vocab-size", "300"], capsys)
+    assert code == 1 and err == (f"fastbert: error: model config: max_position_embeddings 40 gives {positions} "
+                                 f"positions, fewer than --max-length 128; give --max-length {positions} or less\n")
+    assert not (tmp_path / "asked").exists()
+
+
+def test_the_default_max_length_stays_128_when_nothing_limits_it(tmp_path):
+    from fastbert.training.pretrain import check_model_config
+
+    log = io.StringIO()
+    assert check_model_config(PretrainSettings(output_dir=str(tmp_path)), {}, log).max_length == 128
+    assert check_model_config(PretrainSettings(output_dir=str(tmp_path)), {"max_position_embeddings": 512},
+                              log).max_length == 128
+    assert log.getvalue() == ""
+    with pytest.raises(UserError, match=r"^model config: max_position_embeddings 6 gives 6 positions; a sequence "
+                                        r"needs 8 at least$"):
+        check_model_config(PretrainSettings(output_dir=str(tmp_path)), {"max_position_embeddings": 6}, log)
+
+
+def test_a_run_directory_as_tokenizer_is_pointed_at_its_model(tmp_path, corpus, capsys):
+    """--tokenizer given a run's output directory: one line naming the checkpoint in it that holds the tokenizer
+    (the helper finetune's --model and distill's --teacher use)."""
+    run = tmp_path / "earlier-run"
+    (run / "checkpoint-0000002").mkdir(parents=True)
+    for name in ("config.json", "trainer_state.pt"):
+        (run / "checkpoint-0000002" / name).write_text("{}")
+    code, err = _run([str(corpus), "-o", str(tmp_path / "out"), "--max-steps", "1", *TINY, "--tokenizer", str(run)],
+                     capsys)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"fastbert: error: --tokenizer {run} has no tokenizer (none of ")
+    assert err.endswith(f"; did you mean {run / 'checkpoint-0000002'}?\n")
 
 
 @pytest.mark.parametrize("option, value, message", [

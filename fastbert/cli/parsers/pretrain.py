@@ -37,13 +37,16 @@ def add_data_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack", action="store_true",
                         help="fill sequences with consecutive sentences up to --max-length")
     parser.add_argument("--mlm-probability", type=float, default=0.15, help="share of tokens chosen (default 0.15)")
-    parser.add_argument("--max-length", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="tokens per sequence (default 128, or the positions of --config's "
+                        "max_position_embeddings when fewer)")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The vocabulary and the model's size."""
     parser.add_argument("--vocab-size", type=int, default=8000,
-                        help="vocabulary size: WordPiece (bert, albert) or byte-level BPE (roberta); default 8000")
+                        help="vocabulary size: WordPiece (bert, albert; at least every character of the corpus) or "
+                        "byte-level BPE (roberta; at least 261: the 256 bytes and 5 special tokens); default 8000")
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
                         help="use this transformers tokenizer (with [PAD] [CLS] [SEP] [MASK]) instead of training one")
     parser.add_argument("--config", metavar="FILE.json", default=None,
