@@ -117,17 +117,19 @@ def held_out_sources(sizes: dict[str, int], fraction: float = HELD_OUT_FRACTION)
     return held
 
 
-@lru_cache(maxsize=1)
-def stdlib_docstrings() -> tuple[tuple[str, int, str], ...]:
+@lru_cache(maxsize=2)
+def stdlib_docstrings(packages: tuple[str, ...] | None = None) -> tuple[tuple[str, int, str], ...]:
     """(path relative to the standard library, index in the file, docstring) for every module, class and function
-    docstring of the standard library outside its test suites, in sorted path order."""
+    docstring of the standard library outside its test suites, in sorted path order; only the files of
+    ``packages`` (top-level names) when given, which spares parsing the rest (seconds)."""
     import sysconfig
 
     stdlib = sysconfig.get_paths()["stdlib"]
     found = []
     for path in stdlib_python_files(SKIPPED_DIRS):
         relative = os.path.relpath(path, stdlib).replace(os.sep, "/")
-        found.extend((relative, index, doc) for index, doc in enumerate(file_docstrings(path)))
+        if packages is None or relative.split("/")[0] in packages:
+            found.extend((relative, index, doc) for index, doc in enumerate(file_docstrings(path)))
     return tuple(found)
 
 
@@ -150,10 +152,8 @@ def topic_task() -> TaskData:
     than one package is dropped; one found twice in a package is kept once (first file in sorted order)."""
     where: dict[str, tuple[str, str]] = {}
     ambiguous: set[str] = set()
-    for path, _, doc in stdlib_docstrings():
+    for path, _, doc in stdlib_docstrings(TOPIC_PACKAGES):
         package = path.split("/")[0]
-        if package not in TOPIC_PACKAGES:
-            continue
         for sentence in prose_sentences(doc):
             if sentence in where and where[sentence][0] != package:
                 ambiguous.add(sentence)

@@ -23,7 +23,8 @@ def test_smoke_run_reports_both_runners(tmp_path: Path) -> None:
     spec.loader.exec_module(module)
     threads = torch.get_num_threads()
     try:
-        assert module.main(["--max-steps", "2", "--limit", "24", "--no-dropout", "--out", str(tmp_path)]) == 0
+        assert module.main(["--max-steps", "2", "--limit", "24", "--batch-size", "8", "--max-length", "32",
+                            "--no-dropout", "--out", str(tmp_path)]) == 0
     finally:
         torch.set_num_threads(threads)
     record = json.loads((tmp_path / "lora-finetune.json").read_text())

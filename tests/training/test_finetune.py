@@ -79,6 +79,13 @@ def test_topic_labels_are_the_package_each_sentence_comes_from(tasks):
     assert finetune.majority_baseline(data)["accuracy"] < 0.4
 
 
+def test_docstrings_of_some_packages_are_those_of_the_whole_library_in_them():
+    whole = finetune.stdlib_docstrings()
+    some = finetune.stdlib_docstrings(finetune.TOPIC_PACKAGES)
+    assert some and len(some) < len(whole)
+    assert some == tuple(d for d in whole if d[0].split("/")[0] in finetune.TOPIC_PACKAGES)
+
+
 def test_pair_labels_follow_the_text(tasks):
     data = tasks["pair"]
     import pydoc_data.topics
