@@ -217,6 +217,7 @@ def from_pretrained(
     """
     backends.requested_backend(backend)  # an unknown name or a missing GPU fails before the checkpoint is read
     device = checked_device(device) if device is not None else None
+    dtype, quantize = _resolve_dtype(dtype, device)
     directory = Path(path)
     config, source = _read_checkpoint(directory)
     prefix = detect_prefix(config, source)
@@ -238,13 +239,6 @@ def from_pretrained(
     _initialise_missing(model, state, config.extra.get("initializer_range", 0.02))
     model.loading_info = {"unexpected_keys": extra, "missing_head_keys": missing_head}
     _warn_about_keys(directory, task, extra, missing_head)
-    quantize = False
-    if isinstance(dtype, str) and dtype in PRECISIONS:
-        name, _ = precision_for(dtype, device or "cpu")
-        quantize = name == "int8"
-        dtype = torch.float32 if quantize else getattr(torch, name)
-    elif isinstance(dtype, str):  # any other floating dtype by name ("float64")
-        dtype = _floating_dtype(dtype)
     model.to(device=device, dtype=dtype)
     if quantize:
         quantize_int8(model)
@@ -253,12 +247,21 @@ def from_pretrained(
     return model.eval()
 
 
-def _floating_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {name!r} is not a floating dtype; use one of {', '.join(PRECISIONS)} or a torch "
-                         "floating dtype's name")
-    return dtype
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | None) -> tuple[torch.dtype | None, bool]:
+    """(the dtype to cast the model to, whether to quantize it to int8) for `from_pretrained`'s ``dtype``:
+    torch.int8 means "int8"; ValueError for any other dtype that is not floating."""
+    if dtype == torch.int8:
+        dtype = "int8"
+    if isinstance(dtype, str) and dtype in PRECISIONS:
+        name, _ = precision_for(dtype, device or "cpu")
+        return (torch.float32, True) if name == "int8" else (getattr(torch, name), False)
+    if dtype is None:
+        return None, False
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype  # a floating dtype by name: "float64"
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating dtype; use one of {', '.join(PRECISIONS)} or a torch "
+                         "floating dtype (or its name)")
+    return found, False
 
 
 def _read_checkpoint(directory: Path) -> tuple[FastBertConfig, dict[str, torch.Tensor]]:

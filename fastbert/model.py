@@ -40,7 +40,7 @@ from fastbert.ops.backward import activation_grad
 from fastbert.ops.dropout import draw_seed, dropout, op_seed
 from fastbert.ops.linear_glu import glu_grad
 from fastbert.ops.low_rank import AdapterGroup, add_to_heads, augmented_linear
-from fastbert.ops.padding import VarlenBatch, fill_rows, pad_tokens, unpad_tokens, varlen_from_mask
+from fastbert.ops.padding import VarlenBatch, fill_rows, has_gaps, pad_tokens, unpad_tokens, varlen_from_mask
 from fastbert.ops.qkv_rotary import rotate_heads, split_packed
 from fastbert.ops.spec import SPECS
 from fastbert.packing import PackedBatch
@@ -504,8 +504,13 @@ class FastBertModel(nn.Module):
     def _complete_ids(self, input_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None,
                       position_ids: torch.Tensor | None, batch: int, seqlen: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(position_ids, token_type_ids) [B, S] of a call: the given ones checked and broadcast over the batch,
+        """(position_ids, token_type_ids) [B, S] of a call: the given ones ([B, S], [1, S] or [S]) checked and
+        broadcast over the batch,
         the defaults otherwise (token types None for a model that has none)."""
+        if token_type_ids is not None and token_type_ids.dim() == 1:  # [S], as transformers broadcasts it
+            token_type_ids = token_type_ids.unsqueeze(0)
+        if position_ids is not None and position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
         for name, ids in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
             if ids is not None and (ids.dim() != 2 or ids.shape[0] not in (1, batch) or ids.shape[1] != seqlen):
                 raise ValueError(f"{name} must have shape [{batch}, {seqlen}] (or [1, {seqlen}]), got "
@@ -539,7 +544,10 @@ class FastBertModel(nn.Module):
         # takes the padded form too: a traced graph of the padding-free form would bake in the example's lengths.
         compiling = torch.compiler.is_compiling() or torch.jit.is_tracing()
         # (the graphs are of the padding-free form: a padded call, see `padding_free`, launches every op)
-        graphs = None if compiling or not self.padding_free else self.__dict__.get("cuda_graphs")
+        # Windows are measured in packed positions: a row with a hole in its mask runs the padded form.
+        gapped = (not compiling and attention_mask is not None and "sliding_attention" in self.config.layer_types
+                  and has_gaps(normalize_attention_mask(attention_mask, batch, seqlen)))
+        graphs = None if compiling or gapped or not self.padding_free else self.__dict__.get("cuda_graphs")
         if graphs is not None:  # `fastbert.cuda_graphs.PackedCudaGraphs`: a replayed graph, or None for this path
             replayed = graphs.run(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                   output_hidden_states)
@@ -552,7 +560,7 @@ class FastBertModel(nn.Module):
         position_count = seqlen
         if self.validate_inputs and not compiling:
             position_count = self.validate_ids(input_ids, position_ids, token_type_ids) + 1
-        padded = compiling or not self.padding_free
+        padded = compiling or gapped or not self.padding_free
         key_padding_mask = mask if padded else None
         varlen = varlen_from_mask(None if padded else mask, batch, seqlen, device)
 

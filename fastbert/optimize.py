@@ -138,6 +138,9 @@ class _Build:
     dropout: _DropoutSites | None = None
     # fastbert's tensors that concatenate several of the model's (Q, K, V), in storage of their own.
     packs: list[_Pack] = field(default_factory=list)
+    # dtype="int8": `_stamps` of the mapped tensors when their int8 copies were made (`_quantize`); an in-place
+    # change since (load_state_dict, an edit under no_grad) rebuilds. None: not quantized, or inference tensors.
+    quantized_stamps: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers).
@@ -175,6 +178,8 @@ class _Build:
         if not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
             return True
         if tuple(map(getattr, self.watched_objects, self.watched_names)) != self.watched_values:
+            return True
+        if self.quantized_stamps is not None and _stamps(self.tensors) != self.quantized_stamps:
             return True
         return tuple(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
 
@@ -1099,11 +1104,15 @@ def _bases(model: nn.Module) -> list[nn.Module]:
 
 def _quantize(build: _Build) -> None:
     """The build's encoder with int8 GEMMs; where that cannot run (the model moved to CUDA or to another dtype),
-    the reason makes calls take transformers' code."""
+    the reason makes calls take transformers' code. The int8 weights are copies: the build is stale once a source
+    changes in place (`_Build.quantized_stamps`); inference tensors have no version counter to tell that by."""
     try:
         quantize_int8(build.fast, freeze=False)
     except ValueError as err:
         build.unsupported = str(err)
+        return
+    if not any(tensor.is_inference() for tensor in build.tensors):
+        build.quantized_stamps = _stamps(build.tensors)
 
 
 def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, dtype: str | None = None) -> nn.Module:
@@ -1118,9 +1127,13 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
     activations per token: `fastbert.quantization`), for inference on CPU of a float32 model (ValueError on CUDA;
     a call in training mode raises). The transformers model keeps its float weights; the int8 copies are extra.
 
-    Raises ValueError for an unknown backend, when the model holds no supported encoder, or one configured in a way
-    fastbert cannot run (decoder, cross-attention, relative position embeddings).
+    Raises TypeError for anything but a torch module, ValueError for an unknown backend, when the model holds no
+    supported encoder, or one configured in a way fastbert cannot run (decoder, cross-attention, relative position
+    embeddings).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fastbert.optimize takes a torch.nn.Module (a transformers or sentence-transformers model), "
+                        f"got {type(model).__name__}")
     targets = _bases(model)
     if not targets:
         raise ValueError(f"fastbert.optimize: found no transformers model inside {type(model).__name__}")

@@ -238,6 +238,17 @@ def test_checkpoint_unreadable_weights_and_an_unknown_backend(bert_dir, tmp_path
         fastbert.FastBertModel(fastbert.from_pretrained(bert_dir).config, backend="tpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, "int64", "float8", torch.bool, 3])
+def test_a_dtype_that_is_not_floating_is_a_value_error_before_the_checkpoint_is_read(dtype, tmp_path):
+    with pytest.raises(ValueError, match=r"is not a floating dtype; use one of auto, float32, .* int8"):
+        fastbert.from_pretrained(tmp_path / "absent", dtype=dtype)
+
+
+def test_torch_int8_quantizes_as_the_name_does(bert_dir):
+    model = fastbert.from_pretrained(bert_dir, dtype=torch.int8)
+    assert any("Int8" in type(layer).__name__ for layer in model.layers)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 def test_a_gpu_torch_does_not_see_is_a_value_error_before_the_checkpoint_is_read(tmp_path):
     for device in ("cuda", torch.device("cuda:0")):  # torch raised an AssertionError about how it was compiled

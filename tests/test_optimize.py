@@ -151,6 +151,9 @@ def test_optimize_rejects_an_unknown_backend_before_changing_the_model():
 
 
 def test_optimize_rejects_models_without_supported_encoder():
+    for not_a_module in (None, "sentence-transformers/all-MiniLM-L6-v2"):
+        with pytest.raises(TypeError, match=r"^fastbert.optimize takes a torch.nn.Module .* got (NoneType|str)$"):
+            fastbert.optimize(not_a_module)
     with pytest.raises(ValueError, match="no transformers model"):
         fastbert.optimize(torch.nn.Linear(2, 2))
     gpt = transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))

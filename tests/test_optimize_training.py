@@ -194,3 +194,24 @@ def test_autocast_training_step_is_as_accurate_as_transformers(family):
     flat = {key: torch.cat([grads[n].double().flatten() for n in names]) for key, grads in
             (("fast", fast), ("plain", plain), ("exact", exact))}
     assert_accurate(flat["fast"].to(half), flat["plain"].to(half), flat["exact"], "gradients")
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpp"])
+def test_a_second_derivative_is_refused_and_create_graph_keeps_the_first(backend):
+    """The backends' backward kernels have no derivative of their own: a gradient penalty through an optimized
+    model must raise, not come out without their part; a backward with create_graph=True that is not
+    differentiated again gives the usual gradients."""
+    reference = tiny_model("bert", "ForSequenceClassification", **no_dropout("bert")).train()
+    model = fastbert.optimize(copy.deepcopy(reference), backend=backend)
+    inputs = optimize_inputs("bert", "ForSequenceClassification", reference)
+    _, expected = _step(reference, inputs)
+    model.zero_grad(set_to_none=True)
+    model(**inputs).loss.backward(create_graph=True)
+    assert_same_gradients({n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}, expected)
+
+    model.zero_grad(set_to_none=True)
+    embeds = model.bert.embeddings.word_embeddings(inputs["input_ids"]).detach().requires_grad_(True)
+    arguments = {k: v for k, v in inputs.items() if k != "input_ids"}
+    grad, = torch.autograd.grad(model(inputs_embeds=embeds, **arguments).logits.sum(), embeds, create_graph=True)
+    with pytest.raises(RuntimeError, match="has no second derivative"):
+        grad.square().sum().backward()

@@ -453,6 +453,35 @@ def test_optimize_int8_matches_from_pretrained_and_refuses_training():
         fastbert.optimize(hf, dtype="float16")
 
 
+def test_optimize_int8_follows_load_state_dict_and_in_place_edits():
+    """The int8 GEMM weights are copies: a load_state_dict or an edit under no_grad since the last call must
+    requantize them, as the float path reads the change."""
+    import copy
+
+    first, second = tiny_model("bert"), tiny_model("bert")
+    with torch.no_grad():
+        for param in second.parameters():
+            param.neg_()
+    ids = torch.randint(5, 100, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    keep = mask.bool()
+
+    def cosine(model, reference):
+        with torch.no_grad():
+            out, ref = (m(input_ids=ids, attention_mask=mask).last_hidden_state[keep] for m in (model, reference))
+        return float(F.cosine_similarity(out, ref, dim=-1).min())
+
+    model = fastbert.optimize(copy.deepcopy(first), dtype="int8")
+    assert cosine(model, first) > 0.99 and cosine(first, second) < 0.9
+    model.load_state_dict(second.state_dict())
+    assert cosine(model, second) > 0.99
+    with torch.no_grad():
+        for m in (model, second):
+            m.encoder.layer[0].intermediate.dense.weight.mul_(-1)
+    assert cosine(model, second) > 0.99
+
+
 # ------------------------------------------------------------------------------------------------ dtype auto
 def test_auto_is_float32_without_native_bfloat16():
     dtype, reason = quantization.auto_cpu_dtype(("avx512f", "avx512_vnni"))

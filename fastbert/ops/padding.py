@@ -2,7 +2,8 @@
 
 `varlen_from_mask` turns a [B, S] key padding mask into the packed description (flat indices of kept tokens,
 int32 `cu_seqlens` [B+1], `max_seqlen`); `unpad_tokens` gathers kept rows, `pad_tokens` scatters them back with
-zeros at padded positions. A mask may have holes anywhere (left padding included): kept tokens keep their order.
+zeros at padded positions. A mask may have holes anywhere (left padding included): kept tokens keep their order
+(a model with sliding-window layers runs a mask with holes padded instead: `has_gaps`).
 
 `token_buckets` and `fill_rows` give packed batches a few row counts: `fill_rows` appends filler sequences of pad
 slots up to the next bucket. The CUDA graphs capture one graph per bucket (`fastbert.cuda_graphs`); on a CPU,
@@ -49,6 +50,13 @@ def varlen_from_mask(mask: torch.Tensor | None, batch: int, seqlen: int, device:
     cu = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
     indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
     return VarlenBatch(indices, cu, int(lengths.max()), batch, seqlen)
+
+
+def has_gaps(mask: torch.Tensor) -> bool:
+    """Whether a row of the [B, S] bool mask has padding between two of its tokens (a hole, not padding at either
+    end): packed, such a row's tokens stand closer than their positions say, which a sliding window measures."""
+    starts = mask[:, 0].int() + (mask[:, 1:] & ~mask[:, :-1]).sum(dim=1)  # runs of tokens per row
+    return bool((starts > 1).any())
 
 
 def unpad_tokens(x: torch.Tensor, varlen: VarlenBatch) -> torch.Tensor:

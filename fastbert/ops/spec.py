@@ -85,10 +85,52 @@ class OpSpec:
         if backward is None:
             backward, setup_context = self.backward, self.setup_context
         if backward is not None:
-            torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup_context,
-                                            lib=_LIBRARY)
+            torch.library.register_autograd(f"{NAMESPACE}::{name}", first_order_only(name, backward),
+                                            setup_context=setup_context, lib=_LIBRARY)
         _DEFINED[name] = getattr(getattr(torch.ops, NAMESPACE), name)
         return _DEFINED[name]
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """Passes gradients through unchanged; differentiating them raises (`first_order_only`)."""
+
+    @staticmethod
+    def forward(ctx, op_name: str, anchor: torch.Tensor, *grads: torch.Tensor):
+        ctx.op_name = op_name
+        return tuple(grad.view_as(grad) for grad in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(f"fastbert::{ctx.op_name} has no second derivative: a gradient of a gradient (autograd.grad "
+                           "or backward with create_graph=True, as a gradient penalty takes) through a model "
+                           "`fastbert.optimize` sped up is not supported; run that model without fastbert (with "
+                           "attn_implementation='eager': PyTorch's own SDPA kernels have none either)")
+
+
+def first_order_only(name: str, backward: Callable) -> Callable:
+    """``backward`` for a torch op's `register_autograd`, whose gradients, when the backward runs with
+    create_graph=True, raise on being differentiated: the backends' backward kernels are torch ops without an
+    autograd formula, so their results would otherwise count as constants there and a second derivative would
+    silently lack their part (what `torch.autograd.function.once_differentiable` does for a Function)."""
+
+    def guarded(ctx, *grads):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grads)
+        with torch.no_grad():
+            result = backward(ctx, *grads)
+        single = isinstance(result, torch.Tensor)
+        results = (result,) if single else tuple(result)
+        tensors = [i for i, r in enumerate(results) if isinstance(r, torch.Tensor)]
+        if not tensors:
+            return result
+        anchor = torch.zeros((), device=results[tensors[0]].device, requires_grad=True)
+        marked = _NoSecondDerivative.apply(name, anchor, *(results[i] for i in tensors))
+        results = list(results)
+        for i, grad in zip(tensors, marked, strict=True):
+            results[i] = grad
+        return results[0] if single else tuple(results)
+
+    return guarded
 
 
 def declare(spec: OpSpec) -> OpSpec:

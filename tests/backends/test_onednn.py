@@ -322,7 +322,7 @@ def test_on_amx_bf16_inference_gemms_run_on_packed_weights_without_timing_the_ot
         assert set(packed.skipped) == {"cpp", "eager"} and "PACKED_BF16" in packed.skipped["cpp"], packed
         assert fp32.backend != "onednn" or fp32.times_ms, fp32  # float32: timed (measuring) or the static order
         assert plain_weight.backend != "onednn", plain_weight  # (a temporary weight: onednn declines it)
-        assert attention.backend == "cpp", attention
+        assert attention.backend != "onednn", attention  # (measuring: cpp or eager, whichever timed faster)
         assert training.backend != "onednn", training
     tuning.forget()
     # Timed while measuring: the float32 call, the plain weight, attention and the training call (each once); never

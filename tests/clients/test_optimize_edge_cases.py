@@ -213,6 +213,42 @@ equal the untouched model's."""
     assert rel_err(actual.logits, expected.logits) <= 1e-5
 
 
+# ---------------------------------------------------------------------------------- holes in the mask
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_a_hole_inside_a_row_of_the_mask_keeps_the_positions(family):
+    """A 0 between two tokens of a row: ModernBERT's sliding windows count positions, which packing the row would
+    move closer (global layers and BERT do not care); the real tokens equal the untouched model's either way."""
+    overrides = {"num_hidden_layers": 3, "local_attention": 4, "global_attn_every_n_layers": 3} \
+        if family == "modernbert" else {}
+    reference, model = pair(family, **overrides)
+    inputs = batch_for(reference)
+    mask = inputs["attention_mask"].clone()
+    mask[0, 2] = mask[2, 1] = 0  # rows 0 and 2 get a hole; row 2 keeps its right padding too
+    inputs["attention_mask"] = mask
+    expected, _ = run(reference, **inputs)
+    actual, seen = run(model, **inputs)
+    assert set(seen) == set(fused_ops(reference))
+    assert real_tokens_err(actual, expected, mask) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert", "roberta"])
+def test_one_dimensional_ids_are_broadcast_over_the_batch(family):
+    """position_ids (and token_type_ids) of shape [S]: transformers broadcasts them over the batch."""
+    reference, model = pair(family)
+    inputs = batch_for(reference)
+    seqlen = inputs["input_ids"].shape[1]
+    offset = reference.config.pad_token_id + 1 if family == "roberta" else 0
+    inputs["position_ids"] = torch.arange(offset, offset + seqlen)
+    if family == "bert":
+        inputs["token_type_ids"] = (torch.arange(seqlen) >= 3).long()
+    elif family == "roberta":  # (transformers' RoBERTa reads 1-D positions only beside given token types)
+        inputs["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    expected, _ = run(reference, **inputs)
+    actual, seen = run(model, **inputs)
+    assert set(seen) == set(fused_ops(reference))
+    assert real_tokens_err(actual, expected, inputs["attention_mask"]) <= 1e-5
+
+
 # -------------------------------------------------------------------------------------- lost fast paths
 def test_gradient_checkpointing_enabled_model_evaluates_on_the_fast_path():
     """gradient_checkpointing_enable() (Trainer(gradient_checkpointing=True) does it) installs transformers'

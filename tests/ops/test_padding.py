@@ -10,7 +10,7 @@ import torch
 
 from fastbert import ops
 from fastbert.backends import cpp
-from fastbert.ops.padding import FILLER_CHUNK, ROW_BUCKETS, VarlenBatch, fill_rows
+from fastbert.ops.padding import FILLER_CHUNK, ROW_BUCKETS, VarlenBatch, fill_rows, has_gaps
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.int64), ids=("fp32", "bf16", "int64"))
@@ -84,3 +84,11 @@ def test_row_buckets_are_few_and_waste_at_most_a_sixteenth():
     assert len(ROW_BUCKETS) < 100 and ROW_BUCKETS[0] == 16 and ROW_BUCKETS[-1] == 16384
     assert all(size % 16 == 0 for size in ROW_BUCKETS)
     assert all(b / a <= 1.0625 + 16 / a for a, b in zip(ROW_BUCKETS, ROW_BUCKETS[1:], strict=False))
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ([[1, 1, 1]], False), ([[1, 1, 0]], False), ([[0, 1, 1]], False), ([[0, 0, 0]], False), ([[0, 1, 0]], False),
+    ([[1, 0, 1]], True), ([[1, 1, 0], [0, 1, 0], [1, 0, 1]], True), ([[1]], False), ([[1, 0, 0, 1, 0, 0, 0]], True),
+])
+def test_has_gaps_finds_padding_between_the_tokens_of_a_row(rows, expected):
+    assert has_gaps(torch.tensor(rows, dtype=torch.bool)) is expected
