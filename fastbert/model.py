@@ -544,16 +544,19 @@ class FastBertModel(nn.Module):
         # takes the padded form too: a traced graph of the padding-free form would bake in the example's lengths.
         compiling = torch.compiler.is_compiling() or torch.jit.is_tracing()
         # (the graphs are of the padding-free form: a padded call, see `padding_free`, launches every op)
-        # Windows are measured in packed positions: a row with a hole in its mask runs the padded form.
-        gapped = (not compiling and attention_mask is not None and "sliding_attention" in self.config.layer_types
-                  and has_gaps(normalize_attention_mask(attention_mask, batch, seqlen)))
+        mask, gapped = None, False
+        if not compiling and attention_mask is not None and "sliding_attention" in self.config.layer_types:
+            # Windows are measured in packed positions: a row with a hole in its mask runs the padded form.
+            mask = normalize_attention_mask(attention_mask, batch, seqlen)
+            gapped = has_gaps(mask)
         graphs = None if compiling or gapped or not self.padding_free else self.__dict__.get("cuda_graphs")
         if graphs is not None:  # `fastbert.cuda_graphs.PackedCudaGraphs`: a replayed graph, or None for this path
             replayed = graphs.run(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                   output_hidden_states)
             if replayed is not None:
                 return replayed
-        mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
+        if mask is None:
+            mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
         position_ids, token_type_ids = self._complete_ids(input_ids, token_type_ids, position_ids, batch, seqlen,
                                                           device)
         # The rotary tables must cover every position: the highest when the ids were read, else the default ones'.

@@ -138,12 +138,13 @@ class _Build:
     dropout: _DropoutSites | None = None
     # fastbert's tensors that concatenate several of the model's (Q, K, V), in storage of their own.
     packs: list[_Pack] = field(default_factory=list)
-    # dtype="int8": `_stamps` of the mapped tensors when their int8 copies were made (`_quantize`); an in-place
-    # change since (load_state_dict, an edit under no_grad) rebuilds. None: not quantized, or inference tensors.
+    # dtype="int8": `_coarse_stamps` of the mapped tensors when their int8 copies were made (`_quantize`); an
+    # in-place change since (load_state_dict, an edit under no_grad) rebuilds. None: not int8, or inference tensors.
     quantized_stamps: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers).
+        # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers; reading the
+        # version counters of an int8 build adds about as much again).
         self.containers = [container for container, _, _ in self.links]
         self.keys = [key for _, key, _ in self.links]
         self.objects = [obj for _, _, obj in self.links]
@@ -179,13 +180,19 @@ class _Build:
             return True
         if tuple(map(getattr, self.watched_objects, self.watched_names)) != self.watched_values:
             return True
-        if self.quantized_stamps is not None and _stamps(self.tensors) != self.quantized_stamps:
+        if self.quantized_stamps is not None and _coarse_stamps(self.tensors) != self.quantized_stamps:
             return True
         return tuple(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
 
 
 _TRAINING = operator.attrgetter("training")
 _VERSION = operator.attrgetter("_version")
+
+
+def _coarse_stamps(tensors: list[nn.Parameter]) -> tuple[int, ...]:
+    """The steps of every optimizer, then the tensors' version counters: what moves when one of many tensors may
+    have changed in place (a step of any optimizer counts as one; cheaper than `_stamps` per tensor)."""
+    return backends.all_optimizer_steps(), *map(_VERSION, tensors)
 
 
 def _stamps(sources: list[nn.Parameter] | tuple[nn.Parameter, ...]) -> tuple[int, ...]:
@@ -1112,7 +1119,11 @@ def _quantize(build: _Build) -> None:
         build.unsupported = str(err)
         return
     if not any(tensor.is_inference() for tensor in build.tensors):
-        build.quantized_stamps = _stamps(build.tensors)
+        build.quantized_stamps = _coarse_stamps(build.tensors)
+    else:
+        warnings.warn("fastbert.optimize(dtype='int8'): the model's weights are inference tensors (made under "
+                      "torch.inference_mode()), whose in-place changes cannot be seen: call fastbert.optimize "
+                      "again after changing them", stacklevel=2)
 
 
 def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, dtype: str | None = None) -> nn.Module:

@@ -480,6 +480,19 @@ def test_optimize_int8_follows_load_state_dict_and_in_place_edits():
         for m in (model, second):
             m.encoder.layer[0].intermediate.dense.weight.mul_(-1)
     assert cosine(model, second) > 0.99
+    # a fused optimizer's step moves no version counter
+    for m in (model, second):
+        for param in m.parameters():
+            param.grad = torch.ones_like(param)
+        torch.optim.Adam(m.parameters(), lr=0.5, fused=True).step()
+    assert cosine(model, second) > 0.99 and cosine(model, first) < 0.9
+
+
+def test_optimize_int8_of_inference_tensors_warns_that_changes_are_not_seen():
+    with torch.inference_mode():
+        model = tiny_model("bert")
+    with pytest.warns(UserWarning, match="inference tensors .* call fastbert.optimize again"):
+        fastbert.optimize(model, dtype="int8")  # (it builds the int8 encoder at once)
 
 
 # ------------------------------------------------------------------------------------------------ dtype auto

@@ -129,6 +129,7 @@ _DECIDED: dict[tuple, Decision] = {}  # `_call_key` -> measured decision (cleare
 # distillation teacher beside a training student keeps its packed copies).
 _STEPS = torch.utils.weak.WeakIdKeyDictionary()
 _STEP_HOOK: list = []
+_ALL_STEPS = [0]  # optimizer steps of any optimizer since the hook was installed
 
 
 # backend -> what drops the copies it keeps of some tensors (onednn's packed weights): `release`
@@ -149,19 +150,31 @@ def release(backend: str, tensors: Iterable[torch.Tensor]) -> None:
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _ALL_STEPS[0] += 1
     for group in optimizer.param_groups:
         for param in group["params"]:
             _STEPS[param] = _STEPS.get(param, 0) + 1
 
 
-def optimizer_steps(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
-    """How many torch optimizer steps updated each of ``tensors`` (counted from the first call of this function, by
-    a global step post-hook)."""
+def _watch_optimizer_steps() -> None:
     if not _STEP_HOOK:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _STEP_HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+
+
+def optimizer_steps(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """How many torch optimizer steps updated each of ``tensors`` (counted from the first call of this function, by
+    a global step post-hook)."""
+    _watch_optimizer_steps()
     return tuple(_STEPS.get(tensor, 0) for tensor in tensors)
+
+
+def all_optimizer_steps() -> int:
+    """How many steps any torch optimizer took (counted from the first call of this function or of
+    `optimizer_steps`): one integer to compare where a step of any optimizer may be taken as a change."""
+    _watch_optimizer_steps()
+    return _ALL_STEPS[0]
 
 
 def weight_stamp(tensor: torch.Tensor) -> tuple:

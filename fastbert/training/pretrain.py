@@ -565,7 +565,8 @@ class PretrainSettings(RunSettings):
                 raise UserError(f"{name} must be >= 1, got {value}")
         if self.max_length is not None and self.max_length < 8:
             raise UserError(f"--max-length must be >= 8, got {self.max_length}")
-        if self.objective == "roberta" and self.tokenizer is None and self.vocab_size < BPE_MIN_VOCAB:
+        trains_bpe = self.objective == "roberta" and self.tokenizer is None and not self.resume  # (resume: its own)
+        if trains_bpe and self.vocab_size < BPE_MIN_VOCAB:
             raise UserError(f"--vocab-size must be >= {BPE_MIN_VOCAB} for --objective roberta (a byte-level BPE holds "
                             f"all 256 bytes and {len(BPE_SPECIAL_TOKENS)} special tokens), got {self.vocab_size}")
         if not 0 < self.mlm_probability < 1:

@@ -401,6 +401,8 @@ def test_a_roberta_vocabulary_smaller_than_its_bytes_is_refused_before_any_work(
     assert not out.exists()
     PretrainSettings(output_dir=str(out), objective="roberta", vocab_size=261).check()  # the least is taken
     PretrainSettings(output_dir=str(out), objective="roberta", vocab_size=5, tokenizer="tok").check()  # unused
+    # a run started before the minimum was checked (its vocabulary was trained at 261) still resumes
+    PretrainSettings(output_dir=str(out), objective="roberta", vocab_size=200, resume=True).check()
 
 
 def test_a_wordpiece_vocabulary_larger_than_asked_says_so(tmp_path, corpus, capsys, one_thread):
