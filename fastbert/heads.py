@@ -22,6 +22,7 @@ transformers' (real positions and losses over them match).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +177,26 @@ def span_loss(start_logits: torch.Tensor, end_logits: torch.Tensor, start_positi
     start = F.cross_entropy(start_logits, positions[0], ignore_index=seqlen)
     end = F.cross_entropy(end_logits, positions[1], ignore_index=seqlen)
     return (start + end) / 2
+
+
+WINDOWED_PADDING_WARNING = (
+    "fastbert: this loss reads padded positions (labels there that are not -100, or question answering's span "
+    "positions on a padded batch), and on sliding-window layers a padded position whose window holds no real "
+    "token is zeros in fastbert where transformers averages the padding there: the loss may differ slightly from "
+    "transformers'")
+
+
+def reads_padding(attention_mask: MaybeTensor, labels: MaybeTensor = None, spans: bool = False) -> bool:
+    """Whether a loss reads the head's output at positions ``attention_mask`` marks as padding: token labels there
+    that are not -100 (a collator that does not mask them), or a span loss (question answering: its softmax runs
+    over every position of the row) on a padded batch. Not under torch.compile, which runs the padded form."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+        return False
+    if spans:
+        return not bool(attention_mask.bool().all())
+    if isinstance(labels, torch.Tensor) and labels.shape == attention_mask.shape:
+        return bool(((attention_mask == 0) & (labels != -100)).any())
+    return False
 
 
 def discriminator_loss(logits: torch.Tensor, labels: torch.Tensor,
@@ -370,10 +391,28 @@ class TaskModel(nn.Module):
             self.add_module(name, spec.build(config))
 
     def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                output_hidden_states) -> EncoderOutput:
-        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                            position_ids=position_ids, inputs_embeds=inputs_embeds,
-                            output_hidden_states=output_hidden_states)
+                output_hidden_states, loss_reads_padding: bool = False) -> EncoderOutput:
+        """The encoder's output; in its padded form, padded positions computed as transformers computes them, when
+        the call's loss reads them (`reads_padding`), so that the loss equals transformers'."""
+        encoder = self.encoder
+        saved = encoder.padding_free, encoder.zero_padded_rows
+        if loss_reads_padding:
+            encoder.padding_free, encoder.zero_padded_rows = False, False
+            if self._narrow_windows(attention_mask.shape[-1]):
+                warnings.warn(WINDOWED_PADDING_WARNING, stacklevel=3)
+        try:
+            return encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                           position_ids=position_ids, inputs_embeds=inputs_embeds,
+                           output_hidden_states=output_hidden_states)
+        finally:
+            encoder.padding_free, encoder.zero_padded_rows = saved
+
+    def _narrow_windows(self, seqlen: int) -> bool:
+        """Whether a sliding-window layer's window (``window // 2`` positions each side) is narrower than
+        ``seqlen`` rows: a padded position may then see no real key."""
+        config = self.encoder.config
+        windows = (config.layer_window(index) for index in range(config.num_hidden_layers))
+        return any(window is not None and window // 2 < seqlen - 1 for window in windows)
 
     def _head(self, name: str, encoded: EncoderOutput, attention_mask: MaybeTensor = None) -> torch.Tensor:
         """Run head ``name`` on its input: pooler output [B, H], first token [B, H], first real token [B, H], mean
@@ -418,7 +457,7 @@ class ForMaskedLM(TaskModel):
                 output_hidden_states: bool = False) -> MaskedLMOutput:
         """logits [B, S, V]; labels [B, S] token ids, -100 = not scored."""
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                               output_hidden_states)
+                               output_hidden_states, reads_padding(attention_mask, labels))
         logits = self._head("mlm", encoded)
         loss = token_cross_entropy(logits, labels) if labels is not None else None
         return MaskedLMOutput(loss, logits, encoded.hidden_states)
@@ -456,7 +495,7 @@ class ForPreTraining(TaskModel):
             expected = "sentence_order_label" if sentence_order else "next_sentence_label"
             raise ValueError(f"{self.config.model_type} pretraining takes {expected}, not the other pair label")
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                               output_hidden_states)
+                               output_hidden_states, reads_padding(attention_mask, labels))
         prediction_logits = self._head("mlm", encoded)
         pair_logits = self._head("sop" if sentence_order else "nsp", encoded, attention_mask)
         loss = None
@@ -503,9 +542,10 @@ class ForTokenClassification(TaskModel):
                 token_type_ids: MaybeTensor = None, position_ids: MaybeTensor = None,
                 inputs_embeds: MaybeTensor = None, labels: MaybeTensor = None,
                 output_hidden_states: bool = False) -> TokenClassifierOutput:
-        """logits [B, S, num_labels]; labels [B, S], -100 = not scored (give -100 at padding)."""
+        """logits [B, S, num_labels]; labels [B, S], -100 = not scored (give -100 at padding: a label at a padded
+        position is scored as transformers scores it, on the padded form, slower)."""
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                               output_hidden_states)
+                               output_hidden_states, reads_padding(attention_mask, labels))
         logits = self._head("classifier", encoded)
         loss = token_cross_entropy(logits, labels) if labels is not None else None
         return TokenClassifierOutput(loss, logits, encoded.hidden_states)
@@ -517,9 +557,11 @@ class ForQuestionAnswering(TaskModel):
                 inputs_embeds: MaybeTensor = None, start_positions: MaybeTensor = None,
                 end_positions: MaybeTensor = None, output_hidden_states: bool = False) -> QuestionAnsweringOutput:
         """start_logits, end_logits [B, S]; the loss needs start_positions and end_positions [B]. Like
-        transformers, the softmax runs over all S positions, padding included."""
+        transformers, the softmax runs over all S positions, padding included: a call with the positions on a
+        padded batch runs the padded form, which computes padded positions as transformers does."""
+        spans = start_positions is not None or end_positions is not None
         encoded = self._encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                               output_hidden_states)
+                               output_hidden_states, reads_padding(attention_mask, spans=spans))
         logits = self._head("qa_outputs", encoded)
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
         loss = None
