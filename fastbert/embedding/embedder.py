@@ -33,6 +33,20 @@ class NonFiniteEmbedding(ValueError):
         self.rows = rows
 
 
+def present_texts(texts: Sequence[str | None]) -> list[int]:
+    """The indices of the texts to embed: all but None and blank (whitespace-only) ones; TypeError for a lone
+    string (a sequence of characters) or an item that is neither a string nor None."""
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("embed takes a list of texts, not a single string: embed([text])")
+    present = []
+    for index, text in enumerate(texts):
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"text {index + 1} is a {type(text).__name__}, not a string (or None for a null row)")
+        if text is not None and text.strip():
+            present.append(index)
+    return present
+
+
 class Embedder:
     """A checkpoint's tokenizer and fastbert model, embedding lists of texts with token-budget batching.
 
@@ -220,7 +234,8 @@ class Embedder:
 
     def embed(self, texts: Sequence[str | None], lines: Sequence[int] | None = None,
               on_batch: Callable[[int, int], None] | None = None) -> tuple[np.ndarray, EmbedStats]:
-        """Embeddings [len(texts), H] float32 in the order given; a None text gives a row of NaN (a null result).
+        """Embeddings [len(texts), H] float32 in the order given; a None or blank (whitespace only) text gives a row
+        of NaN (a null result), as a blank line does in `fastbert embed`.
         ``lines`` (the texts' line numbers) name truncated texts in the stats and rows in errors. A real text whose
         embedding is not finite (an overflow in float16, say) raises `InputError` naming its lines. ``on_batch``:
         called after each batch with its texts and tokens (a progress line)."""
@@ -237,10 +252,10 @@ class Embedder:
     def embed_rows(self, texts: Sequence[str | None], on_batch: Callable[[int, int], None] | None = None
                    ) -> tuple[np.ndarray, EmbedStats, dict[str, np.ndarray]]:
         """`embed`, plus per row: ``tokens`` (int64, 0 for a null row) and ``truncated`` (bool)."""
+        present = present_texts(texts)
         stats = EmbedStats(rows=len(texts))
         out = np.full((len(texts), self.dimension), np.nan, dtype=np.float32)
         per_row = {"tokens": np.zeros(len(texts), dtype=np.int64), "truncated": np.zeros(len(texts), dtype=bool)}
-        present = [i for i, text in enumerate(texts) if text is not None]
         stats.null_rows = len(texts) - len(present)
         if not present:
             return out, stats, per_row

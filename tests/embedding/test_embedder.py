@@ -79,6 +79,22 @@ def test_embeddings_come_back_in_input_order_and_do_not_depend_on_the_batch(tiny
     assert stats.batches > 1
 
 
+def test_blank_texts_are_null_rows_as_blank_lines_are_in_the_cli(tiny_dir, sentences):
+    vectors, stats = Embedder(tiny_dir).embed([sentences[0], "", " \t", "\u00a0", None, sentences[1]])
+    assert np.isnan(vectors[1:5]).all() and not np.isnan(vectors[[0, 5]]).any()
+    assert (stats.rows, stats.embedded, stats.null_rows) == (6, 2, 4)
+
+
+@pytest.mark.parametrize("texts, message", [
+    ("How old are you?", "not a single string: embed\\(\\[text\\]\\)"),
+    (["fine", 3], "text 2 is a int, not a string"),
+    ([b"bytes"], "text 1 is a bytes, not a string"),
+])
+def test_texts_that_are_not_a_list_of_strings_are_a_type_error(tiny_dir, texts, message):
+    with pytest.raises(TypeError, match=message):
+        Embedder(tiny_dir).embed(texts)
+
+
 def test_embed_reports_each_batch_as_it_is_done(tiny_dir, sentences):
     embedder = Embedder(tiny_dir, max_batch_size=8)
     reported = []
