@@ -89,20 +89,27 @@ FILLER_CHUNK = 64  # pad slots per filler sequence: attention over them stays ch
 def token_buckets(largest: int = 16384, smallest: int = 16, growth: float = 1.25,
                   multiple: int = 16) -> tuple[int, ...]:
     """Token counts from ``smallest`` to ``largest``, each about ``growth`` times the one before, rounded up to a
-    multiple of ``multiple`` (GEMM tiles): at most 1 - 1 / growth of a bucket is padding, past the first few."""
+    multiple of ``multiple`` (GEMM tiles): at most 1 - 1 / growth of a bucket is padding, past the first few. The
+    powers of four between them are buckets too: they are the edges of `auto`'s shape classes
+    (`fastbert.backends.tuning.bucket`), so filling a batch to its bucket never moves it into the next class (a
+    4,096-token batch filled past 4,096 was measured, the first time, as a 16,384-token one)."""
     if smallest < 1 or largest < smallest or growth <= 1.0 or multiple < 1:
         raise ValueError(f"token_buckets needs 1 <= smallest <= largest, growth > 1, multiple >= 1; got "
                          f"smallest={smallest}, largest={largest}, growth={growth}, multiple={multiple}")
-    buckets, size = [], smallest
+    buckets, size = {largest}, smallest
     while size < largest:
-        buckets.append(size)
+        buckets.add(size)
         size = max(size + 1, math.ceil(size * growth))
         size = -(-size // multiple) * multiple
-    buckets.append(largest)
-    return tuple(buckets)
+    edge = 1
+    while edge < largest:
+        if edge > smallest:
+            buckets.add(edge)
+        edge *= 4
+    return tuple(sorted(buckets))
 
 
-# CPU row buckets: 79 sizes up to 16384 (55 up to the CPU batch budget of 4096); filler: under 16 rows below 256,
+# CPU row buckets: 81 sizes up to 16384 (57 up to the CPU batch budget of 4096); filler: under 16 rows below 256,
 # at most about a tenth of a batch past 256 rows, 7 % past 1024 (steps of about 1/16, rounded up to multiples of 16)
 ROW_BUCKETS = token_buckets(16384, growth=1.0625)
 

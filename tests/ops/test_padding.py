@@ -80,6 +80,14 @@ def test_fill_rows_leaves_a_bucket_size_and_past_the_largest_alone():
     assert fill_rows(*packed([10]), pad_token=0, sizes=(4, 8)) is None  # past the largest: no bucket
 
 
+def test_filling_rows_to_a_bucket_never_changes_autos_shape_class():
+    from fastbert.backends import tuning
+
+    for total in range(ROW_BUCKETS[0], ROW_BUCKETS[-1] + 1):  # (fewer rows all fill to the first bucket)
+        filled = min(size for size in ROW_BUCKETS if size >= total)
+        assert tuning.bucket(filled) == tuning.bucket(total), (total, filled)
+
+
 def test_row_buckets_are_few_and_waste_at_most_a_sixteenth():
     assert len(ROW_BUCKETS) < 100 and ROW_BUCKETS[0] == 16 and ROW_BUCKETS[-1] == 16384
     assert all(size % 16 == 0 for size in ROW_BUCKETS)
