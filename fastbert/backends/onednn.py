@@ -158,10 +158,20 @@ for _op, _impl, _supports in (
 
 # The other ops run the cpp backend's kernels (a model forced onto onednn runs whole); the dispatcher skips a
 # candidate whose function is an earlier candidate's.
+def _borrowed(supports):
+    """The cpp backend's ``supports`` for an op onednn runs with cpp's kernel, its reasons saying so."""
+
+    def check(*args, **kwargs) -> str | None:
+        reason = supports(*args, **kwargs)
+        return None if reason is None else f"onednn runs the cpp backend's kernel for this op, and {reason}"
+
+    return check
+
+
 for _op in SPECS:
     _cpp_impl = backends.implementations(_op).get("cpp")
     if "onednn" not in backends.implementations(_op) and _cpp_impl is not None:
-        backends.register(_op, "onednn", _cpp_impl.fn, supports=_cpp_impl.supports,
+        backends.register(_op, "onednn", _cpp_impl.fn, supports=_borrowed(_cpp_impl.supports),
                           has_backward=_cpp_impl.has_backward)
 
 

@@ -92,6 +92,9 @@ def default_model_dir() -> str:
 
 def resolve_model(path: str | None) -> tuple[str, FastBertConfig]:
     """Check a checkpoint directory and read its config; UserError with one clear line otherwise."""
+    if path is not None and not str(path).strip():
+        raise UserError("model path is empty (give a checkpoint directory, or leave the option out for the default "
+                        "model)")
     directory = path or default_model_dir()
     if not os.path.exists(directory):
         raise UserError(f"model path {directory} does not exist")

@@ -59,6 +59,9 @@ def test_registered_without_backward_and_cpp_for_the_other_ops():
         assert not backends.implementations(op)["onednn"].has_backward, op
     for op in ("attention", "embedding_layernorm", "qkv_rotary", "linear_glu", "linear_residual_prenorm"):
         assert backends.implementations(op)["onednn"].fn is backends.implementations(op)["cpp"].fn, op
+    half = torch.zeros(3, 8, dtype=torch.float16)  # what cpp's kernels refuse: the reason says whose kernel runs
+    reason = backends.implementations("attention")["onednn"].supports(half, half, half)
+    assert reason.startswith("onednn runs the cpp backend's kernel for this op, and the cpp backend supports"), reason
 
 
 def test_auto_considers_onednn_on_every_cpu():

@@ -13,6 +13,9 @@ from fastbert.common import resolve
 def test_resolve_errors_are_user_errors(tmp_path):
     with pytest.raises(resolve.UserError, match="does not exist"):
         resolve.resolve_model(str(tmp_path / "absent"))
+    for empty in ("", "  "):  # (an unset shell variable: not the default model in silence)
+        with pytest.raises(resolve.UserError, match="model path is empty"):
+            resolve.resolve_model(empty)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     with pytest.raises(resolve.UserError, match="not supported"):
         resolve.resolve_model(str(tmp_path))
