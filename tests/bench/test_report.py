@@ -24,6 +24,15 @@ def test_default_output_is_a_new_ignored_folder_not_the_committed_results():
     assert ignored.returncode == 0, f"{first} is not git-ignored: a smoke run's files would show as changes"
 
 
+def test_plain_table_columns_line_up_in_a_terminal_with_wide_characters():
+    rows = [["日本語", "1.000"], ["abc", "0.500"], ["e\u0301x", "0.200"]]  # wide, narrow, a combining accent
+    lines = report.format_table(("text", "[0]"), rows).split("\n")
+    seconds = ["[0]"] + [second for _, second in rows]
+    columns = [report.display_width(line[:line.index(second)]) for line, second in zip(lines[:1] + lines[2:], seconds,
+                                                                                       strict=True)]
+    assert columns == [8, 8, 8, 8], lines
+
+
 def test_format_table_plain_and_markdown():
     plain = report.format_table(("a", "bee"), [[1, 2], ["long", 3]])
     assert plain.splitlines() == ["a     bee", "----  ---", "1     2", "long  3"]
