@@ -189,9 +189,12 @@ WINDOWED_PADDING_WARNING = (
 def reads_padding(attention_mask: MaybeTensor, labels: MaybeTensor = None, spans: bool = False) -> bool:
     """Whether a loss reads the head's output at positions ``attention_mask`` marks as padding: token labels there
     that are not -100 (a collator that does not mask them), or a span loss (question answering: its softmax runs
-    over every position of the row) on a padded batch. Not under torch.compile, which runs the padded form."""
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or torch.compiler.is_compiling():
+    over every position of the row) on a padded batch. Under torch.compile or tracing, which cannot read the mask
+    and run the padded form anyway: whenever such labels are given."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         return False
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return spans or isinstance(labels, torch.Tensor)
     if spans:
         return not bool(attention_mask.bool().all())
     if isinstance(labels, torch.Tensor) and labels.shape == attention_mask.shape:
@@ -394,18 +397,11 @@ class TaskModel(nn.Module):
                 output_hidden_states, loss_reads_padding: bool = False) -> EncoderOutput:
         """The encoder's output; in its padded form, padded positions computed as transformers computes them, when
         the call's loss reads them (`reads_padding`), so that the loss equals transformers'."""
-        encoder = self.encoder
-        saved = encoder.padding_free, encoder.zero_padded_rows
-        if loss_reads_padding:
-            encoder.padding_free, encoder.zero_padded_rows = False, False
-            if self._narrow_windows(attention_mask.shape[-1]):
-                warnings.warn(WINDOWED_PADDING_WARNING, stacklevel=3)
-        try:
-            return encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                           position_ids=position_ids, inputs_embeds=inputs_embeds,
-                           output_hidden_states=output_hidden_states)
-        finally:
-            encoder.padding_free, encoder.zero_padded_rows = saved
+        if loss_reads_padding and attention_mask is not None and self._narrow_windows(attention_mask.shape[-1]):
+            warnings.warn(WINDOWED_PADDING_WARNING, stacklevel=3)
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                            position_ids=position_ids, inputs_embeds=inputs_embeds,
+                            output_hidden_states=output_hidden_states, keep_padded_rows=loss_reads_padding)
 
     def _narrow_windows(self, seqlen: int) -> bool:
         """Whether a sliding-window layer's window (``window // 2`` positions each side) is narrower than

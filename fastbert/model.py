@@ -534,9 +534,13 @@ class FastBertModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        keep_padded_rows: bool = False,
     ) -> EncoderOutput:
         """Encode a batch. input_ids / attention_mask / token_type_ids / position_ids: [B, S]; inputs_embeds:
-        [B, S, E] instead of input_ids. Returns last_hidden_state [B, S, H] with zeros at padded positions."""
+        [B, S, E] instead of input_ids. Returns last_hidden_state [B, S, H] with zeros at padded positions;
+        ``keep_padded_rows``: this call runs the padded form and keeps the rows it computes at padded positions, as
+        transformers computes them (for a loss that reads them), whatever ``padding_free`` and
+        ``zero_padded_rows`` say."""
         batch, seqlen = self._batch_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         # Under torch.compile, reading tensor values (checks, padding removal) would break the graph: the compiled
@@ -549,7 +553,8 @@ class FastBertModel(nn.Module):
             # Windows are measured in packed positions: a row with a hole in its mask runs the padded form.
             mask = normalize_attention_mask(attention_mask, batch, seqlen)
             gapped = has_gaps(mask)
-        graphs = None if compiling or gapped or not self.padding_free else self.__dict__.get("cuda_graphs")
+        padded = compiling or gapped or keep_padded_rows or not self.padding_free
+        graphs = None if padded else self.__dict__.get("cuda_graphs")
         if graphs is not None:  # `fastbert.cuda_graphs.PackedCudaGraphs`: a replayed graph, or None for this path
             replayed = graphs.run(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                                   output_hidden_states)
@@ -563,7 +568,6 @@ class FastBertModel(nn.Module):
         position_count = seqlen
         if self.validate_inputs and not compiling:
             position_count = self.validate_ids(input_ids, position_ids, token_type_ids) + 1
-        padded = compiling or gapped or not self.padding_free
         key_padding_mask = mask if padded else None
         varlen = varlen_from_mask(None if padded else mask, batch, seqlen, device)
 
@@ -573,7 +577,8 @@ class FastBertModel(nn.Module):
         states = self.encode_tokens(tokens, positions, types, varlen, key_padding_mask,
                                     embedded=inputs_embeds is not None, all_states=output_hidden_states,
                                     position_count=position_count)
-        states = self._restore_padding(states, varlen, key_padding_mask)
+        states = self._restore_padding(states, varlen, key_padding_mask, zero=self.zero_padded_rows and not
+                                       keep_padded_rows)
         hidden = states[-1]
         return EncoderOutput(hidden, self.pool(hidden), tuple(states) if output_hidden_states else None)
 
@@ -592,12 +597,13 @@ class FastBertModel(nn.Module):
             pooled = torch.tanh(self.pooler(hidden.index_select(0, batch.cu_seqlens[:-1].long())))
         return PackedEncoderOutput(hidden, pooled, tuple(states) if output_hidden_states else None)
 
-    def _restore_padding(self, states: list[torch.Tensor], varlen: VarlenBatch,
-                         key_padding_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    @staticmethod
+    def _restore_padding(states: list[torch.Tensor], varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,
+                         zero: bool = True) -> list[torch.Tensor]:
         """Token states [T, H] back to [B, S, H], zeros at padded positions (kept as computed in the padded form
-        when ``zero_padded_rows`` is off)."""
+        unless ``zero``)."""
         states = [pad_tokens(s, varlen) for s in states]
-        if key_padding_mask is not None and self.zero_padded_rows:
+        if key_padding_mask is not None and zero:
             # The padded path computed rows for padding too: zero them as the padding-free path does (a select,
             # not a product: a NaN or Inf computed at a padded position must not survive as NaN * 0).
             keep = key_padding_mask[..., None]

@@ -843,7 +843,7 @@ class OptimizedState:
             self.warned.add(reason)
             warnings.warn(f"fastbert: this call runs transformers' code (no speed-up): {reason}", stacklevel=4)
 
-    def run(self, base: nn.Module, build: _Build, arguments: dict):
+    def run(self, base: nn.Module, build: _Build, arguments: dict, keep_padded_rows: bool = False):
         config = base.config
         output_hidden_states = arguments.get("output_hidden_states")
         if output_hidden_states is None:
@@ -852,6 +852,8 @@ class OptimizedState:
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
         inputs = {k: arguments.get(k) for k in build.inputs}
+        if keep_padded_rows:  # (`FastBertModel.forward`: the padded form for this call)
+            inputs["keep_padded_rows"] = True
         if self.dtype == "int8":  # inference only: the int8 GEMMs have no gradient
             if base.training:
                 raise RuntimeError("fastbert: a model optimized with dtype='int8' is for inference only: call "
@@ -1022,13 +1024,8 @@ def _windowed(fast: FastBertModel, seqlen: int) -> bool:
 
 def _run_padded(state: OptimizedState, base: nn.Module, build: _Build, arguments: dict):
     """`OptimizedState.run` in the padded form, which computes padded positions as transformers does (a loss that
-    reads them then equals transformers')."""
-    fast = build.fast
-    fast.padding_free = False
-    try:
-        return state.run(base, build, arguments)
-    finally:
-        fast.padding_free = True
+    reads them then equals transformers'); per call, so that other threads' calls keep the padding-free form."""
+    return state.run(base, build, arguments, keep_padded_rows=True)
 
 
 # Head arguments whose loss reads the head's output at padded positions: token labels there that are not

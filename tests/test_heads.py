@@ -167,6 +167,52 @@ def test_task_matches_transformers(family, task, tmp_path):
         compare(family, task, hf_model, model, batch, labels, fields)
 
 
+def test_a_call_whose_loss_reads_padding_leaves_other_threads_calls_padding_free(tmp_path):
+    """The padded form is per call: a plain call made while a labelled one is inside the encoder (forced by a hook)
+    still gets zeros at padding, and so do later calls."""
+    import threading
+
+    save_hf_model("bert", "token-classification", tmp_path, num_labels=5)
+    model = load(tmp_path, "token-classification")
+    batch = padded_batch("bert", LENGTHS)
+    padding = batch["attention_mask"] == 0
+    labels = torch.randint(0, 5, padding.shape, generator=torch.Generator().manual_seed(3))  # real labels at padding
+
+    def plain():
+        with torch.no_grad():
+            return model(**batch, output_hidden_states=True).hidden_states[-1][padding]
+
+    inside, done, seen = threading.Event(), threading.Event(), {}
+    model.encoder.register_forward_pre_hook(
+        lambda module, args: (inside.set(), done.wait(10)) and None if threading.current_thread().name == "A" else None)
+
+    def labelled():
+        with torch.no_grad():
+            model(**batch, labels=labels)
+
+    def other():
+        inside.wait(10)
+        seen["during"] = plain()
+        done.set()
+
+    threads = [threading.Thread(target=labelled, name="A"), threading.Thread(target=other, name="B")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not seen["during"].any() and not plain().any()
+
+
+def test_a_compiled_question_answering_loss_on_a_padded_batch_equals_transformers(tmp_path):
+    hf_model = save_hf_model("bert", "question-answering", tmp_path)
+    model = load(tmp_path, "question-answering")
+    batch = padded_batch("bert", LENGTHS)
+    labels = task_labels("bert", "question-answering", batch, 2)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        assert_close(compiled(**batch, **labels).loss, hf_model(**batch, **labels).loss, "compiled QA loss")
+
+
 @pytest.mark.parametrize("task", ["token-classification", "masked-lm"])
 @pytest.mark.parametrize("family", ["bert", "roberta", "modernbert"])
 def test_labels_at_padded_positions_are_scored_as_transformers_scores_them(family, task, tmp_path):
