@@ -815,6 +815,8 @@ def distill(settings: DistillSettings, log=None) -> TrainResult:
     summary at the end on ``log`` (default stderr); returns the loop's result."""
     log = log or sys.stderr
     device = settings.start(settings.output_dir)
+    if settings.teacher is not None and not settings.teacher.strip():
+        raise UserError("--teacher is empty (give a checkpoint directory, or leave it out for the default model)")
     teacher_dir = settings.teacher or default_model_dir()
     plan = plan_mlm(settings, teacher_dir, device) if settings.objective == "mlm" else \
         plan_embedding(settings, teacher_dir, device)

@@ -561,3 +561,10 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, corpus, bert_te
 
     code, err = _run([*common, "-o", str(killed), "--resume", "--alpha-ce", "1"], capsys)
     assert code == 1 and "--resume: the settings differ" in err and "alpha_ce" in err
+
+
+def test_an_empty_teacher_is_an_error_not_the_default_model(tmp_path, capsys):
+    code, err = _run(["distill", "--teacher", "", "-o", str(tmp_path / "out"), *FAST], capsys)
+    assert code == 1 and err == ("fastbert: error: --teacher is empty (give a checkpoint directory, or leave it out "
+                                 "for the default model)\n")
+    assert not (tmp_path / "out" / "model").exists()
