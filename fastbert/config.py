@@ -148,6 +148,12 @@ class FastBertConfig:
             return self.local_attention
         return None
 
+    def window_reach(self) -> int | None:
+        """How many positions each side the narrowest sliding window reaches (``window // 2``); None: no layer
+        slides."""
+        windows = [self.layer_window(index) for index in range(self.num_hidden_layers)]
+        return min((window // 2 for window in windows if window is not None), default=None)
+
     def layer_theta(self, index: int) -> float | None:
         """Layer ``index``'s RoPE theta (rotary positions), else None."""
         if self.positions != "rotary":

@@ -30,8 +30,9 @@ captured).
 
 The normal path runs instead (the runner returns None): under autograd (grad mode on) or in training mode, for
 ``inputs_embeds``, ``position_ids``, ``output_hidden_states``, under torch.compile or jit tracing, on a device other
-than CUDA (unless ``capture=False``), past the largest bucket (more tokens, sequences or a longer sequence), and
-for a batch padded past the model's position limit (left padding would put real tokens past the rotary tables).
+than CUDA (unless ``capture=False``), past the largest bucket (more tokens, sequences or a longer sequence),
+for a batch padded past the model's position limit (left padding would put real tokens past the rotary tables),
+and for a model with a pooler when a row's first position is padding (the padded form computes what it reads).
 ``capture=False`` runs the same bucketed forward without capturing, on any device: the CPU tests check it against
 the unbucketed model for every family and backend. Capture, replay and the flat memory are checked by the
 `gpu`-marked tests of tests/test_cuda_graphs.py only: not yet run on a GPU, and not timed there.
@@ -51,7 +52,15 @@ import torch
 
 from fastbert.backends import fastbert_encoders, tuning
 from fastbert.model import EncoderOutput, FastBertModel, normalize_attention_mask
-from fastbert.ops.padding import FILLER_CHUNK, VarlenBatch, pad_tokens, token_buckets, unpad_tokens, varlen_from_mask
+from fastbert.ops.padding import (
+    FILLER_CHUNK,
+    VarlenBatch,
+    first_position_padded,
+    pad_tokens,
+    token_buckets,
+    unpad_tokens,
+    varlen_from_mask,
+)
 
 DEFAULT_MAX_TOKENS = 16384
 DEFAULT_MAX_SEQUENCES = 4096
@@ -306,6 +315,8 @@ class PackedCudaGraphs:
             return None
         mask = normalize_attention_mask(attention_mask, batch, seqlen)
         varlen = varlen_from_mask(mask, batch, seqlen, input_ids.device)
+        if varlen.indices is not None and model.pooler is not None and first_position_padded(mask):
+            return None  # the pooler reads position 0, padding in some row: the padded form computes it
         bucket = self.buckets.choose(varlen.total_tokens, batch, varlen.max_seqlen)
         if bucket is None:
             return None

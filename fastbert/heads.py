@@ -32,6 +32,7 @@ from torch import nn
 from fastbert import families, ops
 from fastbert.config import FastBertConfig
 from fastbert.model import EncoderOutput, FastBertModel
+from fastbert.ops.padding import first_position_padded, first_token_beyond
 
 TASKS = ("masked-lm", "next-sentence", "pretraining", "sequence-classification", "token-classification",
          "question-answering", "multiple-choice")
@@ -396,19 +397,37 @@ class TaskModel(nn.Module):
     def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                 output_hidden_states, loss_reads_padding: bool = False) -> EncoderOutput:
         """The encoder's output; in its padded form, padded positions computed as transformers computes them, when
-        the call's loss reads them (`reads_padding`), so that the loss equals transformers'."""
+        the call's loss reads them (`reads_padding`) or a head reads position 0 where it is padding, so that both
+        equal transformers'."""
         if loss_reads_padding and attention_mask is not None and self._narrow_windows(attention_mask.shape[-1]):
             warnings.warn(WINDOWED_PADDING_WARNING, stacklevel=3)
+        keep_padded_rows = loss_reads_padding or self._reads_padded_first(attention_mask)
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                             position_ids=position_ids, inputs_embeds=inputs_embeds,
-                            output_hidden_states=output_hidden_states, keep_padded_rows=loss_reads_padding)
+                            output_hidden_states=output_hidden_states, keep_padded_rows=keep_padded_rows)
+
+    def _reads_padded_first(self, attention_mask: MaybeTensor) -> bool:
+        """Whether a first-token head reads a padded position 0 in this batch (left padding; always under
+        torch.compile or tracing, which cannot read the mask). The pooler sees to its own (`FastBertModel.forward`).
+        Raises when a sliding window around such a position 0 holds no token: fastbert computes zeros there, where
+        transformers averages the padding."""
+        if "first" not in self.sources.values() or not isinstance(attention_mask, torch.Tensor):
+            return False
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return True
+        if attention_mask.dim() != 2 or not first_position_padded(attention_mask):
+            return False
+        reach = self.encoder.config.window_reach()
+        if reach is not None and first_token_beyond(attention_mask, reach):
+            raise ValueError(f"a row's first token lies more than {reach} positions from position 0 (or it has "
+                             "none), which the first-token head reads: its sliding window there holds no token, and "
+                             "fastbert would not compute what transformers does; pad on the right")
+        return True
 
     def _narrow_windows(self, seqlen: int) -> bool:
-        """Whether a sliding-window layer's window (``window // 2`` positions each side) is narrower than
-        ``seqlen`` rows: a padded position may then see no real key."""
-        config = self.encoder.config
-        windows = (config.layer_window(index) for index in range(config.num_hidden_layers))
-        return any(window is not None and window // 2 < seqlen - 1 for window in windows)
+        """Whether a sliding window is narrower than ``seqlen`` rows: a padded position may then see no token."""
+        reach = self.encoder.config.window_reach()
+        return reach is not None and reach < seqlen - 1
 
     def _head(self, name: str, encoded: EncoderOutput, attention_mask: MaybeTensor = None) -> torch.Tensor:
         """Run head ``name`` on its input: pooler output [B, H], first token [B, H], first real token [B, H], mean
@@ -420,12 +439,6 @@ class TaskModel(nn.Module):
             return head(encoded.last_hidden_state, self.encoder.embeddings.word_embeddings, backend)
         source = self.sources[name]
         hidden = encoded.last_hidden_state
-        if (source in ("pooler", "first") and attention_mask is not None and self.encoder.padding_free
-                and not torch.compiler.is_compiling() and not bool(attention_mask[:, 0].all())):
-            # transformers' head reads the state it computed at position 0 even where that is padding; the
-            # padding-free encoder computes no padded position, so the two would disagree without a word
-            raise ValueError(f"{name} reads the first position, which is padding in some rows (left padding or an "
-                             "empty row): pad on the right, or build the model with padding_free=False")
         if source == "pooler":
             x = encoded.pooler_output
         elif source == "first":

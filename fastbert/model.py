@@ -40,7 +40,15 @@ from fastbert.ops.backward import activation_grad
 from fastbert.ops.dropout import draw_seed, dropout, op_seed
 from fastbert.ops.linear_glu import glu_grad
 from fastbert.ops.low_rank import AdapterGroup, add_to_heads, augmented_linear
-from fastbert.ops.padding import VarlenBatch, fill_rows, has_gaps, pad_tokens, unpad_tokens, varlen_from_mask
+from fastbert.ops.padding import (
+    VarlenBatch,
+    fill_rows,
+    first_position_padded,
+    has_gaps,
+    pad_tokens,
+    unpad_tokens,
+    varlen_from_mask,
+)
 from fastbert.ops.qkv_rotary import rotate_heads, split_packed
 from fastbert.ops.spec import SPECS
 from fastbert.packing import PackedBatch
@@ -418,6 +426,13 @@ def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, se
     return attention_mask != 0
 
 
+def zero_padding(states: list[torch.Tensor], key_padding_mask: torch.Tensor) -> list[torch.Tensor]:
+    """[B, S, H] states with zeros where the [B, S] ``key_padding_mask`` is False, as the padding-free form leaves
+    them (a select, not a product: a NaN or Inf computed at a padded position must not survive as NaN * 0)."""
+    keep = key_padding_mask[..., None]
+    return [torch.where(keep, s, s.new_zeros(())) for s in states]
+
+
 class FastBertModel(nn.Module):
     """The encoder of any supported family: embeddings (+ E->H projection), the layer stack, the pooler."""
 
@@ -562,6 +577,8 @@ class FastBertModel(nn.Module):
                 return replayed
         if mask is None:
             mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
+        if not padded and self.pooler is not None and mask is not None and first_position_padded(mask):
+            padded = True  # the pooler reads position 0, padding in some row: computed as transformers computes it
         position_ids, token_type_ids = self._complete_ids(input_ids, token_type_ids, position_ids, batch, seqlen,
                                                           device)
         # The rotary tables must cover every position: the highest when the ids were read, else the default ones'.
@@ -577,10 +594,11 @@ class FastBertModel(nn.Module):
         states = self.encode_tokens(tokens, positions, types, varlen, key_padding_mask,
                                     embedded=inputs_embeds is not None, all_states=output_hidden_states,
                                     position_count=position_count)
-        states = self._restore_padding(states, varlen, key_padding_mask, zero=self.zero_padded_rows and not
-                                       keep_padded_rows)
-        hidden = states[-1]
-        return EncoderOutput(hidden, self.pool(hidden), tuple(states) if output_hidden_states else None)
+        states = [pad_tokens(s, varlen) for s in states]
+        pooled = self.pool(states[-1])  # before padded rows are zeroed: a left-padded row's position 0 is one
+        if key_padding_mask is not None and self.zero_padded_rows and not keep_padded_rows:
+            states = zero_padding(states, key_padding_mask)
+        return EncoderOutput(states[-1], pooled, tuple(states) if output_hidden_states else None)
 
     def forward_packed(self, batch: PackedBatch, output_hidden_states: bool = False) -> PackedEncoderOutput:
         """Encode a `fastbert.packing.PackedBatch` (on the model's device): no padding, and no tensor value read
@@ -596,19 +614,6 @@ class FastBertModel(nn.Module):
         if self.pooler is not None:
             pooled = torch.tanh(self.pooler(hidden.index_select(0, batch.cu_seqlens[:-1].long())))
         return PackedEncoderOutput(hidden, pooled, tuple(states) if output_hidden_states else None)
-
-    @staticmethod
-    def _restore_padding(states: list[torch.Tensor], varlen: VarlenBatch, key_padding_mask: torch.Tensor | None,
-                         zero: bool = True) -> list[torch.Tensor]:
-        """Token states [T, H] back to [B, S, H], zeros at padded positions (kept as computed in the padded form
-        unless ``zero``)."""
-        states = [pad_tokens(s, varlen) for s in states]
-        if key_padding_mask is not None and zero:
-            # The padded path computed rows for padding too: zero them as the padding-free path does (a select,
-            # not a product: a NaN or Inf computed at a padded position must not survive as NaN * 0).
-            keep = key_padding_mask[..., None]
-            states = [torch.where(keep, s, s.new_zeros(())) for s in states]
-        return states
 
     def encode_tokens(self, tokens: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None,
                       varlen: VarlenBatch, key_padding_mask: torch.Tensor | None, embedded: bool = False,

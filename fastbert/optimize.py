@@ -65,6 +65,7 @@ from fastbert.cuda_graphs import enable_on_cuda
 from fastbert.loading import encoder_key_map
 from fastbert.model import FastBertModel
 from fastbert.ops.low_rank import AdaptedLinear, AdapterGroup, LowRankAdapter
+from fastbert.ops.padding import first_position_padded, first_token_beyond
 from fastbert.quantization import int8_unavailable, quantize_int8
 
 ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
@@ -823,19 +824,17 @@ class OptimizedState:
         return any(d.get("gradient_checkpointing") is True for d in dicts)
 
     @staticmethod
-    def model_reason(base: nn.Module, build: _Build, arguments: dict, read_values: bool = True) -> str | None:
-        """Why fastbert cannot run this call on the model as it now is; None when it can."""
+    def model_reason(base: nn.Module, build: _Build, arguments: dict, left_padded: bool = False) -> str | None:
+        """Why fastbert cannot run this call on the model as it now is; None when it can. ``left_padded``: a row's
+        first position is padding (`left_padded`)."""
         if build.unsupported:
             return build.unsupported
         if not torch.compiler.is_compiling():  # dynamo guards on hooks itself
             reason = _hook_reason(base, build)
             if reason is not None:
                 return reason
-            mask = arguments.get("attention_mask")
-            if read_values and mask is not None and not torch.jit.is_tracing() and not bool(mask[:, 0].all()):
-                # Heads (the pooler, RoBERTa/ELECTRA/DistilBERT classifiers) read position 0: with left padding
-                # that is a padded position, which the padding-free encoder does not compute.
-                return "a row whose first position is padding (left padding, or an empty row)"
+        if left_padded:
+            return _left_padding_reason(build.fast, arguments["attention_mask"])
         return None
 
     def warn_once(self, reason: str) -> None:
@@ -985,6 +984,7 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
     if reason is not None:
         state.warn_once(reason)
         return type(base).forward(base, *args, **kwargs)
+    left = left_padded(arguments)
     if _is_exporting():  # a one-time capture of the model as it is (fake tensors: no storage to check)
         build = state.build
         if build is None:
@@ -997,7 +997,7 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
         build = state.current(base)
         if build.fast is not None:
             build.dropout.apply(build.fast)
-    reason = state.model_reason(base, build, arguments)
+    reason = state.model_reason(base, build, arguments, left)
     if reason is not None:
         state.warn_once(reason)
         return type(base).forward(base, *args, **kwargs)
@@ -1006,8 +1006,31 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
         if isinstance(mask, torch.Tensor) and _windowed(build.fast, mask.shape[-1]):
             state.warn_once(PADDED_WINDOW_REASON)
             return type(base).forward(base, *args, **kwargs)
+    if padded or left:
         return _run_padded(state, base, build, arguments)
     return state.run(base, build, arguments)
+
+
+def left_padded(arguments: dict) -> bool:
+    """Whether a row of the call's [B, S] attention mask starts with padding (left padding, or a row without
+    tokens). Heads (the pooler, the RoBERTa/ELECTRA/DistilBERT/ModernBERT "cls" classifiers) read position 0, which
+    transformers computes there and the padding-free form does not: such a call runs the padded form. (Compiled or
+    traced calls run it anyway, and cannot read the mask.)"""
+    mask = arguments.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False
+    return first_position_padded(mask)
+
+
+def _left_padding_reason(fast: FastBertModel, mask: torch.Tensor) -> str | None:
+    """Why a left-padded call cannot run fastbert's padded form as transformers computes it; None when it can."""
+    if not bool(mask.any(dim=1).all()):
+        return "a row without tokens (transformers averages the padding there; fastbert's attention gives zeros)"
+    reach = fast.config.window_reach()
+    if reach is not None and first_token_beyond(mask, reach):
+        return (f"left padding that puts a row's first token more than {reach} positions from position 0 (a sliding "
+                "window there holds no token: transformers averages the padding, fastbert's attention gives zeros)")
+    return None
 
 
 PADDED_WINDOW_REASON = ("the loss reads padded positions (labels there that are not -100, or question answering's "
@@ -1016,10 +1039,9 @@ PADDED_WINDOW_REASON = ("the loss reads padded positions (labels there that are 
 
 
 def _windowed(fast: FastBertModel, seqlen: int) -> bool:
-    """Whether a layer's sliding window (``window // 2`` positions each side) is narrower than ``seqlen`` rows."""
-    config = fast.config
-    windows = [config.layer_window(index) for index in range(config.num_hidden_layers)]
-    return any(window is not None and window // 2 < seqlen - 1 for window in windows)
+    """Whether a sliding window (``window // 2`` positions each side) is narrower than ``seqlen`` rows."""
+    reach = fast.config.window_reach()
+    return reach is not None and reach < seqlen - 1
 
 
 def _run_padded(state: OptimizedState, base: nn.Module, build: _Build, arguments: dict):
@@ -1197,7 +1219,7 @@ def explain(model: nn.Module, **call_kwargs) -> str:
             kwargs = {k: v for k, v in kwargs.items() if k in encoder or k not in own}
         reason = state.call_reason(base, _arguments(type(base), (), kwargs))
         if reason is None:
-            reason = state.model_reason(base, state.current(base), kwargs)
+            reason = state.model_reason(base, state.current(base), kwargs, left_padded(kwargs))
         if reason is None:
             requested = state.backend if state.backend != "auto" else ("auto: per op among the device's backends, "
                                                                         "fastbert.backends.auto_order")

@@ -172,6 +172,7 @@ def test_bucketed_forward_matches_the_model_on_triton(family):
 
 def test_holes_left_padding_and_empty_rows_match_the_model():
     model = _fast_model("bert", "eager")
+    model.pooler = None  # (a pooler reading a padded position 0 declines the graphs: the test below)
     inputs = _inputs(model, 4, 11)
     mask = inputs["attention_mask"]
     mask[0] = 0  # an empty row
@@ -182,6 +183,19 @@ def test_holes_left_padding_and_empty_rows_match_the_model():
         out = runner.run(**inputs)
     assert runner.replays == 1
     _assert_same_outputs(out, _reference(model, inputs))
+
+
+def test_a_pooler_reading_a_padded_position_0_runs_the_normal_path():
+    """The pooler reads position 0: left padding makes it a padded position, which only the padded form computes
+    (as transformers does); right padding replays."""
+    model = _fast_model("bert", "eager")
+    inputs = _inputs(model, 4, 11)
+    runner = PackedCudaGraphs(model, capture=False)
+    with torch.inference_mode():
+        assert runner.run(**inputs) is not None
+        left = {name: value.flip(-1) for name, value in inputs.items()}
+        assert runner.run(**left) is None
+    assert runner.replays == 1
 
 
 @pytest.mark.parametrize("backend", ["eager", "cpp"])

@@ -368,22 +368,34 @@ def test_inputs_embeds(family, task, tmp_path):
     compare(family, task, hf_model, model, batch, task_labels(family, task, batch, 2), FIELDS[task])
 
 
-@pytest.mark.parametrize("family", ["bert", "modernbert"])
-def test_first_position_heads_refuse_left_padding_instead_of_disagreeing(family, tmp_path):
-    """A head reading position 0 on a row whose position 0 is padding: transformers reads a state computed at a
-    padded position, the padding-free encoder has none; fastbert says so instead of returning other logits."""
-    import fastbert
+FIRST_POSITION_FAMILIES = ["bert", "roberta", "distilbert", "albert", "electra", "modernbert"]
 
-    model = tiny_model(family, "ForSequenceClassification")
-    model.save_pretrained(tmp_path)
-    ours = fastbert.from_pretrained(tmp_path, task="sequence-classification").eval()
-    ids = torch.randint(3, 90, (2, 8))
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[1, :3] = 0
-    with pytest.raises(ValueError, match="first position, which is padding"):
-        ours(input_ids=ids, attention_mask=mask)
-    mask[1, :3], mask[1, 5:] = 1, 0  # the same row padded on the right runs
-    ours(input_ids=ids, attention_mask=mask)
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("family", FIRST_POSITION_FAMILIES)
+def test_heads_reading_position_0_of_a_left_padded_row_match_transformers(family, compiled, tmp_path):
+    """The pooler and the first-token classifiers read position 0, which left padding makes a padded position:
+    transformers computes a state there, and so does fastbert for such a batch (its padded form)."""
+    hf_model = save_hf_model(family, "sequence-classification", tmp_path)
+    model = load(tmp_path, "sequence-classification").eval()
+    lengths = (SEQ, 7, 8) if family == "modernbert" else LENGTHS  # (its windows reach 2 positions each side)
+    batch = {name: value.flip(-1) for name, value in padded_batch(family, lengths).items()}
+    labels = task_labels(family, "sequence-classification", batch, 2)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    compare(family, "sequence-classification", hf_model, run, batch, labels, FIELDS["sequence-classification"])
+
+
+def test_a_left_padded_first_token_beyond_a_sliding_window_is_refused(tmp_path):
+    """ModernBERT's "cls" head on a row whose first token lies past position 0's sliding window: transformers
+    averages the padding there, fastbert's window holds no key; it says so instead of returning other logits."""
+    hf_model = save_hf_model("modernbert", "sequence-classification", tmp_path)  # local_attention=4
+    model = load(tmp_path, "sequence-classification").eval()
+    batch = {name: value.flip(-1) for name, value in padded_batch("modernbert", (SEQ, 7)).items()}
+    compare("modernbert", "sequence-classification", hf_model, model, batch, {}, FIELDS["sequence-classification"],
+            check_loss=False)  # the first token 2 positions in: within the window's reach of 2
+    batch = {name: value.flip(-1) for name, value in padded_batch("modernbert", (SEQ, 6)).items()}
+    with pytest.raises(ValueError, match="more than 2 positions from position 0"):
+        model(**batch)
 
 
 def _no_dropout(family: str) -> dict:

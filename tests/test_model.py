@@ -300,6 +300,25 @@ def test_torch_compile_fullgraph_on_a_padded_batch(tmp_path):
     assert torch.all(actual[~keep] == 0)
 
 
+@pytest.mark.parametrize("form", ["padding_free", "padded", "compiled"])
+def test_the_pooler_of_a_left_padded_row_reads_position_0_as_transformers_computes_it(form, tmp_path):
+    """The pooler reads position 0, which left padding makes a padded position: transformers computes a state there,
+    so fastbert does too for such a batch (last_hidden_state keeps zeros at padding)."""
+    reference = tiny_model("bert")
+    model = fastbert.from_pretrained(_save(reference, tmp_path), backend="eager")
+    model.padding_free = form == "padding_free"
+    ids, mask = padded_batch(4, 9)
+    ids, mask = ids.flip(-1), mask.flip(-1)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True) if form == "compiled" else model
+    with torch.inference_mode():
+        expected = reference(input_ids=ids, attention_mask=mask)
+        actual = run(ids, mask)
+    assert rel_err(actual.pooler_output, expected.pooler_output) <= 1e-5
+    keep = mask.bool()
+    assert rel_err(actual.last_hidden_state[keep], expected.last_hidden_state[keep]) <= 1e-5
+    assert torch.all(actual.last_hidden_state[~keep] == 0)
+
+
 def test_from_pretrained_does_not_import_transformers(minilm_dir):
     import subprocess
     import sys

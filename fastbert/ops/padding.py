@@ -59,6 +59,20 @@ def has_gaps(mask: torch.Tensor) -> bool:
     return bool((starts > 1).any())
 
 
+def first_position_padded(mask: torch.Tensor) -> bool:
+    """Whether a row of the [B, S] mask (nonzero = token) starts with padding: left padding, or a row without
+    tokens. A head that reads position 0 (the pooler, the first-token classifiers) reads a padded position there,
+    which transformers computes and the padding-free form does not."""
+    return not bool(mask[:, 0].all())
+
+
+def first_token_beyond(mask: torch.Tensor, reach: int) -> bool:
+    """Whether a row of the [B, S] mask has no token within ``reach`` positions of position 0 (none at all
+    included): a sliding window of half-width ``reach`` around position 0 then holds no real key."""
+    window = mask[:, : reach + 1] != 0
+    return not bool(window.any(dim=1).all())
+
+
 def unpad_tokens(x: torch.Tensor, varlen: VarlenBatch) -> torch.Tensor:
     """[B, S, ...] -> [T, ...] (a view when nothing is padded)."""
     flat = x.reshape(varlen.batch * varlen.seqlen, *x.shape[2:])
@@ -91,8 +105,8 @@ def token_buckets(largest: int = 16384, smallest: int = 16, growth: float = 1.25
     """Token counts from ``smallest`` to ``largest``, each about ``growth`` times the one before, rounded up to a
     multiple of ``multiple`` (GEMM tiles): at most 1 - 1 / growth of a bucket is padding, past the first few. The
     powers of four between them are buckets too: they are the edges of `auto`'s shape classes
-    (`fastbert.backends.tuning.bucket`), so filling a batch to its bucket never moves it into the next class (a
-    4,096-token batch filled past 4,096 was measured, the first time, as a 16,384-token one)."""
+    (`fastbert.backends.tuning.bucket`), so filling a batch to its bucket never moves it into the next class (where
+    `auto` would time it again, as if it were a batch four times larger)."""
     if smallest < 1 or largest < smallest or growth <= 1.0 or multiple < 1:
         raise ValueError(f"token_buckets needs 1 <= smallest <= largest, growth > 1, multiple >= 1; got "
                          f"smallest={smallest}, largest={largest}, growth={growth}, multiple={multiple}")

@@ -203,13 +203,26 @@ optimized model rebuilds and returns the same pooler_output as the untouched one
 @pytest.mark.parametrize("family", ["bert", "roberta", "distilbert", "electra"])
 def test_left_padded_batch_classification_logits(family):
     """padding_side="left": the heads read token 0 (BERT's pooler, RoBERTa/ELECTRA's first-token classifier), a
-padded position the padding-free encoder does not compute, so such a batch runs transformers' code and the logits
-equal the untouched model's."""
+padded position that transformers computes: such a batch runs fastbert's padded form, which computes it too, and the
+logits equal the untouched model's."""
     reference, model = pair(family, "ForSequenceClassification")
     inputs = batch_for(reference)
     inputs = {k: v.flip(1) for k, v in inputs.items()}  # the same sequences, padded on the left
     expected, _ = run(reference, **inputs)
-    actual, _ = run(model, **inputs)
+    actual, seen = run(model, **inputs)
+    assert set(seen) == set(fused_ops(reference))
+    assert rel_err(actual.logits, expected.logits) <= 1e-5
+
+
+def test_a_row_without_tokens_runs_transformers_code():
+    """A row whose mask is all 0: transformers averages the padding there, fastbert's attention gives zeros, so
+    the call runs transformers' code (and says so) and the outputs equal the untouched model's."""
+    reference, model = pair("bert", "ForSequenceClassification")
+    inputs = batch_for(reference)
+    inputs["attention_mask"][1] = 0
+    expected, _ = run(reference, **inputs)
+    with pytest.warns(UserWarning, match="a row without tokens"), torch.inference_mode():
+        actual = model(**inputs)
     assert rel_err(actual.logits, expected.logits) <= 1e-5
 
 

@@ -277,15 +277,23 @@ def test_checkpoint_missing_tensors_and_wrong_shapes(tmp_path):
         fastbert.from_pretrained(tmp_path)
 
 
-def test_optimize_falls_back_for_left_padding_and_watches_the_window():
-    """A left-padded batch runs transformers' code (the heads read position 0); an edit of local_attention after
-    optimize() rebuilds fastbert's encoder with the new window."""
+def test_optimize_runs_left_padding_padded_unless_a_window_misses_position_0_and_watches_the_window():
+    """Left padding: the heads read position 0, a padded position that transformers computes, and so does fastbert's
+    padded form, unless position 0's sliding window holds no token (transformers averages the padding there): such
+    a batch runs transformers' code. An edit of local_attention after optimize() rebuilds fastbert's encoder with
+    the new window."""
     reference = hf_model(num_hidden_layers=2, local_attention=4)
     model = fastbert.optimize(copy.deepcopy(reference))
     ids, mask = mixed_batch()
     with torch.inference_mode():
-        with pytest.warns(UserWarning, match="first position is padding"):
+        with pytest.warns(UserWarning, match="more than 2 positions from position 0"):
             model(*mixed_batch(left=True))
+        near_ids, near_mask = mixed_batch(lengths=(LONG, LONG - 1, LONG - 2), left=True)
+        expected = reference(input_ids=near_ids, attention_mask=near_mask).last_hidden_state
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # fastbert's path: no fallback warning
+            actual = model(input_ids=near_ids, attention_mask=near_mask).last_hidden_state
+        assert rel_err(actual, expected) <= 1e-5  # padded positions too
         for window in (4, 12):
             reference.config.local_attention = model.config.local_attention = window
             expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
