@@ -63,7 +63,6 @@ packed and padded, without a window or dropout; the backward, windows and dropou
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -85,6 +84,7 @@ from .common import (
     float_reason,
     launch,
     next_power_of_2,
+    sm_count,
 )
 
 __all__ = ["attention", "attention_reference", "supports"]
@@ -532,26 +532,18 @@ def _backward_meta(head_dim: int, max_seqlen: int, dtype: torch.dtype, heavy: bo
             {"BLOCK_M": dkdv_streamed, "BLOCK_N": dkdv_resident, "BLOCK_D": block_d, **extra})
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 MAX_GRID_BATCH = 65535
 
 
-def supports(q, k, v, cu_seqlens=None, max_seqlen=None, key_padding_mask=None, scale=None,
-             window=None, dropout_p=0.0, dropout_seed=0) -> str | None:
+def _limit_reason(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str | None:
+    """Why the kernels cannot take this head width or batch; None when they can."""
     head_dim = q.shape[-1]
     batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
-    return first_reason(
-        device_reason([q, k, v, cu_seqlens, key_padding_mask]),
-        float_reason([q, k, v]),
-        None if head_dim % 8 == 0 and 8 <= head_dim <= MAX_HEAD_DIM else
-        f"head_dim {head_dim} not supported (multiples of 8 up to {MAX_HEAD_DIM})",
-        # the batch is grid axis 1, which CUDA caps at 65535 programs
-        f"batch {batch} exceeds {MAX_GRID_BATCH} sequences per call" if batch > MAX_GRID_BATCH else None,
-    )
+    if head_dim % 8 != 0 or not 8 <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim {head_dim} not supported (multiples of 8 up to {MAX_HEAD_DIM})"
+    if batch > MAX_GRID_BATCH:  # the batch is grid axis 1, which CUDA caps at 65535 programs
+        return f"batch {batch} exceeds {MAX_GRID_BATCH} sequences per call"
+    return None
 
 
 def _as_4d(packed: bool, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -564,6 +556,9 @@ def _common_args(q, cu_seqlens, max_seqlen, key_padding_mask, scale, window):
     width or None for global, softmax scale)."""
     if window is not None and window < 0:
         raise ValueError(f"fastbert triton attention: window must be >= 0 (the total width), got {window}")
+    limit = _limit_reason(q, cu_seqlens)
+    if limit is not None:
+        raise ValueError(f"fastbert triton attention: {limit}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     packed = cu_seqlens is not None
     if packed:
@@ -601,7 +596,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch
     q4, k4, v4, o4 = _as_4d(packed, q, k, v, out)
     heads, head_dim = q.shape[-2], q.shape[-1]
     meta = _meta(head_dim, longest, q.dtype, window=window_half is not None, dropout=dropout_p > 0)
-    if not INTERPRETER and meta["BLOCK_M"] == 128 and cdiv(longest, 128) * batch * heads < _sm_count(q.device):
+    if not INTERPRETER and meta["BLOCK_M"] == 128 and cdiv(longest, 128) * batch * heads < sm_count(q.device):
         meta["BLOCK_M"] = 64  # small batches: more, shorter programs to occupy the SMs
     grid = (cdiv(longest, meta["BLOCK_M"]), batch, heads)
     launch(_attention_kernel, grid,
@@ -680,6 +675,16 @@ def _backward(ctx, grad):
 
 # torch.ops.fastbert.triton_attention: schema and fake from the op's spec, the Triton backward as its gradient.
 _op = SPEC.define("triton_", _launch, setup_context=_setup_context, backward=_backward)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+             max_seqlen: int | None = None, key_padding_mask: torch.Tensor | None = None, scale: float | None = None,
+             window: int | None = None, dropout_p: float = 0.0, dropout_seed: int = 0) -> str | None:
+    return first_reason(
+        device_reason([q, k, v, cu_seqlens, key_padding_mask]),
+        float_reason([q, k, v]),
+        _limit_reason(q, cu_seqlens),
+    )
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None = None,

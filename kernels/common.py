@@ -16,6 +16,7 @@ import operator
 import os
 import re
 import warnings
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -170,6 +171,10 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+MAX_WIDTH = 65536
+"""The widest row the LayerNorm-style kernels take: a row must fit one block (`row_block`)."""
+
+
 def row_block(width: int) -> int:
     """Power-of-two block covering a whole row of ``width`` elements (LayerNorm needs the full row)."""
     return next_power_of_2(width)
@@ -280,6 +285,12 @@ def column_sum(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's streaming multiprocessors (programs that run at once, one per SM, at the least)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def reduction_programs(tiles: int, device: torch.device) -> int:
     """Programs of a backward row kernel whose weight gradients are reduced in two stages: each program loops over
     row tiles (pid, pid + programs, ...) accumulating per-column fp32 partial sums, so the partial buffer is
@@ -287,7 +298,7 @@ def reduction_programs(tiles: int, device: torch.device) -> int:
     4 under the interpreter (whose cost is per program step, not per program)."""
     if INTERPRETER or device.type != "cuda":
         return max(1, min(tiles, 4))
-    return max(1, min(tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(tiles, 4 * sm_count(device)))
 
 
 def define_kernel_op(name: str, schema: str, impl, fake):
@@ -302,9 +313,14 @@ def define_kernel_op(name: str, schema: str, impl, fake):
 
 
 # ------------------------------------------------------------------------------------------------ cached launches
-def cached_launch_enabled(environ=os.environ) -> bool:
+def env_flag(name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """An on/off environment variable: unset or anything else is on; 0, false, no or off (any case) is off."""
+    return environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cached_launch_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """FASTBERT_CACHED_LAUNCH: unset or 1 replays compiled kernels; 0 (false, no, off) launches through triton."""
-    return environ.get("FASTBERT_CACHED_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("FASTBERT_CACHED_LAUNCH", environ)
 
 
 CACHED_LAUNCH: bool = cached_launch_enabled()

@@ -26,6 +26,7 @@ import triton.language as tl
 from fastbert.ops.embedding_layernorm import SPEC, embedding_layernorm_reference
 
 from .common import (
+    MAX_WIDTH,
     backward_row_warps,
     backward_rows_per_program,
     cast_rtne,
@@ -49,8 +50,6 @@ from .common import (
 )
 
 __all__ = ["embedding_layernorm", "embedding_layernorm_reference", "supports"]
-
-MAX_WIDTH = 65536
 
 
 @triton.jit
@@ -159,16 +158,9 @@ def _embedding_layernorm_backward_kernel(
     tl.store(part + E, sum_bias, mask=col_mask)
 
 
-def supports(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings, token_type_embeddings,
-             weight, bias, eps, dropout_p=0.0, dropout_seed=0) -> str | None:
-    floats = [word_embeddings, position_embeddings, token_type_embeddings, weight, bias]
-    width = word_embeddings.shape[1]
-    return first_reason(
-        device_reason([input_ids, position_ids, token_type_ids, *floats]),
-        float_reason(floats),
-        f"embedding width {width} exceeds {MAX_WIDTH}" if width > MAX_WIDTH else None,
-        dropout_reason(dropout_p, input_ids.numel() * width),
-    )
+def _width_reason(width: int) -> str | None:
+    return f"embedding width {width} exceeds {MAX_WIDTH} (a LayerNorm row must fit one block)" \
+        if width > MAX_WIDTH else None
 
 
 def _kernel_inputs(input_ids, position_ids, token_type_ids, word_embeddings, position_embeddings,
@@ -197,7 +189,7 @@ def _launch(input_ids: torch.Tensor, position_ids: torch.Tensor | None, token_ty
             token_type_embeddings: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
             eps: float, dropout_p: float = 0.0, dropout_seed: int = 0) -> torch.Tensor:
     width = word_embeddings.shape[1]
-    reason = dropout_reason(dropout_p, input_ids.numel() * width)
+    reason = _width_reason(width) or dropout_reason(dropout_p, input_ids.numel() * width)
     if reason:
         raise ValueError(f"fastbert triton embedding_layernorm: {reason}")
     out = torch.empty(*input_ids.shape, width, dtype=word_embeddings.dtype, device=word_embeddings.device)
@@ -290,6 +282,20 @@ def _backward(ctx, grad):
 
 # torch.ops.fastbert.triton_embedding_layernorm: schema and fake from the op's spec, the backward above.
 _op = SPEC.define("triton_", _launch, setup_context=_setup_context, backward=_backward)
+
+
+def supports(input_ids: torch.Tensor, position_ids: torch.Tensor | None, token_type_ids: torch.Tensor | None,
+             word_embeddings: torch.Tensor, position_embeddings: torch.Tensor | None,
+             token_type_embeddings: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+             dropout_p: float = 0.0, dropout_seed: int = 0) -> str | None:
+    floats = [word_embeddings, position_embeddings, token_type_embeddings, weight, bias]
+    width = word_embeddings.shape[1]
+    return first_reason(
+        device_reason([input_ids, position_ids, token_type_ids, *floats]),
+        float_reason(floats),
+        _width_reason(width),
+        dropout_reason(dropout_p, input_ids.numel() * width),
+    )
 
 
 def embedding_layernorm(input_ids: torch.Tensor, position_ids: torch.Tensor | None,

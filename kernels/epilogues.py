@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .common import (
     INTERPRETER,
+    MAX_WIDTH,
     cast_rtne,
     cdiv,
     launch,
@@ -40,8 +41,6 @@ from .common import (
 from .gemm import ACTIVATION_CODES, activate
 
 __all__ = ["MAX_WIDTH", "activate_rows", "glu_rows", "residual_layernorm_rows", "rotary_rows"]
-
-MAX_WIDTH = 65536  # a LayerNorm row must fit one block (as `linear_residual_layernorm.MAX_WIDTH`)
 
 
 @triton.jit

@@ -25,7 +25,6 @@ serve linear_glu's and qkv_rotary's kernels too; triton inlines them into each k
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 
@@ -43,8 +42,10 @@ from .common import (
     dot_precision,
     dropout_args,
     dropout_keep,
+    env_flag,
     launch,
     next_power_of_2,
+    sm_count,
     tile_offsets,
 )
 
@@ -357,7 +358,8 @@ def table_meta(m: int, dtype: torch.dtype = torch.float16, heavy: bool = False) 
 
 
 def autotune_enabled() -> bool:
-    return os.environ.get("FASTBERT_TRITON_AUTOTUNE", "1") not in ("0", "false", "no")
+    """FASTBERT_TRITON_AUTOTUNE: unset or 1 autotunes the GEMM tiles; 0 (false, no, off) takes `table_config`."""
+    return env_flag("FASTBERT_TRITON_AUTOTUNE")
 
 
 def interpreter_config(m: int) -> dict:
@@ -505,11 +507,6 @@ def _split_k_epilogue_kernel(
              cast_rtne(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=16)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def split_k_meta(m: int) -> dict:
     """The split GEMM's tile (fixed, not autotuned: the split is chosen where every config underfills the GPU):
     16 or 32 rows x 32 columns, K steps of 128 (the interpreter: wider, its cost is per program)."""
@@ -536,9 +533,9 @@ def split_k(m: int, n: int, k: int, device: torch.device) -> int:
     if INTERPRETER or device.type != "cuda":
         return 1
     tiles = cdiv(m, 16) * cdiv(n, 32)
-    if 4 * tiles >= _multiprocessors(device):
+    if 4 * tiles >= sm_count(device):
         return 1
-    wanted = max(1, min(SPLIT_K_MAX, cdiv(_multiprocessors(device), tiles), k // SPLIT_K_MIN_SLICE))
+    wanted = max(1, min(SPLIT_K_MAX, cdiv(sm_count(device), tiles), k // SPLIT_K_MIN_SLICE))
     return _slices_run(k, wanted, block_k)
 
 

@@ -78,16 +78,6 @@ def _relu_grad(grad: torch.Tensor, out: torch.Tensor, bias_dtype: torch.dtype | 
     return grad_pre, bias_grad
 
 
-def supports(x, weight, bias, activation) -> str | None:
-    tensors = [x, weight, bias]
-    return first_reason(
-        device_reason(tensors),
-        float_reason(tensors),
-        None if activation in ACTIVATIONS else f"activation {activation!r} not in {ACTIVATIONS}",
-        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
-    )
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
     return gemm.linear(x, weight, bias, activation=activation)
 
@@ -136,6 +126,16 @@ def _backward(ctx, grad):
 
 # torch.ops.fastbert.triton_linear_activation: schema and fake from the op's spec, the backward above.
 _op = SPEC.define("triton_", _launch, setup_context=_setup_context, backward=_backward)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str) -> str | None:
+    tensors = [x, weight, bias]
+    return first_reason(
+        device_reason(tensors),
+        float_reason(tensors),
+        None if activation in ACTIVATIONS else f"activation {activation!r} not in {ACTIVATIONS}",
+        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
+    )
 
 
 def linear_activation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -35,6 +35,7 @@ from fastbert.ops.linear_residual_layernorm import SPEC, linear_residual_layerno
 
 from . import gemm
 from .common import (
+    MAX_WIDTH,
     backward_row_warps,
     backward_rows_per_program,
     cast_rtne,
@@ -59,8 +60,6 @@ from .common import (
 
 __all__ = ["layernorm_rows", "layernorm_rows_backward", "linear_residual_layernorm",
            "linear_residual_layernorm_reference", "supports"]
-
-MAX_WIDTH = 65536
 
 
 @triton.jit
@@ -192,17 +191,6 @@ def layernorm_rows_backward(x: torch.Tensor, grad: torch.Tensor, weight: torch.T
     return grad_x, grad_dropped, column_sum(partial, torch.float32).view(3, width)
 
 
-def supports(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0, dropout_seed=0) -> str | None:
-    tensors = [x, weight, bias, residual, ln_weight, ln_bias]
-    return first_reason(
-        device_reason(tensors),
-        float_reason(tensors),
-        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
-        f"width {weight.shape[0]} exceeds {MAX_WIDTH}" if weight.shape[0] > MAX_WIDTH else None,
-        dropout_reason(dropout_p, residual.numel()),
-    )
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
             ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
             dropout_seed: int = 0) -> torch.Tensor:
@@ -300,6 +288,19 @@ def _backward(ctx, grad):
 
 # torch.ops.fastbert.triton_linear_residual_layernorm: schema and fake from the op's spec, the backward above.
 _op = SPEC.define("triton_", _launch, setup_context=_setup_context, backward=_backward)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+             ln_weight: torch.Tensor, ln_bias: torch.Tensor | None, eps: float, dropout_p: float = 0.0,
+             dropout_seed: int = 0) -> str | None:
+    tensors = [x, weight, bias, residual, ln_weight, ln_bias]
+    return first_reason(
+        device_reason(tensors),
+        float_reason(tensors),
+        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
+        f"width {weight.shape[0]} exceeds {MAX_WIDTH}" if weight.shape[0] > MAX_WIDTH else None,
+        dropout_reason(dropout_p, residual.numel()),
+    )
 
 
 def linear_residual_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

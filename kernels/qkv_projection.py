@@ -19,18 +19,18 @@ from .common import device_reason, first_reason, float_reason
 __all__ = ["qkv_projection", "qkv_projection_reference", "supports"]
 
 
-def supports(x, weight, bias, num_heads) -> str | None:
-    tensors = [x, weight, bias]
-    return first_reason(device_reason(tensors), float_reason(tensors),
-                        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None)
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return gemm.linear(x, weight, bias)
 
 
 # torch.ops.fastbert.triton_qkv_projection (into the packed [..., 3H] buffer): schema and fake from the op's spec.
 _op = SPEC.define("triton_", _launch)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int) -> str | None:
+    tensors = [x, weight, bias]
+    return first_reason(device_reason(tensors), float_reason(tensors),
+                        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None)
 
 
 def qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -151,16 +151,6 @@ def table_reason(cos: torch.Tensor, sin: torch.Tensor) -> str | None:
     )
 
 
-def supports(x, weight, bias, num_heads, positions, cos, sin) -> str | None:
-    tensors = [x, weight, bias]
-    return first_reason(
-        device_reason([*tensors, positions, cos, sin]),
-        float_reason(tensors),
-        table_reason(cos, sin),
-        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
-    )
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
             cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = gemm.as_rows(x)
@@ -187,6 +177,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, po
 
 # torch.ops.fastbert.triton_qkv_rotary (into the packed [..., 3H] buffer): schema and fake from the op's spec.
 _op = SPEC.define("triton_", _launch)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+             positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    tensors = [x, weight, bias]
+    return first_reason(
+        device_reason([*tensors, positions, cos, sin]),
+        float_reason(tensors),
+        table_reason(cos, sin),
+        "K = 0 (empty reduction)" if weight.shape[1] == 0 else None,
+    )
 
 
 def qkv_rotary(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,

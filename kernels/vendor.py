@@ -179,25 +179,30 @@ def _activation_reason(activation: str) -> str | None:
     return None if activation in ACTIVATIONS else f"activation {activation!r} not in {ACTIVATIONS}"
 
 
-def supports_qkv_projection(x, weight, bias, num_heads) -> str | None:
+def supports_qkv_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            num_heads: int) -> str | None:
     return _tensor_reason([x, weight, bias])
 
 
-def supports_linear_activation(x, weight, bias, activation) -> str | None:
+def supports_linear_activation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               activation: str) -> str | None:
     return first_reason(_tensor_reason([x, weight, bias]), _activation_reason(activation))
 
 
-def supports_linear_residual_layernorm(x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p=0.0,
-                                       dropout_seed=0) -> str | None:
+def supports_linear_residual_layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                       residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor | None,
+                                       eps: float, dropout_p: float = 0.0, dropout_seed: int = 0) -> str | None:
     return first_reason(_tensor_reason([x, weight, bias, residual, ln_weight, ln_bias]),
                         _width_reason(weight.shape[0]), _dropout_reason(dropout_p))
 
 
-def supports_linear_glu(x, weight, bias, activation) -> str | None:
+def supports_linear_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        activation: str) -> str | None:
     return first_reason(_tensor_reason([x, weight, bias]), _activation_reason(activation))
 
 
-def supports_qkv_rotary(x, weight, bias, num_heads, positions, cos, sin) -> str | None:
+def supports_qkv_rotary(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
     return first_reason(
         device_reason([x, weight, bias, positions, cos, sin]),
         float_reason([x, weight, bias]),

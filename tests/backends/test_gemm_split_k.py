@@ -65,7 +65,7 @@ def test_grads_through_the_split_forward(forced_split, op):
 
 def test_heuristic_splits_only_where_every_tile_underfills(monkeypatch):
     monkeypatch.setattr(gemm, "INTERPRETER", False)
-    monkeypatch.setattr(gemm, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(gemm, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     assert gemm.split_k(16, 768, 3072, cuda) == 6  # 24 tiles of 16 x 32: cdiv(132, 24) slices
     assert gemm.split_k(1, 768, 768, cuda) == 3  # K = 768: slices of at least 256

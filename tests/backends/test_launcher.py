@@ -29,7 +29,7 @@ KERNEL_MODULES = ("attention", "common", "embedding_layernorm", "gemm", "linear_
                   "linear_residual_layernorm", "qkv_rotary")
 
 
-def _toy(x_ptr, out_ptr, n, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = 3):  # noqa: N803
+def _toy(x_ptr, out_ptr, n, scale, flag, BLOCK: tl.constexpr, MODE: tl.constexpr = 3):
     pass  # never compiled: only its signature is used
 
 
@@ -148,7 +148,7 @@ def test_arg_key_refines_triton_specialisation():
                 assert _triton_specialisation(a) == _triton_specialisation(b), (a, b)
 
 
-def _pair(x_ptr, n, BLOCK: tl.constexpr):  # noqa: N803
+def _pair(x_ptr, n, BLOCK: tl.constexpr):
     pass
 
 
@@ -319,8 +319,14 @@ def test_switch_off_launches_through_triton_every_time(monkeypatch):
 
 @pytest.mark.parametrize("value, enabled", [("0", False), ("false", False), (" OFF", False), ("no", False),
                                             ("1", True), ("true", True), (None, True)])
-def test_switch_values(value, enabled):
+def test_switch_values(value, enabled, monkeypatch):
     assert common.cached_launch_enabled({} if value is None else {"FASTBERT_CACHED_LAUNCH": value}) is enabled
+    gemm = importlib.import_module("fastbert.kernels.gemm")  # every on/off variable reads the same way
+    if value is None:
+        monkeypatch.delenv("FASTBERT_TRITON_AUTOTUNE", raising=False)
+    else:
+        monkeypatch.setenv("FASTBERT_TRITON_AUTOTUNE", value)
+    assert gemm.autotune_enabled() is enabled
 
 
 def test_switch_is_read_at_import():

@@ -96,6 +96,12 @@ def test_triton_unsupported_head_dim_reason():
     assert reason is not None and "head_dim 12 not supported" in reason
     with pytest.raises(backends.BackendUnavailable, match="head_dim 12"):
         ops.attention(q, q, q, cu_seqlens=cu_seqlens, max_seqlen=4, backend="triton")
+    kernel = importlib.import_module("fastbert.kernels.attention")  # the torch op, past `supports`: a clear error
+    with pytest.raises(ValueError, match="head_dim 12 not supported"):
+        kernel.attention(q, q, q, cu_seqlens=cu_seqlens, max_seqlen=4)
+    many = torch.arange(kernel.MAX_GRID_BATCH + 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="exceeds 65535 sequences"):
+        kernel.attention(q[:, :, :8], q[:, :, :8], q[:, :, :8], cu_seqlens=many, max_seqlen=1)
 
 
 @pytest.mark.interpreter

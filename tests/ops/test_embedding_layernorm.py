@@ -17,6 +17,7 @@ from tests.helpers import (
     ALL_DTYPES,
     CPP_DTYPES,
     CPP_WIDTHS,
+    DEVICE,
     assert_accurate_fp64,
     backend_op,
     check_triton_keep_rate,
@@ -56,6 +57,19 @@ def test_triton_token_type_variants(types):
 @pytest.mark.interpreter
 def test_triton_strided_tables_int32_ids_flat_ids():
     check_embedding_layernorm((5,), 312, torch.float16, strided_tables=True, id_dtype=torch.int32)
+
+
+def test_triton_op_past_the_width_limit_is_a_clear_error():
+    """The torch op called directly (past `supports`): a row wider than one block is refused with the limit."""
+    import importlib
+
+    kernel = importlib.import_module("fastbert.kernels.embedding_layernorm")
+    width = kernel.MAX_WIDTH + 1
+    table = torch.zeros(2, width, dtype=torch.float16, device=DEVICE)
+    ones = torch.ones(width, dtype=torch.float16, device=DEVICE)
+    ids = torch.zeros(1, 3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=f"embedding width {width} exceeds 65536"):
+        kernel.embedding_layernorm(ids, None, None, table, None, None, ones, None, 1e-12)
 
 
 def test_triton_word_table_only_without_ln_bias_fp16():
