@@ -154,6 +154,12 @@ class FastBertConfig:
         windows = [self.layer_window(index) for index in range(self.num_hidden_layers)]
         return min((window // 2 for window in windows if window is not None), default=None)
 
+    def window_narrower_than(self, seqlen: int) -> bool:
+        """Whether a sliding window reaches fewer than ``seqlen - 1`` positions each side: in a padded batch of
+        ``seqlen`` positions, a padded position's window may then hold no token."""
+        reach = self.window_reach()
+        return reach is not None and reach < seqlen - 1
+
     def layer_theta(self, index: int) -> float | None:
         """Layer ``index``'s RoPE theta (rotary positions), else None."""
         if self.positions != "rotary":

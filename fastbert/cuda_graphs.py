@@ -32,7 +32,8 @@ The normal path runs instead (the runner returns None): under autograd (grad mod
 ``inputs_embeds``, ``position_ids``, ``output_hidden_states``, under torch.compile or jit tracing, on a device other
 than CUDA (unless ``capture=False``), past the largest bucket (more tokens, sequences or a longer sequence),
 for a batch padded past the model's position limit (left padding would put real tokens past the rotary tables),
-and for a model with a pooler when a row's first position is padding (the padded form computes what it reads).
+and when a row's first position is padding for a model with a pooler or a caller that reads position 0 (the padded
+form computes what they read).
 ``capture=False`` runs the same bucketed forward without capturing, on any device: the CPU tests check it against
 the unbucketed model for every family and backend. Capture, replay and the flat memory are checked by the
 `gpu`-marked tests of tests/test_cuda_graphs.py only: not yet run on a GPU, and not timed there.
@@ -55,7 +56,6 @@ from fastbert.model import EncoderOutput, FastBertModel, normalize_attention_mas
 from fastbert.ops.padding import (
     FILLER_CHUNK,
     VarlenBatch,
-    first_position_padded,
     pad_tokens,
     token_buckets,
     unpad_tokens,
@@ -180,7 +180,7 @@ def unpack_outputs(model: FastBertModel, hidden: torch.Tensor, varlen: VarlenBat
     restored = pad_tokens(real, varlen)
     if varlen.indices is None:
         restored = restored.clone()
-    return EncoderOutput(restored, model.pool(restored))
+    return EncoderOutput(restored, model.pool(restored), first_position=restored[:, 0])
 
 
 def pack_inputs(model: FastBertModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -305,7 +305,8 @@ class PackedCudaGraphs:
 
     def run(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
             token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool = False) -> EncoderOutput | None:
+            inputs_embeds: torch.Tensor | None = None, output_hidden_states: bool = False,
+            reads_first_position: bool = False) -> EncoderOutput | None:
         """The model's output for this call from its bucket's graph, or None: run the normal path."""
         if self.decline_reason(input_ids, token_type_ids, position_ids, inputs_embeds, output_hidden_states):
             return None
@@ -315,8 +316,8 @@ class PackedCudaGraphs:
             return None
         mask = normalize_attention_mask(attention_mask, batch, seqlen)
         varlen = varlen_from_mask(mask, batch, seqlen, input_ids.device)
-        if varlen.indices is not None and model.pooler is not None and first_position_padded(mask):
-            return None  # the pooler reads position 0, padding in some row: the padded form computes it
+        if varlen.first_padded and (model.pooler is not None or reads_first_position):
+            return None  # position 0, padding in some row, is read: the padded form computes it
         bucket = self.buckets.choose(varlen.total_tokens, batch, varlen.max_seqlen)
         if bucket is None:
             return None

@@ -397,37 +397,31 @@ class TaskModel(nn.Module):
     def _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                 output_hidden_states, loss_reads_padding: bool = False) -> EncoderOutput:
         """The encoder's output; in its padded form, padded positions computed as transformers computes them, when
-        the call's loss reads them (`reads_padding`) or a head reads position 0 where it is padding, so that both
-        equal transformers'."""
-        if loss_reads_padding and attention_mask is not None and self._narrow_windows(attention_mask.shape[-1]):
+        the call's loss reads them (`reads_padding`) or a head reads position 0 where it is padding (the encoder's
+        ``reads_first_position``), so that both equal transformers'."""
+        config = self.encoder.config
+        if loss_reads_padding and attention_mask is not None and config.window_narrower_than(attention_mask.shape[-1]):
             warnings.warn(WINDOWED_PADDING_WARNING, stacklevel=3)
-        keep_padded_rows = loss_reads_padding or self._reads_padded_first(attention_mask)
+        reads_first = "first" in self.sources.values()
+        if reads_first:
+            self._check_first_position(attention_mask)
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                             position_ids=position_ids, inputs_embeds=inputs_embeds,
-                            output_hidden_states=output_hidden_states, keep_padded_rows=keep_padded_rows)
+                            output_hidden_states=output_hidden_states, keep_padded_rows=loss_reads_padding,
+                            reads_first_position=reads_first)
 
-    def _reads_padded_first(self, attention_mask: MaybeTensor) -> bool:
-        """Whether a first-token head reads a padded position 0 in this batch (left padding; always under
-        torch.compile or tracing, which cannot read the mask). The pooler sees to its own (`FastBertModel.forward`).
-        Raises when a sliding window around such a position 0 holds no token: fastbert computes zeros there, where
-        transformers averages the padding."""
-        if "first" not in self.sources.values() or not isinstance(attention_mask, torch.Tensor):
-            return False
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():
-            return True
-        if attention_mask.dim() != 2 or not first_position_padded(attention_mask):
-            return False
+    def _check_first_position(self, attention_mask: MaybeTensor) -> None:
+        """Raise when a row's position 0 is padding and a sliding window around it holds no token: fastbert's
+        attention gives zeros there, where transformers averages the padding, so a first-token head would read
+        other numbers. (Under torch.compile or tracing, which cannot read the mask, nothing is checked.)"""
         reach = self.encoder.config.window_reach()
-        if reach is not None and first_token_beyond(attention_mask, reach):
+        if (reach is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
+                or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+            return
+        if first_position_padded(attention_mask) and first_token_beyond(attention_mask, reach):
             raise ValueError(f"a row's first token lies more than {reach} positions from position 0 (or it has "
                              "none), which the first-token head reads: its sliding window there holds no token, and "
                              "fastbert would not compute what transformers does; pad on the right")
-        return True
-
-    def _narrow_windows(self, seqlen: int) -> bool:
-        """Whether a sliding window is narrower than ``seqlen`` rows: a padded position may then see no token."""
-        reach = self.encoder.config.window_reach()
-        return reach is not None and reach < seqlen - 1
 
     def _head(self, name: str, encoded: EncoderOutput, attention_mask: MaybeTensor = None) -> torch.Tensor:
         """Run head ``name`` on its input: pooler output [B, H], first token [B, H], first real token [B, H], mean
@@ -442,7 +436,7 @@ class TaskModel(nn.Module):
         if source == "pooler":
             x = encoded.pooler_output
         elif source == "first":
-            x = hidden[:, 0]
+            x = encoded.first_position
         elif source == "first_real":  # transformers: argmax of the mask (position 0 for a row without tokens)
             first = (attention_mask.argmax(dim=-1) if attention_mask is not None
                      else torch.zeros(hidden.shape[0], dtype=torch.long, device=hidden.device))

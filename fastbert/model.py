@@ -43,7 +43,6 @@ from fastbert.ops.low_rank import AdapterGroup, add_to_heads, augmented_linear
 from fastbert.ops.padding import (
     VarlenBatch,
     fill_rows,
-    first_position_padded,
     has_gaps,
     pad_tokens,
     unpad_tokens,
@@ -57,11 +56,14 @@ from fastbert.packing import PackedBatch
 @dataclass
 class EncoderOutput:
     """last_hidden_state [B, S, H] (zeros at padded positions); pooler_output [B, H] or None; hidden_states: the
-    embedding output and every layer's output, each [B, S, H], when asked for."""
+    embedding output and every layer's output, each [B, S, H], when asked for; first_position [B, H]: the last state
+    at position 0 as computed, where that is padding too when the call read it (`FastBertModel.forward`'s
+    ``reads_first_position``, or a pooler), else zeros there."""
 
     last_hidden_state: torch.Tensor
     pooler_output: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    first_position: torch.Tensor | None = None
 
 
 @dataclass
@@ -421,8 +423,9 @@ def normalize_attention_mask(attention_mask: torch.Tensor | None, batch: int, se
     if attention_mask.dtype.is_complex:
         raise TypeError(f"attention_mask must be bool, integer or float 0/1, got {attention_mask.dtype}")
     if check_values and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-        raise ValueError(f"attention_mask of dtype {attention_mask.dtype} must hold only 0 and 1 (1 = attend); "
-                         "additive float masks are not accepted")
+        additive = "; additive float masks are not accepted" if attention_mask.is_floating_point() else ""
+        raise ValueError(f"attention_mask of dtype {attention_mask.dtype} must hold only 0 and 1 (1 = attend, "
+                         f"0 = padding){additive}")
     return attention_mask != 0
 
 
@@ -550,12 +553,15 @@ class FastBertModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         keep_padded_rows: bool = False,
+        reads_first_position: bool = False,
     ) -> EncoderOutput:
         """Encode a batch. input_ids / attention_mask / token_type_ids / position_ids: [B, S]; inputs_embeds:
         [B, S, E] instead of input_ids. Returns last_hidden_state [B, S, H] with zeros at padded positions;
         ``keep_padded_rows``: this call runs the padded form and keeps the rows it computes at padded positions, as
         transformers computes them (for a loss that reads them), whatever ``padding_free`` and
-        ``zero_padded_rows`` say."""
+        ``zero_padded_rows`` say. The pooler, and a caller that says ``reads_first_position`` (a first-token head,
+        reading ``first_position``), read position 0: where it is padding in some row (left padding), the call
+        runs the padded form, which computes it as transformers does."""
         batch, seqlen = self._batch_shape(input_ids, inputs_embeds)
         device = (input_ids if input_ids is not None else inputs_embeds).device
         # Under torch.compile, reading tensor values (checks, padding removal) would break the graph: the compiled
@@ -572,21 +578,22 @@ class FastBertModel(nn.Module):
         graphs = None if padded else self.__dict__.get("cuda_graphs")
         if graphs is not None:  # `fastbert.cuda_graphs.PackedCudaGraphs`: a replayed graph, or None for this path
             replayed = graphs.run(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                                  output_hidden_states)
+                                  output_hidden_states, reads_first_position)
             if replayed is not None:
                 return replayed
         if mask is None:
             mask = normalize_attention_mask(attention_mask, batch, seqlen, check_values=not compiling)
-        if not padded and self.pooler is not None and mask is not None and first_position_padded(mask):
-            padded = True  # the pooler reads position 0, padding in some row: computed as transformers computes it
         position_ids, token_type_ids = self._complete_ids(input_ids, token_type_ids, position_ids, batch, seqlen,
                                                           device)
         # The rotary tables must cover every position: the highest when the ids were read, else the default ones'.
         position_count = seqlen
         if self.validate_inputs and not compiling:
             position_count = self.validate_ids(input_ids, position_ids, token_type_ids) + 1
-        key_padding_mask = mask if padded else None
         varlen = varlen_from_mask(None if padded else mask, batch, seqlen, device)
+        if varlen.first_padded and (self.pooler is not None or reads_first_position):
+            padded = True
+            varlen = varlen_from_mask(None, batch, seqlen, device)
+        key_padding_mask = mask if padded else None
 
         types = None if token_type_ids is None else unpad_tokens(token_type_ids, varlen)
         positions = unpad_tokens(position_ids, varlen)
@@ -595,10 +602,11 @@ class FastBertModel(nn.Module):
                                     embedded=inputs_embeds is not None, all_states=output_hidden_states,
                                     position_count=position_count)
         states = [pad_tokens(s, varlen) for s in states]
-        pooled = self.pool(states[-1])  # before padded rows are zeroed: a left-padded row's position 0 is one
+        first = states[-1][:, 0]  # before padded rows are zeroed: a left-padded row's position 0 is one
+        pooled = None if self.pooler is None else torch.tanh(self.pooler(first))
         if key_padding_mask is not None and self.zero_padded_rows and not keep_padded_rows:
             states = zero_padding(states, key_padding_mask)
-        return EncoderOutput(states[-1], pooled, tuple(states) if output_hidden_states else None)
+        return EncoderOutput(states[-1], pooled, tuple(states) if output_hidden_states else None, first)
 
     def forward_packed(self, batch: PackedBatch, output_hidden_states: bool = False) -> PackedEncoderOutput:
         """Encode a `fastbert.packing.PackedBatch` (on the model's device): no padding, and no tensor value read

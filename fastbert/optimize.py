@@ -38,7 +38,8 @@ change rebuilds. Several active adapters, DoRA and other variants fall back with
 
 Under ``torch.autocast`` (mixed-precision training: the Trainer's fp16/bf16) the encoder runs in the autocast
 dtype: the parameters are cast for the call (differentiably, so the fp32 master weights get the gradients) and the
-outputs come back in the parameters' dtype, as transformers' LayerNorm outputs do under autocast.
+hidden states come back in the parameters' dtype, as transformers' LayerNorm outputs do under autocast (the pooler's
+output in the autocast dtype, as transformers' Linear gives it).
 
 Under ``torch.compile`` the model is checked when a graph is traced (call the model once outside the compiled
 wrapper, or compile again, after replacing parameters); under ``torch.jit.trace`` the padded form runs, so the
@@ -88,6 +89,7 @@ _ADAPTED_ROLES = {"qkv_weight": "qkv", "attn_out_weight": "attn_out", "ffn_in_we
 _OUTPUT_CLASSES: dict[type, type] = {}
 _SIGNATURES: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
 _TRANSFORMERS_CAPTURE = "transformers.utils.output_capturing"
+_LIBRARIES = ("transformers.", "torch.", "peft.")  # whose modules' code fastbert's encoder reproduces
 
 
 def _owner_kind(ours: str) -> str:
@@ -149,6 +151,7 @@ class _Build:
         self.containers = [container for container, _, _ in self.links]
         self.keys = [key for _, key, _ in self.links]
         self.objects = [obj for _, _, obj in self.links]
+        self.types = tuple(map(type, self.submodules))  # a class swapped in (`module.__class__ = ...`) rebuilds
         self.hook_dicts = [d for m in self.submodules for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.module_dicts = [m.__dict__ for m in self.submodules]
         self.watched_objects = [obj for obj, _, _ in self.watched]
@@ -178,6 +181,8 @@ class _Build:
 
     def stale(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
+            return True
+        if tuple(map(type, self.submodules)) != self.types:
             return True
         if tuple(map(getattr, self.watched_objects, self.watched_names)) != self.watched_values:
             return True
@@ -412,6 +417,7 @@ class _Builder:
     def build(self, backend: str) -> _Build:
         """The build, or a refused one (``fast`` None, ``unsupported`` the reason)."""
         try:
+            self.check_code()
             config = self.read_config()
             pairs = encoder_key_map(config)
             found = self.find_tensors(pairs)
@@ -470,6 +476,24 @@ class _Builder:
             raise _Refused(f"{prefix}{path} is a {type(owner).__module__}.{type(owner).__qualname__}, not torch's "
                            "nn.Dropout: fastbert cannot apply it")
         return owner, _P
+
+    def check_code(self) -> None:
+        """fastbert computes what transformers' (and torch's, PEFT's) code computes: a submodule of another class
+        (a user's subclass, remote code) or a class whose ``forward`` was replaced would compute something else.
+        Each class's forward is watched (a replacement after the build rebuilds)."""
+        for module in (self.base, *self.submodules):
+            cls = type(module)
+            if module is not self.base and not cls.__module__.startswith(_LIBRARIES):
+                name = next(n for n, m in self.base.named_modules() if m is module)
+                raise _Refused(f"submodule {name} is a {cls.__module__}.{cls.__qualname__}, not a class of "
+                               "transformers, torch or PEFT: fastbert would not run its code")
+            forward = cls.forward
+            origin = getattr(forward, "__module__", None) or ""
+            if not origin.startswith(_LIBRARIES):
+                raise _Refused(f"{cls.__qualname__}.forward is {origin}.{getattr(forward, '__qualname__', forward)}, "
+                               "not transformers' own: fastbert would not run its code")
+            self.watched.append((cls, "forward", forward))
+        self.watched.append((self.base, "__class__", type(self.base)))
 
     def read_config(self) -> FastBertConfig:
         """fastbert's config from the model's, corrected by what transformers' modules hold: they read the config
@@ -727,6 +751,21 @@ def _hook_reason(base: nn.Module, build: _Build) -> str | None:
     return None
 
 
+def _attention_reason(config) -> str | None:
+    """Why the model's attention function is not one fastbert computes: one registered with transformers'
+    ``AttentionInterface`` (``attn_implementation="my_attention"``, or over a built-in name), or a hub kernel."""
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation in (None, "eager"):  # the modeling file's own eager_attention_forward
+        return None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    function = ALL_ATTENTION_FUNCTIONS[implementation] if implementation in ALL_ATTENTION_FUNCTIONS else None
+    if getattr(function, "__module__", "").startswith("transformers."):
+        return None
+    return (f"attn_implementation {implementation!r} is not transformers' own attention (an AttentionInterface "
+            "registration or a hub kernel): fastbert would not run it")
+
+
 def _foreign_hooks(module: nn.Module) -> bool:
     """Hooks other than transformers' own inert ones: its output-capturing hooks (installed for good on the first
     call that asks for attentions or hidden states) and gradient checkpointing's `make_inputs_require_grads`
@@ -813,6 +852,9 @@ class OptimizedState:
             return f"a {mask.dim()}-D attention_mask (fastbert takes [batch, seq] masks)"
         if arguments.get("output_attentions") is None and getattr(config, "output_attentions", False):
             return "config.output_attentions is True"
+        reason = _attention_reason(config)
+        if reason is not None:
+            return reason
         if base.training and torch.is_grad_enabled() and self._checkpointing(base):
             return ("gradient checkpointing is enabled (fastbert's encoder does not checkpoint): call "
                     "model.gradient_checkpointing_disable() for fastbert's path")
@@ -824,16 +866,16 @@ class OptimizedState:
         return any(d.get("gradient_checkpointing") is True for d in dicts)
 
     @staticmethod
-    def model_reason(base: nn.Module, build: _Build, arguments: dict, left_padded: bool = False) -> str | None:
-        """Why fastbert cannot run this call on the model as it now is; None when it can. ``left_padded``: a row's
-        first position is padding (`left_padded`)."""
+    def model_reason(base: nn.Module, build: _Build, arguments: dict, first_padded: bool = False) -> str | None:
+        """Why fastbert cannot run this call on the model as it now is; None when it can. ``first_padded``: a row's
+        first position is padding (`_first_position_padded`)."""
         if build.unsupported:
             return build.unsupported
         if not torch.compiler.is_compiling():  # dynamo guards on hooks itself
             reason = _hook_reason(base, build)
             if reason is not None:
                 return reason
-        if left_padded:
+        if first_padded:
             return _left_padding_reason(build.fast, arguments["attention_mask"])
         return None
 
@@ -851,6 +893,9 @@ class OptimizedState:
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
         inputs = {k: arguments.get(k) for k in build.inputs}
+        # transformers' heads read position 0 of last_hidden_state, padding or not: a batch whose position 0 is
+        # padding in some row runs the padded form (rows at padding are kept here: `zero_padded_rows` is off).
+        inputs["reads_first_position"] = True
         if keep_padded_rows:  # (`FastBertModel.forward`: the padded form for this call)
             inputs["keep_padded_rows"] = True
         if self.dtype == "int8":  # inference only: the int8 GEMMs have no gradient
@@ -930,7 +975,7 @@ def _is_exporting() -> bool:
 
 def _run_encoder(fast: FastBertModel, inputs: dict, output_hidden_states: bool):
     """fastbert's encoder on ``inputs``; under autocast on the parameters' device, in the autocast dtype with
-    autocast off inside (the fused ops take one dtype), outputs cast back to the parameters' dtype."""
+    autocast off inside (the fused ops take one dtype), the hidden states cast back to the parameters' dtype."""
     weight = fast.embeddings.word_embeddings
     device_type = weight.device.type
     if not (device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)):
@@ -948,9 +993,8 @@ def _run_encoder(fast: FastBertModel, inputs: dict, output_hidden_states: bool):
         inputs = {**inputs, "inputs_embeds": inputs["inputs_embeds"].to(dtype)}
     with torch.autocast(device_type, enabled=False):
         out = torch.func.functional_call(fast, params, (), {**inputs, "output_hidden_states": output_hidden_states})
-    back = weight.dtype
+    back = weight.dtype  # as transformers' LayerNorms give them under autocast; its pooler (Linear, tanh) gives `dtype`
     out.last_hidden_state = out.last_hidden_state.to(back)
-    out.pooler_output = None if out.pooler_output is None else out.pooler_output.to(back)
     out.hidden_states = None if out.hidden_states is None else tuple(h.to(back) for h in out.hidden_states)
     return out
 
@@ -984,7 +1028,10 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
     if reason is not None:
         state.warn_once(reason)
         return type(base).forward(base, *args, **kwargs)
-    left = left_padded(arguments)
+    mask = arguments.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:  # transformers reads any nonzero value as a token
+        arguments = {**arguments, "attention_mask": mask != 0}
+    first_padded = _first_position_padded(arguments)
     if _is_exporting():  # a one-time capture of the model as it is (fake tensors: no storage to check)
         build = state.build
         if build is None:
@@ -997,25 +1044,25 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
         build = state.current(base)
         if build.fast is not None:
             build.dropout.apply(build.fast)
-    reason = state.model_reason(base, build, arguments, left)
+    reason = state.model_reason(base, build, arguments, first_padded)
     if reason is not None:
         state.warn_once(reason)
         return type(base).forward(base, *args, **kwargs)
     if padded:
         mask = arguments.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and _windowed(build.fast, mask.shape[-1]):
+        if isinstance(mask, torch.Tensor) and build.fast.config.window_narrower_than(mask.shape[-1]):
             state.warn_once(PADDED_WINDOW_REASON)
             return type(base).forward(base, *args, **kwargs)
-    if padded or left:
         return _run_padded(state, base, build, arguments)
     return state.run(base, build, arguments)
 
 
-def left_padded(arguments: dict) -> bool:
+def _first_position_padded(arguments: dict) -> bool:
     """Whether a row of the call's [B, S] attention mask starts with padding (left padding, or a row without
     tokens). Heads (the pooler, the RoBERTa/ELECTRA/DistilBERT/ModernBERT "cls" classifiers) read position 0, which
-    transformers computes there and the padding-free form does not: such a call runs the padded form. (Compiled or
-    traced calls run it anyway, and cannot read the mask.)"""
+    transformers computes there: fastbert's encoder runs such a batch in its padded form (`OptimizedState.run`),
+    except where that cannot agree with transformers (`_left_padding_reason`). (Compiled or traced calls cannot
+    read the mask; they run the padded form.)"""
     mask = arguments.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
@@ -1036,12 +1083,6 @@ def _left_padding_reason(fast: FastBertModel, mask: torch.Tensor) -> str | None:
 PADDED_WINDOW_REASON = ("the loss reads padded positions (labels there that are not -100, or question answering's "
                         "span positions on a padded batch), and with sliding-window attention fastbert's padded "
                         "form computes some of them differently (a window holding no real key gives zeros)")
-
-
-def _windowed(fast: FastBertModel, seqlen: int) -> bool:
-    """Whether a sliding window (``window // 2`` positions each side) is narrower than ``seqlen`` rows."""
-    reach = fast.config.window_reach()
-    return reach is not None and reach < seqlen - 1
 
 
 def _run_padded(state: OptimizedState, base: nn.Module, build: _Build, arguments: dict):
@@ -1219,7 +1260,7 @@ def explain(model: nn.Module, **call_kwargs) -> str:
             kwargs = {k: v for k, v in kwargs.items() if k in encoder or k not in own}
         reason = state.call_reason(base, _arguments(type(base), (), kwargs))
         if reason is None:
-            reason = state.model_reason(base, state.current(base), kwargs, left_padded(kwargs))
+            reason = state.model_reason(base, state.current(base), kwargs, _first_position_padded(kwargs))
         if reason is None:
             requested = state.backend if state.backend != "auto" else ("auto: per op among the device's backends, "
                                                                         "fastbert.backends.auto_order")

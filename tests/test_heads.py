@@ -383,6 +383,10 @@ def test_heads_reading_position_0_of_a_left_padded_row_match_transformers(family
     labels = task_labels(family, "sequence-classification", batch, 2)
     run = torch.compile(model, backend="aot_eager") if compiled else model
     compare(family, "sequence-classification", hf_model, run, batch, labels, FIELDS["sequence-classification"])
+    for side in (batch, padded_batch(family, lengths)):  # left and right padding: zeros at padded positions still
+        with torch.no_grad():
+            hidden = run(**side, output_hidden_states=True).hidden_states
+        assert all(torch.all(state[side["attention_mask"] == 0] == 0) for state in hidden)
 
 
 def test_a_left_padded_first_token_beyond_a_sliding_window_is_refused(tmp_path):

@@ -183,11 +183,12 @@ def test_sequence_longer_than_positions(bert_dir):
     [
         (torch.ones(2, 4), ValueError, r"shape \[batch, seq\]"),
         (torch.ones(2, 1, 1, 5), ValueError, r"shape \[batch, seq\]"),
-        (torch.full((2, 5), -10000.0), ValueError, "only 0 and 1"),
+        (torch.full((2, 5), -10000.0), ValueError, "only 0 and 1 .*additive float masks"),
+        (torch.full((2, 5), 2), ValueError, r"only 0 and 1 \(1 = attend, 0 = padding\)$"),
         (torch.ones(2, 5, dtype=torch.complex64), TypeError, "bool, integer or float"),
         ([[1, 1, 1, 1, 1]] * 2, TypeError, "torch.Tensor"),
     ],
-    ids=["wrong-length", "4d", "additive-float", "complex", "list"],
+    ids=["wrong-length", "4d", "additive-float", "integer-2", "complex", "list"],
 )
 def test_bad_attention_mask(bert_dir, mask, error, match):
     model = fastbert.from_pretrained(bert_dir)

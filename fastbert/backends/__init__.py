@@ -54,8 +54,9 @@ BACKENDS = ("eager", "triton", "cpp", "vendor", "onednn")
 def cpu_auto_order() -> tuple[str, ...]:
     """The CPU backends `auto` considers, float32 and bfloat16 alike: cpp, onednn (GEMMs on weights packed once) and
     eager, on every CPU. Which wins depends on the CPU and its BLAS: on AMX oneDNN wants its weights in VNNI tiles;
-    on an AMD EPYC (AVX-512, no AMX) the whole fp32 MiniLM forward ran 135 ms forced onto onednn against 177 ms
-    through cpp (issue 41); on an Intel AVX-512 VM they came out level (`benchmarks/results/cpu-2core-ops-onednn/`),
+    on an AMD EPYC (AVX-512, no AMX) the whole fp32 MiniLM forward at 8x128 ran 118 ms forced onto onednn against
+    134 ms through cpp (`benchmarks/results/cpu-2core-whole-model-amd/run0-fp32-forced.md`); on an Intel AVX-512 VM
+    they came out level (`benchmarks/results/cpu-2core-ops-onednn/`),
     and with AVX-512 BF16 but no AMX onednn's bf16 forwards ran 1.07-1.09x faster
     (`benchmarks/results/cpu-2core-avx512bf16/`). The packed copy of a weight whose op onednn did not win is
     released (`release`)."""
@@ -821,12 +822,16 @@ def _explain_model(model: torch.nn.Module) -> str:
             if table.chosen and (key[:-1] not in latest or latest[key[:-1]][0][-1] < key[-1]):
                 latest[key[:-1]] = (key, table)
         current = list(latest.values())
-        if not current:
+        whole = encoder.__dict__.get("_model_decisions", {})
+        if not current and not whole:
             lines.append(f"{name} (backend {encoder.backend!r}): has not run yet; each op is resolved on its first "
                          f"call (loaded: {describe_available()})")
+        elif not current:
+            lines.append(f"{name} (backend {encoder.backend!r}): each forward runs one backend for the whole model "
+                         f"(no per-op table; loaded: {describe_available()})")
         for (device, dtype, grad, training, requested, _), table in current:
             lines.extend(_table_lines(name, device, dtype, grad, training, requested, table))
-        lines.extend(_model_line(d) for d in encoder.__dict__.get("_model_decisions", {}).values())
+        lines.extend(_model_line(d) for d in whole.values())
     return "\n".join(lines)
 
 

@@ -28,6 +28,8 @@ class VarlenBatch:
 
     indices: int64 [T] flat positions (b * S + s) of the kept tokens, or None when nothing is padded.
     cu_seqlens: int32 [B + 1] cumulative lengths; max_seqlen: longest sequence; batch, seqlen: the padded shape.
+    first_padded: a row's position 0 is padding (left padding, or a row without tokens): what a head reading
+    position 0 reads there is computed by the padded form only.
     """
 
     indices: torch.Tensor | None
@@ -35,6 +37,7 @@ class VarlenBatch:
     max_seqlen: int
     batch: int
     seqlen: int
+    first_padded: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -49,7 +52,9 @@ def varlen_from_mask(mask: torch.Tensor | None, batch: int, seqlen: int, device:
     lengths = mask.sum(dim=1, dtype=torch.int32)
     cu = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
     indices = torch.nonzero(mask.flatten(), as_tuple=False).flatten()
-    return VarlenBatch(indices, cu, int(lengths.max()), batch, seqlen)
+    padded_first = (~mask[:, 0]).sum(dtype=torch.int32)
+    longest, first_padded = torch.stack((lengths.max(), padded_first)).tolist()  # one read back for both
+    return VarlenBatch(indices, cu, longest, batch, seqlen, first_padded > 0)
 
 
 def has_gaps(mask: torch.Tensor) -> bool:

@@ -79,6 +79,19 @@ def test_a_backend_alone_that_wins_the_whole_forward_runs_it(measuring, monkeypa
     assert decision.how == "cache" and decision.shape_class.startswith("model bert-")
 
 
+def test_explain_after_a_whole_model_forward_says_what_ran(measuring, monkeypatch, checkpoint):
+    """No per-op table exists when the whole model ran one backend: explain says so, not "has not run yet"."""
+    _plant(monkeypatch, {TABLE: 2.0, "cpp": 3.0, "onednn": 1.0, "eager": 4.0})
+    ids, mask = padded_batch(3, 9)
+    first, model = fastbert.from_pretrained(checkpoint), fastbert.from_pretrained(checkpoint)
+    with torch.inference_mode():
+        first(ids, mask)  # measures, and caches the choice
+        model(ids, mask)  # reads the choice back: no per-op table is built
+    explained = backends.explain(model)
+    assert "has not run yet" not in explained
+    assert "one backend for the whole model" in explained and "whole model: onednn" in explained
+
+
 def test_a_new_process_reads_the_whole_model_choice_from_the_cache(measuring, monkeypatch, checkpoint):
     _plant(monkeypatch, {TABLE: 2.0, "cpp": 1.0, "onednn": 3.0, "eager": 4.0})
     ids, mask = padded_batch(3, 9)

@@ -10,6 +10,7 @@ ran where nothing should stop them). "fastbert ran" = `record_backends()` saw ev
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -95,8 +96,126 @@ call by the 2x rule against the fp32 result."""
         actual, seen = run(model, **inputs)
     assert seen, "fastbert's encoder did not run"
     assert actual.last_hidden_state.dtype == expected.last_hidden_state.dtype == torch.float32
+    assert actual.pooler_output.dtype == expected.pooler_output.dtype == dtype  # (transformers' Linear and tanh)
     assert_accurate(actual.last_hidden_state[keep].to(dtype), expected.last_hidden_state[keep].to(dtype),
                     exact.last_hidden_state[keep], "autocast last_hidden_state")
+    # The pooler amplifies the dtype's rounding of the residual stream, which transformers under autocast keeps in
+    # float32 and fastbert in the autocast dtype: its reference is plain PyTorch in that dtype, the model cast to it.
+    plain, _ = run(copy.deepcopy(reference).to(dtype), **inputs)
+    assert_accurate(actual.pooler_output, plain.pooler_output, exact.pooler_output, "autocast pooler_output")
+
+
+# ------------------------------------------------------------------------- code other than transformers' own
+def _halved_forward(original):
+    def forward(self, hidden_states, input_tensor):
+        return original(self, hidden_states * 0.5, input_tensor)
+    return forward
+
+
+def _subclass_instance(model, monkeypatch):
+    from transformers.models.bert.modeling_bert import BertOutput
+
+    class HalvedOutput(BertOutput):
+        forward = _halved_forward(BertOutput.forward)
+
+    old = model.encoder.layer[1].output
+    model.encoder.layer[1].output = HalvedOutput(model.config).eval()
+    model.encoder.layer[1].output.load_state_dict(old.state_dict())
+
+
+def _class_swapped(model, monkeypatch):
+    from transformers.models.bert.modeling_bert import BertOutput
+
+    class HalvedOutput(BertOutput):
+        forward = _halved_forward(BertOutput.forward)
+
+    model.encoder.layer[1].output.__class__ = HalvedOutput
+
+
+def _class_forward_patched(model, monkeypatch):
+    from transformers.models.bert.modeling_bert import BertOutput
+
+    if not getattr(BertOutput.forward, "halved", False):
+        patched = _halved_forward(BertOutput.forward)
+        patched.halved = True
+        monkeypatch.setattr(BertOutput, "forward", patched)
+
+
+@pytest.mark.parametrize("change", [_subclass_instance, _class_swapped, _class_forward_patched],
+                         ids=["subclass-instance", "class-swapped", "class-forward-patched"])
+def test_code_other_than_transformers_runs_transformers_code(change, monkeypatch):
+    """A submodule whose class is not transformers' (a user's subclass put in, or swapped into an instance after a
+    first call), or a transformers class whose forward was patched: fastbert would compute transformers' layer, so
+    the call runs transformers' code with a warning, and equals the changed model's."""
+    reference, model = pair()
+    inputs = batch_for(reference)
+    run(model, **inputs)  # built before the change
+    change(reference, monkeypatch)
+    change(model, monkeypatch)
+    expected, _ = run(reference, **inputs)
+    with pytest.warns(UserWarning, match="fastbert would not run its code"), torch.inference_mode():
+        actual = model(**inputs)
+    assert rel_err(actual.last_hidden_state, expected.last_hidden_state) <= 1e-6
+
+
+def test_a_subclass_that_overrides_the_models_forward_keeps_it():
+    """class MyBert(BertModel) with its own forward: fastbert runs transformers' BertModel.forward only, so such a
+    model runs its own forward (and transformers' code) with a warning."""
+    from transformers import BertModel
+
+    class DoubledBert(BertModel):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.last_hidden_state = out.last_hidden_state * 2
+            return out
+
+    torch.manual_seed(0)
+    reference = DoubledBert(tiny_config("bert")).eval()
+    inputs = batch_for(reference)
+    expected, _ = run(reference, **inputs)
+    with pytest.warns(UserWarning, match="DoubledBert.forward"), torch.inference_mode():
+        model = fastbert.optimize(copy.deepcopy(reference))
+        actual = model(**inputs)
+    assert torch.equal(actual.last_hidden_state, expected.last_hidden_state)
+
+
+def test_an_attention_function_registered_with_transformers_runs_transformers_code():
+    """attn_implementation naming a function registered with transformers' AttentionInterface (here: attention at
+    half the temperature): fastbert computes standard attention, so the call runs transformers' code; switching back
+    to sdpa takes fastbert's path again."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def tempered(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        scaling = (scaling if scaling is not None else query.shape[-1] ** -0.5) * 0.5
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register("fastbert-test-tempered", tempered)
+    reference, model = pair()
+    inputs = batch_for(reference)
+    keep = inputs["attention_mask"]
+    for each in (reference, model):
+        each.set_attn_implementation("fastbert-test-tempered")
+    expected, _ = run(reference, **inputs)
+    with pytest.warns(UserWarning, match="fastbert-test-tempered"), torch.inference_mode():
+        actual = model(**inputs)
+    assert real_tokens_err(actual, expected, keep) <= 1e-5
+    model.set_attn_implementation("sdpa")
+    _, seen = run(model, **inputs)
+    assert set(seen) == FAST
+
+
+@pytest.mark.parametrize("values", [(2, 0), (0.5, 0.0), (-3.0, 0.0)], ids=["long-2", "float-half", "float-neg"])
+def test_any_nonzero_mask_value_is_a_token_as_in_transformers(values):
+    """transformers reads any nonzero value of a [B, S] attention_mask as a token: so does the drop-in."""
+    reference, model = pair()
+    inputs = batch_for(reference)
+    keep = inputs["attention_mask"]
+    inputs["attention_mask"] = torch.where(keep.bool(), torch.tensor(values[0]), torch.tensor(values[1]))
+    expected, _ = run(reference, **inputs)
+    actual, seen = run(model, **inputs)
+    assert set(seen) == FAST
+    assert real_tokens_err(actual, expected, keep) <= 1e-5
 
 
 # ---------------------------------------------------- state transformers captured at construction, or reads live
