@@ -118,7 +118,7 @@ def ensure_kernels_importable() -> str:
     import fastbert
 
     try:
-        import fastbert.kernels  # noqa: F401
+        import fastbert.kernels
 
         return "installed"
     except ModuleNotFoundError:

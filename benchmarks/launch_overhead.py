@@ -56,7 +56,7 @@ from pathlib import Path
 if __name__ == "__main__" and "cuda" not in " ".join(sys.argv[1:]):  # before triton is imported: on CPU the
     os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels are interpreter functions (never run here)
 
-import torch  # noqa: E402
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, HEADS, FFN, TOKENS = 768, 12, 3072, 128

@@ -28,12 +28,12 @@ import os
 if not __import__("torch").cuda.is_available():  # before triton is imported: kernels as interpreter functions
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import pytest
+import torch
+import transformers
 
-import fastbert  # noqa: E402
-from fastbert import backends, ops  # noqa: E402
+import fastbert
+from fastbert import backends, ops
 
 # One intra-op thread: the compute is negligible, and an idle second OpenMP thread only adds wake-up noise.
 torch.set_num_threads(1)

@@ -147,7 +147,7 @@ PRE_LN_STEPS = ("cpp_int8_rescale_prenorm", "cpp_int8_geglu_unit_rows", "cpp_rot
 _STEPS_PRESENT: dict[tuple[str, ...], bool] = {}  # steps -> whether the extension has them (`_fused_steps`)
 
 
-# torch.compile takes the answer as a constant: traced, the import inside broke the graph at every int8 GEMM.
+# torch.compile takes the answer as a constant: traced, the import inside would break the graph at every int8 GEMM.
 @torch.compiler.assume_constant_result
 def _fused_steps(steps: tuple[str, ...] = POST_LN_STEPS) -> bool:
     """Whether the C++ extension has ``steps`` (``csrc/int8.cpp``, ``csrc/rotary.cpp``); torch ops otherwise.

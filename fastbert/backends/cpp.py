@@ -64,7 +64,7 @@ for _name in TORCH_OPS:
         SPECS[_name].define("cpp_")
 
 try:
-    from fastbert import _C  # noqa: F401 - importing registers the kernels (and the helper ops) in torch.ops.fastbert
+    from fastbert import _C  # importing registers the kernels (and the helper ops) in torch.ops.fastbert
 except ImportError as err:
     _C = None
     EXTENSION_ERROR: str | None = (f"the C++ extension fastbert._C is not built ({err}); reinstall with "

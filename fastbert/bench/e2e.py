@@ -178,7 +178,7 @@ def _load_runners(run: _Run, workdir: str, names: list[str]) -> dict[str, Callab
         try:
             runners[name], run.notes[name] = build_peer(name, run.model_dir, run.config, settings.dtype,
                                                         settings.device, settings.backend, settings.quick, workdir)
-        except Exception as err:  # noqa: BLE001 - every failure of a peer is a row in the table, not a crash
+        except Exception as err:  # every failure of a peer is a row in the table, not a crash
             if name == "fastbert" and isinstance(err, ValueError):  # a CheckpointError: nothing left to compare
                 raise UserError(str(err)) from err
             reason = str(err) if isinstance(err, PeerUnavailable) else f"{type(err).__name__}: {err}"

@@ -124,7 +124,7 @@ def build_peer(name: str, model_dir: str, config: FastBertConfig, dtype: torch.d
         model = load_hf_model(model_dir, "sdpa", dtype, device)
         try:
             compiled = torch.compile(model, dynamic=False)
-        except Exception as err:  # noqa: BLE001 - reported as the peer's reason
+        except Exception as err:  # reported as the peer's reason
             raise PeerUnavailable(f"torch.compile failed: {type(err).__name__}: {str(err)[:160]}") from err
         return (lambda inputs: compiled(**inputs).last_hidden_state), [
             "torch.compile(AutoModel sdpa, dynamic=False); compile time excluded (warm-up)"]
@@ -178,7 +178,7 @@ def openvino_runner(model_dir: str, config: FastBertConfig, device: torch.device
         raise PeerUnavailable(f"openvino is not installed ({err})") from err
     try:
         path, notes = export_onnx(model_dir, config, torch.float32, device, workdir, optimize=False)
-    except Exception as err:  # noqa: BLE001 - export failures become the peer's reason
+    except Exception as err:  # export failures become the peer's reason
         raise PeerUnavailable(f"ONNX export failed: {type(err).__name__}: {str(err)[:160]}") from err
     properties = {"INFERENCE_NUM_THREADS": torch.get_num_threads(), "PERFORMANCE_HINT": "LATENCY"}
     if precision is not None:
@@ -224,7 +224,7 @@ def onnxruntime_runner(model_dir: str, config: FastBertConfig, dtype: torch.dtyp
         providers = ["CPUExecutionProvider"]
     try:
         path, notes = export_onnx(model_dir, config, dtype, device, workdir, optimize, opt_level)
-    except Exception as err:  # noqa: BLE001 - export failures become the peer's reason
+    except Exception as err:  # export failures become the peer's reason
         raise PeerUnavailable(f"ONNX export failed: {type(err).__name__}: {str(err)[:160]}") from err
     if quantize:
         path = _ort_quantized(path, workdir, notes)
@@ -263,7 +263,7 @@ def _ort_quantized(path: str, workdir: str, notes: list[str]) -> str:
                                  extra_options={"DefaultTensorType": 1})  # onnx.TensorProto.FLOAT
         finally:
             logging.disable(logging.NOTSET)
-    except Exception as err:  # noqa: BLE001 - a quantizer failure is the peer's reason
+    except Exception as err:  # a quantizer failure is the peer's reason
         raise PeerUnavailable(f"onnxruntime quantize_dynamic failed: {type(err).__name__}: {str(err)[:160]}") from err
     notes.append("onnxruntime.quantization.quantize_dynamic(weight_type=QInt8, per_channel=False): int8 weights per "
                  "tensor, uint8 activations per tensor")

@@ -10,14 +10,18 @@ import datetime as _dt
 import json
 import os
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fastbert.bench.machine import machine_tag
 from fastbert.files import replace_atomic, temporary_path, write_atomic
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes  # matplotlib is imported when plotting
+    from matplotlib.typing import ColorType
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], markdown: bool = False) -> str:
@@ -118,8 +122,8 @@ def markdown_report(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def grouped_bars(ax, categories: list[str], series: dict[str, list[float | None]], label, colors=None,
-                 missing_at: float = 0.0) -> None:
+def grouped_bars(ax: Axes, categories: list[str], series: dict[str, list[float | None]], label: Callable[[float], str],
+                 colors: Mapping[str, ColorType] | None = None, missing_at: float = 0.0) -> None:
     """One group of bars per category, one bar per series, each annotated with ``label(value)``; a value of None
     (the implementation did not run) is written as "n/a" at height ``missing_at``."""
     width = 0.8 / max(1, len(series))

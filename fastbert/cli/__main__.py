@@ -1,5 +1,7 @@
 """`python -m fastbert.cli`: the `fastbert` command."""
 
+from __future__ import annotations
+
 import sys
 
 from fastbert.cli import main

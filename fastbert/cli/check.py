@@ -4,6 +4,7 @@ ids when the checkpoint has no tokenizer); PASS/FAIL by `fastbert.numerics`' rul
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from fastbert.bench.workloads import Workload
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
 from fastbert.common.text import SENTENCES, TextEncoder, mean_pool
+
+if TYPE_CHECKING:
+    from fastbert.config import FastBertConfig
 
 
 def check_rule(dtype: torch.dtype, fast_err: float, hf_err: float | None, ref_scale: float) -> tuple[bool, str]:
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
-def check_batch(model_dir: str, config, device: torch.device) -> tuple[dict, str]:
+def check_batch(model_dir: str, config: FastBertConfig, device: torch.device) -> tuple[dict, str]:
     """The inputs (SENTENCES, or random token ids without a tokenizer) and a description of them."""
     try:
         return TextEncoder(model_dir, config)(SENTENCES, device), f"{len(SENTENCES)} English sentences"

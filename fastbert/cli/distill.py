@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastbert.training.distill import DistillSettings
 
 
 def teacher_layers(text: str | None) -> tuple[int, ...] | None:
@@ -21,7 +25,7 @@ def teacher_layers(text: str | None) -> tuple[int, ...] | None:
         raise UserError(f"--teacher-layers must be comma-separated layer numbers, got {text!r}") from err
 
 
-def settings_of(args: argparse.Namespace):
+def settings_of(args: argparse.Namespace) -> DistillSettings:
     """The run's `fastbert.training.distill.DistillSettings` from the parsed options (each option is the field of
     the same name; --no-optimize is ``optimize``, --teacher-layers a tuple)."""
     from fastbert.training import distill as distillation

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,6 +17,10 @@ from fastbert import embedding
 from fastbert.bench import report
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, check_dir_creatable, check_file_writable
+
+if TYPE_CHECKING:
+    from fastbert.embedding import Embedder, EmbedStats, FileOutput, ShardedOutput
+    from fastbert.embedding.ray import RayClusterEmbedder  # Ray is optional
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def stopped_note(args: argparse.Namespace, output) -> str:
+def stopped_note(args: argparse.Namespace, output: FileOutput | ShardedOutput) -> str:
     """What an embed run stopped early (Ctrl-C, SIGTERM) leaves: nothing, or its first rows, valid."""
     if output.rows_done == 0:
         return "nothing was written"
@@ -190,7 +195,8 @@ def input_rows(args: argparse.Namespace) -> tuple:
     return rows, counter, size, counter.stream
 
 
-def open_output(args: argparse.Namespace, embedder, output_format: str, window_rows: int):
+def open_output(args: argparse.Namespace, embedder: Embedder | RayClusterEmbedder, output_format: str,
+                window_rows: int) -> FileOutput | ShardedOutput:
     """The writer: shards in --output-dir (resumed with --resume), else one file (or stdout)."""
     string_ids = args.id_field is not None
     dtype = np.float16 if args.output_dtype == "float16" else np.float32
@@ -206,7 +212,8 @@ def open_output(args: argparse.Namespace, embedder, output_format: str, window_r
                                    resume=args.resume, string_ids=string_ids)
 
 
-def write_summary(stats, initial, embedder, output, elapsed: float) -> None:
+def write_summary(stats: EmbedStats, initial: EmbedStats | None, embedder: Embedder | RayClusterEmbedder,
+                  output: FileOutput | ShardedOutput, elapsed: float) -> None:
     """The truncation warning and the run's summary line, on stderr."""
     if stats.truncated:
         limit = embedder.settings()["max_length"]
@@ -236,7 +243,7 @@ def check_similarity_options(args: argparse.Namespace) -> None:
         raise UserError("--similarity: a TEXT is blank")
 
 
-def print_similarity(args: argparse.Namespace, embedder) -> int:
+def print_similarity(args: argparse.Namespace, embedder: Embedder | RayClusterEmbedder) -> int:
     """The cosine similarity matrix of the TEXT arguments, as a table on stdout."""
     texts = list(args.texts)  # checked by check_similarity_options: at least one, none blank
     vectors, _ = embedder.embed(texts)

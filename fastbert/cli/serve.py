@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from fastbert.serving import ServeSettings
 
 
-def settings_from(args: argparse.Namespace):
+def settings_from(args: argparse.Namespace) -> ServeSettings:
     """The `ServeSettings` of the command line, checked."""
     from fastbert.serving import API_KEY_ENV, ServeSettings
 

@@ -50,7 +50,7 @@ def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any)
         raise UserError(f"{label} has no tokenizer (none of tokenizer.json, {', '.join(sorted(TOKENIZER_FILES))})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
-    except Exception as err:  # noqa: BLE001 - any failure means: no usable tokenizer in that directory
+    except Exception as err:  # any failure means: no usable tokenizer in that directory
         reason = (str(err).splitlines() or [type(err).__name__])[0]
         raise UserError(f"{label}: transformers cannot load a tokenizer from it ({reason})") from err
     # a count of all tokens would pass an empty vocabulary with added tokens; a probe text would refuse a real one

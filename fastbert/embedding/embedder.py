@@ -166,7 +166,7 @@ class Embedder:
 
             try:
                 tokenizer = Tokenizer.from_file(path)
-            except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+            except Exception as err:  # tokenizers raises a bare Exception for a malformed file
                 raise UserError(f"{path} is not a tokenizer file the tokenizers library can read ({err})") from err
             check_max_length(self.max_length, tokenizer, self.config.token_positions, length_option)
             tokenizer.no_padding()

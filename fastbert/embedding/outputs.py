@@ -48,7 +48,7 @@ class FileOutput:
             return sys.stdout.buffer
         mode = "w+b" if self.format == "npy" else "wb"  # .npy: the header is rewritten in place
         try:
-            return open(self.written or self.path, mode)  # noqa: SIM115 - closed in close()
+            return open(self.written or self.path, mode)  # closed in close()
         except OSError as err:
             raise UserError(f"cannot write {self.path}: {err.strerror}") from err
 

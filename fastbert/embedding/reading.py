@@ -79,7 +79,7 @@ def open_input(path: str) -> tuple[ByteCounter, int | None, str]:
         return ByteCounter(sys.stdin.buffer), None, "<stdin>"
     check_input_path(path)
     try:
-        stream = open(path, "rb")  # noqa: SIM115 - closed by read_rows' caller through the generator's end
+        stream = open(path, "rb")  # closed by read_rows' caller through the generator's end
     except OSError as err:
         raise UserError(f"cannot read input file {path}: {err.strerror}") from err
     size = os.fstat(stream.fileno()).st_size

@@ -54,7 +54,7 @@ QUEUED_ROUTES = frozenset(("/embed", "/v1/embeddings", "/embeddings", "/rerank",
                            "/embed_all", "/embed_sparse"))
 # exception -> (status, TEI's error_type)
 ERRORS: dict[type, tuple[int, str]] = {
-    schemas.InputError: (422, "Validation"), schemas.TooManyInputs: (413, "Validation"),
+    schemas.RequestError: (422, "Validation"), schemas.TooManyInputs: (413, "Validation"),
     InputTooLong: (413, "Validation"), QueueFull: (429, "Overloaded"), ShuttingDown: (503, "Unhealthy"),
     RequestTimeout: (504, "Timeout"),
 }
@@ -259,7 +259,7 @@ def embedding_rows(rows: np.ndarray, normalize: bool, dimensions: int | None) ->
 
 def check_dimensions(dimensions: int | None, engine: EmbedEngine) -> None:
     if dimensions is not None and not 1 <= dimensions <= engine.dimension:
-        raise schemas.InputError(f"dimensions {dimensions}: this model gives 1 to {engine.dimension}")
+        raise schemas.RequestError(f"dimensions {dimensions}: this model gives 1 to {engine.dimension}")
 
 
 async def embed(body: schemas.EmbedRequest, request: Request) -> Response:

@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,7 +25,10 @@ from fastbert.common.text import check_max_length, load_auto_tokenizer
 from fastbert.config import FastBertConfig
 from fastbert.embedding import Embedder, sentence_transformers_head
 from fastbert.loading import weight_files
-from fastbert.serving.schemas import InputError
+from fastbert.serving.schemas import RequestError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TASKS = ("embed", "rerank", "classify")
 Text = str | tuple[str, str]  # one text, or a (text, text) pair for a cross-encoder
@@ -88,12 +91,12 @@ class EmbedEngine:
 
     def with_prompt(self, texts: list[str], name: str | None) -> list[str]:
         """The texts with the checkpoint's prompt ``name`` (sentence-transformers' ``prompts``) put before each;
-        InputError for a name the checkpoint does not declare."""
+        RequestError for a name the checkpoint does not declare."""
         if name is None:
             return texts
         if name not in self.prompts:
             known = ", ".join(repr(p) for p in self.prompts) or "none"
-            raise InputError(f"prompt_name {name!r}: this model's prompts (config_sentence_transformers.json) are "
+            raise RequestError(f"prompt_name {name!r}: this model's prompts (config_sentence_transformers.json) are "
                              f"{known}")
         return [self.prompts[name] + text for text in texts]
 
@@ -104,7 +107,7 @@ class EmbedEngine:
             if len(row) > self.max_length:
                 raise InputTooLong(index, self.max_length, can_truncate=False)
             if not row or min(row) < 0 or max(row) >= vocab:
-                raise InputError(f"input {index}: token ids must be a non-empty list of integers in [0, {vocab})")
+                raise RequestError(f"input {index}: token ids must be a non-empty list of integers in [0, {vocab})")
         return [Tokens(list(row)) for row in rows]
 
     def run(self, batch: Sequence[Tokens]) -> np.ndarray:
@@ -163,17 +166,17 @@ class EmbedEngine:
         return answers
 
     def decode(self, rows: Sequence[Sequence[int]], skip_special_tokens: bool) -> list[str]:
-        """TEI's /decode: the text of each row of ids; InputError for an id outside the vocabulary."""
+        """TEI's /decode: the text of each row of ids; RequestError for an id outside the vocabulary."""
         tokenizer = self.require_plain()
         size = tokenizer.get_vocab_size(with_added_tokens=True)
         for index, row in enumerate(rows):
             if any(i >= size for i in row):
-                raise InputError(f"input {index}: token ids must lie in [0, {size})")
+                raise RequestError(f"input {index}: token ids must lie in [0, {size})")
         return tokenizer.decode_batch([list(row) for row in rows], skip_special_tokens=skip_special_tokens)
 
-    def require_plain(self):
+    def require_plain(self) -> Tokenizer:
         if self.plain is None:
-            raise InputError(f"{self.model_dir} has no tokenizer.json: /tokenize and /decode need one")
+            raise RequestError(f"{self.model_dir} has no tokenizer.json: /tokenize and /decode need one")
         return self.plain
 
 
@@ -296,7 +299,7 @@ class PairTokenizer:
         return ids, types, truncated
 
 
-def plain_tokenizer(model_dir: str):
+def plain_tokenizer(model_dir: str) -> Tokenizer | None:
     """The checkpoint's tokenizer.json without truncation or padding (what /tokenize and /decode show), or None."""
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(path):

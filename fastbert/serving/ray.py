@@ -39,7 +39,7 @@ class Replica:
             torch.set_num_threads(threads)
         self.service = Service(ServeSettings(**settings))
 
-    def __serve_build_asgi_app__(self):  # noqa: N807 - the name Ray Serve calls
+    def __serve_build_asgi_app__(self):  # the name Ray Serve calls
         return self.service.app
 
 

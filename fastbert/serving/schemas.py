@@ -25,7 +25,7 @@ def _null_is_false(value: object) -> object:
 Truncate = Annotated[bool, BeforeValidator(_null_is_false)]
 
 
-class InputError(ValueError):
+class RequestError(ValueError):
     """A request the client must fix: answered 422 with this message."""
 
 
@@ -79,7 +79,7 @@ def texts_of(values: str | Sequence[str], limit: int) -> list[str]:
     as UTF-8 (JSON's \\ud800 escapes give lone surrogates, which are not)."""
     texts = [values] if isinstance(values, str) else list(values)
     if not texts:
-        raise InputError("no inputs: send at least one text")
+        raise RequestError("no inputs: send at least one text")
     if len(texts) > limit:
         raise TooManyInputs(f"{len(texts)} inputs in one request; this server takes at most {limit} "
                             "(--max-client-batch-size)")
@@ -90,11 +90,11 @@ def texts_of(values: str | Sequence[str], limit: int) -> list[str]:
 
 def check_text(text: str, name: str) -> None:
     if not text.strip():
-        raise InputError(f"{name} is empty: every text needs at least one non-blank character")
+        raise RequestError(f"{name} is empty: every text needs at least one non-blank character")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        raise InputError(f"{name} is not valid UTF-8 text (a lone surrogate at character {err.start})") from err
+        raise RequestError(f"{name} is not valid UTF-8 text (a lone surrogate at character {err.start})") from err
 
 
 def predict_items(inputs: str | list[str | list[str]], limit: int) -> tuple[list[str | tuple[str, str]], bool]:
@@ -107,10 +107,10 @@ def predict_items(inputs: str | list[str | list[str]], limit: int) -> tuple[list
     items: list[str | tuple[str, str]] = []
     for index, value in enumerate(inputs):
         if isinstance(value, list) and len(value) not in (1, 2):
-            raise InputError(f"input {index} is a list of {len(value)} texts; give one text or a pair of two")
+            raise RequestError(f"input {index} is a list of {len(value)} texts; give one text or a pair of two")
         items.append(value if isinstance(value, str) else value[0] if len(value) == 1 else (value[0], value[1]))
     if not items:
-        raise InputError("no inputs: send at least one text")
+        raise RequestError("no inputs: send at least one text")
     if len(items) > limit:
         raise TooManyInputs(f"{len(items)} inputs in one request; this server takes at most {limit} "
                             "(--max-client-batch-size)")
@@ -171,12 +171,12 @@ class TokenLevelRequest(BaseModel):
 def id_rows(ids: list[int] | list[list[int]], limit: int) -> list[list[int]]:
     """The rows of a /decode body: one row or a batch, 1 to ``limit`` of them, ids >= 0."""
     if not ids:
-        raise InputError("no ids: send a list of token ids or a list of such lists")
+        raise RequestError("no ids: send a list of token ids or a list of such lists")
     rows = [ids] if isinstance(ids[0], int) else ids
     if len(rows) > limit:
         raise TooManyInputs(f"{len(rows)} inputs in one request; this server takes at most {limit} "
                             "(--max-client-batch-size)")
     for index, row in enumerate(rows):
         if any(i < 0 for i in row):  # type: ignore[union-attr]
-            raise InputError(f"input {index}: token ids must be >= 0")
+            raise RequestError(f"input {index}: token ids must be >= 0")
     return rows  # type: ignore[return-value]

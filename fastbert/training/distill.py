@@ -46,11 +46,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.nn.functional as F
 
+from fastbert import families
 from fastbert.common.resolve import UserError, default_model_dir
 from fastbert.common.text import load_auto_tokenizer, mean_pool
 from fastbert.files import write_atomic
@@ -68,6 +69,9 @@ from fastbert.training.pretrain import (
     vocab_fingerprint,
 )
 from fastbert.training.settings import RunSettings, check_number, run_model_hint
+
+if TYPE_CHECKING:  # transformers is optional and imported where a model, config or tokenizer is built
+    from transformers import DistilBertConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 OBJECTIVES = ("mlm", "embedding")
 MLM_TEACHER_TYPES = ("bert", "roberta")
@@ -221,7 +225,7 @@ def student_layer_indices(teacher_layers: int, student_layers: int | None = None
     return [int(math.floor(i * (teacher_layers - 1) / (count - 1) + 0.5)) for i in range(count)]
 
 
-def distilbert_config(teacher_config, layers: int):
+def distilbert_config(teacher_config: PretrainedConfig, layers: int) -> DistilBertConfig:
     """The DistilBertConfig of a student of a BERT/RoBERTa teacher: the teacher's width, heads, FFN, activation,
     dropout and vocabulary, ``layers`` layers, positions numbered from 0 (RoBERTa's offset past the padding id
     removed), no token types, no pooler."""
@@ -238,9 +242,10 @@ def distilbert_config(teacher_config, layers: int):
         sinusoidal_pos_embds=False, tie_word_embeddings=True)
 
 
-def position_offset(config) -> int:
-    """Where a model's position ids start: RoBERTa numbers them from pad_token_id + 1, BERT from 0."""
-    return config.pad_token_id + 1 if config.model_type == "roberta" else 0
+def position_offset(config: PretrainedConfig) -> int:
+    """Where a model's position ids start: the RoBERTa-style families (RoBERTa, XLM-R, CamemBERT) number them from
+    pad_token_id + 1, BERT from 0 (the families' own rule, `fastbert.families.Family.offset_positions`)."""
+    return config.pad_token_id + 1 if families.get(config.model_type).offset_positions else 0
 
 
 def build_mlm_student(teacher: torch.nn.Module, indices: list[int], from_teacher: bool = True) -> torch.nn.Module:
@@ -351,7 +356,7 @@ def check_mlm_teacher(teacher_dir: str) -> None:
                         "...ForPreTraining checkpoint (e.g. one `fastbert pretrain` wrote)")
 
 
-def teacher_config(teacher_dir: str):
+def teacher_config(teacher_dir: str) -> PretrainedConfig:
     """The teacher's transformers config; UserError when transformers cannot read it."""
     import transformers
 
@@ -421,7 +426,7 @@ def freeze(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def load_teacher_tokenizer(teacher_dir: str, config, objective: str):
+def load_teacher_tokenizer(teacher_dir: str, config: PretrainedConfig, objective: str) -> PreTrainedTokenizerBase:
     """The teacher's tokenizer, which must fit its model: no more tokens than the embedding table, the same padding
     id, and for mlm a mask token. UserError otherwise."""
     tokenizer = load_auto_tokenizer(teacher_dir, label=f"--teacher {teacher_dir}")
@@ -453,8 +458,9 @@ class SentenceBatches(Sequence):
     reads them (two segments, token types 0 and 1): a sentence and the next one of its document, or, half of the
     time, a sentence of another document, drawn from (seed, epoch, batch index); the rest single sentences."""
 
-    def __init__(self, sentences: list[str], tokenizer, batch_size: int, max_length: int, seed: int, epoch: int,
-                 token_types: bool, pairs: float = 0.0, pair_sources: Sequence[tuple[int, str, str]] = ()):
+    def __init__(self, sentences: list[str], tokenizer: PreTrainedTokenizerBase, batch_size: int, max_length: int,
+                 seed: int, epoch: int, token_types: bool, pairs: float = 0.0,
+                 pair_sources: Sequence[tuple[int, str, str]] = ()):
         self.tokenizer, self.batch_size, self.max_length, self.token_types = tokenizer, batch_size, max_length, \
             token_types
         self.seed, self.epoch, self.sentences, self.pair_sources = seed, epoch, list(sentences), list(pair_sources)
@@ -468,7 +474,7 @@ class SentenceBatches(Sequence):
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:  # type: ignore[override]
         if not 0 <= index < self.count:
             raise IndexError(index)
         singles = self.batch_size - self.pair_count
@@ -484,7 +490,7 @@ class SentenceBatches(Sequence):
         return encode_sentences(self.tokenizer, chunk, self.max_length, self.token_types, pairs)
 
 
-def encode_sentences(tokenizer, sentences: Sequence[str], max_length: int, token_types: bool,
+def encode_sentences(tokenizer: PreTrainedTokenizerBase, sentences: Sequence[str], max_length: int, token_types: bool,
                      pairs: Sequence[tuple[str, str]] = ()) -> dict[str, torch.Tensor]:
     """input_ids and attention_mask (and token_type_ids when the model has token types) of a batch: the single
     sentences, then the pairs (segments A and B, token types 0 and 1), all padded to the longest."""
@@ -511,8 +517,9 @@ class DistillationTask(TrainingTask):
 
     objective = ""
 
-    def __init__(self, teacher: torch.nn.Module, tokenizer, weights: LossWeights, settings: dict[str, Any],
-                 extra_files: Path | None = None, modules: list[dict[str, Any]] | None = None):
+    def __init__(self, teacher: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, weights: LossWeights,
+                 settings: dict[str, Any], extra_files: Path | None = None,
+                 modules: list[dict[str, Any]] | None = None):
         self.teacher, self.tokenizer, self.weights, self._settings = teacher, tokenizer, weights, settings
         self.extra_files, self.modules = extra_files, modules or []
         self.teacher_figures: dict[str, float] | None = None
@@ -548,8 +555,9 @@ class MlmDistillationTask(DistillationTask):
 
     objective = "mlm"
 
-    def __init__(self, teacher, tokenizer, weights, settings, data: PretrainingData,
-                 held_out: PretrainingData | None, eval_examples: int = 512):
+    def __init__(self, teacher: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, weights: LossWeights,
+                 settings: dict[str, Any], data: PretrainingData, held_out: PretrainingData | None,
+                 eval_examples: int = 512):
         super().__init__(teacher, tokenizer, weights, settings)
         self.data = data
         self.eval_batches = held_out.evaluation_batches(eval_examples) if held_out is not None else []
@@ -614,7 +622,8 @@ class EmbeddingDistillationTask(DistillationTask):
 
     objective = "embedding"
 
-    def __init__(self, teacher, tokenizer, weights, settings, *, sentences: list[str], held_out: list[str],
+    def __init__(self, teacher: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, weights: LossWeights,
+                 settings: dict[str, Any], *, sentences: list[str], held_out: list[str],
                  pooling: str, normalize: bool, batch_size: int, max_length: int, seed: int, extra_files: Path,
                  modules: list[dict[str, Any]], pairs: float = 0.0,
                  pair_sources: Sequence[tuple[int, str, str]] = ()):
@@ -809,7 +818,7 @@ class DistillSettings(RunSettings):
                                  keep_checkpoints=self.keep_checkpoints, resume=self.resume, progress=self.progress)
 
 
-def distill(settings: DistillSettings, log=None) -> TrainResult:
+def distill(settings: DistillSettings, log: TextIO | None = None) -> TrainResult:
     """Run one distillation (module docstring): everything that can be wrong with the teacher, the student's depth,
     the tokenizer or the settings is a UserError before anything trains. Writes a description of the run and a
     summary at the end on ``log`` (default stderr); returns the loop's result."""
@@ -845,8 +854,8 @@ def teacher_fingerprint(teacher_dir: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def common_settings(settings: DistillSettings, teacher_dir: str, documents, tokenizer, student, indices
-                    ) -> dict[str, Any]:
+def common_settings(settings: DistillSettings, teacher_dir: str, documents: list[list[str]],
+                    tokenizer: PreTrainedTokenizerBase, student: PreTrainedModel, indices: list[int]) -> dict[str, Any]:
     """What a resume must match, for both objectives: teacher, student, layers, loss, data, corpus, vocabulary."""
     found = {"objective": settings.objective, "teacher": os.path.abspath(teacher_dir),
              "teacher_sha256": teacher_fingerprint(teacher_dir), "teacher_layers": indices, "init": settings.init,
@@ -859,7 +868,7 @@ def common_settings(settings: DistillSettings, teacher_dir: str, documents, toke
     return found
 
 
-def sequence_length(settings: DistillSettings, teacher_config) -> int:
+def sequence_length(settings: DistillSettings, teacher_config: PretrainedConfig) -> int:
     """Tokens per sequence: --max-length (default 128, or the teacher's positions when it has fewer); UserError
     when --max-length is more than the teacher has."""
     positions = teacher_config.max_position_embeddings - position_offset(teacher_config)

@@ -32,6 +32,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from itertools import pairwise
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -58,6 +60,11 @@ from fastbert.training.task_distillation import (
     check_teacher,
     resolve_teacher,
 )
+
+if TYPE_CHECKING:  # transformers is optional and imported where a model or tokenizer is built
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    from fastbert.config import FastBertConfig
 
 TASK_NAMES = ("topic", "pair", "code")
 TOPIC_PACKAGES = ("asyncio", "email", "importlib", "multiprocessing", "unittest", "xml")
@@ -296,7 +303,8 @@ def subsample(examples: Sequence[Example], limit: int | None, seed: int) -> list
 
 
 # ------------------------------------------------------------------------------------------------ batches
-def encode_batch(tokenizer, examples: Sequence[Example], kind: str, max_length: int) -> dict[str, torch.Tensor]:
+def encode_batch(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], kind: str,
+                 max_length: int) -> dict[str, torch.Tensor]:
     """Tokenise and pad a batch (longest in the batch). Sequence tasks: ``labels`` [B]; the token task: ``labels``
     [B, S] with the word label on each word's first sub-token and IGNORE_INDEX elsewhere (special tokens, later
     sub-tokens, padding)."""
@@ -323,8 +331,8 @@ def encode_batch(tokenizer, examples: Sequence[Example], kind: str, max_length: 
     return dict(batch)
 
 
-def batches(tokenizer, examples: Sequence[Example], kind: str, batch_size: int, max_length: int,
-            shuffle_seed: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+def batches(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], kind: str, batch_size: int,
+            max_length: int, shuffle_seed: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Encoded batches of ``examples`` in order, or shuffled with ``random.Random(shuffle_seed)``."""
     order = list(range(len(examples)))
     if shuffle_seed is not None:
@@ -348,8 +356,8 @@ def majority_baseline(data: TaskData, test: Sequence[Example] | None = None,
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokenizer, examples: Sequence[Example], kind: str, num_labels: int,
-             batch_size: int = 64, max_length: int = 128) -> dict:
+def evaluate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], kind: str,
+             num_labels: int, batch_size: int = 64, max_length: int = 128) -> dict:
     """Held-out figures of a classifier in eval mode: accuracy, per-label precision / recall / F1 and macro F1.
     The token task counts words (a word cut off by ``max_length`` counts as wrong and is reported)."""
     was_training = model.training
@@ -480,7 +488,7 @@ class FinetuneTask(TrainingTask):
     """The `fastbert.training.loop.TrainingTask` of a fine-tuning run: batches of the training split, the head's loss
     and batch accuracy, the held-out evaluation at the end, the tokenizer beside each checkpoint."""
 
-    def __init__(self, data: TaskData, train: list[Example], test: list[Example], tokenizer,
+    def __init__(self, data: TaskData, train: list[Example], test: list[Example], tokenizer: PreTrainedTokenizerBase,
                  settings: FinetuneSettings, model_dir: str, teacher: TaskTeacher | None = None):
         self.data, self.train_examples, self.test_examples = data, train, test
         self.tokenizer, self.run, self.model_dir, self.teacher = tokenizer, settings, model_dir, teacher
@@ -499,7 +507,7 @@ class FinetuneTask(TrainingTask):
             return self.train_examples
         return subsample(pair_task(self.run.seed + epoch).train, self.run.train_limit, self.run.seed)
 
-    def compute(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+    def compute(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> StepOutput:
         wants_hidden = self.teacher is not None and self.teacher.wants_hidden_states
         out = model(**batch, output_hidden_states=True) if wants_hidden else model(**batch)
         labels = batch["labels"]
@@ -518,7 +526,7 @@ class FinetuneTask(TrainingTask):
                 "backend": self.run.backend, **({"resample_pairs": True} if self.run.resample_pairs else {}),
                 **(self.teacher.settings() if self.teacher is not None else {})}
 
-    def save(self, directory) -> None:
+    def save(self, directory: Path) -> None:
         self.tokenizer.save_pretrained(directory)
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
@@ -536,7 +544,8 @@ def load_classifier(model_dir: str, data: TaskData, device: torch.device) -> tor
     return model.to(device).train()
 
 
-def pretrained_classifier(model_dir: str, kind: str, **options):
+def pretrained_classifier(model_dir: str, kind: str,
+                          **options: Any) -> PreTrainedModel | tuple[PreTrainedModel, dict[str, Any]]:
     """transformers' sequence- or token-classification model of the checkpoint (``from_pretrained`` with
     ``options``), its loading notices silenced: the run reports a new head itself, and a teacher's missing head is
     an error (`check_head`)."""
@@ -552,7 +561,7 @@ def pretrained_classifier(model_dir: str, kind: str, **options):
         transformers.logging.set_verbosity(verbosity)
 
 
-def finetune(settings: FinetuneSettings, log=None) -> dict:
+def finetune(settings: FinetuneSettings, log: TextIO | None = None) -> dict:
     """Run one fine-tuning (module docstring), with a description of it and the held-out result on ``log``
     (default stderr): returns the results record, also written to ``<output_dir>/results.json``; the fine-tuned
     model and tokenizer are in ``<output_dir>/model``. Under torchrun, ranks other than 0 return {}.
@@ -604,8 +613,8 @@ def finetune(settings: FinetuneSettings, log=None) -> dict:
     return results
 
 
-def build_teacher(settings: FinetuneSettings, data: TaskData, tokenizer, student_config,
-                  device: torch.device) -> TaskTeacher:
+def build_teacher(settings: FinetuneSettings, data: TaskData, tokenizer: PreTrainedTokenizerBase,
+                  student_config: FastBertConfig, device: torch.device) -> TaskTeacher:
     """The run's checked teacher (`fastbert.training.task_distillation`) with its trained head, frozen on
     ``device``, optimized like the student."""
     import fastbert
@@ -642,7 +651,7 @@ def teacher_record(task: FinetuneTask, teacher: TaskTeacher) -> dict:
             "student_over_teacher": share}
 
 
-def cap_max_length(settings: FinetuneSettings, config, log) -> FinetuneSettings:
+def cap_max_length(settings: FinetuneSettings, config: FastBertConfig, log: TextIO) -> FinetuneSettings:
     """The settings with max_length set: the one asked for, which must fit the model's positions (UserError), or
     the default cut to them (a small pretrained model may have fewer), saying so on ``log`` when it cuts."""
     positions = config.token_positions
@@ -657,7 +666,7 @@ def cap_max_length(settings: FinetuneSettings, config, log) -> FinetuneSettings:
     return replace(settings, max_length=positions)
 
 
-def load_tokenizer(model_dir: str):
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerFast:
     """The checkpoint's fast tokenizer; UserError when there is none."""
     tokenizer = load_auto_tokenizer(model_dir)
     if not tokenizer.is_fast:
@@ -665,7 +674,7 @@ def load_tokenizer(model_dir: str):
     return tokenizer
 
 
-def build_classifier(model_dir: str, data: TaskData, tokenizer, settings: FinetuneSettings,
+def build_classifier(model_dir: str, data: TaskData, tokenizer: PreTrainedTokenizerBase, settings: FinetuneSettings,
                      device: torch.device) -> torch.nn.Module:
     """`load_classifier` with the head initialised from the seed, checked against the tokenizer, and passed
     through `fastbert.optimize` unless the settings say not to."""
@@ -683,7 +692,7 @@ def build_classifier(model_dir: str, data: TaskData, tokenizer, settings: Finetu
     return fastbert.optimize(model, backend=settings.backend) if settings.optimize else model
 
 
-def describe_path(model: torch.nn.Module, tokenizer, examples: Sequence[Example], kind: str,
+def describe_path(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], kind: str,
                   settings: FinetuneSettings, device: torch.device) -> str:
     """`fastbert.explain` of the model on a sample batch: which of its calls run fastbert's code."""
     if not settings.optimize:

@@ -218,8 +218,7 @@ def _clean_temporaries(output_dir: Path) -> None:
 
 def _state_dict_to_save(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's tensors, each its own contiguous copy (safetensors refuses tensors that share storage; an
-    optimized model has none since issue 37, but a model edited by hand may). Tied weights are kept once by
-    save_pretrained."""
+    optimized model has none, but a model edited by hand may). Tied weights are kept once by save_pretrained."""
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
@@ -540,7 +539,7 @@ class TrainingRun:
             return
         self.records = read_metrics(self.output_dir / METRICS_FILE, up_to_step=self.step)
         write_atomic(self.output_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.records).encode())
-        self.log = open(self.output_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115
+        self.log = open(self.output_dir / METRICS_FILE, "a", encoding="utf-8")
 
     def wrap_model(self) -> nn.Module:
         """The model the steps call: the model itself, or its DistributedDataParallel wrapper under DDP."""
@@ -755,7 +754,7 @@ def _save_checkpoint(model: nn.Module, task: TrainingTask, optimizer: torch.opti
     return final
 
 
-def keep_final_model(checkpoint, output_dir: str) -> str:
+def keep_final_model(checkpoint: str | os.PathLike, output_dir: str) -> str:
     """Copy the last checkpoint (without the trainer state) to ``<output_dir>/model``, replacing it atomically;
     returns that path."""
     model_out = os.path.join(output_dir, "model")

@@ -43,7 +43,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -72,6 +72,13 @@ from fastbert.training.settings import RunSettings, check_number, run_model_hint
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes  # matplotlib is optional and imported where a curve is drawn
+    from transformers import (  # transformers too, imported where a tokenizer, config or model is built
+        BertTokenizerFast,
+        PretrainedConfig,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+        RobertaTokenizerFast,
+    )
 
 OBJECTIVES = ("bert", "roberta", "albert")
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -111,7 +118,7 @@ def hold_out(documents: list[list[str]], fraction: float, seed: int = 0) -> tupl
 
 # ----------------------------------------------------------------------------------------------- tokenizer
 def train_tokenizer(documents: list[list[str]], vocab_size: int, max_length: int, lowercase: bool = True,
-                    objective: str = "bert"):
+                    objective: str = "bert") -> PreTrainedTokenizerFast:
     """The objective's vocabulary trained on the documents' sentences: byte-level BPE for roberta
     (`train_byte_level_bpe`), else WordPiece (`train_wordpiece`)."""
     if objective == "roberta":
@@ -119,7 +126,7 @@ def train_tokenizer(documents: list[list[str]], vocab_size: int, max_length: int
     return train_wordpiece(documents, vocab_size, max_length, lowercase)
 
 
-def train_byte_level_bpe(documents: list[list[str]], vocab_size: int, max_length: int):
+def train_byte_level_bpe(documents: list[list[str]], vocab_size: int, max_length: int) -> RobertaTokenizerFast:
     """RoBERTa's kind of vocabulary: a byte-level BPE trained on the documents' sentences, as a transformers fast
     tokenizer (RobertaTokenizerFast; specials <s>=0 <pad>=1 </s>=2 <unk>=3 <mask>=4; a sequence is
     ``<s> A </s>``, a pair ``<s> A </s></s> B </s>``). The 256 byte symbols are all in the base alphabet, so any
@@ -144,7 +151,8 @@ def train_byte_level_bpe(documents: list[list[str]], vocab_size: int, max_length
                                 model_max_length=max_length)
 
 
-def train_wordpiece(documents: list[list[str]], vocab_size: int, max_length: int, lowercase: bool = True):
+def train_wordpiece(documents: list[list[str]], vocab_size: int, max_length: int,
+                    lowercase: bool = True) -> BertTokenizerFast:
     """A WordPiece vocabulary trained on the documents' sentences, as a transformers fast tokenizer
     (BertTokenizerFast; specials [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4; pairs get token types 0/1)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -166,7 +174,7 @@ def train_wordpiece(documents: list[list[str]], vocab_size: int, max_length: int
                              model_max_length=max_length)
 
 
-def continuation_table(tokenizer) -> torch.Tensor:
+def continuation_table(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     """bool [vocab]: True for the tokens whole-word masking keeps with the token before them: WordPiece's ``##...``
     continuations; with a byte-level BPE (whose tokens that start a word after a space begin with ``Ġ``), every
     token that does not, special tokens aside (a word is what spaces delimit, RoBERTa's whole words)."""
@@ -366,7 +374,8 @@ class _EpochBatches(Sequence):
 
 
 # --------------------------------------------------------------------------------------------------- model
-def build_config(objective: str, tokenizer, max_length: int, overrides: dict[str, Any]):
+def build_config(objective: str, tokenizer: PreTrainedTokenizerBase | VocabularyShape, max_length: int,
+                 overrides: dict[str, Any]) -> PretrainedConfig:
     """The transformers config of the objective's model: the small default sizes, then ``overrides`` (a --config
     file's fields and the size options), with the vocabulary and special ids of ``tokenizer``."""
     from transformers import AlbertConfig, BertConfig, RobertaConfig
@@ -389,7 +398,7 @@ def build_config(objective: str, tokenizer, max_length: int, overrides: dict[str
     return config_class(**{**fields, **special, **extra})
 
 
-def build_model(objective: str, config) -> torch.nn.Module:
+def build_model(objective: str, config: PretrainedConfig) -> torch.nn.Module:
     """BertForPreTraining, RobertaForMaskedLM or AlbertForPreTraining from ``config`` (random initialisation)."""
     from transformers import AlbertForPreTraining, BertForPreTraining, RobertaForMaskedLM
 
@@ -434,7 +443,7 @@ class PretrainingTask(TrainingTask):
     """The `fastbert.training.loop` task of a pretraining run: batches from `PretrainingData`, MLM (+ NSP/SOP) losses,
     held-out evaluation, tokenizer files in each checkpoint, the loss curve at each checkpoint."""
 
-    def __init__(self, data: PretrainingData, tokenizer, settings: dict[str, Any],
+    def __init__(self, data: PretrainingData, tokenizer: PreTrainedTokenizerBase, settings: dict[str, Any],
                  held_out: PretrainingData | None = None, eval_examples: int = 512):
         self.data, self.tokenizer, self._settings = data, tokenizer, settings
         self.objective = data.options.objective
@@ -597,7 +606,7 @@ class PretrainSettings(RunSettings):
                                  keep_checkpoints=self.keep_checkpoints, resume=self.resume, progress=self.progress)
 
 
-def pretrain(settings: PretrainSettings, log=None) -> TrainResult | None:
+def pretrain(settings: PretrainSettings, log: TextIO | None = None) -> TrainResult | None:
     """Run one pretraining (module docstring), with a description of it and a summary at the end on ``log``
     (default stderr). Returns the loop's result; None on the ranks other than 0 under torchrun.
 
@@ -657,7 +666,7 @@ def read_config_file(path: str | None) -> dict[str, Any]:
     return fields
 
 
-def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[str]]):
+def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[str]]) -> PreTrainedTokenizerBase:
     """The run's tokenizer: on resume the latest checkpoint's (never retrained: tokenizers' WordPiece trainer numbers
     its alphabet in hash order, so two trainings on the same text can differ); else --tokenizer's, else one trained
     on the training sentences. A new run keeps a copy in output_dir/tokenizer."""
@@ -682,7 +691,7 @@ def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[st
     return tokenizer
 
 
-def load_given_tokenizer(directory: str):
+def load_given_tokenizer(directory: str) -> PreTrainedTokenizerBase:
     """A --tokenizer directory's tokenizer, which must have a vocabulary and the special tokens pretraining uses."""
     try:
         tokenizer = load_auto_tokenizer(directory, label=f"--tokenizer {directory}")
@@ -696,7 +705,7 @@ def load_given_tokenizer(directory: str):
     return tokenizer
 
 
-def distributed_tokenizer(settings: PretrainSettings, train_docs: list[list[str]]):
+def distributed_tokenizer(settings: PretrainSettings, train_docs: list[list[str]]) -> PreTrainedTokenizerBase:
     """The run's tokenizer; under torchrun (WORLD_SIZE > 1) rank 0 makes it and the other ranks load its copy, since
     two trainings of the vocabulary can differ."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -714,7 +723,7 @@ def distributed_tokenizer(settings: PretrainSettings, train_docs: list[list[str]
     return tokenizer
 
 
-def tokenize_documents(tokenizer, docs: list[list[str]]) -> list[list[list[int]]]:
+def tokenize_documents(tokenizer: PreTrainedTokenizerBase, docs: list[list[str]]) -> list[list[list[int]]]:
     """Each document's sentences as token ids, without special tokens (sequences are cut to length later)."""
     flat = [s for doc in docs for s in doc]
     ids = tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []
@@ -725,8 +734,8 @@ def tokenize_documents(tokenizer, docs: list[list[str]]) -> list[list[list[int]]
     return out
 
 
-def build_data(settings: PretrainSettings, tokenizer, train_docs: list[list[str]], held_docs: list[list[str]]
-               ) -> tuple[PretrainingData, PretrainingData | None]:
+def build_data(settings: PretrainSettings, tokenizer: PreTrainedTokenizerBase, train_docs: list[list[str]],
+               held_docs: list[list[str]]) -> tuple[PretrainingData, PretrainingData | None]:
     """The training data and the held-out data (None when there is too little held out to evaluate on)."""
     options = settings.data_options()
     special = dict(cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id, pad_id=tokenizer.pad_token_id,
@@ -751,7 +760,7 @@ class VocabularyShape:
         return self.size
 
 
-def vocabulary_note(settings: PretrainSettings, tokenizer) -> str:
+def vocabulary_note(settings: PretrainSettings, tokenizer: PreTrainedTokenizerBase) -> str:
     """A line for a vocabulary trained larger than --vocab-size ('' otherwise): a WordPiece vocabulary keeps every
     character of the training text, however small the size asked for (a byte-level BPE's least, every byte, is
     refused before any work: `PretrainSettings.check`)."""
@@ -762,7 +771,8 @@ def vocabulary_note(settings: PretrainSettings, tokenizer) -> str:
             "tokens")
 
 
-def check_model_config(settings: PretrainSettings, overrides: dict[str, Any], log=None) -> PretrainSettings:
+def check_model_config(settings: PretrainSettings, overrides: dict[str, Any],
+                       log: TextIO | None = None) -> PretrainSettings:
     """The settings with max_length settled (`settle_max_length`, saying on ``log`` when the default is cut);
     UserError for config fields transformers refuses or the run cannot train with, found before the corpus is read
     and the tokenizer trained and written (minutes of work, and a file left behind): the model is built on the meta
@@ -788,7 +798,7 @@ def config_positions(objective: str, config: Any) -> int:
     return config.max_position_embeddings - offset
 
 
-def settle_max_length(settings: PretrainSettings, config: Any, log=None) -> PretrainSettings:
+def settle_max_length(settings: PretrainSettings, config: Any, log: TextIO | None = None) -> PretrainSettings:
     """The settings with max_length set: --max-length as given (`check_config_fits_data` refuses one the config has
     no positions for), else DEFAULT_MAX_LENGTH, cut to the config's positions when it has fewer (a --config's
     max_position_embeddings) and said on ``log``; ValueError when they are fewer than a sequence needs (8)."""
@@ -833,7 +843,7 @@ def check_config_fits_data(settings: PretrainSettings, config: Any) -> None:
                          f"{config.type_vocab_size}")
 
 
-def build_pretraining_model(settings: PretrainSettings, tokenizer, overrides: dict[str, Any],
+def build_pretraining_model(settings: PretrainSettings, tokenizer: PreTrainedTokenizerBase, overrides: dict[str, Any],
                             device: torch.device) -> tuple[torch.nn.Module, Any]:
     """(model on ``device``, its transformers config), initialised from the seed and passed through
     `fastbert.optimize` unless the settings say not to; UserError for config fields transformers refuses."""
@@ -866,13 +876,14 @@ def corpus_fingerprint(documents: list[list[str]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def vocab_fingerprint(tokenizer) -> str:
+def vocab_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """A short hash of the vocabulary's tokens in id order."""
     items = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256("\n".join(token for token, _ in items).encode()).hexdigest()[:16]
 
 
-def run_settings(settings: PretrainSettings, documents: list[list[str]], tokenizer, config) -> dict[str, Any]:
+def run_settings(settings: PretrainSettings, documents: list[list[str]], tokenizer: PreTrainedTokenizerBase,
+                 config: PretrainedConfig) -> dict[str, Any]:
     """What a resume of this run must match: data options, corpus and vocabulary fingerprints, model config."""
     found = {"data": asdict(settings.data_options()),
              "corpus": "text files" if settings.files else settings.corpus or "pydoc",
@@ -884,9 +895,9 @@ def run_settings(settings: PretrainSettings, documents: list[list[str]], tokeniz
     return found
 
 
-def describe_run(settings: PretrainSettings, model: torch.nn.Module, config, tokenizer,
-                 train_docs: list[list[str]], data: PretrainingData, task: PretrainingTask,
-                 device: torch.device) -> str:
+def describe_run(settings: PretrainSettings, model: torch.nn.Module, config: PretrainedConfig,
+                 tokenizer: PreTrainedTokenizerBase, train_docs: list[list[str]], data: PretrainingData,
+                 task: PretrainingTask, device: torch.device) -> str:
     """The run's first line: model, vocabulary, data, objective, threads and device."""
     parameters = sum(p.numel() for p in model.parameters())
     pair_note = {"bert": "NSP", "albert": "SOP"}.get(settings.objective, "no pair task")

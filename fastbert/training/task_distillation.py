@@ -22,7 +22,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,11 @@ from fastbert.config import FastBertConfig
 from fastbert.training.distill import layer_cosine_loss, soft_target_loss, teacher_fingerprint
 from fastbert.training.masking import IGNORE_INDEX
 from fastbert.training.settings import resolve_model_option
+
+if TYPE_CHECKING:
+    from transformers.modeling_outputs import SequenceClassifierOutput, TokenClassifierOutput
+
+    ClassifierOutput = SequenceClassifierOutput | TokenClassifierOutput  # what transformers' classifiers return
 
 
 @dataclass(frozen=True)
@@ -60,8 +65,9 @@ def uniform_layer_map(student_layers: int, teacher_layers: int) -> list[int]:
     return [max(1, round(m * teacher_layers / student_layers)) for m in range(1, student_layers + 1)]
 
 
-def task_distillation_loss(student_out, teacher_out, labels: torch.Tensor, attention_mask: torch.Tensor,
-                           weights: TeacherLoss, layer_map: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def task_distillation_loss(student_out: ClassifierOutput, teacher_out: ClassifierOutput, labels: torch.Tensor,
+                           attention_mask: torch.Tensor, weights: TeacherLoss,
+                           layer_map: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(weighted total, {"hard_loss", "soft_loss"[, "hidden_loss"]} unweighted) of one batch, from transformers'
     classifier outputs (``loss`` from the labels, ``logits``, ``hidden_states`` when alpha_hidden is not 0). The soft
     targets cover the labelled rows (sequence tasks) or the labelled tokens (the token task)."""
@@ -89,7 +95,8 @@ class TaskTeacher:
     def wants_hidden_states(self) -> bool:
         return bool(self.weights.alpha_hidden)
 
-    def loss(self, student_out, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, student_out: ClassifierOutput,
+             batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The batch's loss against the teacher's outputs on the same inputs."""
         inputs = {key: value for key, value in batch.items() if key != "labels"}
         with torch.no_grad():
@@ -120,8 +127,9 @@ def resolve_teacher(teacher_dir: str) -> tuple[str, FastBertConfig]:
     return resolve_model_option("--teacher", teacher_dir)
 
 
-def check_teacher(directory: str, config: FastBertConfig, labels: tuple[str, ...], task: str, student_config,
-                  max_length: int, weights: TeacherLoss, tokenizers: tuple[Any, Any]) -> None:
+def check_teacher(directory: str, config: FastBertConfig, labels: tuple[str, ...], task: str,
+                  student_config: FastBertConfig, max_length: int, weights: TeacherLoss,
+                  tokenizers: tuple[Any, Any]) -> None:
     """UserError with one line unless the teacher can teach this student this task: a classifier of the task's
     labels, the same tokenizer as the student (``tokenizers``: the teacher's, the student's) giving the same
     inputs (token types or not), positions for ``max_length`` tokens and, for the hidden-state term, the

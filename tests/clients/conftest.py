@@ -6,10 +6,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything loads from the installed checkpoint or is built here
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
-import transformers  # noqa: E402
+import pytest
+import transformers
 
-from tests.helpers import NER_LABELS, NLI_LABELS, minilm_head_model, optimized_copy  # noqa: E402
+from tests.helpers import NER_LABELS, NLI_LABELS, minilm_head_model, optimized_copy
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ from fastbert.training.distill import (  # noqa: E402
     build_mlm_student,
     distill,
     embedding_loss,
+    position_offset,
     sentence_pairs,
     student_layer_indices,
     triple_loss,
@@ -38,6 +39,14 @@ from fastbert.training.loop import latest_checkpoint  # noqa: E402
 from fastbert.training.pretrain import train_tokenizer  # noqa: E402
 
 FAST = ["--batch-size", "4", "--threads", "1", "--log-every", "1000", "--no-progress", "--eval-sentences", "16"]
+
+
+@pytest.mark.parametrize("config_name, offset", [("BertConfig", 0), ("RobertaConfig", 2), ("XLMRobertaConfig", 2),
+                                                 ("CamembertConfig", 2), ("ElectraConfig", 0)])
+def test_position_offset_follows_the_family(config_name, offset):
+    """RoBERTa-style families number positions from pad_token_id + 1 (pad 1 here), whatever their model_type."""
+    config = getattr(transformers, config_name)(pad_token_id=1)
+    assert position_offset(config) == offset
 
 
 def _documents() -> list[list[str]]:

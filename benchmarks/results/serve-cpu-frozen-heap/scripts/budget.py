@@ -11,9 +11,9 @@ import time
 import torch
 
 sys.path.insert(0, "benchmarks")
-import serve_bench as sb  # noqa: E402
+import serve_bench as sb
 
-from fastbert.serving.engines import load_engine  # noqa: E402
+from fastbert.serving.engines import load_engine
 
 dtype = sys.argv[1]
 torch.set_num_threads(2)

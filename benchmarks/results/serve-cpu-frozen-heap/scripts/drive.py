@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, "benchmarks")
-import serve_bench as sb  # noqa: E402
+import serve_bench as sb
 
 url, mode, value, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 workload, _ = sb.make_workload(4000, 8)
