@@ -59,11 +59,15 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
     """Replace ``path`` with ``data`` (str is written as UTF-8) atomically."""
     path = Path(path)
     written = temporary_path(path)
-    with open(written, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    replace_atomic(written, path)
+    try:
+        with open(written, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        replace_atomic(written, path)
+    except BaseException:  # a full disk, an interrupt: no partial file is left behind
+        written.unlink(missing_ok=True)
+        raise
 
 
 def remove_dir(path: str | os.PathLike) -> None:

@@ -104,6 +104,14 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fastbert`` console script; returns the exit status."""
+    try:
+        return _run_command(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the command's modules (torch) are still importing
+        sys.stderr.write("fastbert: interrupted\n")
+        return 130
+
+
+def _run_command(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     name = _chosen(argv)
     args = build_parser([name] if name in SUMMARIES else ()).parse_args(argv)

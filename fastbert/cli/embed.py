@@ -17,6 +17,7 @@ from fastbert import embedding
 from fastbert.bench import report
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, check_dir_creatable, check_file_writable
+from fastbert.common.text import per_second, plural
 
 if TYPE_CHECKING:
     from fastbert.embedding import Embedder, EmbedStats, FileOutput, ShardedOutput
@@ -65,8 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if error is not None:
         if output.rows_done == 0:
             raise UserError(f"{error} (nothing was written)")
-        raise UserError(f"{error} ({output.rows_done:,} rows before it were written to {output.describe()} and are "
-                        "valid)")
+        raise UserError(f"{error} ({plural(output.rows_done, 'row')} before it "
+                        f"{'was' if output.rows_done == 1 else 'were'} written to {output.describe()} and "
+                        f"{'is' if output.rows_done == 1 else 'are'} valid)")
     write_summary(stats, initial, embedder, output, time.perf_counter() - started)
     return 0
 
@@ -217,14 +219,15 @@ def write_summary(stats: EmbedStats, initial: EmbedStats | None, embedder: Embed
     """The truncation warning and the run's summary line, on stderr."""
     if stats.truncated:
         limit = embedder.settings()["max_length"]
-        sys.stderr.write(f"fastbert: warning: {stats.truncated:,} texts were longer than {limit} tokens and were "
-                         f"truncated ({embedding.truncation_note(stats)}); --max-length sets the limit\n")
+        were = "was" if stats.truncated == 1 else "were"
+        sys.stderr.write(f"fastbert: warning: {plural(stats.truncated, 'text')} {were} longer than {limit} tokens "
+                         f"and {were} truncated ({embedding.truncation_note(stats)}); --max-length sets the limit\n")
     before = initial or embedding.EmbedStats()
     this_run = f" ({stats.rows - before.rows:,} this run, {before.rows:,} before)" if initial is not None else ""
     sys.stderr.write(f"fastbert embed: {stats.rows:,} rows{this_run} -> {output.describe()}: {stats.embedded:,} "
                      f"embedded, {stats.null_rows:,} null (blank), {stats.truncated:,} truncated; {stats.tokens:,} "
-                     f"tokens; this run {elapsed:.1f} s ({(stats.embedded - before.embedded) / elapsed:,.0f} "
-                     f"texts/s, {(stats.tokens - before.tokens) / elapsed:,.0f} tokens/s, model load included)\n")
+                     f"tokens; this run {elapsed:.1f} s ({per_second(stats.embedded - before.embedded, elapsed)} "
+                     f"texts/s, {per_second(stats.tokens - before.tokens, elapsed)} tokens/s, model load included)\n")
 
 
 def check_similarity_options(args: argparse.Namespace) -> None:

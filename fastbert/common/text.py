@@ -37,6 +37,17 @@ SENTENCES = [
 TOKENIZER_FILES = {"tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model"}
 
 
+def plural(count: int, word: str, plural_form: str | None = None) -> str:
+    """``count`` (with thousands separators) and ``word``, plural unless the count is one: '1 row', '2,048 rows'."""
+    return f"{count:,} {word if count == 1 else plural_form or word + 's'}"
+
+
+def per_second(count: float, elapsed: float) -> str:
+    """A rate for a summary line: whole numbers, one decimal below 10 (a short run is not '0 texts/s')."""
+    rate = count / elapsed if elapsed > 0 else 0.0
+    return f"{rate:,.0f}" if rate >= 10 else f"{rate:.1f}"
+
+
 def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any) -> Any:
     """transformers' AutoTokenizer of a checkpoint directory (``kwargs`` passed on). UserError, naming the directory
     as ``label``, where transformers fails or builds an empty tokenizer, as it does silently for a directory without

@@ -40,6 +40,17 @@ def npy_bytes(embeddings: np.ndarray, dtype: np.dtype) -> bytes:
     return buffer.getvalue()
 
 
+def write_fully(stream: BinaryIO, data: bytes) -> None:
+    """Write all of ``data``. A buffered stream whose reader went away (a closed pipe) or whose disk filled up
+    mid-write can return a short count without raising: the rest is written again, which raises the error."""
+    view = memoryview(data)
+    while view:
+        written = stream.write(view)
+        if not written:
+            raise OSError(f"wrote nothing of the last {len(view)} bytes")
+        view = view[written:]
+
+
 class NpyWriter:
     """A ``.npy`` file [rows, H] written as rows arrive: a header sized for any row count is written first and
     rewritten with the count after every append, so the file loads (with the rows so far) between appends."""
@@ -56,13 +67,13 @@ class NpyWriter:
         text = repr(header).encode("latin1")
         padding = self.HEADER_BYTES - 10 - len(text) - 1
         self.stream.seek(0)
-        self.stream.write(b"\x93NUMPY\x01\x00" + (self.HEADER_BYTES - 10).to_bytes(2, "little") + text
-                          + b" " * padding + b"\n")
+        write_fully(self.stream, b"\x93NUMPY\x01\x00" + (self.HEADER_BYTES - 10).to_bytes(2, "little") + text
+                    + b" " * padding + b"\n")
 
     def append(self, embeddings: np.ndarray) -> None:
         """Add rows at the end, then rewrite the header with the new count."""
         self.stream.seek(0, io.SEEK_END)
-        self.stream.write(np.ascontiguousarray(embeddings, dtype=self.dtype).tobytes())
+        write_fully(self.stream, np.ascontiguousarray(embeddings, dtype=self.dtype).tobytes())
         self.rows += len(embeddings)
         self._write_header()
         self.stream.flush()

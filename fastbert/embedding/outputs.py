@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from fastbert.common.resolve import UserError, check_dir_creatable
-from fastbert.embedding.formats import NpyWriter, encode, import_pyarrow, jsonl_bytes, parquet_table
+from fastbert.embedding.formats import NpyWriter, encode, import_pyarrow, jsonl_bytes, parquet_table, write_fully
 from fastbert.embedding.stats import EmbedStats
 from fastbert.files import is_temporary, replace_atomic, temporary_path, write_atomic
 
@@ -29,35 +29,56 @@ class FileOutput:
     JSONL and .npy are written in place and are valid after every window (the .npy header is rewritten with the
     row count), so a reader can follow a long run and a killed run keeps its rows so far. Parquet is valid only
     once closed (a row group per window), so it is written under `fastbert.files.temporary_path` and moved over
-    ``path`` by `close`: a killed run leaves the file that was there before, never a broken one."""
+    ``path`` by `close`: a killed run leaves the file that was there before, never a broken one. A file is
+    replaced only when the first rows are written (or a run without rows completes): a run that fails or stops
+    before leaves the file that was there."""
 
     def __init__(self, path: str | None, output_format: str, dimension: int, dtype: np.dtype,
                  string_ids: bool = False):
         self.path, self.format, self.dimension, self.dtype = path, output_format, dimension, np.dtype(dtype)
         self.string_ids, self.rows_done = string_ids, 0
         self.written = None if path is None or output_format != "parquet" else temporary_path(path)
-        self.stream = self._open()
-        self._npy = NpyWriter(self.stream, dimension, self.dtype) if output_format == "npy" else None
-        self._parquet = None
+        self.created = False  # whether the writability check created ``path`` (removed if nothing is written)
+        self.stream = self._stdout() if path is None else None
+        self._npy = self._parquet = None
+        if path is not None:
+            self._check_writable()
 
-    def _open(self) -> Any:
-        """The stream written to: stdout, ``path``, or (Parquet) its temporary name."""
-        if self.path is None:
-            if self.format != "jsonl":
-                raise UserError(f"{self.format} output needs --output FILE (stdout takes JSONL only)")
-            return sys.stdout.buffer
-        mode = "w+b" if self.format == "npy" else "wb"  # .npy: the header is rewritten in place
+    def _stdout(self) -> Any:
+        if self.format != "jsonl":
+            raise UserError(f"{self.format} output needs --output FILE (stdout takes JSONL only)")
+        return sys.stdout.buffer
+
+    def _check_writable(self) -> None:
+        """UserError now, before any work, when ``path`` cannot be written; an existing file is left as it is."""
+        existed = os.path.lexists(self.path)
         try:
-            return open(self.written or self.path, mode)  # closed in close()
+            open(self.path, "ab").close()  # appends nothing: an existing file keeps its bytes and its time
         except OSError as err:
             raise UserError(f"cannot write {self.path}: {err.strerror}") from err
+        self.created = not existed
+
+    def _open(self) -> None:
+        """Open ``path`` (or, Parquet, its temporary name) for writing, emptying it: at the first rows."""
+        mode = "w+b" if self.format == "npy" else "wb"  # .npy: the header is rewritten in place
+        self.stream = open(self.written or self.path, mode)  # closed in close()
+        self._npy = NpyWriter(self.stream, self.dimension, self.dtype) if self.format == "npy" else None
 
     def write(self, ids: Sequence[int | str], embeddings: np.ndarray, stats: EmbedStats | None = None) -> None:
         """Append one window's rows (``stats`` is for `ShardedOutput`'s manifest; a file does not record it)."""
+        kept = self.stream.tell() if self.stream is not None and self.stream.seekable() else None
         try:
             self._append(ids, embeddings)
         except OSError as err:  # a full disk: the error names no file, the message should
+            if kept is not None and self.format == "jsonl":
+                self._cut_to(kept)  # no cut-off last line: the rows before this window stay a valid file
             raise self._naming_the_file(err) from None
+
+    def _cut_to(self, size: int) -> None:
+        try:
+            self.stream.truncate(size)
+        except OSError:  # what the disk still buffers may fail again: the error above is the one to report
+            pass
 
     def _naming_the_file(self, err: OSError) -> OSError:
         if err.filename is None:
@@ -65,8 +86,10 @@ class FileOutput:
         return err
 
     def _append(self, ids: Sequence[int | str], embeddings: np.ndarray) -> None:
+        if self.stream is None:
+            self._open()
         if self.format == "jsonl":
-            self.stream.write(jsonl_bytes(ids, embeddings))
+            write_fully(self.stream, jsonl_bytes(ids, embeddings))
             self.stream.flush()
         elif self.format == "npy":
             self._npy.append(embeddings)
@@ -82,10 +105,19 @@ class FileOutput:
         return self._parquet
 
     def close(self, stats: EmbedStats | None = None) -> None:
-        """Finish the file (whether or not the run completed: what was written stays valid)."""
+        """Finish the file (whether or not the run completed: what was written stays valid). ``stats`` None: the
+        run stopped early; without rows, it leaves the file that was there (and removes one it created)."""
+        if self.stream is None:
+            if stats is None:
+                if self.created:
+                    Path(self.path).unlink(missing_ok=True)
+                return
+            self._open()  # a completed run without rows: a valid, empty file
         try:
             self._finish()
         except OSError as err:
+            if self.written is not None:  # a full disk: no temporary file stays behind
+                Path(self.written).unlink(missing_ok=True)
             raise self._naming_the_file(err) from None
 
     def _finish(self) -> None:
@@ -188,10 +220,15 @@ class ShardedOutput:
         """One shard, then the manifest with the counts so far (``stats``: the whole run's, resumed part included)."""
         index = len(self.manifest["shards"])
         name = f"part-{index:06d}.{self.format}"
-        if self.format == "npy":
-            # the ids of a .npy shard: its rows' ids, in a JSON file beside it (written before the manifest)
-            write_atomic(self.directory / f"part-{index:06d}.ids.json", json.dumps(list(ids)).encode())
-        write_atomic(self.directory / name, encode(self.format, ids, embeddings, self.dtype, self.string_ids))
+        try:
+            if self.format == "npy":
+                # the ids of a .npy shard: its rows' ids, in a JSON file beside it (written before the manifest)
+                write_atomic(self.directory / f"part-{index:06d}.ids.json", json.dumps(list(ids)).encode())
+            write_atomic(self.directory / name, encode(self.format, ids, embeddings, self.dtype, self.string_ids))
+        except OSError as err:  # a full disk: the error names no file, the message should
+            if err.filename is None:
+                err.filename = str(self.directory / name)
+            raise
         self.manifest["shards"].append({"file": name, "first_row": self.rows_done, "rows": len(ids)})
         self.manifest["stats"] = stats.counts()
         self._save_manifest()

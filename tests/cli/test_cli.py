@@ -477,6 +477,22 @@ def test_sigterm_stops_embed_as_ctrl_c_does_and_what_was_written_stays_valid(cap
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".tmp")]
 
 
+def test_ctrl_c_while_the_command_imports_is_one_line(capsys, monkeypatch):
+    """Ctrl-C in the first second (torch still importing): no traceback, exit status 130."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def importing(name, *args, **kwargs):
+        if name == "fastbert.backends":  # the first heavy import of a command
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", importing)
+    code, _, err = _run(capsys, "check")
+    assert code == 130 and err == "fastbert: interrupted\n", err
+
+
 def test_an_embed_stopped_before_its_first_window_says_nothing_was_written(capsys, tmp_path, monkeypatch):
     from fastbert import embedding
 

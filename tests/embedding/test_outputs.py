@@ -53,12 +53,45 @@ def test_parquet_file_replaces_the_old_one_only_when_closed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]
 
 
-def test_an_empty_parquet_file_is_still_valid(tmp_path):
-    import pyarrow.parquet as pq
+def _load(path: Path, output_format: str) -> int:
+    """The rows in an output file."""
+    if output_format == "npy":
+        return len(np.load(path))
+    if output_format == "parquet":
+        import pyarrow.parquet as pq
 
-    output = FileOutput(str(tmp_path / "empty.parquet"), "parquet", 4, np.float32)
-    output.close()
-    assert pq.read_table(tmp_path / "empty.parquet").num_rows == 0
+        return pq.read_table(path).num_rows
+    return len(path.read_text().splitlines())
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "npy", "parquet"])
+def test_a_completed_run_without_rows_writes_a_valid_empty_file(output_format, tmp_path):
+    path = tmp_path / f"empty.{output_format}"
+    path.write_bytes(b"the previous version")
+    output = FileOutput(str(path), output_format, 4, np.float32)
+    output.close(EmbedStats())
+    assert _load(path, output_format) == 0
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "npy", "parquet"])
+def test_a_run_that_stops_before_its_first_rows_leaves_the_file_that_was_there(output_format, tmp_path):
+    """A bad first row or an early Ctrl-C: "nothing was written", and the previous output is whole; a file the run
+    created is removed."""
+    path = tmp_path / f"out.{output_format}"
+    previous = FileOutput(str(path), output_format, 4, np.float32)
+    previous.write([1, 2, 3], _rows(3))
+    previous.close(EmbedStats())
+    before = path.read_bytes()
+    FileOutput(str(path), output_format, 4, np.float32).close()  # stopped (stats None) with no rows
+    assert path.read_bytes() == before and _load(path, output_format) == 3
+    new = tmp_path / f"new.{output_format}"
+    FileOutput(str(new), output_format, 4, np.float32).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_a_path_that_cannot_be_written_is_an_error_before_any_work(tmp_path):
+    with pytest.raises(UserError, match="cannot write .*missing"):
+        FileOutput(str(tmp_path / "missing" / "out.npy"), "npy", 4, np.float32)
 
 
 def test_stdout_takes_jsonl_only():
@@ -195,6 +228,17 @@ def test_a_resumed_run_reports_this_run_and_every_truncated_line(tiny_dir, tmp_p
     assert "9 rows (3 this run, 6 before)" in resumed.stderr, resumed.stderr
     assert "2 texts were longer than 16 tokens and were truncated (lines 2, 8)" in resumed.stderr
     assert " 0 texts/s" not in resumed.stderr.replace(",", "")
+
+
+def test_a_bad_first_row_leaves_the_previous_output_whole(tiny_dir, tmp_path, write_lines, embed_cli):
+    good = write_lines(tmp_path / "good.jsonl", ['{"text": "fine"}', '{"text": "also fine"}'])
+    bad = write_lines(tmp_path / "bad.jsonl", ['{"text": {"not": "a string"}}'])
+    out = tmp_path / "out.npy"
+    embed_cli("-i", str(good), "--model", tiny_dir, "-o", str(out))
+    before = out.read_bytes()
+    proc = embed_cli("-i", str(bad), "--model", tiny_dir, "-o", str(out), check=False)
+    assert proc.returncode == 1 and "nothing was written" in proc.stderr
+    assert out.read_bytes() == before
 
 
 def test_an_error_before_any_row_leaves_no_empty_directory_nor_names_one(tiny_dir, tmp_path, write_lines, embed_cli):

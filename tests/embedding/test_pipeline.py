@@ -213,11 +213,24 @@ def test_cli_stops_quietly_when_the_reader_of_stdout_goes_away(tiny_dir, tmp_pat
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
 
 
+def test_a_reader_gone_during_the_only_window_is_not_reported_as_success(tiny_dir, tmp_path, sentences, write_lines):
+    """One window, bigger than a pipe holds, whose reader goes away after 1,000 bytes: the buffered write returns
+    short without raising; the run must not exit 0 saying every row was written."""
+    source = write_lines(tmp_path / "in.txt", sentences[:400])
+    proc = subprocess.Popen([sys.executable, "-m", "fastbert.cli", "embed", "-i", str(source), "--model", tiny_dir],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.read(1000)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) != 0
+    assert "embedded" not in stderr and "Traceback" not in stderr
+
+
 def test_cli_warns_about_truncation_and_shows_progress(tiny_dir, tmp_path, write_lines, embed_cli):
     source = write_lines(tmp_path / "in.txt", ["short", "long " * 100, "short again"])
     proc = embed_cli("-i", str(source), "--model", tiny_dir, "--max-length", "8", "--progress", "-o",
                      str(tmp_path / "o.jsonl"))
-    assert "1 texts were longer than 8 tokens and were truncated (lines 2)" in proc.stderr
+    assert "1 text was longer than 8 tokens and was truncated (lines 2)" in proc.stderr
     assert "fastbert embed: [########################] 100%" in proc.stderr  # the final progress line
     assert "tokens/s" in proc.stderr
 
