@@ -2,11 +2,12 @@
 `/health`, `/info` and `/metrics`, over one `Service` (engine + batcher + metrics).
 
 Every error a client can cause is a 4xx with a message: 413 for a body over the limit (refused before it is read
-to the end, let alone parsed), too many inputs or a too-long input without ``truncate``; 422 for a body of the
-wrong shape, an empty text or text that is not UTF-8; 401 without the API key; 429 with ``Retry-After`` when the
-queue is full; 503 while shutting down; 504 past the request timeout. Errors read as TEI's
-(``{"error": ..., "error_type": ...}``) on TEI's routes and as OpenAI's (``{"error": {"message": ...}}``) under
-``/v1``."""
+to the end, let alone parsed), too many inputs or a too-long input without ``truncate``; 415 for a compressed body
+(a Content-Encoding); 422 for a body of the wrong shape or not JSON, an empty text or text that is not UTF-8; 401
+without the API key; 429 with ``Retry-After`` when the queue is full; 503 once the batcher has stopped (under
+uvicorn, SIGTERM closes the listening socket first: new connections are refused); 504 past the request timeout.
+Errors read as TEI's (``{"error": ..., "error_type": ...}``) on TEI's routes and as OpenAI's
+(``{"error": {"message": ...}}``) under ``/v1``."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from fastbert import __version__
-from fastbert.common.resolve import model_name
+from fastbert.common.resolve import UserError, model_name
+from fastbert.common.text import plural
 from fastbert.common.threads import release_openmp_threads
 from fastbert.embedding import DEFAULT_BATCH_TOKENS
 from fastbert.serving import schemas
 from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, Timing
-from fastbert.serving.engines import EmbedEngine, InputTooLong, load_engine
+from fastbert.serving.engines import EmbedEngine, InputTooLong, check_engine_settings, load_engine
 from fastbert.serving.metrics import CONTENT_TYPE, Metrics
 from fastbert.serving.warmup import WARMUPS, warm
 
@@ -99,10 +101,14 @@ class Service:
         if settings.warmup not in WARMUPS or settings.warmup_seconds < 0 or (settings.workers or 1) < 1:
             raise ValueError(f"warmup must be one of {WARMUPS}, warmup_seconds >= 0, workers >= 1")
         self.settings = settings
+        if engine is None and settings.max_batch_tokens is not None:  # refused before the model's slow loading
+            batch_budget(settings.max_batch_tokens, check_engine_settings(settings.task, settings.model_dir,
+                                                                          settings.max_input_length))
         self.engine = engine or load_engine(settings.task, settings.model_dir, settings.device, settings.dtype,
                                             settings.backend, settings.max_input_length)
+        self.max_batch_tokens = batch_budget(settings.max_batch_tokens, self.engine.max_length,
+                                             self.engine.device.type)
         release_openmp_threads()  # the model's thread alone keeps OpenMP workers (fastbert.common.threads)
-        self.max_batch_tokens = settings.max_batch_tokens or DEFAULT_BATCH_TOKENS[self.engine.device.type]
         self.metrics = Metrics(lambda: self.batcher.depth())
         self.batcher = Batcher(self.engine, self.max_batch_tokens, settings.max_queue, observer=self.metrics,
                                warmup=lambda: self.warm_up(settings))
@@ -170,6 +176,18 @@ class Service:
                 "auth": self.settings.api_key is not None, "version": __version__,
                 "warmup": self.settings.warmup, "ready": self.batcher.ready.is_set(), "workers": self.workers,
                 "pid": os.getpid()}  # tells replicas apart behind a load balancer
+
+
+def batch_budget(max_batch_tokens: int | None, max_length: int, device_type: str = "cpu") -> int:
+    """The token budget of one forward: ``max_batch_tokens``, else the device's default (never below one input of
+    ``max_length`` tokens); a UserError for a budget below ``max_length``, as `fastbert embed` refuses one: the
+    batcher would run such an input alone, in a forward past the budget."""
+    if max_batch_tokens is None:
+        return max(DEFAULT_BATCH_TOKENS[device_type], max_length)
+    if max_batch_tokens < max_length:
+        raise UserError(f"--max-batch-tokens ({max_batch_tokens}) must be at least --max-input-length "
+                        f"({max_length}): one input of the longest kind must fit in a forward")
+    return max_batch_tokens
 
 
 def freeze_heap() -> None:
@@ -321,11 +339,20 @@ async def similarity(body: schemas.SimilarityRequest, request: Request) -> Respo
     params = body.parameters or schemas.SimilarityParameters()
     schemas.check_text(body.inputs.source_sentence, "source_sentence")
     texts = [body.inputs.source_sentence,
-             *schemas.texts_of(body.inputs.sentences, service.settings.max_client_batch_size)]
+             *schemas.texts_of(body.inputs.sentences, service.settings.max_client_batch_size, field="sentences")]
     prompted = service.engine.with_prompt(texts, params.prompt_name)
-    rows, count = await service.rows(prompted, params.truncate, params.truncation_direction, timing)
+    try:
+        rows, count = await service.rows(prompted, params.truncate, params.truncation_direction, timing)
+    except InputTooLong as err:
+        raise similarity_input_error(err) from None
     unit = normalized(rows)
     return service.timed(json_response((unit[1:] @ unit[0]).tolist()), timing, count, characters_of(texts))
+
+
+def similarity_input_error(err: InputTooLong) -> InputTooLong:
+    """The engine's error for /similarity's text ``err.index`` (the source sentence first, then the sentences),
+    naming it as the body does and as a blank one is named: 'source_sentence', 'sentences[i]'."""
+    return err.named("source_sentence" if err.index == 0 else f"sentences[{err.index - 1}]")
 
 
 async def tokenize(body: schemas.TokenizeRequest, request: Request) -> Response:
@@ -475,6 +502,11 @@ async def answer_error(request: Request, err: Exception) -> Response:
                       + message
         return error_response(path, 422, message, "Validation")
     if isinstance(err, HTTPException):
+        if err.status_code == 400 and isinstance(err.__cause__, RecursionError):
+            # FastAPI's answer when json.loads fails other than with a JSONDecodeError: nested deeper than
+            # Python's recursion limit lets it parse
+            return error_response(path, 422, "the body is not valid JSON: it is nested too deeply to parse",
+                                  "Validation")
         return error_response(path, err.status_code, str(err.detail), "Http", headers=err.headers)
     if isinstance(err, WrongTask):
         return error_response(path, 400, str(err), "WrongTask")
@@ -546,10 +578,17 @@ class Gate:
         return None
 
     async def read_body(self, scope: dict, receive: Receive) -> tuple[bytes, Response | None]:
-        """The whole body, or a 413 as soon as it is known to pass the limit; a 422 for a body that is not UTF-8."""
+        """The whole body, or a 413 as soon as it is known to pass the limit; a 415 for a compressed body (any
+        Content-Encoding but identity), before it is read; a 422 for a body that is not UTF-8."""
         limit, path = self.service.settings.max_body_bytes, scope["path"]
-        too_big = error_response(path, 413, f"the body is larger than the limit of {limit} bytes", "Validation")
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        encoding = headers.get(b"content-encoding", b"").decode("latin-1").strip()
+        if encoding and encoding.lower() != "identity":
+            return b"", error_response(path, 415, f"Content-Encoding {encoding} is not supported: send the body "
+                                       "uncompressed", "Validation", headers={"Accept-Encoding": "identity"})
+        too_big = error_response(path, 413, f"the body is larger than the limit of {plural(limit, 'byte')}",
+                                 "Validation")
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return b"", too_big
         chunks, size, more = [], 0, True

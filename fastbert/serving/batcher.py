@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fastbert.common.text import plural
 from fastbert.embedding.batching import real_token_batches
 from fastbert.serving.engines import Tokens
 
@@ -201,7 +202,7 @@ class Batcher:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         if self.depth() >= self.max_queue:
-            raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            raise QueueFull(f"the queue is full ({plural(self.max_queue, 'request')} waiting)")
 
     async def infer(self, inputs: list[Tokens], timeout: float, reserved: bool = False,
                     timing: Timing | None = None) -> np.ndarray:

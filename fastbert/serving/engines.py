@@ -38,10 +38,14 @@ DIRECTIONS = ("right", "left")  # which end of a too-long input truncation cuts
 class InputTooLong(ValueError):
     """An input longer than the server's max input length, with truncation off."""
 
-    def __init__(self, index: int, limit: int, can_truncate: bool = True):
+    def __init__(self, index: int, limit: int, can_truncate: bool = True, name: str | None = None):
         hint = ", or send truncate: true to cut it" if can_truncate else " (token ids are never cut)"
-        super().__init__(f"input {index} is longer than the maximum of {limit} tokens: shorten it{hint}")
-        self.index = index
+        super().__init__(f"{name or f'input {index}'} is longer than the maximum of {limit} tokens: shorten it{hint}")
+        self.index, self.limit, self.can_truncate = index, limit, can_truncate
+
+    def named(self, name: str) -> InputTooLong:
+        """The same error naming the input as the request's body does ('source_sentence', 'sentences[1]')."""
+        return InputTooLong(self.index, self.limit, self.can_truncate, name)
 
 
 @dataclass
@@ -357,16 +361,17 @@ def checkpoint_labels(model_dir: str, num_labels: int) -> list[str]:
     return [str(names.get(str(i), names.get(i, f"LABEL_{i}"))) for i in range(count)]
 
 
-def check_engine_settings(task: str, model_dir: str | None = None, max_length: int | None = None) -> None:
+def check_engine_settings(task: str, model_dir: str | None = None, max_length: int | None = None) -> int:
     """What an engine of ``task`` checks before its dtype and model (the checkpoint, its tokenizer, the input
-    length), for a process that loads no model: `fastbert serve --ray`'s driver, whose replicas would otherwise
-    fail inside Ray Serve."""
+    length), for a process that loads no model yet: `fastbert serve --ray`'s driver, whose replicas would otherwise
+    fail inside Ray Serve, and a `Service` before it loads its engine. The max input length the engine will have
+    (``max_length``, else the checkpoint's default)."""
     if task not in TASKS:
         raise UserError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
     if task == "embed":
-        Embedder(model_dir, max_length=max_length, length_option="--max-input-length", load_model=False)
-    else:
-        pair_tokenizers(model_dir, max_length)
+        return Embedder(model_dir, max_length=max_length, length_option="--max-input-length",
+                        load_model=False).max_length
+    return pair_tokenizers(model_dir, max_length)[2]
 
 
 def load_engine(task: str, model_dir: str | None = None, device: str | None = None, dtype: str | None = None,

@@ -21,7 +21,7 @@ import ray
 from ray import serve
 
 from fastbert.common.resolve import UserError
-from fastbert.serving.app import ServeSettings, Service
+from fastbert.serving.app import ServeSettings, Service, batch_budget
 from fastbert.serving.engines import check_engine_settings
 
 APP_NAME = "fastbert"  # the Ray Serve application (and its deployment)
@@ -68,7 +68,9 @@ def serve_on_ray(settings: ServeSettings, replicas: int, host: str, port: int, t
                  url: str | None = None) -> int:
     """Start Ray (or join the cluster of RAY_ADDRESS), serve on host:port until SIGTERM or Ctrl-C, shut down.
     ``url``: the address the ready line prints (default http://host:port)."""
-    check_engine_settings(settings.task, settings.model_dir, settings.max_input_length)  # before Ray starts
+    # before Ray starts: what a replica would refuse
+    length = check_engine_settings(settings.task, settings.model_dir, settings.max_input_length)
+    batch_budget(settings.max_batch_tokens, length, "cpu")
     previous = signal.getsignal(signal.SIGTERM)
     ray.init(ignore_reinit_error=True)
     # Ray's own handler (installed by ray.init) aborts the process on SIGTERM; ours, installed before serve.run,

@@ -74,9 +74,10 @@ class PredictRequest(BaseModel):
     truncation_direction: Direction = "Right"
 
 
-def texts_of(values: str | Sequence[str], limit: int) -> list[str]:
+def texts_of(values: str | Sequence[str], limit: int, field: str | None = None) -> list[str]:
     """The texts of a string-or-list field, checked: 1 to ``limit`` of them, none empty or blank, each encodable
-    as UTF-8 (JSON's \\ud800 escapes give lone surrogates, which are not)."""
+    as UTF-8 (JSON's \\ud800 escapes give lone surrogates, which are not). A text's errors name it ``input i``, or
+    ``field[i]`` when ``field`` is given (/similarity's ``sentences``)."""
     texts = [values] if isinstance(values, str) else list(values)
     if not texts:
         raise RequestError("no inputs: send at least one text")
@@ -84,7 +85,7 @@ def texts_of(values: str | Sequence[str], limit: int) -> list[str]:
         raise TooManyInputs(f"{len(texts)} inputs in one request; this server takes at most {limit} "
                             "(--max-client-batch-size)")
     for index, text in enumerate(texts):
-        check_text(text, f"input {index}")
+        check_text(text, f"{field}[{index}]" if field else f"input {index}")
     return texts
 
 
@@ -97,27 +98,38 @@ def check_text(text: str, name: str) -> None:
         raise RequestError(f"{name} is not valid UTF-8 text (a lone surrogate at character {err.start})") from err
 
 
+def check_item(item: str | tuple[str, str], index: int) -> None:
+    """`check_text` of a /predict input, a text or each text of a pair: 'input 3', 'input 0 (the second text of
+    its pair)'."""
+    if isinstance(item, str):
+        check_text(item, f"input {index}")
+        return
+    for place, text in zip(("first", "second"), item, strict=True):
+        check_text(text, f"input {index} (the {place} text of its pair)")
+
+
 def predict_items(inputs: str | list[str | list[str]], limit: int) -> tuple[list[str | tuple[str, str]], bool]:
-    """The texts and pairs of a /predict body, and whether it was a batch (TEI answers a single input with one
-    list of scores, a batch with one list per input)."""
+    """The texts and pairs of a /predict body, checked as `texts_of` checks texts, whatever its shape, and whether
+    it was a batch (TEI answers a single input with one list of scores, a batch with one list per input)."""
+    items: list[str | tuple[str, str]]
     if isinstance(inputs, str):
-        return [inputs], False
-    if len(inputs) == 2 and all(isinstance(v, str) for v in inputs):
-        return [(inputs[0], inputs[1])], False
-    items: list[str | tuple[str, str]] = []
-    for index, value in enumerate(inputs):
-        if isinstance(value, list) and len(value) not in (1, 2):
-            raise RequestError(f"input {index} is a list of {len(value)} texts; give one text or a pair of two")
-        items.append(value if isinstance(value, str) else value[0] if len(value) == 1 else (value[0], value[1]))
-    if not items:
-        raise RequestError("no inputs: send at least one text")
-    if len(items) > limit:
-        raise TooManyInputs(f"{len(items)} inputs in one request; this server takes at most {limit} "
-                            "(--max-client-batch-size)")
+        items, batched = [inputs], False
+    elif len(inputs) == 2 and all(isinstance(v, str) for v in inputs):
+        items, batched = [(inputs[0], inputs[1])], False
+    else:
+        items, batched = [], True
+        for index, value in enumerate(inputs):
+            if isinstance(value, list) and len(value) not in (1, 2):
+                raise RequestError(f"input {index} is a list of {len(value)} texts; give one text or a pair of two")
+            items.append(value if isinstance(value, str) else value[0] if len(value) == 1 else (value[0], value[1]))
+        if not items:
+            raise RequestError("no inputs: send at least one text")
+        if len(items) > limit:
+            raise TooManyInputs(f"{len(items)} inputs in one request; this server takes at most {limit} "
+                                "(--max-client-batch-size)")
     for index, item in enumerate(items):
-        for part in (item,) if isinstance(item, str) else item:
-            check_text(part, f"input {index}")
-    return items, True
+        check_item(item, index)
+    return items, batched
 
 
 class TokenizeRequest(BaseModel):

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from fastbert.common.text import plural
 from fastbert.serving.engines import Tokens
 
 WARMUPS = ("none", "quick", "full")
@@ -45,5 +46,6 @@ def warm(engine: Any, max_batch_tokens: int, mode: str, seconds: float) -> int:
         engine.run([Tokens(list(ids), [0] * length if types else None) for _ in range(count)])
         done += 1
     if mode != "none":
-        sys.stderr.write(f"fastbert serve: warm-up {mode}: {done} forwards in {time.perf_counter() - start:.1f} s\n")
+        sys.stderr.write(f"fastbert serve: warm-up {mode}: {plural(done, 'forward')} in "
+                         f"{time.perf_counter() - start:.1f} s\n")
     return done

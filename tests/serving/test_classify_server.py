@@ -66,8 +66,13 @@ def test_rerank_and_predict_carry_teis_timing_headers(reranker, check_timing_hea
         check_timing_headers(answer, 60000, tokens, characters)
 
 
-def test_predict_texts_and_pairs(start_server, classifier_dir):
-    server = start_server(["--task", "classify", "--model", classifier_dir])
+@pytest.fixture(scope="module")
+def classifier(start_server, classifier_dir):
+    return start_server(["--task", "classify", "--model", classifier_dir])
+
+
+def test_predict_texts_and_pairs(classifier, classifier_dir):
+    server = classifier
     texts = ["I loved this film.", "Terrible service, never again."]
     probabilities = torch.softmax(torch.from_numpy(transformers_logits(classifier_dir, texts)), dim=1).numpy()
     batch = httpx.post(server.url + "/predict", json={"inputs": [[t] for t in texts]}, timeout=60).json()
@@ -82,6 +87,24 @@ def test_predict_texts_and_pairs(start_server, classifier_dir):
     bad = httpx.post(server.url + "/predict", json={"inputs": [["a", "b", "c"]]}, timeout=60)
     assert bad.status_code == 422 and "pair" in bad.json()["error"]
     assert httpx.post(server.url + "/rerank", json={"query": "q", "texts": ["a"]}).status_code == 400
+
+
+@pytest.mark.parametrize(("inputs", "name"), [
+    ("", "input 0"), ("   ", "input 0"), (["", "b"], "input 0 (the first text of its pair)"),
+    (["b", "  "], "input 0 (the second text of its pair)"), ([""], "input 0"),
+    ([["", "b"]], "input 0 (the first text of its pair)"), ([["a"], [" "]], "input 1"),
+])
+def test_predict_refuses_a_blank_text_in_every_shape(classifier, inputs, name):
+    """As /rerank and /embed: 422 naming the input, whether the body is one text, one pair or a batch."""
+    answer = httpx.post(classifier.url + "/predict", json={"inputs": inputs}, timeout=60)
+    assert answer.status_code == 422, (inputs, answer.text)
+    assert answer.json()["error"].startswith(f"{name} is empty: "), answer.text
+
+
+def test_a_rerankers_predict_refuses_a_blank_text_of_its_pair(reranker):
+    for inputs in (["q", ""], ["", "q"], [["q", " "]]):
+        answer = httpx.post(reranker.url + "/predict", json={"inputs": inputs}, timeout=60)
+        assert answer.status_code == 422 and "is empty" in answer.json()["error"], (inputs, answer.text)
 
 
 def test_predict_and_rerank_truncation_direction(reranker, reranker_dir):

@@ -136,11 +136,29 @@ def test_bad_bodies_are_4xx_with_a_message(client, route, body, status, words):
     (b'{"inputs": "\\ud800 lone"}', 422, "UTF-8"),
     (b'{"inputs": ["a", }', 422, "not valid JSON"),
     (b"", 422, "empty: send a JSON object"),
+    (b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", 422, "not valid JSON"),  # deeper than the parser goes
 ])
 def test_bad_bytes_are_4xx(client, content, status, words):
     answer = client.post("/embed", content=content, headers={"content-type": "application/json"})
     assert answer.status_code == status, answer.text
     assert words in answer.json()["error"]
+
+
+@pytest.mark.parametrize("route", ["/embed", "/v1/embeddings"])
+def test_a_compressed_body_is_415_naming_its_content_encoding(client, route):
+    import gzip
+
+    body = gzip.compress(json.dumps({"inputs" if route == "/embed" else "input": "a text"}).encode())
+    answer = client.post(route, content=body, headers={"content-type": "application/json",
+                                                        "content-encoding": "gzip"})
+    assert answer.status_code == 415, answer.text
+    error = answer.json()["error"]
+    message = error["message"] if route.startswith("/v1") else error
+    assert "Content-Encoding gzip is not supported" in message
+    assert answer.headers["accept-encoding"] == "identity"
+    plain = client.post(route, content=gzip.decompress(body),
+                        headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert plain.status_code == 200, plain.text
 
 
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/json", None])

@@ -39,6 +39,8 @@ def test_settings_a_replica_would_refuse_are_refused_before_ray_starts(monkeypat
     for task, length in [("embed", 2), ("rerank", 4), ("classify", 100_000)]:
         with pytest.raises(UserError, match="--max-input-length"):
             on_ray.serve_on_ray(ServeSettings(task=task, max_input_length=length), 1, "127.0.0.1", 8080)
+    with pytest.raises(UserError, match=r"--max-batch-tokens \(100\) must be at least --max-input-length \(256\)"):
+        on_ray.serve_on_ray(ServeSettings(max_batch_tokens=100), 1, "127.0.0.1", 8080)
 
 
 class _Status:

@@ -43,6 +43,19 @@ def test_similarity_is_the_cosine_of_the_direct_embeddings(client, direct):
     assert with_params.status_code == 200 and len(with_params.json()) == 1
 
 
+@pytest.mark.parametrize(("inputs", "name"), [
+    ({"source_sentence": "a", "sentences": ["b", " "]}, "sentences[1] is empty"),
+    ({"source_sentence": "a", "sentences": ["b", "word " * 400]}, "sentences[1] is longer than the maximum"),
+    ({"source_sentence": " ", "sentences": ["b"]}, "source_sentence is empty"),
+    ({"source_sentence": "word " * 400, "sentences": ["b"]}, "source_sentence is longer than the maximum"),
+])
+def test_similarity_names_a_sentence_alike_in_every_error(client, inputs, name):
+    """A blank and a too-long sentence are named alike, as the body names them (the engine numbers the source
+    sentence 0 and sentences[i] i + 1)."""
+    answer = client.post("/similarity", json={"inputs": inputs})
+    assert answer.status_code in (413, 422) and answer.json()["error"].startswith(name), answer.text
+
+
 def test_tokenize_and_decode_round_trip(client, embedder):
     answer = client.post("/tokenize", json={"inputs": TEXTS[:2]})
     assert answer.status_code == 200, answer.text
