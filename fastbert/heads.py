@@ -414,11 +414,11 @@ class TaskModel(nn.Module):
         """Raise when a row's position 0 is padding and a sliding window around it holds no token: fastbert's
         attention gives zeros there, where transformers averages the padding, so a first-token head would read
         other numbers. (Under torch.compile or tracing, which cannot read the mask, nothing is checked.)"""
-        reach = self.encoder.config.window_reach()
-        if (reach is None or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
-                or torch.compiler.is_compiling() or torch.jit.is_tracing()):
+        if (torch.compiler.is_compiling() or torch.jit.is_tracing() or not isinstance(attention_mask, torch.Tensor)
+                or attention_mask.dim() != 2):
             return
-        if first_position_padded(attention_mask) and first_token_beyond(attention_mask, reach):
+        reach = self.encoder.config.window_reach()
+        if reach is not None and first_position_padded(attention_mask) and first_token_beyond(attention_mask, reach):
             raise ValueError(f"a row's first token lies more than {reach} positions from position 0 (or it has "
                              "none), which the first-token head reads: its sliding window there holds no token, and "
                              "fastbert would not compute what transformers does; pad on the right")

@@ -152,7 +152,8 @@ class _Build:
         self.keys = [key for _, key, _ in self.links]
         self.objects = [obj for _, _, obj in self.links]
         self.types = tuple(map(type, self.submodules))  # a class swapped in (`module.__class__ = ...`) rebuilds
-        self.hook_dicts = [d for m in self.submodules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.hook_dicts = [d for m in self.submodules
+                           for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
         self.module_dicts = [m.__dict__ for m in self.submodules]
         self.watched_objects = [obj for obj, _, _ in self.watched]
         self.watched_names = [name for _, name, _ in self.watched]
@@ -480,18 +481,23 @@ class _Builder:
     def check_code(self) -> None:
         """fastbert computes what transformers' (and torch's, PEFT's) code computes: a submodule of another class
         (a user's subclass, remote code) or a class whose ``forward`` was replaced would compute something else.
-        Each class's forward is watched (a replacement after the build rebuilds)."""
+        Each class's forward is watched (a replacement after the build rebuilds). PEFT's layers are checked where
+        they are read (`_resolve`, `read_adapters`)."""
+        seen = set()
         for module in (self.base, *self.submodules):
             cls = type(module)
+            if cls in seen:
+                continue
+            seen.add(cls)
             if module is not self.base and not cls.__module__.startswith(_LIBRARIES):
                 name = next(n for n, m in self.base.named_modules() if m is module)
                 raise _Refused(f"submodule {name} is a {cls.__module__}.{cls.__qualname__}, not a class of "
                                "transformers, torch or PEFT: fastbert would not run its code")
             forward = cls.forward
-            origin = getattr(forward, "__module__", None) or ""
-            if not origin.startswith(_LIBRARIES):
-                raise _Refused(f"{cls.__qualname__}.forward is {origin}.{getattr(forward, '__qualname__', forward)}, "
-                               "not transformers' own: fastbert would not run its code")
+            if not cls.__module__.startswith("peft.") and not _library_code(forward):
+                where = getattr(getattr(forward, "__code__", None), "co_filename", getattr(forward, "__module__", "?"))
+                raise _Refused(f"{cls.__qualname__}.forward runs code from {where}, not transformers' own: fastbert "
+                               "would not run its code")
             self.watched.append((cls, "forward", forward))
         self.watched.append((self.base, "__class__", type(self.base)))
 
@@ -748,22 +754,64 @@ def _hook_reason(base: nn.Module, build: _Build) -> str | None:
         if (hooks and _foreign_hooks(module)) or _replaced_forward(module):
             name = next((n for n, m in base.named_modules() if m is module), type(module).__name__)
             return f"submodule {name} has forward hooks or a replaced forward (e.g. accelerate offloading)"
+        if module._backward_hooks or module._backward_pre_hooks:
+            name = next((n for n, m in base.named_modules() if m is module), type(module).__name__)
+            return f"submodule {name} has backward hooks (fastbert's path would not run them)"
     return None
 
 
-def _attention_reason(config) -> str | None:
+def _attention_reason(base: nn.Module) -> str | None:
     """Why the model's attention function is not one fastbert computes: one registered with transformers'
-    ``AttentionInterface`` (``attn_implementation="my_attention"``, or over a built-in name), or a hub kernel."""
-    implementation = getattr(config, "_attn_implementation", None)
+    ``AttentionInterface`` (``attn_implementation="my_attention"``, or over a built-in name), a hub kernel, or a
+    replaced ``eager_attention_forward`` of the modeling file."""
+    implementation = getattr(base.config, "_attn_implementation", None)
     if implementation in (None, "eager"):  # the modeling file's own eager_attention_forward
-        return None
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        function = getattr(inspect.getmodule(type(base)), "eager_attention_forward", None)
+    else:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    function = ALL_ATTENTION_FUNCTIONS[implementation] if implementation in ALL_ATTENTION_FUNCTIONS else None
-    if getattr(function, "__module__", "").startswith("transformers."):
+        function = ALL_ATTENTION_FUNCTIONS[implementation] if implementation in ALL_ATTENTION_FUNCTIONS else False
+    if function is None or (function is not False and _library_code(function)):
         return None
-    return (f"attn_implementation {implementation!r} is not transformers' own attention (an AttentionInterface "
-            "registration or a hub kernel): fastbert would not run it")
+    return (f"attn_implementation {implementation!r} runs an attention function other than transformers' own (an "
+            "AttentionInterface registration, a hub kernel, a replaced eager_attention_forward): fastbert would not "
+            "run it")
+
+
+@functools.lru_cache(maxsize=256)
+def _library_code(function: Callable) -> bool:
+    """Whether ``function``, and each function it wraps (``functools.wraps``' ``__wrapped__``), is code from the
+    files of transformers, torch or PEFT (a wrapper copies its wrapped function's ``__module__``, not its file)."""
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is None:  # a builtin or a callable object: its module says
+            return (getattr(function, "__module__", None) or "").startswith(_LIBRARIES)
+        if not code.co_filename.startswith(_library_dirs()):
+            return False
+        function = getattr(function, "__wrapped__", None)
+    return True
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """The directories of transformers, torch and PEFT (those installed), and of the hub's ``kernels`` package
+    when transformers imported it (its decorator wraps some layers' forward, e.g. ModernBERT's attention, and runs
+    transformers' code unless the user kernelizes the model; a kernelized layer computes the same op)."""
+    import importlib.util
+    import os
+    import sys
+
+    found = []
+    for name in ("transformers", "torch", "peft", "kernels"):
+        module = sys.modules.get(name)
+        if module is not None:
+            paths = list(getattr(module, "__path__", []))
+        elif name != "kernels":  # (not imported: nothing of it wraps a forward; a repository folder may shadow it)
+            spec = importlib.util.find_spec(name)
+            paths = list(spec.submodule_search_locations or []) if spec is not None else []
+        else:
+            paths = []
+        found += [os.path.join(path, "") for path in paths]
+    return tuple(found)
 
 
 def _foreign_hooks(module: nn.Module) -> bool:
@@ -852,7 +900,7 @@ class OptimizedState:
             return f"a {mask.dim()}-D attention_mask (fastbert takes [batch, seq] masks)"
         if arguments.get("output_attentions") is None and getattr(config, "output_attentions", False):
             return "config.output_attentions is True"
-        reason = _attention_reason(config)
+        reason = _attention_reason(base)
         if reason is not None:
             return reason
         if base.training and torch.is_grad_enabled() and self._checkpointing(base):

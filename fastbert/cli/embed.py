@@ -15,7 +15,7 @@ import torch
 
 from fastbert import embedding
 from fastbert.bench import report
-from fastbert.cli import shared
+from fastbert.cli import os_error_line, shared
 from fastbert.common.resolve import UserError, check_dir_creatable, check_file_writable
 from fastbert.common.text import per_second, plural
 
@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
                               blank=args.on_blank, initial=initial)
     except embedding.InputError as err:
         error = err
+    except OSError as err:  # a full disk: the rows written before stay valid, and the message says how many
+        if isinstance(err, BrokenPipeError):
+            raise
+        error = os_error_line(err)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was written stays valid; say where, before the CLI's line
         stopped = True
         raise

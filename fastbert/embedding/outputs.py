@@ -52,6 +52,9 @@ class FileOutput:
     def _check_writable(self) -> None:
         """UserError now, before any work, when ``path`` cannot be written; an existing file is left as it is."""
         existed = os.path.lexists(self.path)
+        if self.format == "npy" and existed and not os.path.isfile(self.path):
+            raise UserError(f"cannot write {self.path}: .npy output needs a regular file (its header is rewritten "
+                            "after every window); write JSONL to a pipe or a device")
         try:
             open(self.path, "ab").close()  # appends nothing: an existing file keeps its bytes and its time
         except OSError as err:
@@ -66,28 +69,34 @@ class FileOutput:
 
     def write(self, ids: Sequence[int | str], embeddings: np.ndarray, stats: EmbedStats | None = None) -> None:
         """Append one window's rows (``stats`` is for `ShardedOutput`'s manifest; a file does not record it)."""
-        kept = self.stream.tell() if self.stream is not None and self.stream.seekable() else None
+        kept = None
         try:
+            if self.stream is None:
+                self._open()
+            if self.format != "parquet" and self.stream.seekable():
+                kept = self.stream.seek(0, os.SEEK_END)  # (a .npy writer stands after its header)
             self._append(ids, embeddings)
         except OSError as err:  # a full disk: the error names no file, the message should
-            if kept is not None and self.format == "jsonl":
-                self._cut_to(kept)  # no cut-off last line: the rows before this window stay a valid file
+            if kept is not None:
+                self._cut_to(kept)  # no cut-off line or row: the rows before this window stay a valid file
             raise self._naming_the_file(err) from None
 
     def _cut_to(self, size: int) -> None:
         try:
             self.stream.truncate(size)
+            if self._npy is not None:
+                self._npy.stream.seek(0, os.SEEK_END)
         except OSError:  # what the disk still buffers may fail again: the error above is the one to report
             pass
 
     def _naming_the_file(self, err: OSError) -> OSError:
+        if err.errno is None:  # no system error to attach a file name to (io.UnsupportedOperation, a short write)
+            return OSError(f"{self.describe()}: {err}")
         if err.filename is None:
             err.filename = self.describe()
         return err
 
     def _append(self, ids: Sequence[int | str], embeddings: np.ndarray) -> None:
-        if self.stream is None:
-            self._open()
         if self.format == "jsonl":
             write_fully(self.stream, jsonl_bytes(ids, embeddings))
             self.stream.flush()

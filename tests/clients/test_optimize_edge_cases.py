@@ -141,8 +141,35 @@ def _class_forward_patched(model, monkeypatch):
         monkeypatch.setattr(BertOutput, "forward", patched)
 
 
-@pytest.mark.parametrize("change", [_subclass_instance, _class_swapped, _class_forward_patched],
-                         ids=["subclass-instance", "class-swapped", "class-forward-patched"])
+def _class_forward_wrapped(model, monkeypatch):
+    """A patch through functools.wraps: it carries transformers' __module__ and name, not its code."""
+    import functools
+
+    from transformers.models.bert.modeling_bert import BertOutput
+
+    if not getattr(BertOutput.forward, "halved", False):
+        patched = functools.wraps(BertOutput.forward)(_halved_forward(BertOutput.forward))
+        patched.halved = True
+        monkeypatch.setattr(BertOutput, "forward", patched)
+
+
+def _eager_attention_replaced(model, monkeypatch):
+    """attn_implementation "eager" runs the modeling file's eager_attention_forward: a replaced one."""
+    from transformers.models.bert import modeling_bert
+
+    model.set_attn_implementation("eager")
+    original = modeling_bert.eager_attention_forward
+    if not getattr(original, "halved", False):
+        def tempered(module, query, key, value, attention_mask, scaling=None, **kwargs):
+            return original(module, query, key, value, attention_mask, scaling=scaling * 0.5, **kwargs)
+        tempered.halved = True
+        monkeypatch.setattr(modeling_bert, "eager_attention_forward", tempered)
+
+
+@pytest.mark.parametrize("change", [_subclass_instance, _class_swapped, _class_forward_patched,
+                                    _class_forward_wrapped, _eager_attention_replaced],
+                         ids=["subclass-instance", "class-swapped", "class-forward-patched", "class-forward-wrapped",
+                              "eager-attention-replaced"])
 def test_code_other_than_transformers_runs_transformers_code(change, monkeypatch):
     """A submodule whose class is not transformers' (a user's subclass put in, or swapped into an instance after a
     first call), or a transformers class whose forward was patched: fastbert would compute transformers' layer, so
@@ -153,9 +180,20 @@ def test_code_other_than_transformers_runs_transformers_code(change, monkeypatch
     change(reference, monkeypatch)
     change(model, monkeypatch)
     expected, _ = run(reference, **inputs)
-    with pytest.warns(UserWarning, match="fastbert would not run its code"), torch.inference_mode():
+    with pytest.warns(UserWarning, match="fastbert would not run"), torch.inference_mode():
         actual = model(**inputs)
     assert rel_err(actual.last_hidden_state, expected.last_hidden_state) <= 1e-6
+
+
+def test_backward_hooks_on_a_submodule_run_transformers_code():
+    """A full backward hook (Captum, gradient capture) on an encoder layer would never fire on fastbert's path."""
+    reference, model = pair()
+    inputs = batch_for(reference)
+    fired = []
+    model.encoder.layer[0].register_full_backward_hook(lambda module, grad_in, grad_out: fired.append(1))
+    with pytest.warns(UserWarning, match="backward hooks"):
+        model(**inputs).last_hidden_state.sum().backward()
+    assert fired
 
 
 def test_a_subclass_that_overrides_the_models_forward_keeps_it():

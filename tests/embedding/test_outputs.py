@@ -89,6 +89,47 @@ def test_a_run_that_stops_before_its_first_rows_leaves_the_file_that_was_there(o
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
+@pytest.mark.parametrize("output_format", ["jsonl", "npy"])
+def test_a_window_cut_by_a_full_disk_leaves_the_windows_before_it_whole(output_format, tmp_path, monkeypatch):
+    """The disk fills halfway through a window (the first one too): the file holds the windows before it, no
+    cut-off line or row, and the error names the file."""
+    import errno
+
+    from fastbert.embedding import formats, outputs
+
+    path = tmp_path / f"out.{output_format}"
+    output = FileOutput(str(path), output_format, 4, np.float32)
+    real_write = formats.write_fully
+
+    def half_then_full(stream, data):
+        if len(data) > 200:  # a window's rows, not the .npy header
+            real_write(stream, data[: len(data) // 2])
+            stream.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(stream, data)
+
+    monkeypatch.setattr(outputs, "write_fully", half_then_full)
+    monkeypatch.setattr(formats, "write_fully", half_then_full)
+    with pytest.raises(OSError, match="No space left") as failed:
+        output.write(list(range(20)), _rows(20))
+    assert failed.value.filename == str(path)
+    assert _load(path, output_format) == 0
+    monkeypatch.setattr(outputs, "write_fully", real_write)
+    monkeypatch.setattr(formats, "write_fully", real_write)
+    output.write([1, 2, 3], _rows(3))
+    monkeypatch.setattr(outputs, "write_fully", half_then_full)
+    monkeypatch.setattr(formats, "write_fully", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        output.write(list(range(20)), _rows(20))
+    output.close()
+    assert _load(path, output_format) == 3
+
+
+def test_npy_output_to_a_pipe_or_device_is_refused_before_any_work():
+    with pytest.raises(UserError, match="npy output needs a regular file"):
+        FileOutput("/dev/null", "npy", 4, np.float32)
+
+
 def test_a_path_that_cannot_be_written_is_an_error_before_any_work(tmp_path):
     with pytest.raises(UserError, match="cannot write .*missing"):
         FileOutput(str(tmp_path / "missing" / "out.npy"), "npy", 4, np.float32)
@@ -250,10 +291,10 @@ def test_an_error_before_any_row_leaves_no_empty_directory_nor_names_one(tiny_di
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device that is always full)")
-@pytest.mark.parametrize("output_format", ["jsonl", "npy"])
-def test_a_full_disk_is_an_error_naming_the_file(output_format):
-    """The system's error names no file when a write fails for space; the message must."""
-    output = FileOutput("/dev/full", output_format, 4, np.float32)
+def test_a_full_disk_is_an_error_naming_the_file():
+    """The system's error names no file when a write fails for space; the message must. (.npy output needs a
+    regular file: a device is refused before, `test_npy_output_to_a_pipe_or_device_is_refused_before_any_work`.)"""
+    output = FileOutput("/dev/full", "jsonl", 4, np.float32)
     with pytest.raises(OSError, match="No space left on device") as failed:
         output.write([1, 2], _rows(2))
         output.close()
