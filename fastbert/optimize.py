@@ -1267,12 +1267,16 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
         if reason is not None:
             raise ValueError(f"fastbert.optimize(dtype='int8'): {reason}")
     for base in targets:
+        reason = None if _installed_forward(base) is not None else _wrapped_forward_reason(base)
+        if reason is not None:
+            warnings.warn(f"fastbert.optimize: {type(base).__name__} is left as it is: {reason}", stacklevel=2)
+            continue
         state = base.__dict__.get("_fastbert")
         if state is None:
             state = base._fastbert = OptimizedState(backend, cuda_graphs, dtype)
         state.backend, state.cuda_graphs, state.dtype = backend, cuda_graphs, dtype
         state.build = None
-        if not isinstance(base.__dict__.get("forward"), OptimizedForward):
+        if _installed_forward(base) is None:
             base.forward = OptimizedForward(base)
         _watch_losses(model, base)
         build = state.current(base)
@@ -1281,10 +1285,54 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
     return model
 
 
+_CHOICE_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds"})
+
+
 def is_optimized(model: nn.Module) -> bool:
     """True when a base model inside ``model`` runs through fastbert's forward (the model may still fall back
     for a given call: `explain` says when)."""
-    return any(isinstance(m.__dict__.get("forward"), OptimizedForward) for m in model.modules())
+    return any(_installed_forward(m) is not None for m in model.modules())
+
+
+def _choice_head(model: nn.Module, base: nn.Module) -> bool:
+    """Whether a multiple-choice head in ``model`` calls ``base`` (it folds [batch, choices, seq] into rows)."""
+    return any(type(m).__name__.endswith("ForMultipleChoice") and getattr(m, "base_model", None) is base
+               for m in model.modules())
+
+
+def _flatten_choices(kwargs: dict) -> dict:
+    """The encoder inputs a transformers ForMultipleChoice head passes on: each [batch, choices, ...] tensor with its
+    first two dimensions merged (inputs_embeds keeps its last two)."""
+    flat = dict(kwargs)
+    for name, value in kwargs.items():
+        rank = 4 if name == "inputs_embeds" else 3
+        if name in _CHOICE_INPUTS and isinstance(value, torch.Tensor) and value.dim() == rank:
+            flat[name] = value.flatten(0, 1)
+    return flat
+
+
+def _installed_forward(module: nn.Module) -> OptimizedForward | None:
+    """The `OptimizedForward` that ``module``'s calls reach: its instance ``forward``, or the one a wrapper set
+    over it calls (accelerate's mixed-precision forward and its hooks name what they wrap ``__wrapped__``)."""
+    forward = module.__dict__.get("forward")
+    for _ in range(64):  # (a chain that loops back on itself ends here)
+        if forward is None or isinstance(forward, OptimizedForward):
+            return forward
+        forward = getattr(forward, "__wrapped__", None)
+    return None
+
+
+def _wrapped_forward_reason(base: nn.Module) -> str | None:
+    """Why `optimize` must keep the base model's instance ``forward``: a wrapper set over transformers' forward
+    (accelerate's ``prepare`` with mixed precision runs it under autocast, its hooks move weights and inputs) would be
+    lost if fastbert's forward replaced it."""
+    if not _replaced_forward(base):
+        return None
+    forward = base.__dict__["forward"]
+    what = getattr(forward, "__qualname__", None) or type(forward).__qualname__
+    return (f"its forward was replaced on the instance ({what}, e.g. by accelerate's prepare with mixed precision "
+            "or its hooks), and replacing it would drop what that wrapper does: call fastbert.optimize(model) "
+            "before accelerator.prepare(model) or adding hooks")
 
 
 def explain(model: nn.Module, **call_kwargs) -> str:
@@ -1298,14 +1346,18 @@ def explain(model: nn.Module, **call_kwargs) -> str:
     for base in _bases(model):
         state = base.__dict__.get("_fastbert")
         name = type(base).__name__
-        if state is None or not isinstance(base.__dict__.get("forward"), OptimizedForward):
-            lines.append(f"{name}: not optimized (transformers' code runs); call fastbert.optimize(model)")
+        if state is None or _installed_forward(base) is None:
+            wrapped = _wrapped_forward_reason(base)
+            lines.append(f"{name}: not optimized (transformers' code runs): {wrapped}" if wrapped else
+                         f"{name}: not optimized (transformers' code runs); call fastbert.optimize(model)")
             continue
         kwargs = dict(call_kwargs)
         if base is not model:
             own = inspect.signature(type(model).forward).parameters
             encoder = inspect.signature(type(base).forward).parameters
             kwargs = {k: v for k, v in kwargs.items() if k in encoder or k not in own}
+            if _choice_head(model, base):
+                kwargs = _flatten_choices(kwargs)
         reason = state.call_reason(base, _arguments(type(base), (), kwargs))
         if reason is None:
             reason = state.model_reason(base, state.current(base), kwargs, _first_position_padded(kwargs))

@@ -319,6 +319,19 @@ def test_explain_says_which_path_and_why(batch):
     assert "not optimized" in fastbert.explain(tiny_model("bert"))
 
 
+@pytest.mark.parametrize("family", ["bert", "distilbert", "modernbert"])
+def test_explain_multiple_choice_reads_the_inputs_as_the_head_passes_them(family):
+    """A ForMultipleChoice head folds [batch, choices, seq] inputs into rows before its encoder: explain said
+"3-D attention_mask" while the call ran on fastbert's path."""
+    _, model = pair(family, "ForMultipleChoice")
+    ids, mask = padded_batch(pad_id=model.config.pad_token_id or 0)
+    choices = {"input_ids": ids.view(2, 2, -1), "attention_mask": mask.view(2, 2, -1)}
+    assert "fastbert's path" in fastbert.explain(model, **choices)
+    out, seen = run(model, **choices)
+    assert set(seen) == set(fused_ops(model)) and out.logits.shape == (2, 2)
+    assert "output_attentions=True" in fastbert.explain(model, **choices, output_attentions=True)
+
+
 # ------------------------------------------------------------------------------------------ introspection
 @pytest.mark.parametrize("family", list(HEADS))
 def test_signature_is_the_original(family):

@@ -455,6 +455,79 @@ that is not a replaced forward, so the model returns to fastbert's path."""
     assert set(seen) == FAST, "fastbert did not run after the hooks were removed"
 
 
+def _bf16_accelerator():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # (a process holds one accelerate state: each test asks for its own)
+    return Accelerator(mixed_precision="bf16", cpu=True)
+
+
+def test_optimized_then_prepared_with_mixed_precision_runs_fastbert_under_autocast():
+    """accelerate's prepare with mixed precision wraps the model's forward (autocast, outputs to float32) over
+fastbert's: fastbert runs in bf16 and is reported as optimized; unwrap_model(keep_fp32_wrapper=False) hands back
+fastbert's forward."""
+    reference, model = pair()
+    inputs = batch_for(reference)
+    keep = inputs["attention_mask"].bool()
+    exact, _ = run(reference, **inputs)
+    accelerator = _bf16_accelerator()
+    expected, _ = run(accelerator.prepare(reference), **inputs)
+    prepared = accelerator.prepare(model)
+    actual, seen = run(prepared, **inputs)
+    assert set(seen) == FAST, "fastbert did not run under accelerate's mixed precision"
+    assert fastbert.is_optimized(prepared)
+    assert "fastbert's path" in fastbert.explain(prepared, **inputs)
+    plain, _ = run(tiny_model("bert", "Model").to(torch.bfloat16), **inputs)
+    assert_accurate(actual.last_hidden_state[keep].bfloat16(), plain.last_hidden_state[keep],
+                    exact.last_hidden_state[keep], "prepared last_hidden_state")
+    assert real_tokens_err(expected, exact, inputs["attention_mask"]) > 1e-4  # (the reference did run in bf16)
+    unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
+    actual, seen = run(unwrapped, **inputs)
+    assert set(seen) == FAST and real_tokens_err(actual, exact, inputs["attention_mask"]) <= 1e-5
+
+
+def test_prepared_then_optimized_keeps_accelerates_forward_and_says_so():
+    """optimize after accelerate's prepare with mixed precision replaced its forward: the call ran in float32
+without autocast, and unwrap_model(keep_fp32_wrapper=False) then bound fastbert's forward a second time (TypeError
+at the next call). The wrapper is kept, with a warning that says to optimize first."""
+    reference, model = tiny_model("bert", "Model"), tiny_model("bert", "Model")
+    inputs = batch_for(reference)
+    accelerator = _bf16_accelerator()
+    reference, model = accelerator.prepare(reference), accelerator.prepare(model)
+    with pytest.warns(UserWarning, match="before accelerator.prepare"):
+        fastbert.optimize(model)
+    assert not fastbert.is_optimized(model)
+    assert "before accelerator.prepare" in fastbert.explain(model, **inputs)
+    expected, _ = run(reference, **inputs)
+    actual, seen = run(model, **inputs)
+    assert not seen
+    assert torch.equal(actual.last_hidden_state, expected.last_hidden_state)
+    for module in (reference, model):
+        accelerator.unwrap_model(module, keep_fp32_wrapper=False)
+    assert torch.equal(run(model, **inputs)[0].last_hidden_state, run(reference, **inputs)[0].last_hidden_state)
+
+
+def test_hooks_added_before_optimize_are_kept():
+    """accelerate's cpu_offload before optimize: the base model's own hook (it moves inputs and weights) stays;
+optimizing once the hooks are removed takes fastbert's path."""
+    from accelerate import cpu_offload
+    from accelerate.hooks import remove_hook_from_module
+
+    reference, model = tiny_model("bert", "Model"), tiny_model("bert", "Model")
+    inputs = batch_for(reference)
+    cpu_offload(model, execution_device="cpu")
+    with pytest.warns(UserWarning, match="forward was replaced"):
+        fastbert.optimize(model)
+    assert hasattr(model, "_hf_hook") and not fastbert.is_optimized(model)
+    expected, _ = run(reference, **inputs)
+    assert real_tokens_err(run(model, **inputs)[0], expected, inputs["attention_mask"]) <= 1e-5
+    remove_hook_from_module(model, recurse=True)
+    fastbert.optimize(model)
+    actual, seen = run(model, **inputs)
+    assert set(seen) == FAST and real_tokens_err(actual, expected, inputs["attention_mask"]) <= 1e-5
+
+
 # ------------------------------------------------------------------------------ dropout as the modules hold it
 # Where each family's transformers modules apply dropout in the encoder: "path" names an nn.Dropout module (under
 # the base model, "*" for every layer index); "path:attribute" a module attribute that holds p (attention
