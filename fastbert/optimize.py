@@ -52,6 +52,7 @@ import functools
 import inspect
 import operator
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -827,12 +828,15 @@ def _foreign_hooks(module: nn.Module) -> bool:
 
 def _replaced_forward(module: nn.Module) -> bool:
     """A ``forward`` set on the instance, other than its own class's forward bound to it (what accelerate leaves
-    behind after removing its hooks)."""
+    behind after removing its hooks; its ``unwrap_model(keep_fp32_wrapper=False)`` binds the function under
+    transformers' decorators)."""
     forward = module.__dict__.get("forward")
     if forward is None:
         return False
+    function = getattr(forward, "__func__", None)
+    own = type(module).forward
     return not (getattr(forward, "__self__", None) is module
-                and getattr(forward, "__func__", None) is type(module).forward)
+                and (function is own or (function is not None and function is inspect.unwrap(own))))
 
 
 class OptimizedState:
@@ -1196,6 +1200,24 @@ class OptimizedForward:
         return _forward(self.module, args, kwargs)
 
     @property
+    def __func__(self) -> Callable:
+        """As on a bound method: a wrapper over ``forward.__func__`` bound to the model again (accelerate's prepare
+        with mixed precision) is a method, which a copy of the model rebinds to the copy (a closure over this object
+        would keep calling the original's forward). Its ``__wrapped__`` leads accelerate's ``unwrap_model`` back
+        here."""
+        def call(module: nn.Module, *args, **kwargs):
+            return _forward(module, args, kwargs)
+
+        call.__wrapped__ = self
+        call.__signature__ = inspect.signature(type(self.module).forward)  # (the bound method drops ``self``)
+        call.fastbert_call = True  # (wrappers copy it with functools.wraps: `_reaches_fastbert` stops at them)
+        return call
+
+    @property
+    def __self__(self) -> nn.Module:
+        return self.module
+
+    @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
@@ -1267,7 +1289,7 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
         if reason is not None:
             raise ValueError(f"fastbert.optimize(dtype='int8'): {reason}")
     for base in targets:
-        reason = None if _installed_forward(base) is not None else _wrapped_forward_reason(base)
+        reason = None if _reaches_fastbert(base) else _wrapped_forward_reason(base)
         if reason is not None:
             warnings.warn(f"fastbert.optimize: {type(base).__name__} is left as it is: {reason}", stacklevel=2)
             continue
@@ -1276,7 +1298,7 @@ def optimize(model: nn.Module, backend: str = "auto", cuda_graphs: bool = True, 
             state = base._fastbert = OptimizedState(backend, cuda_graphs, dtype)
         state.backend, state.cuda_graphs, state.dtype = backend, cuda_graphs, dtype
         state.build = None
-        if _installed_forward(base) is None:
+        if not _reaches_fastbert(base):
             base.forward = OptimizedForward(base)
         _watch_losses(model, base)
         build = state.current(base)
@@ -1291,7 +1313,7 @@ _CHOICE_INPUTS = frozenset({"input_ids", "attention_mask", "token_type_ids", "po
 def is_optimized(model: nn.Module) -> bool:
     """True when a base model inside ``model`` runs through fastbert's forward (the model may still fall back
     for a given call: `explain` says when)."""
-    return any(_installed_forward(m) is not None for m in model.modules())
+    return any(_reaches_fastbert(m) for m in model.modules())
 
 
 def _choice_head(model: nn.Module, base: nn.Module) -> bool:
@@ -1311,28 +1333,48 @@ def _flatten_choices(kwargs: dict) -> dict:
     return flat
 
 
-def _installed_forward(module: nn.Module) -> OptimizedForward | None:
-    """The `OptimizedForward` that ``module``'s calls reach: its instance ``forward``, or the one a wrapper set
-    over it calls (accelerate's mixed-precision forward and its hooks name what they wrap ``__wrapped__``)."""
+def _reaches_fastbert(module: nn.Module) -> bool:
+    """Whether ``module``'s calls reach fastbert's forward for ``module``: its instance ``forward``, or through
+    wrappers set over it (accelerate's mixed-precision forward and its hooks name what they wrap ``__wrapped__``;
+    the mixed-precision forward is a method of the module over `OptimizedForward.__func__`)."""
     forward = module.__dict__.get("forward")
+    bound_to = getattr(forward, "__self__", None)
     for _ in range(64):  # (a chain that loops back on itself ends here)
-        if forward is None or isinstance(forward, OptimizedForward):
-            return forward
+        if getattr(forward, "fastbert_call", False):  # `OptimizedForward.__func__`, or a wrapper over it
+            return bound_to is module
+        if isinstance(forward, OptimizedForward):
+            return forward.module is module  # (a copy's closure over the original's forward runs the original)
         forward = getattr(forward, "__wrapped__", None)
-    return None
+        if forward is None:
+            return False
+    return False
 
 
 def _wrapped_forward_reason(base: nn.Module) -> str | None:
-    """Why `optimize` must keep the base model's instance ``forward``: a wrapper set over transformers' forward
+    """Why `optimize` keeps the base model's instance ``forward``: a wrapper set over transformers' forward
     (accelerate's ``prepare`` with mixed precision runs it under autocast, its hooks move weights and inputs) would be
     lost if fastbert's forward replaced it."""
     if not _replaced_forward(base):
         return None
-    forward = base.__dict__["forward"]
-    what = getattr(forward, "__qualname__", None) or type(forward).__qualname__
-    return (f"its forward was replaced on the instance ({what}, e.g. by accelerate's prepare with mixed precision "
-            "or its hooks), and replacing it would drop what that wrapper does: call fastbert.optimize(model) "
-            "before accelerator.prepare(model) or adding hooks")
+    return (f"its forward was replaced on the instance by {_code_name(base.__dict__['forward'])} (accelerate's "
+            "prepare with mixed precision and its hooks do this), and replacing it would drop what that does. Call "
+            "fastbert.optimize(model) before accelerator.prepare(model) or adding hooks, or remove the wrapper first "
+            "(accelerator.unwrap_model(model, keep_fp32_wrapper=False), accelerate.hooks.remove_hook_from_module("
+            "model, recurse=True), or `del model.forward` for one set by hand)")
+
+
+def _code_name(function: Callable) -> str:
+    """Where a callable's code is, by its code object (``functools.wraps`` copies the wrapped function's names onto
+    a wrapper, its code stays its own)."""
+    for _ in range(8):
+        inner = getattr(function, "__func__", None) or getattr(function, "func", None)  # method, partial
+        if inner is None:
+            break
+        function = inner
+    code = getattr(function, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return f"a {type(function).__module__}.{type(function).__qualname__} object"
+    return f"{code.co_qualname} ({code.co_filename}:{code.co_firstlineno})"
 
 
 def explain(model: nn.Module, **call_kwargs) -> str:
@@ -1346,7 +1388,7 @@ def explain(model: nn.Module, **call_kwargs) -> str:
     for base in _bases(model):
         state = base.__dict__.get("_fastbert")
         name = type(base).__name__
-        if state is None or _installed_forward(base) is None:
+        if state is None or not _reaches_fastbert(base):
             wrapped = _wrapped_forward_reason(base)
             lines.append(f"{name}: not optimized (transformers' code runs): {wrapped}" if wrapped else
                          f"{name}: not optimized (transformers' code runs); call fastbert.optimize(model)")

@@ -481,10 +481,28 @@ fastbert's forward."""
     plain, _ = run(tiny_model("bert", "Model").to(torch.bfloat16), **inputs)
     assert_accurate(actual.last_hidden_state[keep].bfloat16(), plain.last_hidden_state[keep],
                     exact.last_hidden_state[keep], "prepared last_hidden_state")
-    assert real_tokens_err(expected, exact, inputs["attention_mask"]) > 1e-4  # (the reference did run in bf16)
+    for result in (expected, actual):  # both ran in bf16
+        assert real_tokens_err(result, exact, inputs["attention_mask"]) > 1e-4
     unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
     actual, seen = run(unwrapped, **inputs)
     assert set(seen) == FAST and real_tokens_err(actual, exact, inputs["attention_mask"]) <= 1e-5
+
+
+def test_a_copy_of_an_optimized_then_prepared_model_runs_its_own_weights():
+    """accelerate bound its mixed-precision wrapper as a closure over the original's forward (fastbert's forward had
+no ``__func__``): a deepcopy, changed, kept running the original's weights."""
+    reference, model = pair()
+    inputs = batch_for(reference)
+    accelerator = _bf16_accelerator()
+    copies = [copy.deepcopy(accelerator.prepare(module)) for module in (reference, model)]
+    for module in copies:
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.mul_(-1.5)
+    (expected, _), (actual, seen) = (run(module, **inputs) for module in copies)
+    assert set(seen) == FAST and fastbert.is_optimized(copies[1])
+    assert real_tokens_err(actual, expected, inputs["attention_mask"]) <= 0.05  # (both bf16 under autocast)
+    assert real_tokens_err(run(model, **inputs)[0], expected, inputs["attention_mask"]) > 0.5
 
 
 def test_prepared_then_optimized_keeps_accelerates_forward_and_says_so():
@@ -506,6 +524,9 @@ at the next call). The wrapper is kept, with a warning that says to optimize fir
     for module in (reference, model):
         accelerator.unwrap_model(module, keep_fp32_wrapper=False)
     assert torch.equal(run(model, **inputs)[0].last_hidden_state, run(reference, **inputs)[0].last_hidden_state)
+    fastbert.optimize(model)  # (what unwrap_model leaves is the model's own forward, under transformers' decorators)
+    actual, seen = run(model, **inputs)
+    assert set(seen) == FAST and real_tokens_err(actual, run(reference, **inputs)[0], inputs["attention_mask"]) <= 1e-5
 
 
 def test_hooks_added_before_optimize_are_kept():
