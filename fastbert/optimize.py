@@ -904,9 +904,10 @@ class OptimizedState:
             return f"a {mask.dim()}-D attention_mask (fastbert takes [batch, seq] masks)"
         if arguments.get("output_attentions") is None and getattr(config, "output_attentions", False):
             return "config.output_attentions is True"
-        reason = _attention_reason(base)
-        if reason is not None:
-            return reason
+        if not torch.compiler.is_compiling() or _is_exporting():  # (compiled: checked outside the graph, `_eager`)
+            reason = _attention_reason(base)
+            if reason is not None:
+                return reason
         if base.training and torch.is_grad_enabled() and self._checkpointing(base):
             return ("gradient checkpointing is enabled (fastbert's encoder does not checkpoint): call "
                     "model.gradient_checkpointing_disable() for fastbert's path")
@@ -996,22 +997,23 @@ def _valid_selection(value) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
 
 
-def _current_outside_graph(state: OptimizedState, base: nn.Module) -> _Build:
-    """`state.current` for a compiled model, run eagerly on every call (the one graph break; see `_eager`): a
-    compiled model is checked like an uncompiled one, a rebuild makes dynamo trace the new encoder, the dropout
-    probabilities are read from the modules, and the backends are loaded before dynamo traces the ops (an import
-    inside the graph would break it)."""
+def _current_outside_graph(state: OptimizedState, base: nn.Module) -> tuple[_Build, str | None]:
+    """`state.current` for a compiled model, and the model's attention function's `_attention_reason`, run eagerly
+    on every call (the one graph break; see `_eager`): a compiled model is checked like an uncompiled one (the code
+    check reads files and caches by function, which dynamo would trace through), a rebuild makes dynamo trace the
+    new encoder, the dropout probabilities are read from the modules, and the backends are loaded before dynamo
+    traces the ops (an import inside the graph would break it)."""
     build = state.current(base)
     if build.fast is not None:
         build.dropout.apply(build.fast)
         backends.preload(build.fast.backend, build.fast.embeddings.word_embeddings.device.type)
-    return build
+    return build, _attention_reason(base)
 
 
 _eager_current: Callable | None = None
 
 
-def _eager(state: OptimizedState, base: nn.Module) -> _Build:
+def _eager(state: OptimizedState, base: nn.Module) -> tuple[_Build, str | None]:
     """`_current_outside_graph` excluded from compilation, wrapped on first use: torch.compiler.disable imports
     torch._dynamo (about 2 s), which a model that is never compiled does not need."""
     global _eager_current
@@ -1091,7 +1093,10 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
                                "fastbert's encoder over fake tensors: call the model once (or fastbert.optimize "
                                "it again) before exporting it")
     elif torch.compiler.is_compiling():
-        build = _eager(state, base)
+        build, reason = _eager(state, base)
+        if reason is not None:
+            state.warn_once(reason)
+            return type(base).forward(base, *args, **kwargs)
     else:
         build = state.current(base)
         if build.fast is not None:
@@ -1316,15 +1321,19 @@ def is_optimized(model: nn.Module) -> bool:
     return any(_reaches_fastbert(m) for m in model.modules())
 
 
-def _choice_head(model: nn.Module, base: nn.Module) -> bool:
-    """Whether a multiple-choice head in ``model`` calls ``base`` (it folds [batch, choices, seq] into rows)."""
-    return any(type(m).__name__.endswith("ForMultipleChoice") and getattr(m, "base_model", None) is base
-               for m in model.modules())
+def _head_of(model: nn.Module, base: nn.Module) -> nn.Module:
+    """The transformers head model in ``model`` that calls ``base`` (inside a PEFT or other wrapper, whose forward
+    passes ``**kwargs`` on), else ``model``."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in model.modules()
+                 if m is not base and isinstance(m, PreTrainedModel) and m.base_model is base), model)
 
 
 def _flatten_choices(kwargs: dict) -> dict:
     """The encoder inputs a transformers ForMultipleChoice head passes on: each [batch, choices, ...] tensor with its
-    first two dimensions merged (inputs_embeds keeps its last two)."""
+    first two dimensions merged (inputs_embeds keeps its last two). (DistilBERT's head passes position_ids on
+    unfolded, and transformers then fails on 3-D ones.)"""
     flat = dict(kwargs)
     for name, value in kwargs.items():
         rank = 4 if name == "inputs_embeds" else 3
@@ -1395,10 +1404,11 @@ def explain(model: nn.Module, **call_kwargs) -> str:
             continue
         kwargs = dict(call_kwargs)
         if base is not model:
-            own = inspect.signature(type(model).forward).parameters
+            head = _head_of(model, base)
+            own = inspect.signature(type(head).forward).parameters
             encoder = inspect.signature(type(base).forward).parameters
             kwargs = {k: v for k, v in kwargs.items() if k in encoder or k not in own}
-            if _choice_head(model, base):
+            if type(head).__name__.endswith("ForMultipleChoice"):
                 kwargs = _flatten_choices(kwargs)
         reason = state.call_reason(base, _arguments(type(base), (), kwargs))
         if reason is None:

@@ -53,6 +53,8 @@ def project_files() -> list[Path]:
 def room(module: str) -> str:
     """'core', 'common' or the application's name, for a module of the fastbert package."""
     parts = module.split(".")
+    if module == "fastbert.__main__":  # `python -m fastbert`: the CLI's entry point
+        return "cli"
     if len(parts) > 1 and parts[1] == "common":
         return "common"
     if len(parts) > 1 and parts[1] in APPLICATIONS:

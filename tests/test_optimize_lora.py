@@ -233,6 +233,17 @@ def test_optimize_before_get_peft_model():
     assert max(grad_errors(reference, model).values()) <= 1e-5
 
 
+def test_explain_a_peft_model_without_task_type_leaves_the_heads_arguments_out():
+    """A PeftModel without task_type forwards ``**kwargs``: explain read its signature for the head's keywords, gave
+`labels` to the encoder and said transformers' code runs, while the call took fastbert's path."""
+    model = peft.get_peft_model(tiny_model("bert", HEAD), peft.LoraConfig(
+        r=4, target_modules=["query", "value"], modules_to_save=["classifier"], init_lora_weights=False))
+    fastbert.optimize(model)
+    inputs = optimize_inputs("bert", HEAD, model.base_model.model)
+    assert "labels" in inputs and "fastbert's path" in fastbert.explain(model, **inputs)
+    fast_call(model, **inputs).loss.backward()
+
+
 def test_trainer_fine_tunes_like_peft(tmp_path):
     transformers = pytest.importorskip("transformers")
     reference, model = lora_pair("bert", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

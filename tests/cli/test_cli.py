@@ -228,6 +228,13 @@ def test_absent_device_error_in_a_real_process():
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("module", ["fastbert", "fastbert.cli"])
+def test_python_dash_m_runs_the_command(module):
+    """``python -m fastbert`` (it failed: no fastbert.__main__) and ``python -m fastbert.cli`` are the command."""
+    proc = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("fastbert "), proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["--version"]] + [[command, "--help"] for command in cli.COMMANDS],
                          ids=lambda argv: " ".join(argv))
 def test_help_and_version_import_neither_torch_nor_transformers(argv):

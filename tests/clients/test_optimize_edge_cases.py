@@ -217,10 +217,12 @@ def test_a_subclass_that_overrides_the_models_forward_keeps_it():
     assert torch.equal(actual.last_hidden_state, expected.last_hidden_state)
 
 
-def test_an_attention_function_registered_with_transformers_runs_transformers_code():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_attention_function_registered_with_transformers_runs_transformers_code(compiled):
     """attn_implementation naming a function registered with transformers' AttentionInterface (here: attention at
     half the temperature): fastbert computes standard attention, so the call runs transformers' code; switching back
-    to sdpa takes fastbert's path again."""
+    to sdpa takes fastbert's path again. Compiled, the check runs outside the graph (dynamo warned that it traced
+    through the check's cache)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -235,12 +237,20 @@ def test_an_attention_function_registered_with_transformers_runs_transformers_co
     for each in (reference, model):
         each.set_attn_implementation("fastbert-test-tempered")
     expected, _ = run(reference, **inputs)
-    with pytest.warns(UserWarning, match="fastbert-test-tempered"), torch.inference_mode():
+    if compiled:
+        torch._dynamo.reset()
+        model = torch.compile(model)
+    with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+        warnings.simplefilter("always")
         actual = model(**inputs)
+        (model._orig_mod if compiled else model).set_attn_implementation("sdpa")
+        with record_backends() as seen:
+            model(**inputs)
     assert real_tokens_err(actual, expected, keep) <= 1e-5
-    model.set_attn_implementation("sdpa")
-    _, seen = run(model, **inputs)
     assert set(seen) == FAST
+    messages = [str(w.message) for w in caught]
+    assert any("fastbert-test-tempered" in m for m in messages)
+    assert not [m for m in messages if "lru_cache" in m]
 
 
 @pytest.mark.parametrize("values", [(2, 0), (0.5, 0.0), (-3.0, 0.0)], ids=["long-2", "float-half", "float-neg"])
