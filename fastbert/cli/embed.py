@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
     """Embed TEXT arguments or a corpus: one output row per input row, in input order; a summary on stderr."""
     started = time.perf_counter()
     shared.set_threads(args.threads)
+    if args.output == "-":  # stdout, as '-' is stdin for --input (a file named '-' is ./-)
+        args.output = None
     check_options(args)
     output_format = output_format_of(args)
     embedder, window_rows = build_embedder(args)
@@ -105,6 +108,8 @@ def check_options(args: argparse.Namespace) -> None:
     check_input_options(args)
     if args.output_dir is not None:
         check_output_dir(args)
+    elif args.output is not None and embedding.is_stream(args.output):  # /dev/stdout, a named pipe, a device
+        embedding.check_stream(args.output, output_format_of(args))  # JSONL only; never opened here, nor emptied
     elif args.output is not None:
         parquet = args.format == "parquet" or (args.format is None and args.output.lower().endswith(".parquet"))
         check_file_writable(args.output, "--output", replaced=parquet)  # Parquet: written aside, moved over it
@@ -125,17 +130,35 @@ def check_input_options(args: argparse.Namespace) -> None:
                             "jsonl (stdin and other files are read as text lines)")
     if not args.texts:
         embedding.check_input_path(args.input or "-")
-    if args.input not in (None, "-") and args.output is not None and same_file(args.input, args.output):
+    if args.input in (None, "-"):
+        return
+    if args.output is None and same_file_as_stdout(args.input):
+        raise UserError(f"stdout is the --input file {args.input}: the embeddings would be written into the input "
+                        "while it is read; redirect stdout to another file, or give --output")
+    if args.output is not None and same_file(args.input, args.output):
+        if embedding.is_stream(args.output):  # /dev/stdout redirected to the input: written through, not emptied
+            raise UserError(f"--output {args.output} is the --input file: the embeddings would be written into the "
+                            "input while it is read; write to another file")
         raise UserError(f"--output {args.output} is the --input file: writing it would destroy the input before "
                         "it is read; write to another file")
 
 
 def same_file(first: str, second: str) -> bool:
-    """Whether two paths name one existing file (through links, ./ and the like)."""
+    """Whether two paths name one existing regular file (through links, ./ and the like; not a terminal that is
+    both stdin and stdout)."""
     try:
-        return os.path.samefile(first, second)
+        return os.path.samefile(first, second) and os.path.isfile(first)
     except OSError:  # one of them does not exist (yet)
         return False
+
+
+def same_file_as_stdout(path: str) -> bool:
+    """Whether stdout is redirected to the regular file ``path`` (``fastbert embed -i corpus.txt >> corpus.txt``)."""
+    try:
+        found, out = os.stat(path), os.fstat(1)
+    except OSError:  # no such file, or no stdout
+        return False
+    return stat.S_ISREG(found.st_mode) and (found.st_dev, found.st_ino) == (out.st_dev, out.st_ino)
 
 
 def check_output_dir(args: argparse.Namespace) -> None:
@@ -158,14 +181,15 @@ def input_format_of(args: argparse.Namespace) -> str:
 
 
 def output_format_of(args: argparse.Namespace) -> str:
-    """--format, else the one --output's extension names, else jsonl."""
+    """--format, else the one --output's extension names, else jsonl (for stdout by any name, a pipe or a device
+    too: the one format a stream takes)."""
     if args.format is not None:
         return args.format
     if args.output is not None:
         suffix = Path(args.output).suffix.lower().lstrip(".")
         if suffix in embedding.FORMATS:
             return suffix
-        if suffix in ("json", "ndjson"):
+        if suffix in ("json", "ndjson") or embedding.is_stream(args.output):
             return "jsonl"
         raise UserError(f"cannot tell the format of --output {args.output}: give --format or use .jsonl, .npy or "
                         ".parquet")
@@ -193,7 +217,7 @@ def input_rows(args: argparse.Namespace) -> tuple:
         if files:  # embedded as text, as asked: say so, since reading the file was likely meant
             sys.stderr.write(f"fastbert embed: note: TEXT {files[0]!r} names a file; it is embedded as text (to "
                              "embed the file's lines, give -i FILE)\n")
-        rows = (embedding.Row(i, i, t if t.strip() else None) for i, t in enumerate(args.texts, start=1))
+        rows = (embedding.text_row(i, i, t) for i, t in enumerate(args.texts, start=1))
         return rows, None, None, None
     counter, size, name = embedding.open_input(args.input or "-")
     field = args.field if args.field is not None else "text"
@@ -226,6 +250,8 @@ def write_summary(stats: EmbedStats, initial: EmbedStats | None, embedder: Embed
         were = "was" if stats.truncated == 1 else "were"
         sys.stderr.write(f"fastbert: warning: {plural(stats.truncated, 'text')} {were} longer than {limit} tokens "
                          f"and {were} truncated ({embedding.truncation_note(stats)}); --max-length sets the limit\n")
+    if stats.invisible:
+        sys.stderr.write(f"fastbert embed: note: {embedding.invisible_rows_note(stats)}\n")
     before = initial or embedding.EmbedStats()
     this_run = f" ({stats.rows - before.rows:,} this run, {before.rows:,} before)" if initial is not None else ""
     sys.stderr.write(f"fastbert embed: {stats.rows:,} rows{this_run} -> {output.describe()}: {stats.embedded:,} "
@@ -246,13 +272,20 @@ def check_similarity_options(args: argparse.Namespace) -> None:
         raise UserError(f"--similarity prints the similarity table of its TEXTs; it takes no {', '.join(given)}")
     if not args.texts:
         raise UserError("--similarity needs TEXT arguments")
-    if any(not t.strip() for t in args.texts):
-        raise UserError("--similarity: a TEXT is blank")
+    blank = next((i for i, t in enumerate(args.texts) if embedding.is_blank(t)), None)
+    if blank is not None:
+        text = args.texts[blank]
+        why = f": {embedding.invisible_note(text)}" if text.strip() else ""
+        raise UserError(f"--similarity: a TEXT is blank (TEXT {blank + 1}{why})")
 
 
 def print_similarity(args: argparse.Namespace, embedder: Embedder | RayClusterEmbedder) -> int:
     """The cosine similarity matrix of the TEXT arguments, as a table on stdout."""
     texts = list(args.texts)  # checked by check_similarity_options: at least one, none blank
+    kept_nothing = embedder.kept_nothing(texts)
+    blank = next((i for i, why in enumerate(kept_nothing) if why is not None), None)
+    if blank is not None:
+        raise UserError(f"--similarity: a TEXT is blank (TEXT {blank + 1}: {kept_nothing[blank]})")
     vectors, _ = embedder.embed(texts)
     matrix = torch.from_numpy(vectors) @ torch.from_numpy(vectors).T
     labels = [f"[{i}] " + (t if len(t) <= 48 else t[:45] + "...") for i, t in enumerate(texts)]

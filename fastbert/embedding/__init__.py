@@ -14,14 +14,33 @@ from fastbert.embedding.batching import real_token_batches, windows
 from fastbert.embedding.checkpoint import default_max_length, sentence_transformers_head
 from fastbert.embedding.embedder import DEFAULT_BATCH_TOKENS, POOLINGS, Embedder, NonFiniteEmbedding
 from fastbert.embedding.formats import FORMATS
-from fastbert.embedding.outputs import MANIFEST, FileOutput, ShardedOutput, check_run_directory, read_output
+from fastbert.embedding.outputs import (
+    MANIFEST,
+    FileOutput,
+    ShardedOutput,
+    check_run_directory,
+    check_stream,
+    is_stream,
+    own_descriptor,
+    read_output,
+)
 from fastbert.embedding.pipeline import Progress, run, skip_rows
-from fastbert.embedding.reading import InputError, Row, check_input_path, open_input, read_rows
-from fastbert.embedding.stats import EmbedStats, truncation_note
+from fastbert.embedding.reading import (
+    InputError,
+    Row,
+    check_input_path,
+    invisible_note,
+    is_blank,
+    open_input,
+    read_rows,
+    text_row,
+)
+from fastbert.embedding.stats import EmbedStats, invisible_rows_note, truncation_note
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS", "FORMATS", "MANIFEST", "POOLINGS", "EmbedStats", "Embedder", "FileOutput", "InputError",
     "NonFiniteEmbedding", "Progress", "Row", "ShardedOutput", "check_input_path", "check_run_directory",
-    "default_max_length", "open_input", "read_output", "read_rows", "run", "sentence_transformers_head", "skip_rows",
-    "real_token_batches", "truncation_note", "windows",
+    "check_stream", "default_max_length", "invisible_note", "invisible_rows_note", "is_blank", "is_stream",
+    "open_input", "own_descriptor", "read_output", "read_rows", "run", "sentence_transformers_head", "skip_rows",
+    "real_token_batches", "text_row", "truncation_note", "windows",
 ]

@@ -2,11 +2,13 @@
 
 `Embedder.embed(texts)` tokenizes the texts, sorts them by length, cuts batches by a token budget
 (`fastbert.embedding.batching.real_token_batches`), runs the padding-free encoder, pools (mean or cls),
-normalises, and returns one row per text (NaN for a blank text) with the counts of the call."""
+normalises, and returns one row per text (NaN for a blank text: `fastbert.embedding.reading.is_blank`, or one the
+tokenizer keeps nothing of) with the counts of the call."""
 
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -16,8 +18,8 @@ from fastbert.common.resolve import UserError, model_error
 from fastbert.common.text import check_max_length, load_auto_tokenizer, mean_pool
 from fastbert.embedding.batching import real_token_batches
 from fastbert.embedding.checkpoint import config_digest, default_max_length, sentence_transformers_head
-from fastbert.embedding.reading import InputError
-from fastbert.embedding.stats import TRUNCATED_LINES_KEPT, EmbedStats
+from fastbert.embedding.reading import InputError, describe_characters, is_blank
+from fastbert.embedding.stats import INVISIBLE_LINES_KEPT, TRUNCATED_LINES_KEPT, EmbedStats
 
 POOLINGS = ("mean", "cls")
 # CPU: smaller batches stay in cache (4096 measured ~6 % faster than 8192 on all-MiniLM-L6-v2, 2 cores); GPU:
@@ -34,17 +36,25 @@ class NonFiniteEmbedding(ValueError):
 
 
 def present_texts(texts: Sequence[str | None]) -> list[int]:
-    """The indices of the texts to embed: all but None and blank (whitespace-only) ones; TypeError for a lone
-    string (a sequence of characters) or an item that is neither a string nor None."""
+    """The indices of the texts to embed: all but None and blank ones (`fastbert.embedding.reading.is_blank`:
+    whitespace and invisible characters only); TypeError for a lone string (a sequence of characters) or an item
+    that is neither a string nor None."""
     if isinstance(texts, (str, bytes)):
         raise TypeError("embed takes a list of texts, not a single string: embed([text])")
     present = []
     for index, text in enumerate(texts):
         if text is not None and not isinstance(text, str):
             raise TypeError(f"text {index + 1} is a {type(text).__name__}, not a string (or None for a null row)")
-        if text is not None and text.strip():
+        if not is_blank(text):
             present.append(index)
     return present
+
+
+def may_tokenize_to_nothing(text: str) -> bool:
+    """Whether a tokenizer might keep nothing of ``text``: it has no letter, digit, punctuation nor symbol other
+    than U+FFFD, only marks (accents, which an uncased BERT strips), private-use characters, separators and the
+    like. A cheap filter before tokenizing (it stops at the first letter: for most texts the first character)."""
+    return all(unicodedata.category(c)[0] in "CMZ" or c == "\ufffd" for c in text)
 
 
 class Embedder:
@@ -186,6 +196,26 @@ class Embedder:
         cut = self._hf_tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
         return cut, [len(ids) > self.max_length for ids in full]
 
+    def _special_tokens_only(self, ids: Sequence[int]) -> bool:
+        """Whether token ids are those of an empty text: the special tokens alone ([CLS] [SEP] for BERT)."""
+        if getattr(self, "_empty_ids", None) is None:
+            self._empty_ids = list(self.tokenize([""])[0][0])
+        return len(ids) == len(self._empty_ids) and list(ids) == self._empty_ids
+
+    def kept_nothing(self, texts: Sequence[str]) -> list[str | None]:
+        """Per text, None when the tokenizer keeps something of it, else why it is blank: a text of only
+        characters the tokenizer drops (a lone accent or private-use character for an uncased BERT) would embed as
+        the special tokens alone, like a blank text, so it is one. Only the texts `may_tokenize_to_nothing` are
+        tokenized."""
+        candidates = [i for i, text in enumerate(texts) if text and may_tokenize_to_nothing(text)]
+        found: list[str | None] = [None] * len(texts)
+        if candidates:
+            token_lists, _ = self.tokenize([texts[i] for i in candidates])
+            for index, ids in zip(candidates, token_lists, strict=True):
+                if self._special_tokens_only(ids):
+                    found[index] = f"nothing the tokenizer keeps ({describe_characters(texts[index])})"
+        return found
+
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
         """Indices of the texts, longest first, cut into batches of at most max_batch_tokens real tokens (and at
         most max_batch_size texts)."""
@@ -234,11 +264,13 @@ class Embedder:
 
     def embed(self, texts: Sequence[str | None], lines: Sequence[int] | None = None,
               on_batch: Callable[[int, int], None] | None = None) -> tuple[np.ndarray, EmbedStats]:
-        """Embeddings [len(texts), H] float32 in the order given; a None or blank (whitespace only) text gives a row
-        of NaN (a null result), as a blank line does in `fastbert embed`.
-        ``lines`` (the texts' line numbers) name truncated texts in the stats and rows in errors. A real text whose
-        embedding is not finite (an overflow in float16, say) raises `InputError` naming its lines. ``on_batch``:
-        called after each batch with its texts and tokens (a progress line)."""
+        """Embeddings [len(texts), H] float32 in the order given; a None or blank text (whitespace and invisible
+        characters only, `fastbert.embedding.reading.is_blank`, or nothing the tokenizer keeps) gives a row of NaN
+        (a null result), as a blank line does in `fastbert embed`; those that were more than whitespace are
+        counted in ``stats.invisible``.
+        ``lines`` (the texts' line numbers) name truncated and invisible texts in the stats and rows in errors. A
+        real text whose embedding is not finite (an overflow in float16, say) raises `InputError` naming its lines.
+        ``on_batch``: called after each batch with its texts and tokens (a progress line)."""
         try:
             embeddings, stats, per_row = self.embed_rows(texts, on_batch)
         except NonFiniteEmbedding as err:
@@ -247,19 +279,29 @@ class Embedder:
                              f"is not finite (NaN or Inf; with --dtype float16 try float32)") from err
         cut = np.flatnonzero(per_row["truncated"])
         stats.truncated_lines = [(lines[i] if lines is not None else int(i) + 1) for i in cut[:TRUNCATED_LINES_KEPT]]
+        hidden = np.flatnonzero(per_row["invisible"])
+        stats.invisible_lines = [(lines[i] if lines is not None else int(i) + 1)
+                                 for i in hidden[:INVISIBLE_LINES_KEPT]]
         return embeddings, stats
 
     def embed_rows(self, texts: Sequence[str | None], on_batch: Callable[[int, int], None] | None = None
                    ) -> tuple[np.ndarray, EmbedStats, dict[str, np.ndarray]]:
-        """`embed`, plus per row: ``tokens`` (int64, 0 for a null row) and ``truncated`` (bool)."""
+        """`embed`, plus per row: ``tokens`` (int64, 0 for a null row), ``truncated`` (bool) and ``invisible``
+        (bool: a null row whose text was more than whitespace)."""
         present = present_texts(texts)
         stats = EmbedStats(rows=len(texts))
         out = np.full((len(texts), self.dimension), np.nan, dtype=np.float32)
-        per_row = {"tokens": np.zeros(len(texts), dtype=np.int64), "truncated": np.zeros(len(texts), dtype=bool)}
-        stats.null_rows = len(texts) - len(present)
+        per_row = {"tokens": np.zeros(len(texts), dtype=np.int64), "truncated": np.zeros(len(texts), dtype=bool),
+                   "invisible": np.array([text is not None and text.strip() != "" for text in texts], dtype=bool)}
+        token_lists, truncated = self.tokenize([texts[i] for i in present]) if present else ([], [])
+        kept = [k for k, ids in enumerate(token_lists) if not self._special_tokens_only(ids)]
+        if len(kept) < len(present):  # the others are blank too: the special tokens alone are no embedding of them
+            present = [present[k] for k in kept]
+            token_lists, truncated = [token_lists[k] for k in kept], [truncated[k] for k in kept]
+        per_row["invisible"][present] = False
+        stats.null_rows, stats.invisible = len(texts) - len(present), int(per_row["invisible"].sum())
         if not present:
             return out, stats, per_row
-        token_lists, truncated = self.tokenize([texts[i] for i in present])
         lengths = [len(ids) for ids in token_lists]
         for batch in self.batches(lengths):
             out[[present[i] for i in batch]] = self.embed_batch([token_lists[i] for i in batch]).numpy()

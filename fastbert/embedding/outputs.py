@@ -4,8 +4,11 @@ manifest (`ShardedOutput`, read back by `read_output`). Both have ``write``, ``r
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +25,60 @@ MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 
 
+def own_descriptor(path: str | os.PathLike) -> int | None:
+    """The descriptor N of this process that ``path`` names: /dev/stdout, /dev/stderr, /dev/fd/N, /proc/self/fd/N,
+    or a link to one of them; else None. Opening such a path opens its file anew (on Linux), so opening it to write
+    with O_TRUNC empties the file the shell opened for appending (``-o /dev/stdout >> results.jsonl``); writing
+    through the descriptor itself writes where and as the shell said, as stdout does."""
+    current = os.path.abspath(path)
+    for _ in range(40):  # links followed at most (the system's own limit)
+        current = os.path.join(os.path.realpath(os.path.dirname(current)), os.path.basename(current))
+        found = re.fullmatch(r"/proc/(\d+)(?:/task/\d+)?/fd/(\d+)|/dev/fd/(\d+)", current)
+        if found:  # another process's descriptor is a path like any other
+            ours = found[1] is None or found[1] in (str(os.getpid()), os.path.basename(os.path.realpath("/proc/self")))
+            return int(found[2] or found[3]) if ours else None
+        try:
+            target = os.readlink(current)
+        except OSError:  # not a link: a file like any other
+            return None
+        current = os.path.join(os.path.dirname(current), target)
+    return None
+
+
+def is_stream(path: str | os.PathLike) -> bool:
+    """Whether the output ``path`` is written as a stream, as stdout is, rather than as a file of its own: a
+    descriptor of this process (`own_descriptor`), a named pipe, a terminal or another device, a socket. Such an
+    output is never opened to check it (a named pipe's reader would see its end), never emptied nor replaced, and
+    takes JSONL only."""
+    if own_descriptor(path) is not None:
+        return True
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # none yet (a new file), or one that cannot be reached: opening it says
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def check_stream(path: str | os.PathLike, output_format: str) -> None:
+    """UserError unless the stream output ``path`` (`is_stream`) can take ``output_format`` and be written."""
+    if output_format != "jsonl":
+        why = ("its header is rewritten after every window" if output_format == "npy" else
+               "it is written aside and moved over the file when complete")
+        raise UserError(f"cannot write {path}: {output_format} output needs a regular file given by its own name, "
+                        f"-o FILE ({why}); a stream (stdout, a pipe, a device) takes JSONL")
+    descriptor = own_descriptor(path)
+    if descriptor is None:
+        if not os.access(path, os.W_OK):
+            raise UserError(f"cannot write {path}: permission denied")
+        return
+    try:
+        flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
+    except OSError:
+        raise UserError(f"cannot write {path}: this process has no descriptor {descriptor} open") from None
+    if flags & os.O_ACCMODE == os.O_RDONLY:
+        raise UserError(f"cannot write {path}: descriptor {descriptor} is open for reading only")
+
+
 class FileOutput:
     """One output file (or stdout for JSONL), written as windows arrive. Same interface as `ShardedOutput`:
     ``write``, ``rows_done``, ``close``, ``describe``.
@@ -31,17 +88,25 @@ class FileOutput:
     once closed (a row group per window), so it is written under `fastbert.files.temporary_path` and moved over
     ``path`` by `close`: a killed run leaves the file that was there before, never a broken one. A file is
     replaced only when the first rows are written (or a run without rows completes): a run that fails or stops
-    before leaves the file that was there."""
+    before leaves the file that was there.
+
+    ``path`` None or "-" is stdout; a path `is_stream` (/dev/stdout, /dev/fd/N, a named pipe, a device) is
+    written as a stream, never emptied nor replaced: a descriptor of this process through the descriptor itself
+    (``-o /dev/stdout >> log`` appends to log), another stream opened without truncating. Both take JSONL only."""
 
     def __init__(self, path: str | None, output_format: str, dimension: int, dtype: np.dtype,
                  string_ids: bool = False):
+        path = None if path == "-" else path  # '-' is stdout, as it is stdin for the input
         self.path, self.format, self.dimension, self.dtype = path, output_format, dimension, np.dtype(dtype)
         self.string_ids, self.rows_done = string_ids, 0
-        self.written = None if path is None or output_format != "parquet" else temporary_path(path)
+        self.streamed = path is not None and is_stream(path)
+        self.written = None if path is None or self.streamed or output_format != "parquet" else temporary_path(path)
         self.created = False  # whether the writability check created ``path`` (removed if nothing is written)
         self.stream = self._stdout() if path is None else None
         self._npy = self._parquet = None
-        if path is not None:
+        if self.streamed:
+            check_stream(path, output_format)
+        elif path is not None:
             self._check_writable()
 
     def _stdout(self) -> Any:
@@ -52,9 +117,6 @@ class FileOutput:
     def _check_writable(self) -> None:
         """UserError now, before any work, when ``path`` cannot be written; an existing file is left as it is."""
         existed = os.path.lexists(self.path)
-        if self.format == "npy" and existed and not os.path.isfile(self.path):
-            raise UserError(f"cannot write {self.path}: .npy output needs a regular file (its header is rewritten "
-                            "after every window); write JSONL to a pipe or a device")
         try:
             open(self.path, "ab").close()  # appends nothing: an existing file keeps its bytes and its time
         except OSError as err:
@@ -62,7 +124,15 @@ class FileOutput:
         self.created = not existed
 
     def _open(self) -> None:
-        """Open ``path`` (or, Parquet, its temporary name) for writing, emptying it: at the first rows."""
+        """Open ``path`` (or, Parquet, its temporary name) for writing, emptying it: at the first rows. A stream
+        is neither emptied nor created: a descriptor of this process is written through a copy of it (where the
+        shell put it: appending with ``>>``, after what was written before), another stream is opened as it is
+        (a named pipe waits here for its reader)."""
+        if self.streamed:
+            descriptor = own_descriptor(self.path)
+            fd = os.dup(descriptor) if descriptor is not None else os.open(self.path, os.O_WRONLY)
+            self.stream = os.fdopen(fd, "wb")  # closed in close()
+            return
         mode = "w+b" if self.format == "npy" else "wb"  # .npy: the header is rewritten in place
         self.stream = open(self.written or self.path, mode)  # closed in close()
         self._npy = NpyWriter(self.stream, self.dimension, self.dtype) if self.format == "npy" else None

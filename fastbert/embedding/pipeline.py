@@ -13,7 +13,7 @@ from typing import Any, TextIO
 from fastbert.common.resolve import UserError
 from fastbert.embedding.batching import windows
 from fastbert.embedding.reading import InputError, Row
-from fastbert.embedding.stats import EmbedStats
+from fastbert.embedding.stats import INVISIBLE_LINES_KEPT, EmbedStats
 
 BLANK_POLICIES = ("null", "error")
 PROGRESS_BAR_WIDTH = 24
@@ -80,11 +80,32 @@ def skip_rows(rows: Iterator[Row], count: int) -> None:
 
 
 def cut_at_first_blank(window: list[Row]) -> tuple[list[Row], InputError | None]:
-    """The rows before the window's first blank text and an error naming its line (--on-blank error)."""
+    """The rows before the window's first blank text and an error naming its line, and why it is blank when it
+    was more than whitespace (--on-blank error)."""
     for position, row in enumerate(window):
         if row.text is None:
-            return window[:position], InputError(f"line {row.line}: blank text (--on-blank error)")
+            why = f": {row.why}" if row.why else ""
+            return window[:position], InputError(f"line {row.line}: blank text{why} (--on-blank error)")
     return window, None
+
+
+def mark_blank(embedder: Any, window: list[Row]) -> None:
+    """Make the rows whose text the embedder's tokenizer keeps nothing of blank (null, with why), as the reader
+    does for texts of only invisible characters: before the window is cut (--on-blank error) and embedded.
+    An embedder without ``kept_nothing`` (a stand-in) decides in ``embed``."""
+    kept_nothing = getattr(embedder, "kept_nothing", None)
+    if kept_nothing is None:
+        return
+    texted = [row for row in window if row.text is not None]
+    for row, why in zip(texted, kept_nothing([row.text for row in texted]), strict=True):
+        if why is not None:
+            row.text, row.why = None, why
+
+
+def invisible_stats(window: list[Row]) -> EmbedStats:
+    """The counts of the window's rows that are null though their text was more than whitespace."""
+    lines = [row.line for row in window if row.text is None and row.why]
+    return EmbedStats(invisible=len(lines), invisible_lines=lines[:INVISIBLE_LINES_KEPT])
 
 
 def embed_window(embedder: Any, window: list[Row], total: EmbedStats, progress: Progress | None,
@@ -112,8 +133,11 @@ def run(embedder: Any, rows: Iterator[Row], output: Any, window_rows: int = 2048
         bytes_read: Callable[[], int] = lambda: 0, blank: str = "null",
         initial: EmbedStats | None = None) -> EmbedStats:
     """Embed ``rows`` window by window into ``output`` (`FileOutput` or `ShardedOutput`), in input order.
-    ``embedder``: anything with ``embed(texts, lines) -> (embeddings, EmbedStats)``. blank: "null" (a null row)
-    or "error" (stop at the first blank text with its line number). Input errors stop the run after the rows
+    ``embedder``: anything with ``embed(texts, lines) -> (embeddings, EmbedStats)`` (and, to tell which texts its
+    tokenizer keeps nothing of, ``kept_nothing(texts)``). blank: "null" (a null row) or "error" (stop at the first
+    blank text with its line number): blank is a text of whitespace and invisible characters only
+    (`fastbert.embedding.reading.is_blank`) or one the tokenizer keeps nothing of; the null rows of such texts
+    that were more than whitespace are counted in ``invisible``. Input errors stop the run after the rows
     before them are written; they are raised after. ``initial``: the counts of a resumed run's earlier part."""
     if window_rows < 1:
         raise UserError("--window-rows must be >= 1")
@@ -122,12 +146,14 @@ def run(embedder: Any, rows: Iterator[Row], output: Any, window_rows: int = 2048
     read_before = bytes_read()  # where the first window starts (after the rows a resumed run skipped)
     for window, error in windows(rows, window_rows):
         read_after = bytes_read()
+        mark_blank(embedder, window)
         if blank == "error":
             window, blank_error = cut_at_first_blank(window)
             error = blank_error or error
         if window:
             embeddings, stats = embed_window(embedder, window, total, progress, (read_before, read_after))
             total.add(stats)
+            total.add(invisible_stats(window))
             output.write([r.id for r in window], embeddings, total)
             if progress is not None:
                 progress.update(total, bytes_read())

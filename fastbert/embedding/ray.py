@@ -28,6 +28,7 @@ import numpy as np
 
 from fastbert.common.resolve import UserError
 from fastbert.embedding.embedder import Embedder
+from fastbert.embedding.reading import is_blank
 from fastbert.embedding.stats import TRUNCATED_LINES_KEPT, EmbedStats
 
 
@@ -36,7 +37,8 @@ class RayEmbedder:
 
     Constructor arguments are `fastbert.embedding.Embedder`'s (model_dir, device, dtype, backend, pooling,
     normalize, max_length, max_batch_tokens, max_batch_size), plus ``text_column`` (default "text"; a null or blank
-    value gives a NaN row) and ``threads`` (torch intra-op threads per actor; default: Ray's CPU share of the actor)."""
+    value, `fastbert.embedding.reading.is_blank`, gives a NaN row) and ``threads`` (torch intra-op threads per actor;
+    default: Ray's CPU share of the actor)."""
 
     def __init__(self, model_dir: str | None = None, *, text_column: str = "text", threads: int | None = None,
                  **embedder_options):
@@ -58,7 +60,7 @@ class RayEmbedder:
         if self.text_column not in batch:
             raise KeyError(f"RayEmbedder: the batch has no column {self.text_column!r} (columns: {sorted(batch)}); "
                            "pass text_column=...")
-        texts = [t if isinstance(t, str) and t.strip() else None for t in batch[self.text_column].tolist()]
+        texts = [t if isinstance(t, str) and not is_blank(t) else None for t in batch[self.text_column].tolist()]
         embeddings, stats, per_row = self.embedder.embed_rows(texts)
         out = dict(batch)
         out["embedding"] = embeddings
@@ -107,6 +109,10 @@ class RayClusterEmbedder:
     def settings(self) -> dict:
         return self.local.settings()
 
+    def kept_nothing(self, texts: list[str]) -> list[str | None]:
+        """`Embedder.kept_nothing` with the driver's tokenizer (the actors' own)."""
+        return self.local.kept_nothing(texts)
+
     def embed(self, texts: list[str | None], lines: list[int] | None = None) -> tuple[np.ndarray, EmbedStats]:
         dataset = self.ray.data.from_items([{"text": text or ""} for text in texts])
         pool = self.ray.data.ActorPoolStrategy(size=self.actors)
@@ -122,8 +128,9 @@ class RayClusterEmbedder:
         if len(embeddings) != len(texts):
             raise RuntimeError(f"Ray returned {len(embeddings)} rows for {len(texts)} texts")
         cut = np.flatnonzero(np.concatenate(truncated))
-        stats = EmbedStats(rows=len(texts), null_rows=sum(text is None for text in texts),
-                           tokens=int(np.concatenate(tokens).sum()), truncated=len(cut))
+        tokens = np.concatenate(tokens)  # 0 for a null row: None, blank, or nothing the tokenizer keeps
+        stats = EmbedStats(rows=len(texts), null_rows=int((tokens == 0).sum()), tokens=int(tokens.sum()),
+                           truncated=len(cut))
         stats.embedded = stats.rows - stats.null_rows
         stats.truncated_lines = [(lines[i] if lines is not None else int(i) + 1) for i in cut[:TRUNCATED_LINES_KEPT]]
         return embeddings, stats

@@ -1,14 +1,17 @@
 """Reading a corpus: a text file (one text per line), JSONL with a text field, or stdin, read lazily as `Row`s.
 
 Every input line is one `Row`; a blank text is a row with ``text=None`` (its result is an explicit null), never a
-skipped line, so line numbers and output rows stay aligned. Input that cannot be read (bad UTF-8, bad JSON, a
-missing or non-string field) raises `InputError` naming ``file:line``."""
+skipped line, so line numbers and output rows stay aligned. Blank is `is_blank`: empty, or only whitespace and
+invisible characters (zero-width spaces and joiners, byte order marks, direction marks, controls), which a
+tokenizer drops or a reader cannot see. Input that cannot be read (bad UTF-8, bad JSON, a missing or non-string
+field) raises `InputError` naming ``file:line``."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -16,6 +19,8 @@ from typing import BinaryIO
 from fastbert.common.resolve import UserError
 
 INPUT_FORMATS = ("text", "jsonl")
+# Unicode's control (Cc) and format (Cf) characters: nothing a reader sees, and nothing BERT's tokenizer keeps
+INVISIBLE_CATEGORIES = ("Cc", "Cf")
 
 
 class InputError(UserError):
@@ -25,11 +30,43 @@ class InputError(UserError):
 @dataclass
 class Row:
     """One input line: ``line`` is its 1-based line number, ``id`` the id written with its embedding (the JSONL
-    id field's value, else the line number), ``text`` None for a blank text (its embedding is null)."""
+    id field's value, else the line number), ``text`` None for a blank text (its embedding is null). ``why``: for
+    a null row whose text was not empty nor whitespace, why it is blank (`invisible_note`), for messages."""
 
     line: int
     id: int | str
     text: str | None
+    why: str | None = None
+
+
+def is_blank(text: str | None) -> bool:
+    """Whether ``text`` has nothing to embed: None, empty, or only whitespace and invisible characters (Unicode's
+    control and format characters: U+200B ZERO WIDTH SPACE, U+200C/U+200D joiners, U+FEFF byte order mark, U+200E
+    direction marks, U+00AD soft hyphen, NUL, BEL...). Such a text would embed as the special tokens alone
+    ([CLS] [SEP]): the same vector for every one of them, which looks like a real result. A text with anything
+    else, in any script, is not blank: zero-width joiners inside an emoji or direction marks around Arabic words
+    stay part of their text. Checks the first characters only, for most texts the first."""
+    return text is None or all(c.isspace() or unicodedata.category(c) in INVISIBLE_CATEGORIES for c in text)
+
+
+def describe_characters(text: str, limit: int = 3) -> str:
+    """The distinct characters of ``text`` other than whitespace (at most ``limit``) by code point and name, for
+    a message: 'U+200B ZERO WIDTH SPACE, U+0007'."""
+    seen = list(dict.fromkeys(c for c in text if not c.isspace()))
+    named = [f"U+{ord(c):04X} {unicodedata.name(c, '')}".rstrip() for c in seen[:limit]]
+    return ", ".join(named) + (f" and {len(seen) - limit} more" if len(seen) > limit else "")
+
+
+def invisible_note(text: str) -> str:
+    """Why a blank text that is not empty nor whitespace (`is_blank`) is blank."""
+    return f"only invisible characters ({describe_characters(text)})"
+
+
+def text_row(line: int, row_id: int | str, text: str | None) -> Row:
+    """The `Row` of one text: null when `is_blank`, with why when the text was more than whitespace."""
+    if not is_blank(text):
+        return Row(line, row_id, text)
+    return Row(line, row_id, None, invisible_note(text) if text and text.strip() else None)
 
 
 class ByteCounter:
@@ -90,11 +127,11 @@ def read_rows(lines: Iterable[bytes], input_format: str = "text", text_field: st
               id_field: str | None = None, name: str = "<input>") -> Iterator[Row]:
     """Rows of a text or JSONL input, lazily. ``lines``: raw lines (bytes, with or without their newline).
 
-    text: one text per line, a blank line is a null row. jsonl: one JSON object per line whose ``text_field`` is a
-    string (blank or null: a null row); ``id_field``, when given, names each row's id (else the line number). A
-    blank JSONL line is a null row too, so line numbers and rows stay aligned, unless ``id_field`` is given: then it
-    has no id (its line number could be another row's id) and is skipped. Anything else raises `InputError` with
-    ``name:line``."""
+    text: one text per line, a blank line (`is_blank`) is a null row. jsonl: one JSON object per line whose
+    ``text_field`` is a string (blank or null: a null row); ``id_field``, when given, names each row's id (else the
+    line number). A blank JSONL line is a null row too, so line numbers and rows stay aligned, unless ``id_field``
+    is given: then it has no id (its line number could be another row's id) and is skipped. Anything else raises
+    `InputError` with ``name:line``."""
     if input_format not in INPUT_FORMATS:
         raise ValueError(f"input format must be 'text' or 'jsonl', got {input_format!r}")
     for number, raw in enumerate(lines, start=1):
@@ -102,7 +139,7 @@ def read_rows(lines: Iterable[bytes], input_format: str = "text", text_field: st
         if input_format == "jsonl" and id_field is not None and not line.strip():
             continue
         if input_format == "text" or not line.strip():
-            yield Row(number, number, line if line.strip() else None)
+            yield text_row(number, number, line)
         else:
             yield jsonl_row(line, number, text_field, id_field, name)
 
@@ -135,7 +172,7 @@ def jsonl_row(line: str, number: int, text_field: str, id_field: str | None, nam
     if text is not None and not isinstance(text, str):
         raise InputError(f"{name}:{number}: field {text_field!r} holds {type(text).__name__}, not a string")
     row_id = number if id_field is None else record_id(record, id_field, number, name)
-    return Row(number, row_id, text if text and text.strip() else None)
+    return text_row(number, row_id, text)
 
 
 def record_id(record: dict, id_field: str, number: int, name: str) -> int | str:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 TRUNCATED_LINES_KEPT = 10  # line numbers of truncated texts kept for the warning; the count covers all of them
+INVISIBLE_LINES_KEPT = 10  # likewise for the texts of only invisible characters, for the note
 
 
 @dataclass
@@ -20,17 +21,24 @@ class EmbedStats:
     tokens: int = 0
     batches: int = 0
     truncated_lines: list[int] = field(default_factory=list)  # the first few, for the warning
+    # null rows whose text was more than whitespace: only invisible characters, or nothing the tokenizer keeps
+    invisible: int = 0
+    invisible_lines: list[int] = field(default_factory=list)  # the first few, for the note
 
     def add(self, other: EmbedStats) -> None:
-        """Add ``other``'s counts to these (keeping the first `TRUNCATED_LINES_KEPT` truncated lines)."""
-        for name in ("rows", "embedded", "null_rows", "truncated", "tokens", "batches"):
+        """Add ``other``'s counts to these (keeping the first `TRUNCATED_LINES_KEPT` truncated lines and the first
+        `INVISIBLE_LINES_KEPT` invisible ones)."""
+        for name in ("rows", "embedded", "null_rows", "truncated", "tokens", "batches", "invisible"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         room = max(0, TRUNCATED_LINES_KEPT - len(self.truncated_lines))
         self.truncated_lines.extend(other.truncated_lines[:room])
+        room = max(0, INVISIBLE_LINES_KEPT - len(self.invisible_lines))
+        self.invisible_lines.extend(other.invisible_lines[:room])
 
     def copy(self) -> EmbedStats:
         """An independent copy (a run adds to its own total, never to the counts it started from)."""
-        return dataclasses.replace(self, truncated_lines=list(self.truncated_lines))
+        return dataclasses.replace(self, truncated_lines=list(self.truncated_lines),
+                                   invisible_lines=list(self.invisible_lines))
 
     def counts(self) -> dict[str, Any]:
         """The counts and the kept truncated lines as a dict (what a manifest records: a resumed run's warning
@@ -49,5 +57,23 @@ def truncation_note(stats: EmbedStats) -> str:
     listed = stats.truncated_lines[:stats.truncated]
     if not listed:
         return "their lines were not recorded"
-    omitted = stats.truncated - len(listed)
+    return lines_note(listed, stats.truncated)
+
+
+def lines_note(listed: list[int], count: int) -> str:
+    """'lines 3, 9' or 'lines 1, ..., 10 and 5 more': ``listed``, the first of ``count`` lines."""
+    omitted = count - len(listed)
     return "lines " + ", ".join(str(n) for n in listed) + (f" and {omitted:,} more" if omitted > 0 else "")
+
+
+def invisible_rows_note(stats: EmbedStats) -> str:
+    """The note on the null rows whose texts were more than whitespace yet blank (empty when there were none)."""
+    if not stats.invisible:
+        return ""
+    one = stats.invisible == 1
+    listed = stats.invisible_lines[:stats.invisible]
+    where = lines_note(listed, stats.invisible).replace("lines", "line" if one else "lines", 1) if listed else \
+        "their lines were not recorded"
+    return (f"{stats.invisible:,} text{'' if one else 's'} ({where}) held only invisible characters (zero-width, "
+            f"format or control characters) or nothing the tokenizer keeps: {'it is' if one else 'they are'} blank, "
+            f"{'a null row' if one else 'null rows'} as an empty line gives (--on-blank error stops at them)")

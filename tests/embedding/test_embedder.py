@@ -85,6 +85,24 @@ def test_blank_texts_are_null_rows_as_blank_lines_are_in_the_cli(tiny_dir, sente
     assert (stats.rows, stats.embedded, stats.null_rows) == (6, 2, 4)
 
 
+def test_texts_of_only_invisible_characters_are_null_rows_like_blank_ones(tiny_dir, sentences):
+    """They embedded as [CLS] [SEP] alone: one vector shared by all of them, taken for a real result. Texts the
+    tokenizer keeps nothing of (a lone accent, which an uncased BERT strips; a private-use character) too. Real
+    text in any script, with such characters inside, is embedded."""
+    invisible = ["\u200b", "\u200b\u200c", "\x00\x07", "\ufeff", "\u200e", "\u0301", "\ue000"]
+    visible = [sentences[0], "\u200bhello\u200c world", "\u202b\u0645\u0631\u062d\u0628\u0627\u202c",
+               "\U0001f468\u200d\U0001f469\u200d\U0001f467", "\u65e5\u672c\u8a9e", "\ufeffword", "a\u0301"]
+    embedder = Embedder(tiny_dir)
+    vectors, stats = embedder.embed(visible + invisible + ["", None], lines=list(range(101, 101 + 16)))
+    assert not np.isnan(vectors[:7]).any() and np.isnan(vectors[7:]).all()
+    assert (stats.rows, stats.embedded, stats.null_rows, stats.invisible) == (16, 7, 9, 7)
+    assert stats.invisible_lines == list(range(108, 115))  # the invisible ones, not the empty text nor None
+    np.testing.assert_array_equal(vectors[1], embedder.embed(["hello world"])[0][0])  # the same tokens
+    assert embedder.kept_nothing(["\u0301", "a\u0301", "\ue000", "x", "\u200b"]) == [
+        "nothing the tokenizer keeps (U+0301 COMBINING ACUTE ACCENT)", None,
+        "nothing the tokenizer keeps (U+E000)", None, "nothing the tokenizer keeps (U+200B ZERO WIDTH SPACE)"]
+
+
 @pytest.mark.parametrize("texts, message", [
     ("How old are you?", "not a single string: embed\\(\\[text\\]\\)"),
     (["fine", 3], "text 2 is a int, not a string"),

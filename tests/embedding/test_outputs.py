@@ -2,6 +2,7 @@
 with no row missing or repeated, and read back like a single file."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -138,6 +139,128 @@ def test_a_path_that_cannot_be_written_is_an_error_before_any_work(tmp_path):
 def test_stdout_takes_jsonl_only():
     with pytest.raises(UserError, match="npy output needs --output FILE"):
         FileOutput(None, "npy", 4, np.float32)
+    with pytest.raises(UserError, match="npy output needs --output FILE"):  # '-' is stdout, as for the input
+        FileOutput("-", "npy", 4, np.float32)
+    assert FileOutput("-", "jsonl", 4, np.float32).describe() == "stdout"
+
+
+@pytest.fixture
+def appended_descriptor(tmp_path):
+    """A descriptor of this process open for appending to a file that holds a line already, as the shell's
+    ``>> results.jsonl`` leaves stdout: (descriptor, path of the file)."""
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"id": "from before"}\n')
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)
+    yield descriptor, path
+    os.close(descriptor)
+
+
+@pytest.mark.parametrize("name", ["/dev/fd/{}", "/proc/self/fd/{}", "link"])
+def test_a_descriptor_appended_to_is_appended_to_not_emptied(appended_descriptor, tmp_path, name):
+    """`-o /dev/stdout >> results.jsonl`: the path reopens the shell's file; opened to write ("wb", O_TRUNC) it lost
+    what the user appended to. Written through the descriptor, it keeps it, window after window."""
+    descriptor, path = appended_descriptor
+    if name == "link":  # a link to one (as /dev/stdout is a link to /proc/self/fd/1)
+        (tmp_path / "link").symlink_to(f"/proc/self/fd/{descriptor}")
+        name = str(tmp_path / "link")
+    output = FileOutput(name.format(descriptor), "jsonl", 4, np.float32)
+    assert path.read_text() == '{"id": "from before"}\n'
+    output.write([1, 2], _rows(2))
+    output.write([3], _rows(1))
+    output.close(EmbedStats())
+    lines = path.read_text().splitlines()
+    assert lines[0] == '{"id": "from before"}' and [json.loads(line)["id"] for line in lines[1:]] == [1, 2, 3]
+    os.write(descriptor, b"after\n")  # the descriptor itself stays open, for whoever writes after the run
+    assert path.read_text().endswith("after\n")
+
+
+def test_a_descriptor_appended_to_keeps_what_it_held_when_the_disk_fills(appended_descriptor, monkeypatch):
+    """A full disk cuts the window back to where it started: the lines from before the run and its earlier
+    windows stay."""
+    import errno
+
+    from fastbert.embedding import formats, outputs
+
+    descriptor, path = appended_descriptor
+    output = FileOutput(f"/dev/fd/{descriptor}", "jsonl", 4, np.float32)
+    output.write([1], _rows(1))
+    real_write = formats.write_fully
+
+    def half_then_full(stream, data):
+        real_write(stream, data[: len(data) // 2])
+        stream.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outputs, "write_fully", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        output.write(list(range(20)), _rows(20))
+    monkeypatch.setattr(outputs, "write_fully", real_write)
+    output.close()
+    lines = path.read_text().splitlines()
+    assert lines[0] == '{"id": "from before"}' and [json.loads(line)["id"] for line in lines[1:]] == [1]
+
+
+def test_a_named_pipe_is_written_for_its_reader_not_opened_to_check_it(tmp_path):
+    """Opening a named pipe to check it and closing it again gave its reader an end of file at once, and the
+    run then waited forever for a reader that had gone."""
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    writing = threading.Thread(target=lambda: _write_rows(str(fifo)), daemon=True)
+    writing.start()
+    writing.join(timeout=30)
+    if writing.is_alive():  # let the writer's open go (a reader that opens and leaves at once), then fail
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        pytest.fail("writing to a named pipe hung: its reader had been given an end of file when it was checked")
+    reader.join(timeout=60)
+    assert [json.loads(line)["id"] for line in received[0].decode().splitlines()] == [1, 2]
+
+
+def _write_rows(path: str) -> None:
+    output = FileOutput(path, "jsonl", 4, np.float32)
+    time.sleep(0.5)  # the model loads (seconds) between the check and the first rows
+    output.write([1, 2], _rows(2))
+    output.close(EmbedStats())
+
+
+@pytest.mark.parametrize("output_format", ["npy", "parquet"])
+def test_npy_and_parquet_to_stdout_by_any_name_or_a_pipe_are_refused_and_touch_nothing(output_format, tmp_path,
+                                                                                        appended_descriptor):
+    """They need a file of their own: .npy rewrites its header, Parquet is written aside and moved over the file
+    (over /dev/stdout itself: the link would be replaced by a file)."""
+    descriptor, path = appended_descriptor
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for name in (f"/dev/fd/{descriptor}", str(fifo)):
+        with pytest.raises(UserError, match=f"{output_format} output needs a regular file given by its own name"):
+            FileOutput(name, output_format, 4, np.float32)
+    assert path.read_text() == '{"id": "from before"}\n' and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["pipe", "results.jsonl"]
+
+
+def test_stdout_by_another_name_is_a_stream_and_regular_files_are_not(tmp_path, appended_descriptor):
+    from fastbert.embedding import is_stream, own_descriptor
+
+    descriptor, path = appended_descriptor
+    assert own_descriptor(f"/proc/self/fd/{descriptor}") == own_descriptor(f"/dev/fd/{descriptor}") == descriptor
+    assert own_descriptor("/dev/stdout") == 1 and own_descriptor("/dev/stderr") == 2
+    assert own_descriptor(path) is None and own_descriptor(tmp_path / "new.jsonl") is None
+    assert own_descriptor(f"/proc/{os.getppid()}/fd/1") is None  # another process's: a path like any other
+    (tmp_path / "link").symlink_to(path)
+    assert not is_stream(tmp_path / "link") and not is_stream(path) and not is_stream(tmp_path / "new.jsonl")
+    assert is_stream("/dev/null") and is_stream(f"/dev/fd/{descriptor}")
+    with pytest.raises(UserError, match="no descriptor 9999 open"):
+        FileOutput("/dev/fd/9999", "jsonl", 4, np.float32)
+    reading = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(UserError, match=f"descriptor {reading} is open for reading only"):
+            FileOutput(f"/dev/fd/{reading}", "jsonl", 4, np.float32)
+    finally:
+        os.close(reading)
 
 
 # -------------------------------------------------------------------------------------------------- sharded

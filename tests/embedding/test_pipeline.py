@@ -59,6 +59,40 @@ def test_run_on_blank_error_writes_the_rows_before_and_raises_with_the_line():
     assert cut_at_first_blank([Row(1, 1, "a")]) == ([Row(1, 1, "a")], None)
 
 
+class TokenizingEmbedder(CountingEmbedder):
+    """A counting embedder whose tokenizer keeps nothing of "~" (as BERT's keeps nothing of a lone accent)."""
+
+    def kept_nothing(self, texts):
+        return ["nothing the tokenizer keeps (~)" if text == "~" else None for text in texts]
+
+
+def test_run_counts_the_invisible_texts_and_on_blank_error_says_why_it_stops():
+    """A text of only invisible characters (the reader made it null, with why) or one the tokenizer keeps nothing
+    of is a blank text: a null row, counted apart for the note, or where --on-blank error stops, saying why."""
+    def rows():
+        return iter([Row(1, 1, "a"), Row(2, 2, None, "only invisible characters (U+200B ZERO WIDTH SPACE)"),
+                     Row(3, 3, None), Row(4, 4, "~"), Row(5, 5, "e")])
+
+    output = ListOutput()
+    stats = run(TokenizingEmbedder(), rows(), output, window_rows=2)
+    assert output.ids == [1, 2, 3, 4, 5] and np.isnan(np.concatenate(output.vectors)[[1, 2, 3]]).all()
+    assert (stats.rows, stats.embedded, stats.null_rows, stats.invisible, stats.invisible_lines) == (5, 2, 3, 2, [2, 4])
+    with pytest.raises(InputError, match=r"^line 2: blank text: only invisible characters \(U\+200B ZERO WIDTH "
+                                         r"SPACE\) \(--on-blank error\)$"):
+        run(TokenizingEmbedder(), rows(), ListOutput(), blank="error")
+    with pytest.raises(InputError, match=r"^line 4: blank text: nothing the tokenizer keeps \(~\) \(--on-blank"):
+        run(TokenizingEmbedder(), iter([Row(1, 1, "a"), Row(4, 4, "~")]), ListOutput(), blank="error")
+    from fastbert.embedding import invisible_rows_note
+
+    note = invisible_rows_note(stats)
+    assert note.startswith("2 texts (lines 2, 4) held only invisible characters (zero-width, format or control "
+                           "characters) or nothing the tokenizer keeps: they are blank, null rows")
+    assert invisible_rows_note(EmbedStats(invisible=1, invisible_lines=[7])).startswith("1 text (line 7) held")
+    kept = EmbedStats.from_counts(stats.counts())  # a manifest keeps them, so a resumed run's note still has them
+    assert (kept.invisible, kept.invisible_lines) == (2, [2, 4])
+    assert EmbedStats.from_counts({"rows": 3}).invisible == 0  # a manifest written before counted none
+
+
 def test_run_stops_at_an_input_error_after_the_rows_before_it():
     def rows():
         yield from _rows(["a", "b", "c"])
@@ -205,25 +239,122 @@ def test_cli_errors_are_one_line(tiny_dir, tmp_path, argv, message, write_lines,
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_cli_stops_quietly_when_the_reader_of_stdout_goes_away(tiny_dir, tmp_path, sentences, write_lines):
+@pytest.mark.parametrize("output", [[], ["-o", "/dev/stdout", "--format", "jsonl"]], ids=["stdout", "dev-stdout"])
+def test_cli_stops_quietly_when_the_reader_of_stdout_goes_away(tiny_dir, tmp_path, sentences, write_lines, output):
     source = write_lines(tmp_path / "in.txt", sentences[:400])
     proc = subprocess.run(f"{sys.executable} -m fastbert.cli embed -i {source} --model {tiny_dir} --window-rows 50 "
-                          "| head -n 2", shell=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          f"{' '.join(output)} | head -n 2", shell=True, capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
     assert len(proc.stdout.splitlines()) == 2
-    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr and "Exception" not in proc.stderr
 
 
-def test_a_reader_gone_during_the_only_window_is_not_reported_as_success(tiny_dir, tmp_path, sentences, write_lines):
+@pytest.mark.parametrize("output", [[], ["-o", "/dev/stdout", "--format", "jsonl"]], ids=["stdout", "dev-stdout"])
+def test_a_reader_gone_during_the_only_window_is_not_reported_as_success(tiny_dir, tmp_path, sentences, write_lines,
+                                                                         output):
     """One window, bigger than a pipe holds, whose reader goes away after 1,000 bytes: the buffered write returns
     short without raising; the run must not exit 0 saying every row was written."""
     source = write_lines(tmp_path / "in.txt", sentences[:400])
-    proc = subprocess.Popen([sys.executable, "-m", "fastbert.cli", "embed", "-i", str(source), "--model", tiny_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "fastbert.cli", "embed", "-i", str(source), "--model", tiny_dir,
+                             *output], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     proc.stdout.read(1000)
     proc.stdout.close()
     stderr = proc.stderr.read().decode()
-    assert proc.wait(timeout=300) != 0
-    assert "embedded" not in stderr and "Traceback" not in stderr
+    assert proc.wait(timeout=300) == 141
+    assert "embedded" not in stderr and "Traceback" not in stderr and "Exception" not in stderr
+
+
+def _shell(command: str) -> subprocess.CompletedProcess:
+    """``command`` in bash, with ``embed`` for ``python -m fastbert.cli embed``."""
+    command = command.replace("embed ", f"{sys.executable} -m fastbert.cli embed ")
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_cli_output_to_stdout_by_any_name_goes_where_the_shell_put_stdout(tiny_dir, tmp_path):
+    """`-o /dev/stdout >> results.jsonl` emptied results.jsonl: /dev/stdout was opened anew to write, truncating
+    the file the shell had opened for appending. Through stdout itself, the rows are appended; so with '-' (stdout,
+    as for --input) and /dev/fd/N; a run after an echo into the same redirection keeps the echo's line."""
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"id": "from before"}\n')
+    proc = _shell(f"embed one two --model {tiny_dir} --format jsonl -o /dev/stdout >> {results}")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["id"] for line in results.read_text().splitlines()] == ["from before", 1, 2]
+    # '-' is stdout; JSONL, the one format a stream takes, is the default for all of them
+    for output, redirect in (("-", ">>"), ("/dev/fd/3", "3>>"), ("/proc/self/fd/1", ">>")):
+        proc = _shell(f"embed one two --model {tiny_dir} -o {output} {redirect} {results}")
+        assert proc.returncode == 0, proc.stderr
+    header = "echo '{\"id\": \"header\"}'"
+    proc = _shell(f"{{ {header}; embed three --model {tiny_dir} -o /dev/stdout; }} > {tmp_path}/new")
+    assert proc.returncode == 0, proc.stderr
+    ids = [json.loads(line)["id"] for line in results.read_text().splitlines()]
+    assert ids == ["from before"] + [1, 2] * 4
+    assert [json.loads(line)["id"] for line in (tmp_path / "new").read_text().splitlines()] == ["header", 1]
+    assert "1 rows -> /dev/stdout: 1 embedded" in proc.stderr
+
+
+def test_cli_output_to_a_named_pipe_reaches_its_reader(tiny_dir, tmp_path):
+    """The writability check opened the pipe and closed it: its reader saw an end of file at once and left, and
+    the run then waited forever for a reader."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
+    try:
+        proc = _shell(f"embed one two three --model {tiny_dir} -o {fifo}")
+        received = reader.communicate(timeout=60)[0]
+    finally:
+        reader.kill()
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(line)["id"] for line in received.splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("command, message", [
+    ("embed one -o /dev/stdout --format npy >> OUT", "cannot write /dev/stdout: npy output needs a regular file "
+     "given by its own name"),
+    ("embed one -o /dev/stdout --format parquet >> OUT", "parquet output needs a regular file given by its own"),
+    ("embed one -o - --format npy >> OUT", "npy output needs --output FILE or --output-dir (stdout takes JSONL"),
+    ("embed -i OUT >> OUT", "stdout is the --input file OUT: the embeddings would be written into the input"),
+    ("embed -i OUT -o /dev/stdout >> OUT", "--output /dev/stdout is the --input file: the embeddings would be "
+     "written into the input"),
+    ("embed one -o /dev/fd/7", "cannot write /dev/fd/7: this process has no descriptor 7 open"),
+], ids=["npy", "parquet", "dash-npy", "stdout-is-input", "dev-stdout-is-input", "closed-descriptor"])
+def test_cli_refuses_what_a_stream_cannot_take_before_loading_the_model(tmp_path, command, message):
+    """Refused before the model loads (a missing --model is not what they report) and without touching OUT."""
+    out = tmp_path / "out.jsonl"
+    out.write_text("one line\n")
+    proc = _shell(command.replace("OUT", str(out)) + " --model /nonexistent/model")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert message.replace("OUT", str(out)) in proc.stderr
+    assert out.read_text() == "one line\n"
+
+
+def test_cli_texts_of_only_invisible_characters_are_null_rows_and_a_note_says_why(tiny_dir, tmp_path, write_lines,
+                                                                                  embed_cli):
+    """A zero-width space, joiners, NUL and BEL, a byte order mark, a lone accent: they embedded as [CLS] [SEP],
+    a vector like any other. Now blank: null rows as an empty line gives, counted in a note; --on-blank error
+    stops at the first, naming its characters. Real text in any script stays."""
+    lines = ["first", "\u200b", "\u200b\u200c", "\x00\x07", "\ufeff", "", "   ", "\u0301",
+             "\u200bhello\u200c world", "\u202b\u0645\u0631\u062d\u0628\u0627\u202c",
+             "\U0001f468\u200d\U0001f469\u200d\U0001f467", "\u65e5\u672c\u8a9e", "last"]
+    source = write_lines(tmp_path / "in.txt", lines)
+    proc = embed_cli("-i", str(source), "--model", tiny_dir, "-o", str(tmp_path / "out.jsonl"))
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records if r["embedding"] is None] == [2, 3, 4, 5, 6, 7, 8]
+    assert "13 rows" in proc.stderr and "6 embedded, 7 null (blank)" in proc.stderr
+    assert ("fastbert embed: note: 5 texts (lines 2, 3, 4, 5, 8) held only invisible characters (zero-width, format "
+            "or control characters) or nothing the tokenizer keeps: they are blank") in proc.stderr
+    proc = embed_cli("-i", str(source), "--model", tiny_dir, "--on-blank", "error", check=False)
+    assert proc.returncode == 1 and len(proc.stdout.splitlines()) == 1
+    assert ("fastbert: error: line 2: blank text: only invisible characters (U+200B ZERO WIDTH SPACE) (--on-blank "
+            "error) (1 row before it was written to stdout and is valid)") in proc.stderr
+    jsonl = write_lines(tmp_path / "in.jsonl", [json.dumps({"text": "\u200b\u200c"}), json.dumps({"text": "a"})])
+    proc = embed_cli("-i", str(jsonl), "--model", tiny_dir, "--on-blank", "error", check=False)
+    assert "line 1: blank text: only invisible characters (U+200B ZERO WIDTH SPACE, U+200C ZERO WIDTH " \
+           "NON-JOINER)" in proc.stderr
+    proc = embed_cli("one", "\u2060", "--model", tiny_dir)
+    assert [json.loads(line)["embedding"] is None for line in proc.stdout.splitlines()] == [False, True]
+    assert "1 text (line 2) held only invisible characters" in proc.stderr
+    proc = embed_cli("--similarity", "one", "\u200b", "--model", "/nonexistent/model", check=False)
+    assert "--similarity: a TEXT is blank (TEXT 2: only invisible characters (U+200B ZERO WIDTH SPACE))" in proc.stderr
 
 
 def test_cli_warns_about_truncation_and_shows_progress(tiny_dir, tmp_path, write_lines, embed_cli):
@@ -269,14 +400,17 @@ def test_peak_memory_does_not_grow_with_the_corpus(tiny_dir, tmp_path, sentences
 @pytest.mark.slow
 def test_ray_output_equals_single_process_row_for_row(tiny_dir, tmp_path, sentences, write_lines, embed_cli):
     pytest.importorskip("ray", reason="Ray is an optional extra")
-    source = write_lines(tmp_path / "in.txt", sentences[:300] + [""] + sentences[300:500])
+    # a blank line, a zero-width space, a lone accent (the tokenizer keeps nothing of it): null rows on Ray too
+    source = write_lines(tmp_path / "in.txt", sentences[:300] + ["", "\u200b", "\u0301"] + sentences[300:500])
     embed_cli("-i", str(source), "--model", tiny_dir, "-o", str(tmp_path / "single.npy"))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a new local cluster (2 CPUs, no dashboard)
     proc = subprocess.run([sys.executable, "-m", "fastbert.cli", "embed", "-i", str(source), "--model", tiny_dir,
                            "-o", str(tmp_path / "ray.npy"), "--ray", "--ray-actors", "2", "--window-rows", "250"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
+    assert "503 rows -> " in proc.stderr and "500 embedded, 3 null (blank)" in proc.stderr
+    assert "2 texts (lines 302, 303) held only invisible characters" in proc.stderr
     single, on_ray = np.load(tmp_path / "single.npy"), np.load(tmp_path / "ray.npy")
-    assert single.shape == on_ray.shape == (501, 32)
-    assert np.isnan(on_ray[300]).all()
+    assert single.shape == on_ray.shape == (503, 32)
+    assert np.isnan(on_ray[300:303]).all()
     np.testing.assert_allclose(on_ray, single, rtol=0, atol=1e-6)

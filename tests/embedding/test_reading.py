@@ -1,10 +1,12 @@
 """fastbert.embedding.reading: every input line is one row (blank ones null), and input that cannot be read
 names its line."""
 
+import json
+
 import pytest
 
 from fastbert.common.resolve import UserError
-from fastbert.embedding import InputError, open_input, read_rows
+from fastbert.embedding import InputError, Row, open_input, read_rows
 
 
 def test_text_rows_keep_every_line_blank_ones_as_null():
@@ -20,6 +22,48 @@ def test_jsonl_rows_with_field_and_id():
     assert [(r.id, r.text) for r in rows] == [("doc-1", "a text"), (7, None), ("x", None)]  # the blank line: no id
     assert [(r.id, r.text) for r in read_rows(lines, "jsonl", "body")] == [(1, "a text"), (2, None), (3, None),
                                                                             (4, None)]
+
+
+# Blank: nothing to embed. A zero-width space, a joiner, a byte order mark, direction marks, a soft hyphen, NUL
+# and BEL: a reader sees nothing and BERT's tokenizer keeps nothing, so they embedded as [CLS] [SEP] alone.
+INVISIBLE = ["\u200b", "\u200b\u200c", "\x00\x07", "\ufeff", "\u200d", "\u200e\u200f", "\u00ad", "\u2060",
+             " \u200b\t\u200b ", "\x1b", "\U000e0041"]
+# Not blank: real text in any script, with the same characters mixed in where they belong.
+VISIBLE = ["\u200bhello\u200c world", "\u202b\u0645\u0631\u062d\u0628\u0627\u202c",  # Arabic in RTL embedding marks
+           "\u200f\u05e9\u05dc\u05d5\u05dd\u200f", "\U0001f468\u200d\U0001f469\u200d\U0001f467",  # Hebrew; a ZWJ emoji
+           "\u65e5\u672c\u8a9e", "\U0001f44d", "\u0915\u094d\u200d\u0937", "a\u00adb", "\x07bell", ".", "0",
+           "\u3164"]  # CJK, emoji, Devanagari with a ZWJ, soft hyphen inside a word, HANGUL FILLER (a letter)
+
+
+@pytest.mark.parametrize("text", INVISIBLE)
+def test_a_text_of_only_invisible_characters_is_blank_and_says_why(text):
+    _, row = read_rows([b"first\n", text.encode() + b"\n"])  # (on line 1 a byte order mark is no text's)
+    [record] = read_rows([json.dumps({"text": text}).encode()], "jsonl")
+    assert row.text is None and record.text is None
+    from fastbert.embedding import is_blank, text_row
+
+    assert row.why.startswith("only invisible characters (U+") and record.why == row.why
+    assert is_blank(text) and text_row(3, "a", text) == Row(3, "a", None, row.why)
+
+
+@pytest.mark.parametrize("text", VISIBLE)
+def test_a_text_with_anything_visible_is_kept_whole(text):
+    from fastbert.embedding import is_blank
+
+    assert not is_blank(text)
+    [row] = read_rows([text.encode() + b"\n"])
+    assert row.text == text and row.why is None
+    [row] = read_rows([json.dumps({"text": text}).encode()], "jsonl")
+    assert row.text == text and row.why is None
+
+
+def test_whitespace_is_blank_without_a_why_and_the_why_names_the_characters():
+    from fastbert.embedding import invisible_note
+
+    assert [(r.text, r.why) for r in read_rows([b"\n", b" \t\n", "\u00a0\u3000".encode()])] == [(None, None)] * 3
+    assert invisible_note("\u200b\u200b\u200c") == ("only invisible characters (U+200B ZERO WIDTH SPACE, U+200C "
+                                                     "ZERO WIDTH NON-JOINER)")
+    assert invisible_note("\x00\x07\x1b\x7f") == "only invisible characters (U+0000, U+0007, U+001B and 1 more)"
 
 
 def test_a_blank_jsonl_line_takes_no_id_another_row_has():
