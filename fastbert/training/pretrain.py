@@ -154,17 +154,18 @@ def train_byte_level_bpe(documents: list[list[str]], vocab_size: int, max_length
 def train_wordpiece(documents: list[list[str]], vocab_size: int, max_length: int,
                     lowercase: bool = True) -> BertTokenizerFast:
     """A WordPiece vocabulary trained on the documents' sentences, as a transformers fast tokenizer
-    (BertTokenizerFast; specials [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4; pairs get token types 0/1)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    (BertTokenizerFast; specials [PAD]=0 [UNK]=1 [CLS]=2 [SEP]=3 [MASK]=4; pairs get token types 0/1). The same
+    sentences give the same vocabulary, ids included, in every process (`wordpiece_vocabulary`)."""
+    from tokenizers import Tokenizer, decoders, models, processors
     from transformers import BertTokenizerFast
 
-    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    vocab = wordpiece_vocabulary([s for doc in documents for s in doc], vocab_size, lowercase)
+    # the model WordPieceTrainer would have left, rebuilt from the vocabulary alone (its special tokens were many)
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", continuing_subword_prefix="##",
+                                         max_input_chars_per_word=100))
+    _bert_pipeline(backend, lowercase)
+    backend.add_special_tokens(list(SPECIAL_TOKENS))  # in the vocabulary already: they keep ids 0-4
     backend.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                        show_progress=False)
-    backend.train_from_iterator((s for doc in documents for s in doc), trainer)
     cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     backend.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id),
@@ -172,6 +173,41 @@ def train_wordpiece(documents: list[list[str]], vocab_size: int, max_length: int
     return BertTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
                              cls_token="[CLS]", mask_token="[MASK]", do_lower_case=lowercase,
                              model_max_length=max_length)
+
+
+def _bert_pipeline(backend: Any, lowercase: bool) -> None:
+    """BERT's normaliser and pre-tokeniser on a `tokenizers.Tokenizer`: what WordPiece trains on and encodes."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+
+
+def wordpiece_vocabulary(sentences: Sequence[str], vocab_size: int, lowercase: bool = True) -> dict[str, int]:
+    """token -> id: tokenizers' WordPieceTrainer on the sentences (BERT's normaliser and pre-tokeniser, its default
+    min_frequency and alphabet), the same in every process. Left alone, the trainer numbers the alphabet in
+    code-point order but each ``##c`` form (a character inside a word) when it first meets it in its word counts, a
+    hash map whose order changes from process to process (huggingface/tokenizers#1794), and it breaks ties between
+    equally frequent pairs by those ids: the vocabulary changed from run to run. So a first pass with no merges
+    (vocab_size 0) lists the alphabet and the ``##c`` forms, and the real pass is given them as special tokens after
+    the five, each group in code-point order: the trainer then numbers nothing itself but the tokens its merges make,
+    in the order it makes them, and every merge is decided by counts and these fixed ids. The result has
+    WordPieceTrainer's tokens and layout (specials, alphabet, ``##c`` forms, merges, as many); only which of equally
+    frequent pairs merges first may differ from a given run of it. The first pass reads the text once more (about
+    as long as the training itself on a few MB)."""
+    from tokenizers import Tokenizer, models, trainers
+
+    def train(special_tokens: list[str], size: int) -> dict[str, int]:
+        backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        _bert_pipeline(backend, lowercase)
+        trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=special_tokens, show_progress=False)
+        backend.train_from_iterator(sentences, trainer)
+        return backend.get_vocab(with_added_tokens=False)
+
+    found = set(train(list(SPECIAL_TOKENS), 0)).difference(SPECIAL_TOKENS)
+    alphabet = sorted(token for token in found if len(token) == 1)  # one character each
+    continuing = sorted(token for token in found if len(token) > 1)  # "##" and one character each
+    return train([*SPECIAL_TOKENS, *alphabet, *continuing], vocab_size)
 
 
 def continuation_table(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
@@ -667,9 +703,10 @@ def read_config_file(path: str | None) -> dict[str, Any]:
 
 
 def load_or_train_tokenizer(settings: PretrainSettings, train_docs: list[list[str]]) -> PreTrainedTokenizerBase:
-    """The run's tokenizer: on resume the latest checkpoint's (never retrained: tokenizers' WordPiece trainer numbers
-    its alphabet in hash order, so two trainings on the same text can differ); else --tokenizer's, else one trained
-    on the training sentences. A new run keeps a copy in output_dir/tokenizer."""
+    """The run's tokenizer: on resume the latest checkpoint's (never retrained: a training is reproducible, see
+    `wordpiece_vocabulary`, but the checkpoint's tokenizer is the one its weights were trained with, whatever made
+    it); else --tokenizer's, else one trained on the training sentences. A new run keeps a copy in
+    output_dir/tokenizer."""
     from transformers import AutoTokenizer
 
     output_dir = Path(settings.output_dir)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -210,6 +212,98 @@ def test_bert_and_albert_keep_wordpiece(corpus):
         "names refer to objects."  # lower-cased: WordPiece does not round-trip, which is why roberta has BPE
 
 
+# A WordPiece vocabulary is the same in every process (tokenizers' WordPieceTrainer alone numbers its "##c" forms in
+# hash-map order, which changes from run to run, and breaks ties between merges by those ids).
+UNICODE_CORPUS = ["Café, naïve façade: déjà vu in Zürich.", "日本語のテキスト、正しく戻ります。",
+                  "Emoji 🙂🚀 and ∑ ≤ →.", "Version 3.11.4 costs $12.50 (or 99%)!", "Привет, мир! Ёлка в Москве.",
+                  "The xylophone and the saxophone play in 2024."]
+WORDPIECE_TEXTS = ["The while statement is used for repeated execution.", "xylophone", *UNICODE_CORPUS]
+WORDPIECE_IN_A_PROCESS = """
+import json, sys
+from fastbert.training.corpus import file_documents
+from fastbert.training.pretrain import train_tokenizer
+tokenizer = train_tokenizer(file_documents([sys.argv[1]]), 300, 64)
+texts = json.loads(sys.argv[2])
+print(json.dumps({"vocab": tokenizer.get_vocab(), "ids": [tokenizer(t)["input_ids"] for t in texts],
+                  "tokens": [tokenizer.tokenize(t) for t in texts]}, sort_keys=True))
+"""
+
+
+def _greedy_longest_match(word: str, vocab: dict[str, int]) -> list[str]:
+    """WordPiece's inference for one pre-tokenised word: the longest vocabulary prefix, then the longest ``##``
+    piece, and so on; the whole word is [UNK] when some rest has no piece."""
+    pieces, start = [], 0
+    while start < len(word):
+        end = len(word)
+        while end > start and (word[start:end] if start == 0 else "##" + word[start:end]) not in vocab:
+            end -= 1
+        if end == start:
+            return ["[UNK]"]
+        pieces.append(word[start:end] if start == 0 else "##" + word[start:end])
+        start = end
+    return pieces
+
+
+def test_a_wordpiece_vocabulary_is_the_same_in_every_process(tmp_path, corpus):
+    text = tmp_path / "corpus.txt"
+    text.write_text(corpus.read_text(encoding="utf-8") + "\n\n" + "\n".join(UNICODE_CORPUS * 3) + "\n",
+                    encoding="utf-8")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    command = [sys.executable, "-c", WORDPIECE_IN_A_PROCESS, str(text), json.dumps(WORDPIECE_TEXTS)]
+    processes = [subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(3)]  # side by side: each imports torch and transformers
+    outputs = []
+    for process in processes:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err
+        outputs.append(json.loads(out))
+    assert outputs[0]["tokens"][1] == outputs[1]["tokens"][1] == outputs[2]["tokens"][1]  # "xylophone"
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]  # the vocabulary, its ids, the encodings
+
+
+def test_wordpiece_special_ids_and_layout(corpus):
+    tokenizer = train_tokenizer(file_documents([str(corpus)]) + [UNICODE_CORPUS], 400, 64)
+    assert [tokenizer.convert_tokens_to_ids(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")] == \
+        [PAD, UNK, CLS, SEP, MASK]
+    assert (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.cls_token_id, tokenizer.sep_token_id,
+            tokenizer.mask_token_id) == (PAD, UNK, CLS, SEP, MASK)
+    assert len(tokenizer) == 400 and sorted(tokenizer.all_special_ids) == [PAD, UNK, CLS, SEP, MASK]
+    assert tokenizer("a b", "c")["token_type_ids"] == [0, 0, 0, 0, 1, 1]
+    # after the specials, WordPieceTrainer's layout in a fixed order: the alphabet, the "##c" forms (each in
+    # code-point order), the merges
+    tokens = sorted(tokenizer.get_vocab(), key=tokenizer.get_vocab().get)
+    alphabet = [t for t in tokens[5:] if len(t) == 1]
+    forms = [t for t in tokens[5 + len(alphabet):] if len(t) == 3 and t.startswith("##")]
+    assert tokens[5:5 + len(alphabet)] == alphabet == sorted(alphabet) and len(alphabet) > 60
+    assert tokens[5 + len(alphabet):5 + len(alphabet) + len(forms)] == forms == sorted(forms) and len(forms) > 40
+    assert all(len(t.removeprefix("##")) > 1 for t in tokens[5 + len(alphabet) + len(forms):])  # merges
+
+
+def test_wordpiece_round_trips_unicode_text_as_bert_does():
+    # a lower-casing WordPiece strips accents, pads CJK ideographs with spaces and splits off punctuation, as BERT's
+    documents = [UNICODE_CORPUS * 4]
+    tokenizer = train_tokenizer(documents, 160, 64)
+    assert tokenizer.do_lower_case and len(tokenizer) == 160
+    expected = ["cafe, naive facade : deja vu in zurich.", "日 本 語 のテキスト 、 正 しく 戻 ります 。",
+                "emoji 🙂🚀 and ∑ ≤ →.", "version 3. 11. 4 costs $ 12. 50 ( or 99 % )!", "привет, мир! елка в москве.",
+                "the xylophone and the saxophone play in 2024."]
+    vocab = tokenizer.get_vocab()
+    backend = tokenizer.backend_tokenizer
+    for text, decoded in zip(UNICODE_CORPUS, expected, strict=True):
+        ids = tokenizer(text)["input_ids"]
+        assert ids[0] == CLS and ids[-1] == SEP and UNK not in ids, text
+        assert tokenizer.decode(ids, skip_special_tokens=True) == decoded
+        # WordPiece's greedy longest match over the trained vocabulary, word by word
+        words = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(text))]
+        assert tokenizer.tokenize(text) == [p for w in words for p in _greedy_longest_match(w, vocab)], text
+    assert tokenizer.tokenize("Zürich 2024") == tokenizer.tokenize("zurich 2024")
+    assert tokenizer.tokenize("🚀🙂")[0] == "[UNK]"  # no "##🙂" was trained: a word WordPiece cannot cover is [UNK]
+    # and the same in a second training, ids included
+    again = train_tokenizer(documents, 160, 64)
+    assert again.get_vocab() == vocab
+    assert [again(t)["input_ids"] for t in UNICODE_CORPUS] == [tokenizer(t)["input_ids"] for t in UNICODE_CORPUS]
+
 def test_packing():
     docs = [[[10 + d] * 5 for _ in range(9)] for d in range(4)]  # 4 documents of 9 sentences of 5 tokens
     bert = _data(docs, max_length=27, pack=True)  # segments of up to (27 - 3) // 2 = 12 tokens: two sentences
@@ -312,9 +406,7 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, corpus, capsys,
     whole = tmp_path / "whole"
     code, err = _run([*common, "-o", str(whole)], capsys)
     assert code == 0, err
-    # tokenizers' WordPiece trainer is not reproducible across processes: the second run reuses the first's vocabulary
-    common += ["--tokenizer", str(whole / "tokenizer")]
-
+    # the killed run trains its own vocabulary in its own process: the same as the first's (test above)
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "fastbert.cli", "pretrain", *common, "-o", str(killed)]
     kill_and_resume(command, killed, int(steps), wait_s=120)
