@@ -283,6 +283,19 @@ def code_task() -> TaskData:
                     "prose; held out by topic")
 
 
+_TASK_SHAPES = {"topic": ("sequence", TOPIC_PACKAGES), "pair": ("sequence", PAIR_LABELS),
+                "code": ("token", CODE_LABELS)}
+
+
+def task_outline(name: str) -> TaskData:
+    """The named task's name, kind and labels without its examples (instant, where `build_task` takes seconds):
+    what the checks of a teacher need before the data is built."""
+    if name not in _TASK_SHAPES:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASK_NAMES)}")
+    kind, labels = _TASK_SHAPES[name]
+    return TaskData(name, kind, labels, [], [], "")
+
+
 def build_task(name: str, seed: int = 0) -> TaskData:
     """The named task's data (TASK_NAMES); ``seed`` draws the random partners of the pair task."""
     if name == "topic":
@@ -575,6 +588,10 @@ def finetune(settings: FinetuneSettings, log: TextIO | None = None) -> dict:
     settings = cap_max_length(settings, config, log)
     device = resolve_device(settings.device)
     tokenizer = load_tokenizer(model_dir)
+    # the teacher before the data (seconds to build): its checks need only the task's labels, the student's config
+    # and tokenizer, so a teacher that cannot teach fails at once
+    teacher = (build_teacher(settings, task_outline(settings.task), tokenizer, config, device)
+               if settings.teacher is not None else None)
     data = build_task(settings.task, settings.seed)
     train_examples = subsample(data.train, settings.train_limit, settings.seed)
     test_examples = subsample(data.test, settings.eval_limit, settings.seed)
@@ -583,8 +600,6 @@ def finetune(settings: FinetuneSettings, log: TextIO | None = None) -> dict:
     log.write(f"fastbert finetune: task {data.name} ({data.description}): {len(train_examples)} train / "
               f"{len(test_examples)} held-out {'sentences' if data.kind == 'token' else 'examples'}, labels "
               f"{', '.join(data.labels)}; {max_steps} steps of {settings.batch_size}\n")
-    # the teacher first: its checks need only the student's config and tokenizer, and fail before a model loads
-    teacher = build_teacher(settings, data, tokenizer, config, device) if settings.teacher is not None else None
     model = build_classifier(model_dir, data, tokenizer, settings, device)
     if teacher is not None:
         log.write(f"fastbert finetune: {teacher.describe()}\n")
@@ -595,7 +610,15 @@ def finetune(settings: FinetuneSettings, log: TextIO | None = None) -> dict:
     elapsed = time.perf_counter() - started
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates and writes
         return {}
-    if task.evaluation is None:  # a resume of a run that had already finished: evaluate its weights
+    if result.steps_run == 0:
+        finished = finished_results(settings.output_dir, result.step)
+        if finished is not None:  # a resume of a complete run: say so, change nothing
+            out = settings.output_dir
+            log.write(f"fastbert finetune: the run in {out} is already complete (step {result.step} of {max_steps}): "
+                      f"nothing to train, nothing changed; its results are in {os.path.join(out, 'results.json')}, "
+                      f"its model in {os.path.join(out, 'model')}\n")
+            return finished
+    if task.evaluation is None:  # a run stopped after its last step, before its results: evaluate its weights
         task.evaluate(model)
     model_out = training.keep_final_model(result.checkpoint, settings.output_dir)
     results = results_record(task, result, model_out, path, steps_per_epoch, elapsed)
@@ -605,7 +628,7 @@ def finetune(settings: FinetuneSettings, log: TextIO | None = None) -> dict:
     evaluation, baseline = results["evaluation"], results["majority_baseline"]
     log.write(f"fastbert finetune: held-out accuracy {evaluation['accuracy']:.4f} (majority baseline "
               f"{baseline['accuracy']:.4f}: always '{baseline['label']}'), macro F1 {evaluation['macro_f1']:.4f}; "
-              f"{result.step} steps in {elapsed:.1f} s; model -> {model_out}\n")
+              f"{steps_line(result, elapsed)}; model -> {model_out}\n")
     if teacher is not None:
         share = results["teacher"]["student_over_teacher"]
         log.write(f"fastbert finetune: the teacher's held-out accuracy {results['teacher']['accuracy']:.4f}; "
@@ -613,10 +636,34 @@ def finetune(settings: FinetuneSettings, log: TextIO | None = None) -> dict:
     return results
 
 
+def finished_results(output_dir: str, step: int) -> dict | None:
+    """The results.json of a run that finished at ``step`` (with its model beside it), None when the run stopped
+    between its last checkpoint and its results (or the file is not that run's)."""
+    try:
+        with open(os.path.join(output_dir, "results.json"), encoding="utf-8") as f:
+            results = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(results, dict) or results.get("training", {}).get("steps") != step:
+        return None
+    return results if os.path.isdir(os.path.join(output_dir, "model")) else None
+
+
+def steps_line(result: training.TrainResult, elapsed: float) -> str:
+    """'40 steps in 12.3 s', or for a resume '10 steps in 3.1 s (steps 31-40; 40 in all)'."""
+    if result.steps_run == result.step:
+        return f"{result.step} steps in {elapsed:.1f} s"
+    if result.steps_run == 0:
+        return f"no step left to train ({result.step} in all)"
+    first = result.step - result.steps_run + 1
+    return f"{result.steps_run} steps in {elapsed:.1f} s (steps {first}-{result.step}; {result.step} in all)"
+
+
 def build_teacher(settings: FinetuneSettings, data: TaskData, tokenizer: PreTrainedTokenizerBase,
                   student_config: FastBertConfig, device: torch.device) -> TaskTeacher:
     """The run's checked teacher (`fastbert.training.task_distillation`) with its trained head, frozen on
-    ``device``, optimized like the student."""
+    ``device``, optimized like the student. Of ``data`` it reads only the name, kind and labels (`task_outline`
+    gives them before the examples are built)."""
     import fastbert
 
     assert settings.teacher is not None

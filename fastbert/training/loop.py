@@ -17,7 +17,23 @@ What it does (and nothing more):
   read: temporary directories (``.tmp-*``) are ignored and removed at the next start.
 - ``resume=True`` continues from the latest checkpoint with the same data order and RNG state, so a run killed
   and resumed ends with the same weights as an uninterrupted one (same settings, same thread count). A resume
-  whose settings differ from the checkpoint's is refused with the differences named (`TrainingError`).
+  whose settings differ from the checkpoint's is refused with the differences named (`TrainingError`), except
+  ``max_steps`` (and with it ``warmup_steps``): a resume may give a ``max_steps`` above the checkpoint's step
+  (extend a finished run, or shorten an unfinished one); from the checkpoint on, the learning rate is then that of
+  the new schedule (`TrainingRun.restore` says so in one line), so the run equals neither an uninterrupted run of
+  the old length nor one of the new length (whose earlier steps had other learning rates). A resume of a run that
+  is already at its ``max_steps`` trains nothing, writes nothing and says so (`TrainResult.steps_run` is 0).
+- Interrupts: during the steps, the first SIGINT (Ctrl-C) or SIGTERM (when Python code handles it, as the
+  ``fastbert`` command does) is held until the step in progress ends (an optimizer step is never cut); then a
+  checkpoint is written at that step (unless one just was), the line "stopped after step N; the last checkpoint is
+  step N (...): rerun with --resume to continue" is written, and the signal's own handler runs (KeyboardInterrupt,
+  or the command's ``Terminated``). A second signal meanwhile runs its handler at once: the checkpoint being written
+  is left as a temporary directory, never taken for a checkpoint, and the line says how many steps are lost. Under
+  DDP the ranks agree on the step: each step's all-reduce of the loss carries every rank's "stop" flag, so all of
+  them stop after the first step in which any rank had been signalled (torchrun passes a Ctrl-C on to every rank).
+- ``metrics.jsonl`` holds the records of this run only: a new run starts it empty (a run that stopped before its
+  first checkpoint leaves nothing behind in it), a resume keeps the records up to the checkpoint's step and drops
+  those logged after it, which the resume logs again (the same values: the steps are recomputed exactly).
 - DDP-aware: when ``WORLD_SIZE`` > 1, the process group is initialised from the environment (torchrun), the model
   wrapped in ``DistributedDataParallel``, each global batch split across ranks by `TrainingTask.shard`, logged
   losses/metrics averaged over ranks, and only rank 0 writes files (the RNG states of every rank are saved).
@@ -47,7 +63,9 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -66,6 +84,8 @@ CHECKPOINT_PREFIX = "checkpoint-"
 # Arguments that do not change the trajectory of a run, so a resume may change them.
 _FREE_ARGUMENTS = frozenset({"output_dir", "resume", "save_every", "log_every", "keep_checkpoints", "progress",
                              "eval_every"})
+# Arguments that make the learning-rate schedule: a resume may change them when it changes max_steps.
+_SCHEDULE_ARGUMENTS = ("max_steps", "warmup_steps")
 
 
 class TrainingError(Exception):
@@ -162,11 +182,13 @@ class TrainingTask:
 
 @dataclass
 class TrainResult:
-    """The end of a run: the last step, the checkpoint written at it, every metrics record."""
+    """The end of a run: the last step, the checkpoint written at it, every metrics record, and how many steps this
+    call trained (0: a resume of a run that was already complete)."""
 
     step: int
     checkpoint: Path | None
     records: list[dict[str, Any]]
+    steps_run: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -402,6 +424,56 @@ def read_metrics(path: str | os.PathLike, up_to_step: int | None = None) -> list
     return records
 
 
+# ----------------------------------------------------------------------------------------------- interrupts
+class _StopRequests:
+    """SIGINT and SIGTERM while the steps run (a context manager): the first is held (``requested``) until the loop
+    reaches a step boundary and calls `deliver`; a second one runs its own handler at once. Only signals that Python
+    code handles are held (SIGINT's KeyboardInterrupt, the ``fastbert`` command's SIGTERM), and only in the main
+    thread (where Python runs handlers); the handlers found are put back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, announce: bool, in_place: bool):
+        self.announce, self.in_place = announce, in_place
+        self.signum: int | None = None
+        self.previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> _StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                handler = signal.getsignal(signum)
+                if callable(handler):
+                    self.previous[signum] = handler
+                    signal.signal(signum, self.handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # the second: stop at once
+            self.previous[signum](signum, frame)
+            return
+        self.signum = signum
+        if self.announce:  # os.write: a handler can run inside a sys.stderr.write, which must not be re-entered
+            text = ("interrupted: stopping after the step in progress, with a checkpoint at it (interrupt again to "
+                    "stop at once, without it)\n")
+            with contextlib.suppress(OSError):
+                os.write(sys.stderr.fileno(), (("\n" if self.in_place else "") + text).encode())
+
+    def deliver(self) -> None:
+        """Run the held signal's own handler (it raises: KeyboardInterrupt, the command's Terminated)."""
+        assert self.signum is not None
+        self.previous[self.signum](self.signum, None)
+        raise KeyboardInterrupt  # a handler that returned
+
+
 # ---------------------------------------------------------------------------------------------------- train
 def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
@@ -411,6 +483,10 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(_to_device(v, device) for v in batch)
     return batch
+
+
+def _steps(count: int) -> str:
+    return f"{count} step{'s' if count != 1 else ''}"
 
 
 def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -463,9 +539,16 @@ class TrainingRun:
         self.settings = _jsonable({"training": args.trajectory_settings(), "task": task.settings(),
                                    "world_size": self.dist.world_size})
         self.step, self.epoch, self.position = 0, 0, 0
+        self.first_step = 0  # the step this call started from
+        self.saved_step: int | None = None  # the step of the last checkpoint written or restored
+        self.complete = False  # a resume of a run already at max_steps: nothing to train, nothing to write
+        self.schedule_note = ""  # a resume with another max_steps: what changed (`reschedule`)
         self.records: list[dict[str, Any]] = []
         self.log = None
         self.progress: _Progress | None = None
+        self.stops = _StopRequests(False, False)
+        self.stop_agreed = False  # under DDP: some rank had been signalled before this step's all-reduce
+        self.told = False
 
     def run(self) -> TrainResult:
         """Set up, train to ``max_steps`` and close the metrics log and the progress line (and the process group
@@ -480,7 +563,8 @@ class TrainingRun:
         self.train_model = self.wrap_model()
         self.progress = self.start_progress(checkpoint)
         try:
-            result = self.train_steps(checkpoint)
+            with self.stops:
+                result = self.train_steps(checkpoint)
             # leave together: a rank that tears the group down while another is still on its last files (rank 0's
             # checkpoint hook) can leave one of them waiting in the teardown (seen under torchrun, 1 run in ~20)
             self.dist.barrier()
@@ -492,14 +576,25 @@ class TrainingRun:
             self.close()
 
     def tell_how_to_resume(self) -> None:
-        """On rank 0, after an interrupt (Ctrl-C): the step reached and the checkpoint a --resume continues from."""
-        last = latest_checkpoint(self.output_dir) if self.dist.main else None
-        if last is None:
+        """On rank 0, after an interrupt (Ctrl-C, SIGTERM): the step reached, the checkpoint a --resume continues
+        from, and how many steps are lost when that checkpoint is older than the step (or there is none)."""
+        if not self.dist.main or self.told:
             return
-        self.progress.close()  # the line goes below an in-place progress line, not over it
-        self.progress = None
-        sys.stderr.write(f"stopped after step {self.step}; the last checkpoint is step {_checkpoint_step(last)} "
-                         f"({last}): rerun with --resume to continue\n")
+        self.told = True
+        last = latest_checkpoint(self.output_dir)
+        if last is None and self.step == 0:
+            return  # nothing trained, nothing lost
+        if self.progress is not None:
+            self.progress.close()  # the line goes below an in-place progress line, not over it
+            self.progress = None
+        if last is None:
+            sys.stderr.write(f"stopped after step {self.step} with no checkpoint written: {_steps(self.step)} lost "
+                             "(a rerun starts over)\n")
+            return
+        saved = _checkpoint_step(last) or 0
+        lost = f" ({_steps(self.step - saved)} after it lost)" if self.step > saved else ""
+        sys.stderr.write(f"stopped after step {self.step}; the last checkpoint is step {saved} ({last}): rerun with "
+                         f"--resume to continue{lost}\n")
 
     def find_checkpoint(self) -> Path | None:
         """The checkpoint to resume from (None for a fresh run); TrainingError when that does not fit ``resume``.
@@ -520,24 +615,62 @@ class TrainingRun:
 
     def restore(self, checkpoint: Path) -> None:
         """Weights, optimizer, scheduler, position and this rank's RNG states of ``checkpoint``, whose settings must
-        be the run's."""
+        be the run's, but for a new ``max_steps`` (and the ``warmup_steps`` that come with it): the schedule is then
+        the new one from the checkpoint's step on (`reschedule`)."""
         state = _read_state(checkpoint / STATE_FILE)
-        if state["settings"] != self.settings:
+        saved, step = state["settings"], state["step"]
+        old = {k: saved.get("training", {}).get(k) for k in _SCHEDULE_ARGUMENTS}
+        new = {k: self.settings["training"][k] for k in _SCHEDULE_ARGUMENTS}
+        rescheduled = old["max_steps"] != new["max_steps"]
+        if rescheduled:
+            if new["max_steps"] < step:
+                raise TrainingError(f"--resume: --max-steps {new['max_steps']} is below the step of the checkpoint "
+                                    f"({checkpoint}), {step}: a run cannot be cut back; give a larger --max-steps")
+            if new["max_steps"] == step:
+                raise TrainingError(f"--resume: --max-steps {new['max_steps']} is the step of the checkpoint "
+                                    f"({checkpoint}), which is not the end of its run ({old['max_steps']} steps): "
+                                    "nothing would train; give a larger --max-steps")
+            saved = {**saved, "training": {**saved["training"], **new}}  # compare the rest
+        if saved != self.settings:
             raise TrainingError(f"--resume: the settings differ from the checkpoint's ({checkpoint}): "
-                                f"{_describe_differences(state['settings'], self.settings)}; resume with the same "
+                                f"{_describe_differences(saved, self.settings)}; resume with the same "
                                 "settings or start a new output directory")
         _load_weights(self.model, checkpoint)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+        self.step, self.epoch, self.position = step, state["epoch"], state["position"]
+        self.first_step = self.saved_step = step
+        self.complete = step == self.args.max_steps
         _set_rng_state(state["rng"][self.dist.rank])
+        if rescheduled:
+            self.reschedule(old["max_steps"], old["warmup_steps"])
+
+    def reschedule(self, old_max_steps: int, old_warmup: int | None) -> None:
+        """After a resume with another max_steps: the learning rate of the next step from the new schedule (the
+        optimizer's state holds the old schedule's), and one line on rank 0 saying what changed."""
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                       self.scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        args, verb = self.args, "extends" if self.args.max_steps > old_max_steps else "shortens"
+        warmup = (f"warmup {args.warmup_steps} steps (was {old_warmup})" if old_warmup != args.warmup_steps
+                  else f"warmup {args.warmup_steps} steps")
+        self.schedule_note = (
+            f"--max-steps {args.max_steps} {verb} the run (its checkpoint's: {old_max_steps}): the learning rate now "
+            f"follows the schedule for {args.max_steps} steps ({warmup}, linear decay to 0 at step {args.max_steps}),"
+            f" {self.scheduler.get_last_lr()[0]:.3g} at step {self.step + 1}; steps 1-{self.step} had the old "
+            "schedule's rates, so the result equals no uninterrupted run")
 
     def open_metrics(self) -> None:
-        """On rank 0: the metrics records up to the current step (what a killed run logged after its last
-        checkpoint is dropped from the file too), and the file opened for appending."""
+        """On rank 0: the metrics records of this run, and the file opened for appending. A new run starts an empty
+        file (another run's records, one that stopped before its first checkpoint, are not kept); a resume keeps the
+        records up to the checkpoint's step (what a stopped run logged after it is dropped: the resume logs those
+        steps again); a complete run's file is only read."""
         if not self.dist.main:
             return
-        self.records = read_metrics(self.output_dir / METRICS_FILE, up_to_step=self.step)
+        self.records = read_metrics(self.output_dir / METRICS_FILE, up_to_step=self.step) if self.step else []
+        if self.complete:
+            return
         write_atomic(self.output_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         self.log = open(self.output_dir / METRICS_FILE, "a", encoding="utf-8")
 
@@ -552,12 +685,20 @@ class TrainingRun:
         """The progress line (rank 0 only draws it in place), opened with where a resume starts."""
         in_place = self.args.progress if self.args.progress is not None else sys.stderr.isatty()
         progress = _Progress(self.args.max_steps, in_place and self.dist.main)
-        self.elapsed_before = (self.records[-1]["elapsed_s"] if self.records and "elapsed_s" in self.records[-1]
-                               else 0.0)
+        self.stops = _StopRequests(self.dist.main, in_place)
+        timed = [r["elapsed_s"] for r in self.records if "elapsed_s" in r]  # (the last record can be an eval's)
+        self.elapsed_before = timed[-1] if timed else 0.0
         self.started = time.perf_counter()
         if checkpoint is not None and self.dist.main:
-            progress.show(f"resuming from {checkpoint} at step {self.step} (epoch {self.epoch}, batch "
-                          f"{self.position})")
+            if self.complete:
+                progress.show(f"{checkpoint} is the end of the run (step {self.step} of {self.args.max_steps}): the "
+                              "run is already complete, nothing to train")
+            else:
+                progress.show(f"resuming from {checkpoint} at step {self.step} (epoch {self.epoch}, batch "
+                              f"{self.position})")
+            if self.schedule_note:
+                sys.stderr.write("\n" if in_place else "")
+                progress.show(self.schedule_note)
             if in_place:
                 sys.stderr.write("\n")
         return progress
@@ -572,14 +713,33 @@ class TrainingRun:
         if len(batches) == 0:
             raise TrainingError("the task has no batches (too little data for one batch?)")
         last_saved = checkpoint if checkpoint is not None and self.step == self.args.max_steps else None
-        while self.step < self.args.max_steps:
+        while True:
+            if self.stop_requested():  # at a step boundary: checkpoint, then the interrupt
+                self.stop()
+            if self.step >= self.args.max_steps:
+                break
             if self.position >= len(batches):
                 self.epoch, self.position = self.epoch + 1, 0
                 batches = self.task.batches(self.epoch)
             out, values, lr = self.train_step(batches[self.position])
             self.record_step(out, values, lr)
             last_saved = self.after_step() or last_saved
-        return TrainResult(self.step, last_saved or checkpoint, self.records)
+        return TrainResult(self.step, last_saved or checkpoint, self.records, self.step - self.first_step)
+
+    def stop_requested(self) -> bool:
+        """Whether to stop at this step boundary: this process was signalled, or under DDP, some rank had been
+        before this step's all-reduce (all ranks see the same flags, so they stop at the same step)."""
+        return self.stop_agreed if self.dist.world_size > 1 else self.stops.requested
+
+    def stop(self) -> None:
+        """Stop at this step boundary: a checkpoint at this step (every rank takes part; none when one was just
+        written or restored here), the line saying so, then the held signal's handler (it raises)."""
+        if self.saved_step != self.step and self.step > 0:  # (a new run stopped before its first step: no steps)
+            self.save(final=False)
+        self.tell_how_to_resume()
+        if self.stops.requested:
+            self.stops.deliver()
+        raise KeyboardInterrupt  # another rank was signalled, this one was not (yet)
 
     def train_step(self, batch: Any) -> tuple[StepOutput, list[float], float]:
         """Forward, backward, clipping and one optimizer and scheduler step on one global batch (this rank's shard
@@ -592,8 +752,10 @@ class TrainingRun:
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         # averaged before the update: every rank sees the same loss, so all of them stop at the same step
-        values = self.dist.mean([float(out.loss.detach()), *(float(v) for v in out.metrics.values()),
-                                 float(out.tokens)])
+        # (the last value: whether this rank has a stop request, so that all ranks agree on the step to stop at)
+        *values, stops = self.dist.mean([float(out.loss.detach()), *(float(v) for v in out.metrics.values()),
+                                         float(out.tokens), float(self.stops.requested)])
+        self.stop_agreed = stops > 0
         if not math.isfinite(values[0]):
             raise TrainingError(self.divergence(f"the training loss is {values[0]} at step {self.step + 1}"))
         if self.args.max_grad_norm > 0:
@@ -666,6 +828,7 @@ class TrainingRun:
             raise TrainingError(self.divergence(f"the weights are not finite after step {self.step}"))
         path = _save_checkpoint(self.model, self.task, self.optimizer, self.scheduler, self.output_dir, self.step,
                                 self.epoch, self.position, self.settings, self.args.keep_checkpoints, self.dist)
+        self.saved_step = self.step
         if self.dist.main:
             self.task.on_checkpoint(self.output_dir, self.records, final)
         return path

@@ -231,12 +231,16 @@ def test_tiny_finetune_through_the_cli(capsys, tmp_path, tiny_checkpoint, task):
                                           finetune.subsample(data.train, 32, 0))
     assert results["majority_baseline"] == baseline
 
-    # resuming a finished run evaluates the same weights again
+    # resuming a finished run says so and changes nothing
+    files = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
     code, _, err = _run(capsys, "finetune", "--task", task, "--model", tiny_checkpoint, "-o", str(out),
                         "--max-steps", "4", "--batch-size", "8", "--train-limit", "32", "--eval-limit", "24",
                         "--learning-rate", "1e-3", "--resume")
     assert code == 0, err
-    assert json.loads((out / "results.json").read_text())["evaluation"] == results["evaluation"]
+    assert (f"fastbert finetune: the run in {out} is already complete (step 4 of 4): nothing to train, nothing "
+            f"changed; its results are in {out / 'results.json'}, its model in {out / 'model'}\n") in err
+    assert "held-out accuracy" not in err and "steps in" not in err
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == files
 
 
 def _one_error_line(err: str) -> str:
@@ -351,3 +355,41 @@ def test_minilm_learns_the_topic_task(tmp_path, minilm_dir):
     assert results["evaluation"]["accuracy"] > results["majority_baseline"]["accuracy"] + 0.15
     assert Counter(results["held_out"]["label_counts"]) == Counter(
         finetune.count_labels(finetune.TOPIC_PACKAGES, finetune.subsample(finetune.build_task("topic").test, 150, 0)))
+
+
+def test_a_resume_with_more_epochs_extends_a_finished_run(capsys, tmp_path, tiny_checkpoint):
+    """--epochs sets max_steps (2 per epoch here): a resume with more epochs extends the run, on the new schedule
+    (warmup 10 % of the new max_steps) from its last step on; a smaller --max-steps than its step is refused."""
+    argv = ["finetune", "--task", "pair", "--model", tiny_checkpoint, "-o", str(tmp_path / "run"), "--batch-size",
+            "8", "--train-limit", "16", "--eval-limit", "8", "--threads", "1", "--warmup-ratio", "0.5"]
+    assert _run(capsys, *argv, "--epochs", "1")[0] == 0
+    code, _, err = _run(capsys, *argv, "--epochs", "2", "--resume")
+    assert code == 0, err
+    assert ("--max-steps 4 extends the run (its checkpoint's: 2): the learning rate now follows the schedule for 4 "
+            "steps (warmup 2 steps (was 1), linear decay to 0 at step 4)") in err
+    assert "2 steps in" in err and "(steps 3-4; 4 in all)" in err
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["training"]["steps"] == 4 and results["training"]["epochs"] == 2.0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if not r.get("eval")] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if r.get("eval")] == [0, 2, 4]
+    code, _, err = _run(capsys, *argv, "--max-steps", "3", "--resume")
+    assert code == 1 and "--max-steps 3 is below the step of the checkpoint" in _one_error_line(err)
+
+
+def test_a_teacher_that_does_not_exist_is_refused_before_the_data_is_built(capsys, tmp_path, tiny_checkpoint,
+                                                                          monkeypatch):
+    def build_task(name, seed=0):
+        raise AssertionError("the data was built before the teacher was checked")
+
+    monkeypatch.setattr(finetune, "build_task", build_task)
+    code, _, err = _run(capsys, "finetune", "--task", "pair", "--model", tiny_checkpoint, "--teacher",
+                        str(tmp_path / "nonexistent"), "-o", str(tmp_path / "run"))
+    assert code == 1
+    assert _one_error_line(err) == f"fastbert: error: --teacher: model path {tmp_path / 'nonexistent'} does not exist"
+
+
+@pytest.mark.parametrize("name", finetune.TASK_NAMES)
+def test_the_task_outline_is_the_tasks_shape(tasks, name):
+    outline = finetune.task_outline(name)
+    assert (outline.name, outline.kind, outline.labels) == (name, tasks[name].kind, tasks[name].labels)

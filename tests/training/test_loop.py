@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,208 @@ def test_an_interrupted_run_says_how_to_resume(tmp_path, capsys):
     with pytest.raises(KeyboardInterrupt):  # before the first checkpoint: nothing to resume, nothing said
         train(_model(), _TinyTask(crash_at_call=1, crash=KeyboardInterrupt), _args(tmp_path / "early"))
     assert "--resume" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ interrupts
+class _Signalling(_TinyTask):
+    """Sends this process ``signum`` (as Ctrl-C or `kill` would) in the given compute calls, and optionally once
+    more while a checkpoint is written (in ``save``)."""
+
+    def __init__(self, at_calls: tuple[int, ...], signum: int = signal.SIGINT, in_save: bool = False):
+        super().__init__()
+        self.at_calls, self.signum, self.in_save = at_calls, signum, in_save
+
+    def compute(self, model, batch) -> StepOutput:
+        for _ in range(self.at_calls.count(self.calls + 1)):
+            os.kill(os.getpid(), self.signum)  # the handler runs at once, here, in the middle of the step
+        return super().compute(model, batch)
+
+    def save(self, directory: Path) -> None:
+        super().save(directory)
+        if self.in_save and self.calls >= min(self.at_calls):
+            os.kill(os.getpid(), self.signum)
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
+
+
+def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_resume_is_exact(tmp_path, capfd):
+    whole = _model()
+    train(whole, _TinyTask(), _args(tmp_path / "a", save_every=0))
+    interrupted = _model()
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C in step 5 of 7, no checkpoint before the end (save_every 0)
+        train(interrupted, _Signalling(at_calls=(5,)), _args(tmp_path / "b", save_every=0))
+    run = tmp_path / "b" / "run"
+    assert [p.name for p in list_checkpoints(run)] == ["checkpoint-0000005"]  # step 5 finished, then saved
+    err = capfd.readouterr().err  # (the first line is written to fd 2 from the signal handler)
+    assert "interrupted: stopping after the step in progress, with a checkpoint at it" in err
+    assert (f"stopped after step 5; the last checkpoint is step 5 ({run / 'checkpoint-0000005'}): rerun with "
+            "--resume to continue\n") in err
+    assert [r["step"] for r in _records(run)] == [1, 2, 3, 4, 5]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    resumed = _model()
+    result = train(resumed, _TinyTask(), _args(tmp_path / "b", save_every=0, resume=True))
+    assert result.step == 7 and result.steps_run == 2
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert [r["loss"] for r in _records(run)] == [r["loss"] for r in _records(tmp_path / "a" / "run")]
+
+
+class _Terminated(KeyboardInterrupt):
+    pass
+
+
+def test_sigterm_is_held_to_the_step_boundary_then_its_own_handler_runs(tmp_path):
+    def terminate(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)  # what the fastbert command installs
+    try:
+        with pytest.raises(_Terminated):
+            train(_model(), _Signalling(at_calls=(3,), signum=signal.SIGTERM), _args(tmp_path, save_every=0))
+        assert signal.getsignal(signal.SIGTERM) is terminate
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-0000003"]
+
+
+def test_a_second_interrupt_stops_at_once_and_says_what_is_lost(tmp_path, capsys):
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):  # twice in step 6: at once, after the checkpoint of step 4
+        train(_model(), _Signalling(at_calls=(6, 6)), _args(tmp_path))
+    assert latest_checkpoint(run).name == "checkpoint-0000004"
+    assert (f"stopped after step 5; the last checkpoint is step 4 ({run / 'checkpoint-0000004'}): rerun with "
+            "--resume to continue (1 step after it lost)\n") in capsys.readouterr().err
+
+    # the second one while the interrupt's checkpoint is written: no checkpoint, never a half-written one taken
+    other = tmp_path / "other"
+    with pytest.raises(KeyboardInterrupt):
+        train(_model(), _Signalling(at_calls=(3,), in_save=True), _args(other, save_every=0))
+    assert latest_checkpoint(other / "run") is None and list_checkpoints(other / "run") == []
+    assert any(p.name.startswith(".tmp-checkpoint-0000003") for p in (other / "run").iterdir())
+    assert "stopped after step 3 with no checkpoint written: 3 steps lost (a rerun starts over)\n" in \
+        capsys.readouterr().err
+    result = train(_model(), _TinyTask(), _args(other, save_every=0))  # a new run in the same directory
+    assert result.step == 7 and not any(p.name.startswith(".tmp") for p in (other / "run").iterdir())
+
+
+def test_an_interrupt_before_the_first_step_writes_nothing(tmp_path, capsys):
+    class _EarlyInterrupt(_TinyTask):
+        def evaluate(self, model):  # the step-0 evaluation of a new run
+            os.kill(os.getpid(), signal.SIGINT)
+            return {"eval_loss": 1.0}
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_model(), _EarlyInterrupt(), _args(tmp_path))
+    assert list_checkpoints(tmp_path / "run") == [] and "stopped after" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ max_steps
+def _lrs(run: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in _records(run) if not r.get("eval")}
+
+
+def test_a_resume_may_extend_max_steps_with_the_new_schedule_from_the_checkpoint_on(tmp_path, capsys):
+    short = _model()
+    train(short, _TinyTask(), _args(tmp_path / "ext", max_steps=3, warmup_steps=1))
+    before = _lrs(tmp_path / "ext" / "run")
+    capsys.readouterr()
+    extended = _model()
+    result = train(extended, _TinyTask(), _args(tmp_path / "ext", max_steps=6, warmup_steps=2, resume=True))
+    assert result.step == 6 and result.steps_run == 3
+    err = capsys.readouterr().err
+    assert ("--max-steps 6 extends the run (its checkpoint's: 3): the learning rate now follows the schedule for 6 "
+            "steps (warmup 2 steps (was 1), linear decay to 0 at step 6), 0.00075 at step 4; steps 1-3 had the old "
+            "schedule's rates, so the result equals no uninterrupted run") in err
+    whole = _model()
+    train(whole, _TinyTask(), _args(tmp_path / "whole", max_steps=6, warmup_steps=2))
+    lrs, reference = _lrs(tmp_path / "ext" / "run"), _lrs(tmp_path / "whole" / "run")
+    assert [lrs[s] for s in (1, 2, 3)] == [before[s] for s in (1, 2, 3)]  # what the 3-step run did stays
+    assert [lrs[s] for s in (4, 5, 6)] == pytest.approx([reference[s] for s in (4, 5, 6)])  # then: the new schedule
+    assert [lrs[s] for s in (1, 2, 3)] != [reference[s] for s in (1, 2, 3)]
+    assert not torch.equal(extended.classifier.weight, whole.classifier.weight)  # so not the 6-step run's weights
+
+    # the extension is itself resumable exactly: interrupted in it, resumed, it ends where the extension ended
+    train(_model(), _TinyTask(), _args(tmp_path / "ext2", max_steps=3, warmup_steps=1))
+    with pytest.raises(_Interrupt):  # in step 6, after the checkpoint of step 4 (save_every 2)
+        train(_model(), _TinyTask(crash_at_call=3), _args(tmp_path / "ext2", max_steps=6, warmup_steps=2,
+                                                          resume=True))
+    again = _model()
+    train(again, _TinyTask(), _args(tmp_path / "ext2", max_steps=6, warmup_steps=2, resume=True))
+    for (name, a), b in zip(extended.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_resume_below_the_checkpoints_step_or_with_other_settings_is_refused(tmp_path):
+    train(_model(), _TinyTask(), _args(tmp_path, max_steps=4))
+    checkpoint = tmp_path / "run" / "checkpoint-0000004"
+    with pytest.raises(TrainingError, match=f"^--resume: --max-steps 3 is below the step of the checkpoint "
+                                            rf"\({checkpoint}\), 4: a run cannot be cut back"):
+        train(_model(), _TinyTask(), _args(tmp_path, max_steps=3, resume=True))
+    with pytest.raises(TrainingError, match=r"learning_rate 0.002 \(checkpoint: 0.001\)") as refused:
+        train(_model(), _TinyTask(), _args(tmp_path, max_steps=8, learning_rate=2e-3, resume=True))
+    assert "max_steps" not in str(refused.value)  # the new max_steps is not among the differences
+    with pytest.raises(TrainingError, match="warmup_steps 3 \\(checkpoint: 2\\)"):  # alone: not a new schedule
+        train(_model(), _TinyTask(), _args(tmp_path, max_steps=4, warmup_steps=3, resume=True))
+    with pytest.raises(_Interrupt):  # stopped in step 3 of a second run, with a checkpoint at step 2
+        train(_model(), _TinyTask(crash_at_call=3), _args(tmp_path / "b", max_steps=6))
+    with pytest.raises(TrainingError, match="--max-steps 2 is the step of the checkpoint .* which is not the end of "
+                                            "its run \\(6 steps\\): nothing would train"):
+        train(_model(), _TinyTask(), _args(tmp_path / "b", max_steps=2, resume=True))
+
+
+def test_a_resume_of_a_complete_run_trains_and_writes_nothing(tmp_path, capsys):
+    train(_model(), _TinyTask(), _args(tmp_path, max_steps=4))
+    run = tmp_path / "run"
+    files = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    result = train(_model(), _TinyTask(), _args(tmp_path, max_steps=4, resume=True))
+    assert result.step == 4 and result.steps_run == 0 and result.checkpoint == run / "checkpoint-0000004"
+    assert [r["step"] for r in result.records] == [1, 2, 3, 4]
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()} == files
+    assert "is the end of the run (step 4 of 4): the run is already complete, nothing to train" in \
+        capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------- metrics.jsonl
+class _Evaluated(_TinyTask):
+    def evaluate(self, model) -> dict[str, float]:
+        return {"eval_calls": float(self.calls)}
+
+
+def test_a_new_run_keeps_no_record_of_a_run_that_stopped_before_its_first_checkpoint(tmp_path):
+    with pytest.raises(TrainingError, match="no checkpoint was written"):
+        train(_model(), _Evaluated(poison_at_call=2), _args(tmp_path))
+    assert [r["step"] for r in _records(tmp_path / "run")] == [0, 1]  # its step-0 evaluation and step 1
+    train(_model(), _Evaluated(), _args(tmp_path))
+    records = _records(tmp_path / "run")
+    assert [r["step"] for r in records] == [0, *range(1, 8), 7]  # this run's only: one step-0 evaluation
+
+
+def _ddp_worker(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["WORLD_SIZE"] = "2"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        task = _Signalling(at_calls=(3,)) if rank == 1 else _TinyTask()  # only rank 1 is signalled, in step 3
+        try:
+            train(_model(), task, TrainingArguments(output_dir=out, max_steps=7, learning_rate=1e-3, save_every=0,
+                                                    progress=False))
+            Path(out, f"rank{rank}").write_text("finished")
+        except KeyboardInterrupt:
+            Path(out, f"rank{rank}").write_text("interrupted")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes importing transformers
+def test_ddp_ranks_agree_on_the_step_to_stop_at(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "run"
+    mp.spawn(_ddp_worker, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    assert (out / "rank0").read_text() == (out / "rank1").read_text() == "interrupted"
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]
+    assert [r["step"] for r in _records(out)] == [1, 2, 3]
