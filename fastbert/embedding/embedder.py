@@ -57,6 +57,21 @@ def may_tokenize_to_nothing(text: str) -> bool:
     return all(unicodedata.category(c)[0] in "CMZ" or c == "\ufffd" for c in text)
 
 
+def kept_nothing(texts: Sequence[str], tokenize: Callable[[list[str]], Sequence[Sequence[int]]],
+                 special_only: Callable[[Sequence[int]], bool]) -> list[str | None]:
+    """Per text, None when the tokenizer keeps something of it, else why it is blank: a text of only characters
+    the tokenizer drops (a lone accent or private-use character for an uncased BERT) would be encoded as the special
+    tokens alone, like a blank text, so it is one. Only the texts `may_tokenize_to_nothing` are tokenized
+    (``tokenize``: token id lists of texts; ``special_only``: whether a list holds the special tokens alone)."""
+    candidates = [i for i, text in enumerate(texts) if text and may_tokenize_to_nothing(text)]
+    found: list[str | None] = [None] * len(texts)
+    if candidates:
+        for index, ids in zip(candidates, tokenize([texts[i] for i in candidates]), strict=True):
+            if special_only(ids):
+                found[index] = f"nothing the tokenizer keeps ({describe_characters(texts[index])})"
+    return found
+
+
 class Embedder:
     """A checkpoint's tokenizer and fastbert model, embedding lists of texts with token-budget batching.
 
@@ -203,18 +218,8 @@ class Embedder:
         return len(ids) == len(self._empty_ids) and list(ids) == self._empty_ids
 
     def kept_nothing(self, texts: Sequence[str]) -> list[str | None]:
-        """Per text, None when the tokenizer keeps something of it, else why it is blank: a text of only
-        characters the tokenizer drops (a lone accent or private-use character for an uncased BERT) would embed as
-        the special tokens alone, like a blank text, so it is one. Only the texts `may_tokenize_to_nothing` are
-        tokenized."""
-        candidates = [i for i, text in enumerate(texts) if text and may_tokenize_to_nothing(text)]
-        found: list[str | None] = [None] * len(texts)
-        if candidates:
-            token_lists, _ = self.tokenize([texts[i] for i in candidates])
-            for index, ids in zip(candidates, token_lists, strict=True):
-                if self._special_tokens_only(ids):
-                    found[index] = f"nothing the tokenizer keeps ({describe_characters(texts[index])})"
-        return found
+        """`kept_nothing` with this checkpoint's tokenizer."""
+        return kept_nothing(texts, lambda chosen: self.tokenize(chosen)[0], self._special_tokens_only)
 
     def batches(self, lengths: Sequence[int]) -> list[list[int]]:
         """Indices of the texts, longest first, cut into batches of at most max_batch_tokens real tokens (and at

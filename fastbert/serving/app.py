@@ -3,7 +3,8 @@
 
 Every error a client can cause is a 4xx with a message: 413 for a body over the limit (refused before it is read
 to the end, let alone parsed), too many inputs or a too-long input without ``truncate``; 415 for a compressed body
-(a Content-Encoding); 422 for a body of the wrong shape or not JSON, an empty text or text that is not UTF-8; 401
+(a Content-Encoding); 422 for a body of the wrong shape or not JSON, an empty or blank text (whitespace and
+invisible characters only, or nothing the tokenizer keeps: `fastbert embed`'s rule) or text that is not UTF-8; 401
 without the API key; 429 with ``Retry-After`` when the queue is full; 503 once the batcher has stopped (under
 uvicorn, SIGTERM closes the listening socket first: new connections are refused); 504 past the request timeout.
 Errors read as TEI's (``{"error": ..., "error_type": ...}``) on TEI's routes and as OpenAI's
@@ -38,7 +39,7 @@ from fastbert.common.threads import release_openmp_threads
 from fastbert.embedding import DEFAULT_BATCH_TOKENS
 from fastbert.serving import schemas
 from fastbert.serving.batcher import Batcher, QueueFull, RequestTimeout, ShuttingDown, Timing
-from fastbert.serving.engines import EmbedEngine, InputTooLong, check_engine_settings, load_engine
+from fastbert.serving.engines import BlankInput, EmbedEngine, InputTooLong, check_engine_settings, load_engine
 from fastbert.serving.metrics import CONTENT_TYPE, Metrics
 from fastbert.serving.warmup import WARMUPS, warm
 
@@ -133,15 +134,16 @@ class Service:
             raise WrongTask(f"this server runs task {self.engine.task!r}; this endpoint needs "
                             f"{' or '.join(repr(t) for t in tasks)} (fastbert serve --task ...)")
 
-    async def rows(self, items: list, truncate: bool, direction: str = "Right",
-                   timing: Timing | None = None) -> tuple[np.ndarray, int]:
+    async def rows(self, items: list, truncate: bool, direction: str = "Right", timing: Timing | None = None,
+                   originals: list | None = None) -> tuple[np.ndarray, int]:
         """The engine's rows for texts (or pairs) through the batcher, and their token count; a too-long input is
         cut at the end ``direction`` (TEI's truncation_direction) names when ``truncate``; ``timing`` (optional)
-        gets the tokenizing, queue and inference seconds."""
+        gets the tokenizing, queue and inference seconds. ``originals``: the texts before their prompt, which the
+        engine checks for texts its tokenizer keeps nothing of (`BlankInput`; default: ``items``)."""
         self.batcher.reserve()
         began = time.perf_counter()
         try:
-            tokens = await self.offload(self.engine.encode, items, truncate, direction.lower())
+            tokens = await self.offload(self.engine.encode, items, truncate, direction.lower(), originals)
         except BaseException:  # a refused input, a cancelled request: its place goes back
             self.batcher.release()
             raise
@@ -288,7 +290,7 @@ async def embed(body: schemas.EmbedRequest, request: Request) -> Response:
     check_dimensions(body.dimensions, service.engine)
     texts = schemas.texts_of(body.inputs, service.settings.max_client_batch_size)
     prompted = service.engine.with_prompt(texts, body.prompt_name)
-    rows, count = await service.rows(prompted, body.truncate, body.truncation_direction, timing)
+    rows, count = await service.rows(prompted, body.truncate, body.truncation_direction, timing, texts)
     return await service.offload(lambda: service.timed(
         json_response(embedding_rows(rows, body.normalize, body.dimensions)), timing, count, characters_of(texts)))
 
@@ -342,16 +344,17 @@ async def similarity(body: schemas.SimilarityRequest, request: Request) -> Respo
              *schemas.texts_of(body.inputs.sentences, service.settings.max_client_batch_size, field="sentences")]
     prompted = service.engine.with_prompt(texts, params.prompt_name)
     try:
-        rows, count = await service.rows(prompted, params.truncate, params.truncation_direction, timing)
-    except InputTooLong as err:
+        rows, count = await service.rows(prompted, params.truncate, params.truncation_direction, timing, texts)
+    except (InputTooLong, BlankInput) as err:
         raise similarity_input_error(err) from None
     unit = normalized(rows)
     return service.timed(json_response((unit[1:] @ unit[0]).tolist()), timing, count, characters_of(texts))
 
 
-def similarity_input_error(err: InputTooLong) -> InputTooLong:
-    """The engine's error for /similarity's text ``err.index`` (the source sentence first, then the sentences),
-    naming it as the body does and as a blank one is named: 'source_sentence', 'sentences[i]'."""
+def similarity_input_error(err: InputTooLong | BlankInput) -> InputTooLong | BlankInput:
+    """The engine's error (too long, or nothing the tokenizer keeps) for /similarity's text ``err.index`` (the
+    source sentence first, then the sentences), naming it as the body does and as a blank one is named:
+    'source_sentence', 'sentences[i]'."""
     return err.named("source_sentence" if err.index == 0 else f"sentences[{err.index - 1}]")
 
 
@@ -381,7 +384,8 @@ async def token_level(service: Service, body: schemas.TokenLevelRequest, method:
     prompted = service.engine.with_prompt(texts, body.prompt_name)
     service.batcher.check_room()
     began = time.perf_counter()
-    tokens = await service.offload(service.engine.encode, prompted, body.truncate, body.truncation_direction.lower())
+    tokens = await service.offload(service.engine.encode, prompted, body.truncate, body.truncation_direction.lower(),
+                                   texts)
     timing.tokenization = time.perf_counter() - began
     result = await service.batcher.call(getattr(service.engine, method), tokens,
                                         timeout=service.settings.request_timeout, timing=timing)
@@ -418,7 +422,10 @@ async def rerank(body: schemas.RerankRequest, request: Request) -> Response:
     schemas.check_text(body.query, "query")
     texts = schemas.texts_of(body.texts, service.settings.max_client_batch_size)
     pairs = [(body.query, text) for text in texts]
-    logits, count = await service.rows(pairs, body.truncate, body.truncation_direction, timing)
+    try:
+        logits, count = await service.rows(pairs, body.truncate, body.truncation_direction, timing)
+    except BlankInput as err:  # named as the body names it (and a blank one): the query, or the text 'input i'
+        raise err.named("query" if err.part == 0 else f"input {err.index}") from None
     scores = logits[:, 0] if body.raw_scores else torch.sigmoid(torch.from_numpy(logits[:, 0])).numpy()
     order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))
     return service.timed(json_response([{"index": i, "score": float(scores[i]),

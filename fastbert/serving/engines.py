@@ -6,14 +6,15 @@
   (text, text) pairs in, logits out.
 
 Tokenizing (`encode`) runs in the request's handler, so that a too-long input is refused before it queues (or cut
-at the end the request names: TEI's ``truncation_direction``); `run` runs in the worker, on one batch of already
-tokenized inputs."""
+at the end the request names: TEI's ``truncation_direction``), and so is a text the tokenizer keeps nothing of (a
+lone combining accent for an uncased BERT: `BlankInput`, blank as `fastbert embed` counts it); `run` runs in the
+worker, on one batch of already tokenized inputs."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +25,9 @@ from fastbert.common.resolve import DTYPES, UserError, model_error, resolve_devi
 from fastbert.common.text import check_max_length, load_auto_tokenizer
 from fastbert.config import FastBertConfig
 from fastbert.embedding import Embedder, sentence_transformers_head
+from fastbert.embedding.embedder import kept_nothing
 from fastbert.loading import weight_files
-from fastbert.serving.schemas import RequestError
+from fastbert.serving.schemas import RequestError, blank_message
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -46,6 +48,32 @@ class InputTooLong(ValueError):
     def named(self, name: str) -> InputTooLong:
         """The same error naming the input as the request's body does ('source_sentence', 'sentences[1]')."""
         return InputTooLong(self.index, self.limit, self.can_truncate, name)
+
+
+class BlankInput(RequestError):
+    """An input the tokenizer keeps nothing of: it would embed (or score) as the special tokens alone, the same for
+    every such text, so it is blank, as in `fastbert embed`; answered 422 as a blank text is (`schemas.check_text`).
+    ``part``: which text of a (text, text) pair (0 or 1), None for a single text."""
+
+    def __init__(self, index: int, why: str, part: int | None = None, name: str | None = None):
+        if name is None:
+            name = f"input {index}" + ("" if part is None else f" (the {('first', 'second')[part]} text of its pair)")
+        super().__init__(blank_message(name, why))
+        self.index, self.why, self.part = index, why, part
+
+    def named(self, name: str) -> BlankInput:
+        """The same error naming the input as the request's body does ('query', 'sentences[1]')."""
+        return BlankInput(self.index, self.why, self.part, name)
+
+
+def check_kept(items: Sequence[Text], kept_nothing: Callable[[list[str]], list[str | None]]) -> None:
+    """BlankInput for the first text (or text of a pair) of ``items`` that ``kept_nothing`` (per text: None, or why
+    the tokenizer keeps nothing of it) finds blank."""
+    places = [(index, None if isinstance(item, str) else part, text) for index, item in enumerate(items)
+              for part, text in enumerate((item,) if isinstance(item, str) else item)]
+    for (index, part, _), why in zip(places, kept_nothing([text for _, _, text in places]), strict=True):
+        if why is not None:
+            raise BlankInput(index, why, part)
 
 
 @dataclass
@@ -82,9 +110,14 @@ class EmbedEngine:
         self.mlm: torch.nn.Module | None = None
         self.plain = plain_tokenizer(self.model_dir)
 
-    def encode(self, texts: Sequence[Text], truncate: bool, direction: str = "right") -> list[Tokens]:
+    def encode(self, texts: Sequence[Text], truncate: bool, direction: str = "right",
+               originals: Sequence[str] | None = None) -> list[Tokens]:
         """Token ids of each text (special tokens added); InputTooLong for the first too-long one unless
-        ``truncate``, which cuts it at the end ``direction`` names (right: the ids `fastbert embed` uses)."""
+        ``truncate``, which cuts it at the end ``direction`` names (right: the ids `fastbert embed` uses);
+        BlankInput for the first one the tokenizer keeps nothing of (`Embedder.kept_nothing`, `fastbert embed`'s
+        check: only the few texts without a letter, digit or symbol are tokenized for it). ``originals``: the
+        texts before a prompt was put before them, which are the ones checked (default: ``texts``)."""
+        check_kept(texts if originals is None else originals, self.embedder.kept_nothing)
         ids, truncated = self.embedder.tokenize(list(texts))
         check_lengths(truncated, ids, truncate, self.max_length)
         if direction == "left" and any(truncated):
@@ -210,11 +243,22 @@ class ClassifyEngine:
         self.dimension = len(self.labels)
         self.prompts: dict[str, str] = {}  # a classifier takes none
 
-    def encode(self, texts: Sequence[Text], truncate: bool, direction: str = "right") -> list[Tokens]:
+    def encode(self, texts: Sequence[Text], truncate: bool, direction: str = "right",
+               originals: Sequence[Text] | None = None) -> list[Tokens]:
+        """Token ids (and type ids) of each text or pair; InputTooLong for the first too-long one unless
+        ``truncate``; BlankInput for the first text (of a pair too) the tokenizer keeps nothing of."""
+        check_kept(texts if originals is None else originals, self.kept_nothing)
         ids, types, truncated = self.tokenizers[direction](texts)
         check_lengths(truncated, ids, truncate, self.max_length)
         keep_types = bool(self.config.type_vocab_size)
         return [Tokens(i, t if keep_types else None) for i, t in zip(ids, types, strict=True)]
+
+    def kept_nothing(self, texts: Sequence[str]) -> list[str | None]:
+        """`fastbert.embedding.embedder.kept_nothing` with this model's tokenizer (each text alone, not in its
+        pair)."""
+        tokenizer = self.tokenizers["right"]
+        return kept_nothing(texts, lambda chosen: tokenizer(chosen)[0],
+                            lambda ids: list(ids) == list(tokenizer([""])[0][0]))  # ([CLS] [SEP] alone)
 
     def run(self, batch: Sequence[Tokens]) -> np.ndarray:
         pad = self.config.pad_token_id

@@ -3,7 +3,10 @@
 Types are strict (a number is not a text, "yes" is not a boolean). TEI's bodies refuse unknown fields, so that a
 misspelt option is an error rather than silently ignored; OpenAI's ignore them, as OpenAI's client libraries send
 fields of their own (``user``, provider extras). What pydantic cannot say (an empty text, a text that is not valid
-UTF-8, more inputs than the server takes) is checked by `texts_of`."""
+UTF-8, more inputs than the server takes) is checked by `texts_of`. A blank text is `fastbert embed`'s:
+`fastbert.embedding.is_blank`, whitespace and invisible characters only (U+200B ZERO WIDTH SPACE, U+FEFF, NUL,
+direction marks...); a text the tokenizer keeps nothing of is blank too, found where the engine tokenizes
+(`fastbert.serving.engines.BlankInput`)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from fastbert.embedding import invisible_note, is_blank
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 # TEI's truncation_direction: which end of a too-long input is cut (with truncate: true); TEI's spelling, or lower case
@@ -89,9 +94,17 @@ def texts_of(values: str | Sequence[str], limit: int, field: str | None = None) 
     return texts
 
 
+def blank_message(name: str, why: str | None = None) -> str:
+    """The message for a blank text named ``name``, with why when it was more than whitespace: 'input 1 is empty:
+    only invisible characters (U+200B ZERO WIDTH SPACE); every text needs at least one non-blank character'."""
+    return f"{name} is empty: {why + '; ' if why else ''}every text needs at least one non-blank character"
+
+
 def check_text(text: str, name: str) -> None:
-    if not text.strip():
-        raise RequestError(f"{name} is empty: every text needs at least one non-blank character")
+    """RequestError for a blank text (`fastbert.embedding.is_blank`: whitespace and invisible characters only),
+    saying why when it is more than whitespace, and for a text that is not UTF-8."""
+    if is_blank(text):
+        raise RequestError(blank_message(name, invisible_note(text) if text.strip() else None))
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:

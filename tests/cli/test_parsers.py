@@ -31,3 +31,29 @@ def test_the_serve_choices_are_the_servers_own():
 
     assert parsers.SERVE_TASKS == engines.TASKS
     assert parsers.WARMUPS == warmup.WARMUPS
+
+
+def embed_option_help(option: str) -> str:
+    import argparse
+
+    from fastbert.cli.parsers import embed as embed_parser
+
+    parser = embed_parser.add_parser(argparse.ArgumentParser().add_subparsers())
+    return " ".join(next(a for a in parser._actions if option in a.option_strings).help.split())
+
+
+def test_embed_output_help_says_what_the_output_code_does():
+    """-o - is stdout; a stream (fastbert.embedding.is_stream) takes JSONL only and is written through its
+    descriptor, never emptied: what fastbert.cli.embed and fastbert.embedding.outputs do."""
+    text = embed_option_help("--output")
+    assert "'-': JSONL on stdout" in text
+    assert "A stream takes JSONL only and is never emptied nor replaced" in text
+    assert "(-o /dev/stdout >> FILE appends)" in text and "a named pipe, a terminal or another device" in text
+
+
+def test_embed_on_blank_help_counts_invisible_texts_as_blank():
+    """fastbert.embedding.is_blank (Unicode control and format characters) and Embedder.kept_nothing."""
+    text = embed_option_help("--on-blank")
+    assert "only invisible characters (Unicode control and format characters: U+200B" in text
+    assert "a text the tokenizer keeps nothing of" in text
+    assert embedding.is_blank("\u200b\ufeff\u200e\x00") and not embedding.is_blank("\u200bword")

@@ -93,6 +93,11 @@ def test_predict_texts_and_pairs(classifier, classifier_dir):
     ("", "input 0"), ("   ", "input 0"), (["", "b"], "input 0 (the first text of its pair)"),
     (["b", "  "], "input 0 (the second text of its pair)"), ([""], "input 0"),
     ([["", "b"]], "input 0 (the first text of its pair)"), ([["a"], [" "]], "input 1"),
+    # blank as in `fastbert embed`: invisible characters only, or nothing the tokenizer keeps (said why)
+    ("\u200b", "input 0"), (["b", "\ufeff"], "input 0 (the second text of its pair)"),
+    ([["a"], ["\x00", "b"]], "input 1 (the first text of its pair)"),
+    ("\u0301", "input 0"), (["b", "\ue000"], "input 0 (the second text of its pair)"),
+    ([["a"], ["b", "\u0301"]], "input 1 (the second text of its pair)"), ([["a"], ["\u0301"]], "input 1"),
 ])
 def test_predict_refuses_a_blank_text_in_every_shape(classifier, inputs, name):
     """As /rerank and /embed: 422 naming the input, whether the body is one text, one pair or a batch."""
@@ -102,9 +107,30 @@ def test_predict_refuses_a_blank_text_in_every_shape(classifier, inputs, name):
 
 
 def test_a_rerankers_predict_refuses_a_blank_text_of_its_pair(reranker):
-    for inputs in (["q", ""], ["", "q"], [["q", " "]]):
+    for inputs in (["q", ""], ["", "q"], [["q", " "]], ["q", "\u200b"], [["\u0301", "q"]]):
         answer = httpx.post(reranker.url + "/predict", json={"inputs": inputs}, timeout=60)
         assert answer.status_code == 422 and "is empty" in answer.json()["error"], (inputs, answer.text)
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"query": "\u200b", "texts": ["a"]}, "query is empty: only invisible characters (U+200B ZERO WIDTH SPACE)"),
+    ({"query": "q", "texts": ["a", "\u200e"]}, "input 1 is empty: only invisible characters (U+200E"),
+    ({"query": "\u0301", "texts": ["a", "b"]}, "query is empty: nothing the tokenizer keeps (U+0301 COMBINING ACUTE"),
+    ({"query": "q", "texts": ["a", "\ue000"]}, "input 1 is empty: nothing the tokenizer keeps (U+E000)"),
+])
+def test_rerank_refuses_a_blank_query_or_text_saying_why(reranker, body, words):
+    """Blank as in `fastbert embed`; the query and the texts named as a blank one of whitespace is."""
+    answer = httpx.post(reranker.url + "/rerank", json=body, timeout=60)
+    assert answer.status_code == 422 and answer.json()["error"].startswith(words), (body, answer.text)
+
+
+def test_real_texts_in_any_script_are_scored(reranker, classifier):
+    texts = ["\U0001f468\u200d\U0001f469\u200d\U0001f467", "\u200f\u0645\u0631\u062d\u0628\u0627\u200f",
+             "\u0915\u094d\u200d\u0937", "\u4e2d\u6587\u6587\u672c", "a\u0301"]
+    ranked = httpx.post(reranker.url + "/rerank", json={"query": "\u200bq", "texts": texts}, timeout=60)
+    assert ranked.status_code == 200 and len(ranked.json()) == len(texts), ranked.text
+    predicted = httpx.post(classifier.url + "/predict", json={"inputs": [[t] for t in texts]}, timeout=60)
+    assert predicted.status_code == 200 and len(predicted.json()) == len(texts), predicted.text
 
 
 def test_predict_and_rerank_truncation_direction(reranker, reranker_dir):

@@ -39,6 +39,18 @@ def test_embed_matches_direct_embedding(client, direct):
     assert len(single) == 1 and len(single[0]) == 384
 
 
+def test_real_texts_in_any_script_are_served(client, direct):
+    """Invisible characters inside a real text stay part of it: an emoji ZWJ sequence, Arabic between direction
+    marks, Devanagari with a joiner, CJK, an accented letter; each gets `fastbert embed`'s vector."""
+    texts = ["\U0001f468\u200d\U0001f469\u200d\U0001f467", "\u200f\u0645\u0631\u062d\u0628\u0627\u200f",
+             "\u0915\u094d\u200d\u0937", "\u4e2d\u6587\u6587\u672c", "\u200bword", "a\u0301"]
+    answer = client.post("/embed", json={"inputs": texts})
+    assert answer.status_code == 200, answer.text
+    np.testing.assert_allclose(np.array(answer.json(), dtype=np.float32), direct(texts), atol=TOLERANCE)
+    openai = client.post("/v1/embeddings", json={"input": texts})
+    assert openai.status_code == 200, openai.text
+
+
 def test_embed_normalize_false_gives_the_unnormalised_pooling(client, direct):
     raw = np.array(client.post("/embed", json={"inputs": ["a short text"], "normalize": False}).json())
     assert abs(np.linalg.norm(raw) - 1) > 1e-3
@@ -104,6 +116,15 @@ def test_health_info_and_wrong_task(client):
 BAD_BODIES = [  # (route, body, status, words of the message)
     ("/embed", {"inputs": [""]}, 422, "empty"),
     ("/embed", {"inputs": ["fine", "   "]}, 422, "input 1 is empty"),
+    # blank as in `fastbert embed`: invisible characters only, or nothing the tokenizer keeps (was [CLS] [SEP])
+    ("/embed", {"inputs": ["fine", "\u200b"]}, 422, "input 1 is empty: only invisible characters (U+200B ZERO WIDTH "
+                                                    "SPACE); every text needs at least one non-blank character"),
+    ("/embed", {"inputs": ["fine", "\u0301"]}, 422, "input 1 is empty: nothing the tokenizer keeps (U+0301 COMBINING "
+                                                    "ACUTE ACCENT); every text needs at least one non-blank character"),
+    ("/embed", {"inputs": "\ufeff\x00 \u200e"}, 422, "input 0 is empty: only invisible characters (U+FEFF ZERO WIDTH "
+                                                     "NO-BREAK SPACE, U+0000, U+200E LEFT-TO-RIGHT MARK)"),
+    ("/v1/embeddings", {"input": ["fine", "\u2060"]}, 422, "input 1 is empty: only invisible characters (U+2060"),
+    ("/v1/embeddings", {"input": "\ue000"}, 422, "input 0 is empty: nothing the tokenizer keeps (U+E000)"),
     ("/embed", {"inputs": []}, 422, "no inputs"),
     ("/embed", {"inputs": 5}, 422, "valid string"),
     ("/embed", {"inputs": ["a", 3]}, 422, "valid string"),

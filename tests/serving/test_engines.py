@@ -1,5 +1,6 @@
 """fastbert.serving.engines: a checkpoint without a tokenizer is refused when the engine loads (it used to be served
-with transformers' empty tokenizer, every text read as [CLS] [UNK] [SEP])."""
+with transformers' empty tokenizer, every text read as [CLS] [UNK] [SEP]); a text the tokenizer keeps nothing of is
+refused as blank (`BlankInput`), in a pair too, with only such texts tokenized a second time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import shutil
 import pytest
 
 from fastbert.common.resolve import UserError
-from fastbert.serving.engines import PairTokenizer, checkpoint_has_mlm_head, load_engine
+from fastbert.serving.engines import BlankInput, PairTokenizer, checkpoint_has_mlm_head, load_engine
 from tests.helpers import save_sharded
 
 
@@ -88,3 +89,57 @@ def test_a_masked_lm_head_is_found_in_the_shards_of_a_checkpoint(safe, tmp_path)
     assert not list((tmp_path / "mlm").glob("*.bin" if safe else "*.safetensors"))
     assert checkpoint_has_mlm_head(str(tmp_path / "mlm"))
     assert not checkpoint_has_mlm_head(str(tmp_path / "base"))
+
+
+# texts a tokenizer keeps nothing of (an uncased BERT strips accents and drops private-use characters): blank, as in
+# `fastbert embed`; before, the server embedded (or scored) each as the special tokens alone
+KEPT_NOTHING = [("\u0301", "U+0301 COMBINING ACUTE ACCENT"), ("\ue000", "U+E000"),
+                ("\u094d\u0301", "U+094D DEVANAGARI SIGN VIRAMA, U+0301 COMBINING ACUTE ACCENT")]
+SCRIPTS = ["\U0001f468\u200d\U0001f469\u200d\U0001f467", "\u200f\u0645\u0631\u062d\u0628\u0627\u200f",
+           "\u0915\u094d\u200d\u0937", "\u4e2d\u6587\u6587\u672c", "a\u0301", "\u0301a", "\ufffd?"]
+
+
+@pytest.fixture(scope="module")
+def embed_engine():
+    return load_engine("embed", None, device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize(("text", "named"), KEPT_NOTHING)
+def test_the_embed_engine_refuses_a_text_its_tokenizer_keeps_nothing_of(embed_engine, text, named):
+    with pytest.raises(BlankInput) as found:
+        embed_engine.encode(["a real text", text], truncate=False)
+    assert str(found.value) == (f"input 1 is empty: nothing the tokenizer keeps ({named}); every text needs at "
+                                "least one non-blank character")
+    prompted = ["query: a real text", "query: " + text]  # the text checked is the one before its prompt
+    with pytest.raises(BlankInput, match=r"^input 1 is empty: nothing the tokenizer keeps"):
+        embed_engine.encode(prompted, truncate=False, originals=["a real text", text])
+
+
+def test_the_embed_engine_tokenizes_real_texts_once(embed_engine, monkeypatch):
+    """Real texts in any script are served, their ids those `fastbert embed` uses; the tokenizer check tokenizes
+    only the texts without a letter, digit or symbol, never every text a second time."""
+    calls = []
+    tokenize = embed_engine.embedder.tokenize
+    monkeypatch.setattr(embed_engine.embedder, "tokenize", lambda texts: calls.append(list(texts)) or tokenize(texts))
+    tokens = embed_engine.encode(SCRIPTS, truncate=False)
+    assert calls == [SCRIPTS] and [t.ids for t in tokens] == tokenize(SCRIPTS)[0]
+    assert all(len(t) > 2 for t in tokens)
+    calls.clear()
+    with pytest.raises(BlankInput):
+        embed_engine.encode([*SCRIPTS, "\u0301"], truncate=False)
+    assert calls == [["\u0301"]]  # the suspicious text alone, and nothing embedded
+
+
+@pytest.mark.parametrize(("text", "named"), KEPT_NOTHING[:2])
+def test_the_classify_engine_refuses_a_text_its_tokenizer_keeps_nothing_of_in_a_pair_too(classifier_dir, text,
+                                                                                        named):
+    engine = load_engine("classify", classifier_dir, device="cpu", dtype="float32")
+    why = f"is empty: nothing the tokenizer keeps ({named}); every text needs at least one non-blank character"
+    for items, name in (([text], "input 0"), (["a", ("q", text)], "input 1 (the second text of its pair)"),
+                        ([(text, "q")], "input 0 (the first text of its pair)")):
+        with pytest.raises(BlankInput) as found:
+            engine.encode(items, truncate=False)
+        assert str(found.value) == f"{name} {why}", items
+    pairs = [(text, "q") for text in SCRIPTS]
+    assert [len(t) for t in engine.encode([*SCRIPTS, *pairs], truncate=False)] == \
+        [len(ids) for ids in engine.tokenizers["right"]([*SCRIPTS, *pairs])[0]]

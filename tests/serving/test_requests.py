@@ -1,4 +1,5 @@
-"""The server's checks that need no model: blank texts refused in every shape of a /predict body (naming the input),
+"""The server's checks that need no model: blank texts (whitespace and invisible characters only, as in `fastbert
+embed`) refused in every shape of a /predict body (naming the input, saying why),
 one name per sentence for every /similarity error, the token budget against the input length (`fastbert serve`
 refuses a budget below it before loading a model), and messages that count in the singular for one."""
 
@@ -13,8 +14,8 @@ import pytest
 
 from fastbert.common.resolve import UserError
 from fastbert.common.text import plural
-from fastbert.serving import app, batcher, schemas, warmup
-from fastbert.serving.engines import InputTooLong
+from fastbert.serving import app, batcher, engines, schemas, warmup
+from fastbert.serving.engines import BlankInput, InputTooLong
 
 LIMIT = 32
 
@@ -34,6 +35,69 @@ def test_predict_refuses_a_blank_text_in_every_shape(inputs, name):
     with pytest.raises(schemas.RequestError) as refused:
         schemas.predict_items(inputs, LIMIT)
     assert str(refused.value).startswith(f"{name} is empty: "), str(refused.value)
+
+
+# texts of whitespace and invisible characters only: blank, as in `fastbert embed` (fastbert.embedding.is_blank);
+# before, the server embedded each as [CLS] [SEP], the same vector for all of them
+INVISIBLE = [("\u200b", "U+200B ZERO WIDTH SPACE"), ("\ufeff", "U+FEFF ZERO WIDTH NO-BREAK SPACE"), ("\x00", "U+0000"),
+             (" \x07\t", "U+0007"), ("\u200e\u200f", "U+200E LEFT-TO-RIGHT MARK, U+200F RIGHT-TO-LEFT MARK"),
+             ("\u200d \u00ad", "U+200D ZERO WIDTH JOINER, U+00AD SOFT HYPHEN")]
+# real texts whose invisible characters are part of them: served
+SCRIPTS = ["\U0001f468\u200d\U0001f469\u200d\U0001f467", "\u200f\u0645\u0631\u062d\u0628\u0627\u200f",
+           "\u0915\u094d\u200d\u0937", "\u4e2d\u6587\u6587\u672c", "\u200bword", "a\u0301"]
+
+
+@pytest.mark.parametrize(("text", "named"), INVISIBLE)
+def test_a_text_of_invisible_characters_only_is_blank_with_why(text, named):
+    why = f"only invisible characters ({named}); every text needs at least one non-blank character"
+    with pytest.raises(schemas.RequestError) as refused:
+        schemas.texts_of(["fine", text], LIMIT)
+    assert str(refused.value) == f"input 1 is empty: {why}"
+    for inputs, name in ((text, "input 0"), (["a", text], "input 0 (the second text of its pair)"),
+                         ([["a"], [text, "b"]], "input 1 (the first text of its pair)")):
+        with pytest.raises(schemas.RequestError) as refused:
+            schemas.predict_items(inputs, LIMIT)
+        assert str(refused.value) == f"{name} is empty: {why}", inputs
+    with pytest.raises(schemas.RequestError, match=r"^sentences\[0\] is empty: only invisible characters \("):
+        schemas.texts_of([text], LIMIT, field="sentences")
+    with pytest.raises(schemas.RequestError, match=r"^query is empty: only invisible characters \("):
+        schemas.check_text(text, "query")
+
+
+def test_a_whitespace_text_says_no_more_than_before():
+    with pytest.raises(schemas.RequestError) as refused:
+        schemas.texts_of([" \t\n"], LIMIT)
+    assert str(refused.value) == "input 0 is empty: every text needs at least one non-blank character"
+
+
+def test_real_texts_in_any_script_pass():
+    assert schemas.texts_of(SCRIPTS, LIMIT) == SCRIPTS
+    assert schemas.predict_items([[t] for t in SCRIPTS], LIMIT) == (SCRIPTS, True)
+
+
+def test_a_blank_input_the_tokenizer_finds_is_named_as_the_body_names_it():
+    """The engine's BlankInput (nothing the tokenizer keeps) names the input, or its text of a pair, as
+    `schemas.check_text` names a blank one; /similarity renames it as it renames a too-long one."""
+    why = "nothing the tokenizer keeps (U+0301 COMBINING ACUTE ACCENT)"
+    assert str(BlankInput(2, why)) == f"input 2 is empty: {why}; every text needs at least one non-blank character"
+    assert str(BlankInput(0, why, part=1)).startswith(f"input 0 (the second text of its pair) is empty: {why}; ")
+    assert str(app.similarity_input_error(BlankInput(0, why))).startswith(f"source_sentence is empty: {why}; ")
+    renamed = app.similarity_input_error(BlankInput(3, why))
+    assert isinstance(renamed, schemas.RequestError) and str(renamed).startswith(f"sentences[2] is empty: {why}; ")
+
+
+def test_check_kept_names_the_first_blank_text_or_text_of_a_pair():
+    def kept_nothing(texts):
+        return [f"nothing the tokenizer keeps ({t})" if t.startswith("x") else None for t in texts]
+
+    engines.check_kept(["a", ("b", "c")], kept_nothing)
+    with pytest.raises(BlankInput) as found:
+        engines.check_kept(["a", ("b", "c"), ("d", "x1"), "x2"], kept_nothing)
+    assert (found.value.index, found.value.part) == (2, 1)
+    assert str(found.value).startswith("input 2 (the second text of its pair) is empty: nothing the tokenizer "
+                                       "keeps (x1); ")
+    with pytest.raises(BlankInput, match=r"^input 1 is empty: nothing the tokenizer keeps \(x2\); "):
+        engines.check_kept(["a", "x2"], kept_nothing)
 
 
 @pytest.mark.parametrize("inputs", ["\ud800 lone", ["a", "\ud800"], [["\ud800"]]])

@@ -45,6 +45,10 @@ def test_similarity_is_the_cosine_of_the_direct_embeddings(client, direct):
 
 @pytest.mark.parametrize(("inputs", "name"), [
     ({"source_sentence": "a", "sentences": ["b", " "]}, "sentences[1] is empty"),
+    ({"source_sentence": "a", "sentences": ["b", "\u200b"]}, "sentences[1] is empty: only invisible characters"),
+    ({"source_sentence": "a", "sentences": ["\u0301", "b"]}, "sentences[0] is empty: nothing the tokenizer keeps"),
+    ({"source_sentence": "\u0301", "sentences": ["b"]}, "source_sentence is empty: nothing the tokenizer keeps"),
+    ({"source_sentence": "\ufeff", "sentences": ["b"]}, "source_sentence is empty: only invisible characters"),
     ({"source_sentence": "a", "sentences": ["b", "word " * 400]}, "sentences[1] is longer than the maximum"),
     ({"source_sentence": " ", "sentences": ["b"]}, "source_sentence is empty"),
     ({"source_sentence": "word " * 400, "sentences": ["b"]}, "source_sentence is longer than the maximum"),
@@ -123,6 +127,9 @@ BAD_BODIES = [  # (route, body, status, words of the message)
     ("/decode", {"ids": "101"}, 422, "ids"),
     ("/embed_all", {"inputs": "word " * 400}, 413, "input 0"),
     ("/embed_all", {"inputs": []}, 422, "no inputs"),
+    ("/embed_all", {"inputs": ["a", "\u0301"]}, 422, "input 1 is empty: nothing the tokenizer keeps (U+0301"),
+    ("/embed_all", {"inputs": ["\u200b"]}, 422, "input 0 is empty: only invisible characters (U+200B"),
+    ("/tokenize", {"inputs": ["a", "\u200b"]}, 422, "input 1 is empty: only invisible characters (U+200B"),
     ("/embed_sparse", {"inputs": []}, 400, "masked-LM"),
 ]
 

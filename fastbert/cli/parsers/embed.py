@@ -36,7 +36,10 @@ def add_io_options(parser: argparse.ArgumentParser) -> None:
                         help="JSONL: the field written as each row's id (default: the line number)")
     parser.add_argument("-o", "--output", metavar="FILE", default=None,
                         help="one output file, written as rows are done; format from the extension (.jsonl, .npy, "
-                        ".parquet) or --format (default: JSONL on stdout)")
+                        ".parquet) or --format (default, and '-': JSONL on stdout). A stream takes JSONL only and is "
+                        "never emptied nor replaced: /dev/stdout, /dev/stderr, /dev/fd/N are written through the "
+                        "descriptor as the shell opened it (-o /dev/stdout >> FILE appends); a named pipe, a "
+                        "terminal or another device is opened without truncating")
     parser.add_argument("--output-dir", metavar="DIR", default=None,
                         help="write shards (one per window) and manifest.json, each atomically: resumable with "
                         "--resume")
@@ -68,7 +71,10 @@ def add_model_run_options(parser: argparse.ArgumentParser) -> None:
                         help="rows read, sorted and written together; one shard each with --output-dir (default "
                         "2048; with --ray 16384)")
     parser.add_argument("--on-blank", choices=("null", "error"), default="null",
-                        help="a blank text: a null row (default) or stop with its line number")
+                        help="a blank text: a null row (default) or stop with its line number. Blank is empty, "
+                        "whitespace or only invisible characters (Unicode control and format characters: U+200B "
+                        "zero width space, U+FEFF, direction marks, NUL...), or a text the tokenizer keeps nothing "
+                        "of (a lone accent for an uncased model); error names its characters")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress on stderr (default: on when stderr is a terminal)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
