@@ -130,33 +130,27 @@ def check_input_options(args: argparse.Namespace) -> None:
                             "jsonl (stdin and other files are read as text lines)")
     if not args.texts:
         embedding.check_input_path(args.input or "-")
-    if args.input in (None, "-"):
-        return
-    if args.output is None and same_file_as_stdout(args.input):
-        raise UserError(f"stdout is the --input file {args.input}: the embeddings would be written into the input "
-                        "while it is read; redirect stdout to another file, or give --output")
-    if args.output is not None and same_file(args.input, args.output):
+    stdin = args.input in (None, "-")
+    name = "stdin" if stdin else f"the --input file {args.input}"
+    to_stdout = args.output in (None, "-")
+    if to_stdout and same_regular_file(None if stdin else args.input, None):
+        raise UserError(f"stdout is {name}: the embeddings would be written into the input while it is read; "
+                        "redirect stdout to another file, or give --output")
+    if not to_stdout and same_regular_file(None if stdin else args.input, args.output):
         if embedding.is_stream(args.output):  # /dev/stdout redirected to the input: written through, not emptied
-            raise UserError(f"--output {args.output} is the --input file: the embeddings would be written into the "
-                            "input while it is read; write to another file")
-        raise UserError(f"--output {args.output} is the --input file: writing it would destroy the input before "
-                        "it is read; write to another file")
+            raise UserError(f"--output {args.output} is {name}: the embeddings would be written into the input "
+                            "while it is read; write to another file")
+        raise UserError(f"--output {args.output} is {name}: writing it would destroy the input before it is read; "
+                        "write to another file")
 
 
-def same_file(first: str, second: str) -> bool:
-    """Whether two paths name one existing regular file (through links, ./ and the like; not a terminal that is
-    both stdin and stdout)."""
+def same_regular_file(input_path: str | None, output_path: str | None) -> bool:
+    """Whether the input (None: stdin, ``< corpus.txt``) and the output (None: stdout, ``>> corpus.txt``) are one
+    regular file (through links, ./, descriptors and the like; not a terminal that is both stdin and stdout)."""
     try:
-        return os.path.samefile(first, second) and os.path.isfile(first)
-    except OSError:  # one of them does not exist (yet)
-        return False
-
-
-def same_file_as_stdout(path: str) -> bool:
-    """Whether stdout is redirected to the regular file ``path`` (``fastbert embed -i corpus.txt >> corpus.txt``)."""
-    try:
-        found, out = os.stat(path), os.fstat(1)
-    except OSError:  # no such file, or no stdout
+        found = os.fstat(0) if input_path is None else os.stat(input_path)
+        out = os.fstat(1) if output_path is None else os.stat(output_path)
+    except OSError:  # one of them does not exist (yet), or no such descriptor
         return False
     return stat.S_ISREG(found.st_mode) and (found.st_dev, found.st_ino) == (out.st_dev, out.st_ino)
 

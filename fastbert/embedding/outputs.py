@@ -190,6 +190,8 @@ class FileOutput:
             if stats is None:
                 if self.created:
                     Path(self.path).unlink(missing_ok=True)
+                if self.streamed and own_descriptor(self.path) is None:
+                    self._release_reader()
                 return
             self._open()  # a completed run without rows: a valid, empty file
         try:
@@ -198,6 +200,15 @@ class FileOutput:
             if self.written is not None:  # a full disk: no temporary file stays behind
                 Path(self.written).unlink(missing_ok=True)
             raise self._naming_the_file(err) from None
+
+    def _release_reader(self) -> None:
+        """A named pipe never opened (the run stopped before its first rows): open and close it without waiting, so
+        that a reader waiting on it sees its end instead of waiting for ever (no reader: nothing to release)."""
+        try:
+            if stat.S_ISFIFO(os.stat(self.path).st_mode):
+                os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # no reader (ENXIO), or gone
+            pass
 
     def _finish(self) -> None:
         if self.format == "parquet":

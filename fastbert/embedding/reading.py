@@ -171,6 +171,11 @@ def jsonl_row(line: str, number: int, text_field: str, id_field: str | None, nam
     text = record[text_field]
     if text is not None and not isinstance(text, str):
         raise InputError(f"{name}:{number}: field {text_field!r} holds {type(text).__name__}, not a string")
+    try:
+        (text or "").encode("utf-8")
+    except UnicodeEncodeError as err:  # JSON's "\ud800": valid JSON, not Unicode text, and no tokenizer takes it
+        raise InputError(f"{name}:{number}: field {text_field!r} holds a lone surrogate "
+                         f"U+{ord(err.object[err.start]):04X}, which is not Unicode text") from None
     row_id = number if id_field is None else record_id(record, id_field, number, name)
     return text_row(number, row_id, text)
 

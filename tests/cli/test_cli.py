@@ -410,7 +410,8 @@ def test_output_paths_the_system_refuses_are_one_line_errors_before_the_work(cap
     (["hello", "--id-field", "id"], "--id-field needs JSONL input"),
     (["-i", "AFILE", "--field", "body"], "--field needs JSONL input: a --input named *.jsonl or *.ndjson, or "
                                          "--input-format jsonl"),
-    (["-i", "AFILE", "-o", "AFILE"], "--output AFILE is the --input file: writing it would destroy the input"),
+    (["-i", "AFILE", "-o", "AFILE"], "--output AFILE is the --input file AFILE: writing it would destroy the "
+                                     "input"),
     (["-i", "AFILE", "-o", "LINK"], "--output LINK is the --input file"),
     (["-i", "PARQUET"], "input file PARQUET is a Parquet file: embed reads UTF-8 text"),
     (["hello", "--format", "npy"], "npy output needs --output FILE or --output-dir (stdout takes JSONL only)"),

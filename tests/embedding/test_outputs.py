@@ -220,6 +220,27 @@ def test_a_named_pipe_is_written_for_its_reader_not_opened_to_check_it(tmp_path)
     assert [json.loads(line)["id"] for line in received[0].decode().splitlines()] == [1, 2]
 
 
+def test_a_named_pipe_gets_its_end_when_the_run_stops_before_its_first_rows(tmp_path):
+    """The pipe is opened at the first rows: a run that failed before them never opened it, and its reader waited
+    for ever (``consumer < pipe & fastbert embed -o pipe ...; wait`` deadlocked)."""
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    output = FileOutput(str(fifo), "jsonl", 4, np.float32)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    time.sleep(0.2)  # the reader waits in its open
+    output.close()  # the run stopped early
+    reader.join(timeout=10)
+    if reader.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("the pipe's reader was left waiting")
+    assert received == [b""]
+    FileOutput(str(fifo), "jsonl", 4, np.float32).close()  # no reader: returns at once
+
+
 def _write_rows(path: str) -> None:
     output = FileOutput(path, "jsonl", 4, np.float32)
     time.sleep(0.5)  # the model loads (seconds) between the check and the first rows

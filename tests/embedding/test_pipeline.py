@@ -313,10 +313,13 @@ def test_cli_output_to_a_named_pipe_reaches_its_reader(tiny_dir, tmp_path):
     ("embed one -o /dev/stdout --format parquet >> OUT", "parquet output needs a regular file given by its own"),
     ("embed one -o - --format npy >> OUT", "npy output needs --output FILE or --output-dir (stdout takes JSONL"),
     ("embed -i OUT >> OUT", "stdout is the --input file OUT: the embeddings would be written into the input"),
-    ("embed -i OUT -o /dev/stdout >> OUT", "--output /dev/stdout is the --input file: the embeddings would be "
+    ("embed -i OUT -o /dev/stdout >> OUT", "--output /dev/stdout is the --input file OUT: the embeddings would be "
      "written into the input"),
     ("embed one -o /dev/fd/7", "cannot write /dev/fd/7: this process has no descriptor 7 open"),
-], ids=["npy", "parquet", "dash-npy", "stdout-is-input", "dev-stdout-is-input", "closed-descriptor"])
+    ("embed < OUT >> OUT", "stdout is stdin: the embeddings would be written into the input"),
+    ("embed -o OUT --format jsonl < OUT", "--output OUT is stdin: writing it would destroy the input"),
+], ids=["npy", "parquet", "dash-npy", "stdout-is-input", "dev-stdout-is-input", "closed-descriptor",
+        "stdin-is-stdout", "stdin-is-output"])
 def test_cli_refuses_what_a_stream_cannot_take_before_loading_the_model(tmp_path, command, message):
     """Refused before the model loads (a missing --model is not what they report) and without touching OUT."""
     out = tmp_path / "out.jsonl"

@@ -84,9 +84,10 @@ def test_unreadable_text_line_names_its_line(line, message):
 @pytest.mark.parametrize("line, message", [
     (b'{"other": "x"}', "in.jsonl:2: the object has no field 'text'"),
     (b'{"text": 3}', "in.jsonl:2: field 'text' holds int"),
+    (b'{"text": "a \\ud800 b"}', "in.jsonl:2: field 'text' holds a lone surrogate U.D800, which is not Unicode"),
     (b'{"text": "x"', "in.jsonl:2: not valid JSON"),
     (b'["text"]', "in.jsonl:2: expected a JSON object"),
-], ids=["missing-field", "not-a-string", "bad-json", "not-an-object"])
+], ids=["missing-field", "not-a-string", "lone-surrogate", "bad-json", "not-an-object"])
 def test_invalid_jsonl_row_names_its_line(line, message):
     rows = read_rows([b'{"text": "ok"}\n', line], "jsonl", name="in.jsonl")
     assert next(rows).text == "ok"
