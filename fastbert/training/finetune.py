@@ -611,7 +611,7 @@ def finetune(settings: FinetuneSettings, log: TextIO | None = None) -> dict:
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 evaluates and writes
         return {}
     if result.steps_run == 0:
-        finished = finished_results(settings.output_dir, result.step)
+        finished = finished_results(settings, result.step)
         if finished is not None:  # a resume of a complete run: say so, change nothing
             out = settings.output_dir
             log.write(f"fastbert finetune: the run in {out} is already complete (step {result.step} of {max_steps}): "
@@ -636,15 +636,25 @@ def finetune(settings: FinetuneSettings, log: TextIO | None = None) -> dict:
     return results
 
 
-def finished_results(output_dir: str, step: int) -> dict | None:
-    """The results.json of a run that finished at ``step`` (with its model beside it), None when the run stopped
-    between its last checkpoint and its results (or the file is not that run's)."""
+# Options a resume may change that decide what results.json reports (not what trains): a complete run's resume
+# with other values evaluates again.
+_EVALUATION_OPTIONS = ("eval_limit", "max_length", "teacher", "alpha_soft", "temperature", "alpha_hidden")
+
+
+def finished_results(settings: FinetuneSettings, step: int) -> dict | None:
+    """The results.json of a run that finished at ``step`` (with its model beside it) and was evaluated as these
+    settings ask, None when the run stopped between its last checkpoint and its results, or the file is not that
+    run's, or its evaluation options differ (`_EVALUATION_OPTIONS`)."""
+    output_dir = settings.output_dir
     try:
         with open(os.path.join(output_dir, "results.json"), encoding="utf-8") as f:
             results = json.load(f)
     except (OSError, ValueError):
         return None
     if not isinstance(results, dict) or results.get("training", {}).get("steps") != step:
+        return None
+    recorded = results.get("settings", {})
+    if any(recorded.get(option) != getattr(settings, option) for option in _EVALUATION_OPTIONS):
         return None
     return results if os.path.isdir(os.path.join(output_dir, "model")) else None
 

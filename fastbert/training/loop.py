@@ -565,9 +565,11 @@ class TrainingRun:
         try:
             with self.stops:
                 result = self.train_steps(checkpoint)
-            # leave together: a rank that tears the group down while another is still on its last files (rank 0's
-            # checkpoint hook) can leave one of them waiting in the teardown (seen under torchrun, 1 run in ~20)
-            self.dist.barrier()
+                # leave together: a rank that tears the group down while another is still on its last files (rank
+                # 0's checkpoint hook) can leave one of them waiting in the teardown (seen under torchrun, 1 in ~20)
+                self.dist.barrier()
+                if self.stops.requested:  # (DDP: signalled after the last step's all-reduce; the run is complete)
+                    self.stop()
             return result
         except KeyboardInterrupt:
             self.tell_how_to_resume()

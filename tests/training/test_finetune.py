@@ -242,6 +242,13 @@ def test_tiny_finetune_through_the_cli(capsys, tmp_path, tiny_checkpoint, task):
     assert "held-out accuracy" not in err and "steps in" not in err
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == files
 
+    # ... unless it asks for another evaluation: that is evaluated and reported
+    code, _, err = _run(capsys, "finetune", "--task", task, "--model", tiny_checkpoint, "-o", str(out),
+                        "--max-steps", "4", "--batch-size", "8", "--train-limit", "32", "--eval-limit", "12",
+                        "--learning-rate", "1e-3", "--resume")
+    assert code == 0 and "nothing changed" not in err and "held-out accuracy" in err, err
+    assert json.loads((out / "results.json").read_text())["held_out"]["examples"] == 12
+
 
 def _one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]

@@ -407,14 +407,26 @@ def test_a_new_run_keeps_no_record_of_a_run_that_stopped_before_its_first_checkp
     assert [r["step"] for r in records] == [0, *range(1, 8), 7]  # this run's only: one step-0 evaluation
 
 
-def _ddp_worker(rank: int, init_file: str, out: str) -> None:
+class _SignalledAtTheEnd(_TinyTask):
+    """Sends this process SIGINT after the final checkpoint: after the last step's all-reduce (rank 0 only)."""
+
+    def on_checkpoint(self, output_dir: Path, records: list[dict], final: bool) -> None:
+        super().on_checkpoint(output_dir, records, final)
+        if final:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def _ddp_worker(rank: int, init_file: str, out: str, at_the_end: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ["WORLD_SIZE"] = "2"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        task = _Signalling(at_calls=(3,)) if rank == 1 else _TinyTask()  # only rank 1 is signalled, in step 3
+        if at_the_end:
+            task = _SignalledAtTheEnd() if rank == 0 else _TinyTask()
+        else:
+            task = _Signalling(at_calls=(3,)) if rank == 1 else _TinyTask()  # only rank 1 is signalled, in step 3
         try:
             train(_model(), task, TrainingArguments(output_dir=out, max_steps=7, learning_rate=1e-3, save_every=0,
                                                     progress=False))
@@ -434,3 +446,15 @@ def test_ddp_ranks_agree_on_the_step_to_stop_at(tmp_path):
     assert (out / "rank0").read_text() == (out / "rank1").read_text() == "interrupted"
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]
     assert [r["step"] for r in _records(out)] == [1, 2, 3]
+
+
+@pytest.mark.slow  # two processes importing transformers
+def test_ddp_a_signal_after_the_last_steps_all_reduce_is_delivered(tmp_path):
+    """Under DDP the held signal was read only from the step's all-reduce: one after the last step's was dropped
+    (the run said it stops, then returned as finished)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "run"
+    mp.spawn(_ddp_worker, args=(str(tmp_path / "init"), str(out), True), nprocs=2, join=True)
+    assert (out / "rank0").read_text() == "interrupted" and (out / "rank1").read_text() == "finished"
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000007"]
