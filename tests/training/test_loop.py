@@ -232,6 +232,15 @@ def test_an_interrupted_run_says_how_to_resume(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ interrupts
+@pytest.fixture(autouse=True)
+def python_handles_sigint():
+    """The SIGINT handler an interactive run has: a shell starts a background job (CI's, ``pytest ... &``) with
+    SIGINT ignored, and Python then installs none, so the interrupt tests' Ctrl-C would be ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 class _Signalling(_TinyTask):
     """Sends this process ``signum`` (as Ctrl-C or `kill` would) in the given compute calls, and optionally once
     more while a checkpoint is written (in ``save``)."""
