@@ -163,23 +163,24 @@ class _Build:
         # Inference tensors have no version counter: their packs are compared with them on every call that reads
         # them (and copied where they differ).
         self.untracked = any(source.is_inference() for source in self.pack_sources)
-        self.pack_versions = None if self.untracked else _stamps(self.pack_sources)
+        self.pack_stamps = None if self.untracked else _coarse_stamps(self.pack_sources)
 
     def sync_packs(self) -> None:
         """Copy the model's Q/K/V into the packed tensors again where one changed in place since: an optimizer
         step ran (`fastbert.backends.optimizer_steps`: fused optimizers move no version counter) or a source's
         version counter moved (``load_state_dict``, ``torch.no_grad(): p.mul_(...)``). A replaced
         tensor or storage (``param.data = ...``, ``.to()``) rebuilds instead (`stale`). One C-level pass over the
-        sources' counters when nothing changed."""
+        sources' counters when nothing changed: a step of any optimizer has each pack compare its own sources'
+        steps (a teacher's packs stay when only its student's optimizer stepped)."""
         if self.untracked:
             for pack in self.packs:
                 pack.refresh_if_different()
             return
-        versions = _stamps(self.pack_sources)
-        if versions != self.pack_versions:
+        stamps = _coarse_stamps(self.pack_sources)
+        if stamps != self.pack_stamps:
             for pack in self.packs:
                 pack.refresh_if_changed()
-            self.pack_versions = versions
+            self.pack_stamps = stamps
 
     def stale(self) -> bool:
         if not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
