@@ -29,15 +29,22 @@ def run(args: argparse.Namespace) -> int:
     """Embed TEXT arguments or a corpus: one output row per input row, in input order; a summary on stderr."""
     started = time.perf_counter()
     shared.set_threads(args.threads)
+    if args.output is not None and args.output_dir is not None:
+        raise UserError("give --output or --output-dir, not both")
     if args.output == "-":  # stdout, as '-' is stdin for --input (a file named '-' is ./-)
         args.output = None
     check_options(args)
     output_format = output_format_of(args)
-    embedder, window_rows = build_embedder(args)
-    if args.similarity:
-        return print_similarity(args, embedder)
-    rows, counter, size, stream = input_rows(args)
-    output = open_output(args, embedder, output_format, window_rows)
+    try:
+        embedder, window_rows = build_embedder(args)
+        if args.similarity:
+            return print_similarity(args, embedder)
+        rows, counter, size, stream = input_rows(args)
+        output = open_output(args, embedder, output_format, window_rows)
+    except BaseException:  # the model did not load, or the input did not open: a reader of -o FIFO sees its end
+        if args.output is not None:
+            embedding.release_reader(args.output)
+        raise
     initial = None
     if args.resume:
         if output.manifest["complete"]:
@@ -91,8 +98,6 @@ def stopped_note(args: argparse.Namespace, output: FileOutput | ShardedOutput) -
 def check_options(args: argparse.Namespace) -> None:
     """UserError for options that do not go together, and for an input or output that cannot be used: before the
     model loads, so that a mistake costs no load (minutes on a cluster)."""
-    if args.output is not None and args.output_dir is not None:
-        raise UserError("give --output or --output-dir, not both")
     if args.resume and args.output_dir is None:
         raise UserError("--resume continues an --output-dir run; give --output-dir")
     if args.window_rows is not None and args.window_rows < 1:  # 0 would otherwise read as "not given"

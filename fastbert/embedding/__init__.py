@@ -23,6 +23,7 @@ from fastbert.embedding.outputs import (
     is_stream,
     own_descriptor,
     read_output,
+    release_reader,
 )
 from fastbert.embedding.pipeline import Progress, run, skip_rows
 from fastbert.embedding.reading import (
@@ -39,8 +40,8 @@ from fastbert.embedding.stats import EmbedStats, invisible_rows_note, truncation
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS", "FORMATS", "MANIFEST", "POOLINGS", "EmbedStats", "Embedder", "FileOutput", "InputError",
-    "NonFiniteEmbedding", "Progress", "Row", "ShardedOutput", "check_input_path", "check_run_directory",
-    "check_stream", "default_max_length", "invisible_note", "invisible_rows_note", "is_blank", "is_stream",
-    "open_input", "own_descriptor", "read_output", "read_rows", "run", "sentence_transformers_head", "skip_rows",
+    "NonFiniteEmbedding", "Progress", "Row", "ShardedOutput", "check_input_path", "check_run_directory", "check_stream",
+    "default_max_length", "invisible_note", "invisible_rows_note", "is_blank", "is_stream", "open_input",
+    "own_descriptor", "read_output", "read_rows", "release_reader", "run", "sentence_transformers_head", "skip_rows",
     "real_token_batches", "text_row", "truncation_note", "windows",
 ]

@@ -68,8 +68,7 @@ def check_stream(path: str | os.PathLike, output_format: str) -> None:
                         f"-o FILE ({why}); a stream (stdout, a pipe, a device) takes JSONL")
     descriptor = own_descriptor(path)
     if descriptor is None:
-        if not os.access(path, os.W_OK):
-            raise UserError(f"cannot write {path}: permission denied")
+        check_named_stream(path)
         return
     try:
         flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
@@ -77,6 +76,36 @@ def check_stream(path: str | os.PathLike, output_format: str) -> None:
         raise UserError(f"cannot write {path}: this process has no descriptor {descriptor} open") from None
     if flags & os.O_ACCMODE == os.O_RDONLY:
         raise UserError(f"cannot write {path}: descriptor {descriptor} is open for reading only")
+
+
+def release_reader(path: str | os.PathLike) -> None:
+    """If ``path`` is a named pipe this process never opened (the run stopped before its first rows): open and close
+    it without waiting, so that a reader waiting on it sees its end instead of waiting for ever (no reader, or not a
+    named pipe: nothing to do)."""
+    try:
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # no reader (ENXIO), or gone
+        pass
+
+
+def check_named_stream(path: str | os.PathLike) -> None:
+    """UserError unless the stream ``path`` (not a descriptor of this process) can be opened to write: a socket
+    cannot be opened at all, a block device is a disk, and a character device is opened here and closed again
+    (``/dev/tty`` without a terminal); a named pipe is not opened (its reader would see its end)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISSOCK(mode):
+        raise UserError(f"cannot write {path}: it is a socket, which cannot be opened as a file; write to stdout and "
+                        f"pipe it to the socket (e.g. -o - | socat - UNIX-CONNECT:{path})")
+    if stat.S_ISBLK(mode):  # a disk or a partition: its contents would be overwritten
+        raise UserError(f"cannot write {path}: it is a block device (a disk); give a file's name")
+    if not os.access(path, os.W_OK):
+        raise UserError(f"cannot write {path}: permission denied")
+    if stat.S_ISCHR(mode):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY))
+        except OSError as err:
+            raise UserError(f"cannot write {path}: {err.strerror or err}") from None
 
 
 class FileOutput:
@@ -191,7 +220,7 @@ class FileOutput:
                 if self.created:
                     Path(self.path).unlink(missing_ok=True)
                 if self.streamed and own_descriptor(self.path) is None:
-                    self._release_reader()
+                    release_reader(self.path)
                 return
             self._open()  # a completed run without rows: a valid, empty file
         try:
@@ -200,15 +229,6 @@ class FileOutput:
             if self.written is not None:  # a full disk: no temporary file stays behind
                 Path(self.written).unlink(missing_ok=True)
             raise self._naming_the_file(err) from None
-
-    def _release_reader(self) -> None:
-        """A named pipe never opened (the run stopped before its first rows): open and close it without waiting, so
-        that a reader waiting on it sees its end instead of waiting for ever (no reader: nothing to release)."""
-        try:
-            if stat.S_ISFIFO(os.stat(self.path).st_mode):
-                os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError:  # no reader (ENXIO), or gone
-            pass
 
     def _finish(self) -> None:
         if self.format == "parquet":

@@ -1,9 +1,11 @@
 """fastbert.embedding.outputs: single files valid as documented, sharded runs that resume after a real SIGKILL
 with no row missing or repeated, and read back like a single file."""
 
+import errno
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -445,3 +447,25 @@ def test_a_full_disk_is_an_error_naming_the_file():
     assert failed.value.filename == "/dev/full"
     with pytest.raises(OSError):  # what is still buffered fails again; the stream is closed all the same
         output.stream.close()
+
+
+def test_a_block_device_is_refused_and_a_device_that_does_not_open_is_reported(monkeypatch):
+    """-o /dev/sda would have written JSONL over a disk; /dev/tty without a terminal failed at the first rows."""
+    from fastbert.embedding import check_stream, outputs
+
+    real_stat, real_open = os.stat, os.open
+    block = os.stat_result((stat.S_IFBLK | 0o600, *real_stat("/dev/null")[1:]))
+    monkeypatch.setattr(outputs.os, "stat", lambda path, *a, **k: block if str(path) == "/dev/disk0" else
+                        real_stat(path, *a, **k))
+    with pytest.raises(UserError, match="cannot write /dev/disk0: it is a block device"):
+        check_stream("/dev/disk0", "jsonl")
+    check_stream("/dev/null", "jsonl")  # a character device that opens
+
+    def no_device(path, *args, **kwargs):
+        if str(path) == "/dev/null":
+            raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(outputs.os, "open", no_device)
+    with pytest.raises(UserError, match="cannot write /dev/null: No such device or address"):
+        check_stream("/dev/null", "jsonl")

@@ -6,8 +6,10 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -318,16 +320,45 @@ def test_cli_output_to_a_named_pipe_reaches_its_reader(tiny_dir, tmp_path):
     ("embed one -o /dev/fd/7", "cannot write /dev/fd/7: this process has no descriptor 7 open"),
     ("embed < OUT >> OUT", "stdout is stdin: the embeddings would be written into the input"),
     ("embed -o OUT --format jsonl < OUT", "--output OUT is stdin: writing it would destroy the input"),
+    ("embed one -o SOCKET", "cannot write SOCKET: it is a socket, which cannot be opened as a file"),
+    ("setsid embed one -o /dev/tty", "cannot write /dev/tty: No such device or address"),
+    ("embed one -o - --output-dir RUN", "give --output or --output-dir, not both"),
 ], ids=["npy", "parquet", "dash-npy", "stdout-is-input", "dev-stdout-is-input", "closed-descriptor",
-        "stdin-is-stdout", "stdin-is-output"])
+        "stdin-is-stdout", "stdin-is-output", "socket", "tty-without-a-terminal", "dash-and-output-dir"])
 def test_cli_refuses_what_a_stream_cannot_take_before_loading_the_model(tmp_path, command, message):
-    """Refused before the model loads (a missing --model is not what they report) and without touching OUT."""
+    """Refused before the model loads (a missing --model is not what they report) and without touching OUT. A
+    socket or /dev/tty without a terminal failed only when the first rows were written; '-o -' went unnoticed
+    beside --output-dir."""
     out = tmp_path / "out.jsonl"
     out.write_text("one line\n")
-    proc = _shell(command.replace("OUT", str(out)) + " --model /nonexistent/model")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(tmp_path / "socket"))
+    places = {"OUT": str(out), "SOCKET": str(tmp_path / "socket"), "RUN": str(tmp_path / "run")}
+    for name, place in places.items():
+        command, message = command.replace(name, place), message.replace(name, place)
+    try:
+        proc = _shell(command + " --model /nonexistent/model")
+    finally:
+        server.close()
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-    assert message.replace("OUT", str(out)) in proc.stderr
-    assert out.read_text() == "one line\n"
+    assert message in proc.stderr
+    assert out.read_text() == "one line\n" and not (tmp_path / "run").exists()
+
+
+def test_cli_a_named_pipes_reader_sees_its_end_when_the_model_does_not_load(tmp_path):
+    """The pipe was released only by a run that failed after opening its output: a model that did not load left
+    the reader waiting for ever."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.2)  # the reader waits on the pipe before the run checks it
+        proc = _shell(f"embed one two --model {tmp_path}/missing -o {fifo}")
+        received = reader.communicate(timeout=20)[0]
+    finally:
+        reader.kill()
+    assert proc.returncode == 1 and "fastbert: error:" in proc.stderr, proc.stderr
+    assert received == ""
 
 
 def test_cli_texts_of_only_invisible_characters_are_null_rows_and_a_note_says_why(tiny_dir, tmp_path, write_lines,
