@@ -468,10 +468,13 @@ class _StopRequests:
                 os.write(sys.stderr.fileno(), (("\n" if self.in_place else "") + text).encode())
 
     def deliver(self) -> None:
-        """Run the held signal's own handler (it raises: KeyboardInterrupt, the command's Terminated)."""
-        assert self.signum is not None
-        self.previous[self.signum](self.signum, None)
-        raise KeyboardInterrupt  # a handler that returned
+        """Run the held signal's own handler: Python's and the command's raise (KeyboardInterrupt, Terminated); a
+        caller's own may return, as it would have without the hold (the next signal is held again)."""
+        signum, self.signum = self.signum, None
+        assert signum is not None
+        self.previous[signum](signum, None)
+        if self.announce:
+            sys.stderr.write(f"the {signal.Signals(signum).name} handler returned: the run goes on\n")
 
 
 # ---------------------------------------------------------------------------------------------------- train
@@ -653,14 +656,13 @@ class TrainingRun:
         for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
                                        self.scheduler.lr_lambdas, strict=True):
             group["lr"] = base * factor(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         args, verb = self.args, "extends" if self.args.max_steps > old_max_steps else "shortens"
         warmup = (f"warmup {args.warmup_steps} steps (was {old_warmup})" if old_warmup != args.warmup_steps
                   else f"warmup {args.warmup_steps} steps")
         self.schedule_note = (
             f"--max-steps {args.max_steps} {verb} the run (its checkpoint's: {old_max_steps}): the learning rate now "
             f"follows the schedule for {args.max_steps} steps ({warmup}, linear decay to 0 at step {args.max_steps}),"
-            f" {self.scheduler.get_last_lr()[0]:.3g} at step {self.step + 1}; steps 1-{self.step} had the old "
+            f" {self.optimizer.param_groups[0]['lr']:.3g} at step {self.step + 1}; steps 1-{self.step} had the old "
             "schedule's rates, so the result equals no uninterrupted run")
 
     def open_metrics(self) -> None:
@@ -708,8 +710,8 @@ class TrainingRun:
     def train_steps(self, checkpoint: Path | None) -> TrainResult:
         """Steps from the current position to ``max_steps`` (an evaluation of the untrained model first on a fresh
         run); returns the result with the last checkpoint."""
-        if checkpoint is None:
-            self.evaluate()  # the untrained model's held-out figures: the curve's starting point
+        if checkpoint is None or self.evaluation_missed():
+            self.evaluate()  # the untrained model's held-out figures (the curve's starting point), or a missed one
         self.model.train()
         batches = self.task.batches(self.epoch)
         if len(batches) == 0:
@@ -735,12 +737,14 @@ class TrainingRun:
 
     def stop(self) -> None:
         """Stop at this step boundary: a checkpoint at this step (every rank takes part; none when one was just
-        written or restored here), the line saying so, then the held signal's handler (it raises)."""
+        written or restored here), then the held signal's handler, which raises (`run` then says how to resume).
+        A caller's handler that returns lets a single process go on; under DDP all ranks stop, as they agreed."""
         if self.saved_step != self.step and self.step > 0:  # (a new run stopped before its first step: no steps)
             self.save(final=False)
-        self.tell_how_to_resume()
         if self.stops.requested:
             self.stops.deliver()
+            if self.dist.world_size == 1:
+                return
         raise KeyboardInterrupt  # another rank was signalled, this one was not (yet)
 
     def train_step(self, batch: Any) -> tuple[StepOutput, list[float], float]:
@@ -762,7 +766,7 @@ class TrainingRun:
             raise TrainingError(self.divergence(f"the training loss is {values[0]} at step {self.step + 1}"))
         if self.args.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses (set by the scheduler or `reschedule`)
         self.optimizer.step()
         self.scheduler.step()
         self.step, self.position = self.step + 1, self.position + 1
@@ -792,15 +796,25 @@ class TrainingRun:
 
     def after_step(self) -> Path | None:
         """The evaluations and checkpoints due after this step; the final checkpoint's path after the last step."""
-        args = self.args
-        if args.eval_every and self.step % args.eval_every == 0 and self.step != args.max_steps:
+        if self.evaluation_due() and not self.stop_requested():  # a stop: evaluated at the resume instead
             self.evaluate()
+        args = self.args
         if self.step == args.max_steps:
             self.evaluate()
             return self.save(final=True)
         if args.save_every and self.step % args.save_every == 0:
             self.save(final=False)
         return None
+
+    def evaluation_due(self) -> bool:
+        """Whether --eval-every evaluates after this step (the last step's evaluation is the final one's)."""
+        every = self.args.eval_every
+        return bool(every) and self.step % every == 0 and self.step != self.args.max_steps
+
+    def evaluation_missed(self) -> bool:
+        """Whether a resume starts at a step whose evaluation was due and is not recorded: a stop requested in that
+        step skipped it, so that the checkpoint came without waiting for it."""
+        return self.evaluation_due() and not any(r.get("eval") and r["step"] == self.step for r in self.records)
 
     def evaluate(self) -> None:
         """On rank 0: the task's held-out metrics in eval mode, recorded and shown; the RNG states are put back, so

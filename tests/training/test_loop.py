@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -286,6 +287,41 @@ def test_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_resume_is_exact(tm
     assert [r["loss"] for r in _records(run)] == [r["loss"] for r in _records(tmp_path / "a" / "run")]
 
 
+class _Evaluating(_Signalling):
+    """Counts its evaluations, at the steps they run (one figure: the step's number)."""
+
+    def __init__(self, at_calls: tuple[int, ...] = ()):
+        super().__init__(at_calls)
+        self.evaluated: list[int] = []
+
+    def evaluate(self, model) -> dict[str, float]:
+        self.evaluated.append(self.calls)
+        return {"calls": float(self.calls)}
+
+
+def test_a_stop_does_not_wait_for_an_evaluation_and_the_resume_makes_it_up(tmp_path):
+    """Ctrl-C in a step whose evaluation was due waited for the whole evaluation before its checkpoint (minutes on
+    a real held-out set); the curve then has every point an uninterrupted run has."""
+    whole = _Evaluating()
+    train(_model(), whole, _args(tmp_path / "a", eval_every=2, save_every=0))
+    stopped = _Evaluating(at_calls=(4,))
+    with pytest.raises(KeyboardInterrupt):  # in step 4, whose evaluation is due
+        train(_model(), stopped, _args(tmp_path / "b", eval_every=2, save_every=0))
+    assert stopped.evaluated == [0, 2]  # the untrained model's and step 2's, not step 4's
+    assert [p.name for p in list_checkpoints(tmp_path / "b" / "run")] == ["checkpoint-0000004"]
+    resumed = _Evaluating()
+    train(_model(), resumed, _args(tmp_path / "b", eval_every=2, save_every=0, resume=True))
+    assert resumed.evaluated == [0, 2, 3]  # step 4's first (before any step of this run), then 6's and the end's
+
+    def evaluations(run: Path) -> list[int]:
+        return [r["step"] for r in _records(run) if r.get("eval")]
+
+    assert evaluations(tmp_path / "b" / "run") == evaluations(tmp_path / "a" / "run") == [0, 2, 4, 6, 7]
+    resumed_again = _Evaluating()  # the complete run: nothing missed, nothing evaluated again
+    train(_model(), resumed_again, _args(tmp_path / "b", eval_every=2, save_every=0, resume=True))
+    assert resumed_again.evaluated == []
+
+
 class _Terminated(KeyboardInterrupt):
     pass
 
@@ -302,6 +338,21 @@ def test_sigterm_is_held_to_the_step_boundary_then_its_own_handler_runs(tmp_path
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-0000003"]
+
+
+def test_a_callers_handler_that_returns_runs_at_the_step_boundary_and_the_run_goes_on(tmp_path, capsys):
+    """A handler of the caller's that only sets a flag was turned into a KeyboardInterrupt that stopped the run."""
+    calls = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    try:
+        result = train(_model(), _Signalling(at_calls=(3,)), _args(tmp_path, save_every=0))
+        assert signal.getsignal(signal.SIGINT) is not previous and calls == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result.step == 7 and result.steps_run == 7
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-0000003", "checkpoint-0000007"]
+    err = capsys.readouterr().err
+    assert "the SIGINT handler returned: the run goes on" in err and "stopped after" not in err
 
 
 def test_a_second_interrupt_stops_at_once_and_says_what_is_lost(tmp_path, capsys):
@@ -446,12 +497,24 @@ def _ddp_worker(rank: int, init_file: str, out: str, at_the_end: bool = False) -
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two processes importing transformers
-def test_ddp_ranks_agree_on_the_step_to_stop_at(tmp_path):
+def _run_two_ranks(*args: object, timeout: float = 300) -> None:
+    """`_ddp_worker` on two ranks; a failure, not a hang, when they do not finish in ``timeout`` seconds (ranks
+    that disagree on the step to stop at wait for each other for ever)."""
     import torch.multiprocessing as mp
 
+    context = mp.spawn(_ddp_worker, args=args, nprocs=2, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the two ranks did not finish in {timeout:.0f} s")
+
+
+@pytest.mark.slow  # two processes importing transformers
+def test_ddp_ranks_agree_on_the_step_to_stop_at(tmp_path):
     out = tmp_path / "run"
-    mp.spawn(_ddp_worker, args=(str(tmp_path / "init"), str(out)), nprocs=2, join=True)
+    _run_two_ranks(str(tmp_path / "init"), str(out))
     assert (out / "rank0").read_text() == (out / "rank1").read_text() == "interrupted"
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000003"]
     assert [r["step"] for r in _records(out)] == [1, 2, 3]
@@ -461,9 +524,7 @@ def test_ddp_ranks_agree_on_the_step_to_stop_at(tmp_path):
 def test_ddp_a_signal_after_the_last_steps_all_reduce_is_delivered(tmp_path):
     """Under DDP the held signal was read only from the step's all-reduce: one after the last step's was dropped
     (the run said it stops, then returned as finished)."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / "run"
-    mp.spawn(_ddp_worker, args=(str(tmp_path / "init"), str(out), True), nprocs=2, join=True)
+    _run_two_ranks(str(tmp_path / "init"), str(out), True)
     assert (out / "rank0").read_text() == "interrupted" and (out / "rank1").read_text() == "finished"
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-0000007"]
