@@ -837,6 +837,12 @@ def distill(settings: DistillSettings, log: TextIO | None = None) -> TrainResult
         student = fastbert.optimize(student, backend=settings.backend)
     log.write(describe_run(settings, teacher_dir, task, student, device) + "\n")
     result = train(student, task, settings.training_arguments())
+    out = Path(settings.output_dir)
+    if result.steps_run == 0 and (out / "model").is_dir() and (out / "summary.json").is_file():
+        log.write(f"fastbert distill: the run in {out} is already complete (step {result.step} of "
+                  f"{settings.max_steps}): nothing to train, nothing changed; its student is in {out / 'model'}, its "
+                  f"summary in {out / 'summary.json'}\n")
+        return result
     if task.teacher_figures is None and settings.objective == "mlm":
         task.evaluate(student)  # a resume of a finished run: the teacher's figures for the summary
     model_out = keep_final_model(result.checkpoint, settings.output_dir)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -570,6 +571,24 @@ def test_resume_after_sigkill_equals_uninterrupted_run(tmp_path, corpus, bert_te
 
     code, err = _run([*common, "-o", str(killed), "--resume", "--alpha-ce", "1"], capsys)
     assert code == 1 and "--resume: the settings differ" in err and "alpha_ce" in err
+
+
+def test_a_resume_of_a_complete_run_changes_nothing_and_says_so(tmp_path, corpus, bert_teacher, capsys, one_thread):
+    """It evaluated the teacher again and copied model/ again; a run stopped before model/ was copied gets it."""
+    out = tmp_path / "out"
+    common = ["distill", str(corpus), "--teacher", str(bert_teacher), "--max-steps", "2", "--eval-every", "0",
+              "-o", str(out), *FAST]
+    code, err = _run(common, capsys)
+    assert code == 0, err
+    model, summary = (out / "model").stat(), (out / "summary.json").read_bytes()
+    code, err = _run([*common, "--resume"], capsys)
+    assert code == 0 and (f"fastbert distill: the run in {out} is already complete (step 2 of 2): nothing to train, "
+                          f"nothing changed; its student is in {out / 'model'}") in err, err
+    assert (out / "model").stat().st_ino == model.st_ino and (out / "summary.json").read_bytes() == summary
+    shutil.rmtree(out / "model")
+    code, err = _run([*common, "--resume"], capsys)
+    assert code == 0 and "nothing changed" not in err and f"student -> {out / 'model'}" in err, err
+    assert (out / "model" / "config.json").is_file() and (out / "summary.json").read_bytes() == summary
 
 
 def test_an_empty_teacher_is_an_error_not_the_default_model(tmp_path, capsys):
