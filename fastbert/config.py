@@ -234,6 +234,8 @@ class FastBertConfig:
                 raw = json.load(handle)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path} is not valid JSON: {err}") from err
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not the object of a model's configuration")
         return cls.from_hf_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:

@@ -494,8 +494,9 @@ class FastBertModel(nn.Module):
         if low < 0:
             raise ValueError(f"position ids must not be negative, got {low}")
         if high >= cfg.max_position_embeddings and cfg.positions == "absolute":
-            raise ValueError(f"sequence too long: position id {high} needs more than the model's "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
+            raise ValueError(f"position id {high} is past the model's position table (max_position_embeddings="
+                             f"{cfg.max_position_embeddings}): a sequence longer than the model takes (truncate it), "
+                             "or position_ids out of range")
         if token_type_ids is not None:
             if cfg.type_vocab_size == 0:
                 raise ValueError(f"{cfg.model_type} takes no token_type_ids")

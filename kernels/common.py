@@ -129,7 +129,8 @@ def device_reason(tensors: list[torch.Tensor | None]) -> str | None:
     device = next(iter(devices))
     if device.type == "cpu":
         if not INTERPRETER:
-            return "tensors are on cpu and TRITON_INTERPRET is not set (set it to 1 before importing fastbert.kernels)"
+            return ("tensors are on cpu and TRITON_INTERPRET is not set (Triton runs on a CPU only in its interpreter: "
+                    "TRITON_INTERPRET=1 in the environment, e.g. TRITON_INTERPRET=1 fastbert ...)")
     elif device.type != "cuda":
         return f"tensors are on {device.type}; the triton backend runs on cuda (or cpu under TRITON_INTERPRET=1)"
     return None

@@ -54,8 +54,16 @@ class Parser(argparse.ArgumentParser):
     """argparse, with usage errors as one line on stderr (exit status 2, no usage text)."""
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        sys.stderr.write(f"fastbert: error: {message}\n")
+        sys.stderr.write(f"fastbert: error: {message}{_model_hint(message)}\n")
         sys.exit(2)
+
+
+def _model_hint(message: str) -> str:
+    """For ``fastbert check DIR``: a directory among the unrecognized arguments is likely a checkpoint."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    directories = [word for word in message.removeprefix("unrecognized arguments: ").split() if os.path.isdir(word)]
+    return f" (a checkpoint directory is given as --model {directories[0]})" if directories else ""
 
 
 def command_module(name: str) -> ModuleType:

@@ -27,6 +27,10 @@ def run(args: argparse.Namespace) -> int:
     if out is not None:
         paths = report.write_results(results, out)
         print(f"results written to {out}/: " + ", ".join(p.name for p in paths))
+    failures = [entry for workload in results["workloads"] for name, entry in workload["results"].items()
+                if name == "fastbert" and entry.get("status") != "ok"]
+    if failures and len(failures) == len(results["workloads"]):  # nothing of fastbert's was measured
+        raise UserError(f"fastbert failed on every workload ({failures[0]['status']}: {failures[0]['reason']})")
     return 0
 
 

@@ -4,6 +4,7 @@ ids when the checkpoint has no tokenizer); PASS/FAIL by `fastbert.numerics`' rul
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,7 +14,7 @@ from fastbert.bench import report
 from fastbert.bench.workloads import Workload
 from fastbert.cli import shared
 from fastbert.common.resolve import UserError, resolve_device, resolve_dtype, resolve_model
-from fastbert.common.text import SENTENCES, TextEncoder, mean_pool
+from fastbert.common.text import SENTENCES, TextEncoder, has_tokenizer_files, mean_pool
 
 if TYPE_CHECKING:
     from fastbert.config import FastBertConfig
@@ -42,7 +43,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"fastbert check: {shared.model_line(model_dir, config, device, dtype)}")
     print(f"{source} padded to {batch['input_ids'].shape[1]} tokens ({int(mask.sum())} real); reference: "
           "transformers AutoModel (eager) in float32; hidden states compared at real tokens only\n")
-    reference = outputs(shared.load_hf_model(model_dir, torch.float32, device), batch)
+    reference_model = shared.load_hf_model(model_dir, torch.float32, device)
+    reference = outputs(reference_model, batch)
+    broken = [name for name, tensor in reference_model.state_dict().items()
+              if tensor.is_floating_point() and not tensor.isfinite().all()]
+    if broken:  # the comparison below fails on transformers' own nan: say where it comes from
+        more = f" and {len(broken) - 3} more" if len(broken) > 3 else ""
+        print(f"the checkpoint's weights hold nan or inf: {', '.join(broken[:3])}{more} (transformers' output is not "
+              "finite either)\n")
     hf_same = outputs(shared.load_hf_model(model_dir, dtype, device), batch) if dtype != torch.float32 else None
     untrained = untrained_pooler(reference, hf_same, fast)
     rows, passed = compare(reference, hf_same, ours, mask, dtype)
@@ -63,14 +71,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_batch(model_dir: str, config: FastBertConfig, device: torch.device) -> tuple[dict, str]:
-    """The inputs (SENTENCES, or random token ids without a tokenizer) and a description of them."""
+    """The inputs (SENTENCES, or random token ids without a usable tokenizer) and a description of them. A tokenizer
+    that cannot be read is named: the model is still checked, but `embed` and `serve` would refuse the checkpoint."""
     try:
         return TextEncoder(model_dir, config)(SENTENCES, device), f"{len(SENTENCES)} English sentences"
-    except UserError:  # a checkpoint without a tokenizer is still checked, on random token ids
+    except UserError as err:  # the model is still checked, on random token ids
+        why = "no tokenizer in the checkpoint"
+        if has_tokenizer_files(model_dir):
+            why = "the checkpoint's tokenizer cannot be read; fastbert embed and serve refuse it"
+            sys.stderr.write(f"fastbert check: warning: {err}\n")
         seqlen = min(32, config.token_positions)
         lengths = torch.linspace(1, seqlen, len(SENTENCES)).round().long().tolist()
         batch = Workload("check", len(lengths), seqlen, lengths, True).inputs(config, device)
-        return batch, f"{len(lengths)} random token sequences (no tokenizer in the checkpoint)"
+        return batch, f"{len(lengths)} random token sequences ({why})"
 
 
 def untrained_pooler(reference: dict[str, torch.Tensor], hf_same: dict[str, torch.Tensor] | None,
@@ -106,6 +119,10 @@ def compare(reference: dict[str, torch.Tensor], hf_same: dict[str, torch.Tensor]
             passed = False
             continue
         keep = mask if name == "last_hidden_state" else slice(None)
+        if not ref[keep].isfinite().all():
+            rows.append([name, "-", "-", "-", "-", "FAIL: transformers' own float32 output is not finite"])
+            passed = False
+            continue
         diff = (ours[name][keep] - ref[keep]).abs()
         hf_err = float((hf_same[name][keep] - ref[keep]).abs().max()) if hf_same is not None else None
         ok, why = check_rule(dtype, float(diff.max()), hf_err, float(ref[keep].abs().max()))

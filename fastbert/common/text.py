@@ -48,6 +48,26 @@ def per_second(count: float, elapsed: float) -> str:
     return f"{rate:,.0f}" if rate >= 10 else f"{rate:.1f}"
 
 
+def read_tokenizer_file(model_dir: str) -> Any:
+    """The checkpoint's tokenizer.json through the tokenizers library (padding and truncation as the file says), or
+    None without one; UserError for a file the library cannot read (it raises a bare Exception)."""
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:
+        raise UserError(f"{path} is not a tokenizer file the tokenizers library can read ({err})") from err
+
+
+def has_tokenizer_files(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds any of a tokenizer's files (tokenizer.json, `TOKENIZER_FILES`), readable or not."""
+    names = set(os.listdir(model_dir)) if os.path.isdir(model_dir) else set()
+    return bool(names & (TOKENIZER_FILES | {"tokenizer.json"}))
+
+
 def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any) -> Any:
     """transformers' AutoTokenizer of a checkpoint directory (``kwargs`` passed on). UserError, naming the directory
     as ``label``, where transformers fails or builds an empty tokenizer, as it does silently for a directory without
@@ -56,8 +76,7 @@ def load_auto_tokenizer(model_dir: str, label: str | None = None, **kwargs: Any)
     from transformers import AutoTokenizer
 
     label = label or model_dir
-    names = set(os.listdir(model_dir)) if os.path.isdir(model_dir) else set()
-    if not names & (TOKENIZER_FILES | {"tokenizer.json"}):
+    if not has_tokenizer_files(model_dir):
         raise UserError(f"{label} has no tokenizer (none of tokenizer.json, {', '.join(sorted(TOKENIZER_FILES))})")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
@@ -98,11 +117,8 @@ class TextEncoder:
     def __init__(self, model_dir: str, config: FastBertConfig):
         self.config = config
         self.max_length = config.token_positions
-        path = os.path.join(model_dir, "tokenizer.json")
-        if os.path.isfile(path):
-            from tokenizers import Tokenizer
-
-            self.tokenizer = Tokenizer.from_file(path)
+        self.tokenizer = read_tokenizer_file(model_dir)
+        if self.tokenizer is not None:
             self.tokenizer.enable_padding(pad_id=config.pad_token_id, pad_token=self._pad_token())
             truncation = self.tokenizer.truncation
             limit = min(truncation["max_length"], self.max_length) if truncation else self.max_length

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fastbert.common.resolve import UserError, model_error
-from fastbert.common.text import check_max_length, load_auto_tokenizer, mean_pool
+from fastbert.common.text import check_max_length, load_auto_tokenizer, mean_pool, read_tokenizer_file
 from fastbert.embedding.batching import real_token_batches
 from fastbert.embedding.checkpoint import config_digest, default_max_length, sentence_transformers_head
 from fastbert.embedding.reading import InputError, describe_characters, is_blank
@@ -185,14 +185,8 @@ class Embedder:
     def _load_tokenizer(self, length_option: str) -> None:
         """The checkpoint's tokenizer.json through the tokenizers library, else transformers' AutoTokenizer; a
         max_length with no room for text beside its special tokens is an error."""
-        path = os.path.join(self.model_dir, "tokenizer.json")
-        if os.path.isfile(path):
-            from tokenizers import Tokenizer
-
-            try:
-                tokenizer = Tokenizer.from_file(path)
-            except Exception as err:  # tokenizers raises a bare Exception for a malformed file
-                raise UserError(f"{path} is not a tokenizer file the tokenizers library can read ({err})") from err
+        tokenizer = read_tokenizer_file(self.model_dir)
+        if tokenizer is not None:
             check_max_length(self.max_length, tokenizer, self.config.token_positions, length_option)
             tokenizer.no_padding()
             tokenizer.enable_truncation(max_length=self.max_length)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fastbert.common.resolve import DTYPES, UserError, model_error, resolve_device, resolve_model, resolve_precision
-from fastbert.common.text import check_max_length, load_auto_tokenizer
+from fastbert.common.text import check_max_length, load_auto_tokenizer, read_tokenizer_file
 from fastbert.config import FastBertConfig
 from fastbert.embedding import Embedder, sentence_transformers_head
 from fastbert.embedding.embedder import kept_nothing
@@ -300,11 +300,8 @@ class PairTokenizer:
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         self.direction = direction
-        path = os.path.join(model_dir, "tokenizer.json")
-        if os.path.isfile(path):
-            from tokenizers import Tokenizer
-
-            self.fast = Tokenizer.from_file(path)
+        self.fast = read_tokenizer_file(model_dir)
+        if self.fast is not None:
             self.fast.no_padding()
         else:
             self.fast, self.slow = None, load_auto_tokenizer(model_dir, truncation_side=direction)
@@ -349,12 +346,9 @@ class PairTokenizer:
 
 def plain_tokenizer(model_dir: str) -> Tokenizer | None:
     """The checkpoint's tokenizer.json without truncation or padding (what /tokenize and /decode show), or None."""
-    path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(path):
+    tokenizer = read_tokenizer_file(model_dir)
+    if tokenizer is None:
         return None
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(path)
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer

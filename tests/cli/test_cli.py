@@ -97,6 +97,36 @@ def test_check_says_first_and_alone_that_a_forced_backend_cannot_run_on_the_devi
                                         "run these inputs: tensors are on cpu (test)"]
 
 
+def test_check_names_an_unreadable_tokenizer_and_weights_that_are_not_finite(capsys, tmp_path, minilm_dir):
+    """A tokenizer.json cut short was reported as "no tokenizer in the checkpoint"; a nan weight failed as
+    fastbert's error although transformers' own output was nan."""
+    directory = _cut_tokenizer_model(tmp_path, minilm_dir)
+    code, out, err = _run(capsys, "check", "--model", directory)
+    assert code == 0 and "tokenizer.json is not a tokenizer file the tokenizers library can read" in err
+    assert "random token sequences (the checkpoint's tokenizer cannot be read; fastbert embed and serve refuse it)" \
+        in out
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(f"{directory}/model.safetensors")
+    name = next(n for n in weights if n.endswith("output.dense.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    code, out, _ = _run(capsys, "check", "--model", directory)
+    assert code == 1 and f"the checkpoint's weights hold nan or inf: {name}" in out
+    assert "FAIL: transformers' own float32 output is not finite" in out
+
+
+def test_bench_exits_1_when_fastbert_failed_on_every_workload(capsys, monkeypatch):
+    """Every fastbert row read "failed" and the command exited 0."""
+    from fastbert import backends
+
+    monkeypatch.setattr(backends, "why_not", lambda op, backend, *args, **kwargs: "tensors are on cpu (test)")
+    code, out, err = _run(capsys, "bench", "--quick", "--no-write", "--peers", "hf-eager", "--backend", "triton")
+    assert code == 1 and "failed: BackendUnavailable" in out
+    assert err.strip().splitlines()[-1].startswith("fastbert: error: fastbert failed on every workload (failed: "
+                                                   "BackendUnavailable")
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta"])
 def test_check_passes_a_masked_lm_checkpoint_without_pooler_weights(capsys, tmp_path, family):
     """transformers' AutoModel gives such a checkpoint a pooler initialised at random: there is nothing to compare."""
@@ -148,8 +178,24 @@ def _corrupt_weights_model(tmp_path, minilm_dir):
     return directory
 
 
+def _list_config_model(tmp_path, minilm_dir):
+    """A config.json that is JSON but not an object: AttributeError traceback in every command."""
+    directory = save_tiny_bert(tmp_path / "listed", minilm_dir)
+    (tmp_path / "listed" / "config.json").write_text("[1, 2]")
+    return directory
+
+
+def _cut_tokenizer_model(tmp_path, minilm_dir):
+    """A tokenizer.json cut short: the tokenizers library's bare Exception was a traceback in check and demo."""
+    directory = save_tiny_bert(tmp_path / "cut", minilm_dir)
+    path = tmp_path / "cut" / "tokenizer.json"
+    path.write_bytes(path.read_bytes()[:500])
+    return directory
+
+
 PLACEHOLDERS = {"UNSUPPORTED": _unsupported_model, "NO_WEIGHTS": _no_weights_model,
-                "WRONG_SHAPES": _wrong_shapes_model, "CORRUPT": _corrupt_weights_model}
+                "WRONG_SHAPES": _wrong_shapes_model, "CORRUPT": _corrupt_weights_model,
+                "LISTED": _list_config_model, "CUT_TOKENIZER": _cut_tokenizer_model}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -189,24 +235,29 @@ PLACEHOLDERS = {"UNSUPPORTED": _unsupported_model, "NO_WEIGHTS": _no_weights_mod
     (["bench", "--quick", "--no-write", "--peak-tflops", "inf"], "--peak-tflops must be a finite number > 0"),
     (["embed", "hello", "--ray-actors", "2", "--ray-cpus", "2"], "--ray-actors, --ray-cpus set up the Ray run; "
                                                                  "add --ray"),
+    (["check", "--model", "LISTED"], "config.json holds a JSON list, not the object of a model's configuration"),
+    (["demo", "--model", "CUT_TOKENIZER"], "tokenizer.json is not a tokenizer file the tokenizers library can read"),
+    (["check", "OUT_DIR"], "unrecognized arguments: OUT_DIR (a checkpoint directory is given as --model OUT_DIR)"),
 ], ids=["missing-path", "unsupported-family", "no-weights", "bad-dtype", "int8-check", "bad-peer", "bad-backend",
         "usage", "demo-no-repeats", "embed-no-window", "similarity-output", "similarity-format", "replicas-no-ray",
         "check-wrong-shapes", "demo-wrong-shapes", "bench-wrong-shapes", "check-corrupt-weights",
         "embed-corrupt-weights", "bench-zero-peak", "bench-negative-peak", "pretrain-bad-backend",
         "distill-bad-backend", "pretrain-no-width", "pretrain-no-heads", "pretrain-no-ffn", "pretrain-no-layers",
-        "finetune-too-long", "embed-output-dtype-to-jsonl", "bench-infinite-peak", "embed-ray-options-without-ray"])
+        "finetune-too-long", "embed-output-dtype-to-jsonl", "bench-infinite-peak", "embed-ray-options-without-ray",
+        "config-not-an-object", "tokenizer-json-cut", "check-directory-not-model"])
 def test_errors_are_one_line(capsys, request, tmp_path, argv, message):
     """A mistake is one line on stderr and a non-zero exit: no traceback, and no run started (nor a directory left:
     pretrain and finetune refuse before they create -o)."""
 
     def value(arg: str) -> str:
-        if arg in ("WRONG_SHAPES", "CORRUPT"):  # these copy the MiniLM tokenizer
+        if arg in ("WRONG_SHAPES", "CORRUPT", "LISTED", "CUT_TOKENIZER"):  # these copy the MiniLM tokenizer
             return PLACEHOLDERS[arg](tmp_path, request.getfixturevalue("minilm_dir"))
         if arg in PLACEHOLDERS:
             return PLACEHOLDERS[arg](tmp_path)
-        return str(tmp_path / "out") if arg == "OUT" else arg
+        return str(tmp_path / "out") if arg == "OUT" else str(tmp_path) if arg == "OUT_DIR" else arg
 
     argv = [value(a) for a in argv]
+    message = message.replace("OUT_DIR", str(tmp_path))
     capsys.readouterr()  # (transformers' save_pretrained draws a progress bar)
     try:
         code = cli.main(argv)
