@@ -256,13 +256,13 @@ def test_cpu_inference_fills_its_rows_to_a_bucket(model, monkeypatch, dtype):
 def test_filler_rows_never_reach_real_rows(model):
     """The same batch filled with two different pad tokens: the real rows come out identical, and equal to the
     unfilled forward's."""
-    batch = PackedBatch.from_token_lists(model.config, token_lists(model.config, (7, 1, 3)))
+    batch = PackedBatch.from_token_lists(model.config, token_lists(model.config, (7, 1, 9)))
     varlen = VarlenBatch(None, batch.cu_seqlens, batch.max_seqlen, batch.batch_size, batch.max_seqlen)
     outs = []
     with torch.inference_mode():
         for pad in (model.config.pad_token_id, model.config.vocab_size - 1):
             filled = fill_rows(batch.input_ids, batch.position_ids, batch.token_type_ids, varlen, pad)
-            assert filled.tokens.shape[0] == 16
+            assert filled.tokens.shape[0] == 32
             states = model.encode_tokens(filled.tokens, filled.positions, filled.types, filled.varlen, None,
                                          position_count=batch.position_count)
             outs.append(states[-1][: filled.rows])

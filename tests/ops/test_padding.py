@@ -48,12 +48,13 @@ def packed(lengths: list[int], width: int | None = None) -> tuple:
                                                                                 max(lengths))
 
 
-@pytest.mark.parametrize("lengths", ([1], [7], [130], [5, 1, 9], [300] * 7))
-def test_fill_rows_grows_to_the_next_bucket_with_filler_sequences(lengths):
+@pytest.mark.parametrize("lengths, sizes", (([1], (16, 32)), ([7], (16, 32)), ([130], ROW_BUCKETS),
+                                           ([5, 1, 11], ROW_BUCKETS), ([300] * 7, ROW_BUCKETS)))
+def test_fill_rows_grows_to_the_next_bucket_with_filler_sequences(lengths, sizes):
     tokens, positions, types, varlen = packed(lengths)
     total = sum(lengths)
-    filled = fill_rows(tokens, positions, types, varlen, pad_token=0)
-    size = min(s for s in ROW_BUCKETS if s >= total)
+    filled = fill_rows(tokens, positions, types, varlen, pad_token=0, sizes=sizes)
+    size = min(s for s in sizes if s >= total)
     assert filled.rows == total and filled.tokens.shape == (size,)
     assert torch.equal(filled.tokens[:total], tokens) and not filled.tokens[total:].any()
     assert torch.equal(filled.positions[:total], positions) and not filled.positions[total:].any()
@@ -68,10 +69,10 @@ def test_fill_rows_grows_to_the_next_bucket_with_filler_sequences(lengths):
 
 
 def test_fill_rows_fills_vectors_with_zero_rows():
-    tokens, positions, types, varlen = packed([7, 2], width=5)
+    tokens, positions, types, varlen = packed([7, 12], width=5)
     filled = fill_rows(tokens, positions, None, varlen, pad_token=0)
-    assert filled.tokens.shape == (16, 5) and filled.types is None
-    assert torch.equal(filled.tokens[:9], tokens) and not filled.tokens[9:].any()
+    assert filled.tokens.shape == (32, 5) and filled.types is None
+    assert torch.equal(filled.tokens[:19], tokens) and not filled.tokens[19:].any()
 
 
 def test_fill_rows_leaves_a_bucket_size_and_past_the_largest_alone():
@@ -83,15 +84,18 @@ def test_fill_rows_leaves_a_bucket_size_and_past_the_largest_alone():
 def test_filling_rows_to_a_bucket_never_changes_autos_shape_class():
     from fastbert.backends import tuning
 
-    for total in range(ROW_BUCKETS[0], ROW_BUCKETS[-1] + 1):  # (fewer rows all fill to the first bucket)
+    for total in range(1, ROW_BUCKETS[-1] + 1):
         filled = min(size for size in ROW_BUCKETS if size >= total)
         assert tuning.bucket(filled) == tuning.bucket(total), (total, filled)
 
 
 def test_row_buckets_are_few_and_waste_at_most_a_sixteenth():
-    assert len(ROW_BUCKETS) < 100 and ROW_BUCKETS[0] == 16 and ROW_BUCKETS[-1] == 16384
-    assert all(size % 16 == 0 for size in ROW_BUCKETS)
-    assert all(b / a <= 1.0625 + 16 / a for a, b in zip(ROW_BUCKETS, ROW_BUCKETS[1:], strict=False))
+    """Every count below 16 is a bucket of its own: a one-token query filled to 16 rows took twice as long."""
+    assert len(ROW_BUCKETS) < 100 and ROW_BUCKETS[:16] == tuple(range(1, 17)) and ROW_BUCKETS[-1] == 16384
+    assert all(size % 16 == 0 for size in ROW_BUCKETS[15:])
+    assert all(b / a <= 1.0625 + 16 / a for a, b in zip(ROW_BUCKETS[15:], ROW_BUCKETS[16:], strict=False))
+    assert all(fill_rows(*packed([total]), pad_token=0) is None for total in range(1, 17))
+    assert fill_rows(*packed([17]), pad_token=0).tokens.shape[0] == 32
 
 
 @pytest.mark.parametrize("rows, expected", [
