@@ -129,9 +129,9 @@ def token_buckets(largest: int = 16384, smallest: int = 16, growth: float = 1.25
 
 
 # CPU row buckets: every count below 16, then 81 sizes up to 16384 (57 up to the CPU batch budget of 4096); filler:
-# none below 16 rows (a short query filled to 16 rows took twice as long on BERT-base: 20 vs 40 ms for 1 to 3 tokens,
-# 2 threads, AMD VM), under 16 rows below 256, at most about a tenth of a batch past 256 rows, 7 % past 1024 (steps
-# of about 1/16, rounded up to multiples of 16)
+# none below 16 rows (a short query filled to 16 rows ran 1.1-1.4x slower: benchmarks/short_queries_cpu.py), under
+# 16 rows below 256, at most about a tenth of a batch past 256 rows, 7 % past 1024 (steps of about 1/16, rounded up
+# to multiples of 16)
 ROW_BUCKETS = tuple(range(1, 16)) + token_buckets(16384, growth=1.0625)
 
 
