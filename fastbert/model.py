@@ -670,8 +670,10 @@ class FastBertModel(nn.Module):
     def whole_model_backend(self, tokens: torch.Tensor, like: torch.Tensor, call: tuple) -> str | None:
         """The backend that runs every op of this forward alone, when the whole-model decision for its class
         (`fastbert.backends.decide_model`, made on the first such forward) is one; None for the per-op table.
-        Only ``auto`` CPU inference forwards (no grad, eval mode) are decided whole."""
+        Only ``auto`` CPU inference forwards (no grad, eval mode), neither compiled nor traced, are decided whole
+        (the decision's key reads the thread count, which would break a compiled graph)."""
         if (self.training or torch.is_grad_enabled() or like.device.type != "cpu" or not tuning.enabled()
+                or torch.compiler.is_compiling() or torch.jit.is_tracing()
                 or backends.requested_backend(self.backend) != "auto"):
             return None
         if type(next(iter(self.layers._modules.values()))) not in (PostNormLayer, PreNormLayer):
@@ -679,7 +681,7 @@ class FastBertModel(nn.Module):
         memo = self.__dict__.setdefault("_model_choices", {})
         choice = memo.get(self._choice_key(tokens, like))
         if choice is None:
-            if torch.compiler.is_compiling() or torch.jit.is_tracing() or not tuning.can_measure([tokens, like]):
+            if not tuning.can_measure([tokens, like]):
                 return None
             backends.preload(self.backend, like.device.type)  # a backend's first load moves the generation
             key = self._choice_key(tokens, like)

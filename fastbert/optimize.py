@@ -152,6 +152,7 @@ class _Build:
         self.containers = [container for container, _, _ in self.links]
         self.keys = [key for _, key, _ in self.links]
         self.objects = [obj for _, _, obj in self.links]
+        self.module_links = [link for link in self.links if isinstance(link[2], nn.Module)]
         self.types = tuple(map(type, self.submodules))  # a class swapped in (`module.__class__ = ...`) rebuilds
         self.hook_dicts = [d for m in self.submodules
                            for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
@@ -164,6 +165,18 @@ class _Build:
         # them (and copied where they differ).
         self.untracked = any(source.is_inference() for source in self.pack_sources)
         self.pack_stamps = None if self.untracked else _coarse_stamps(self.pack_sources)
+
+    def reshaped(self, tensors: bool = True) -> bool:
+        """Whether a module (with ``tensors``: a parameter or buffer) was replaced, a class swapped or a watched
+        attribute (eps, dropout p, heads) changed: what `stale` checks without reading tensors. torch.export swaps
+        fake tensors into the parameter dicts while it traces: it checks modules only (``tensors`` False)."""
+        if tensors and not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
+            return True
+        if not tensors and any(dict.get(*link[:2]) is not link[2] for link in self.module_links):
+            return True
+        if tuple(map(type, self.submodules)) != self.types:
+            return True
+        return tuple(map(getattr, self.watched_objects, self.watched_names)) != self.watched_values
 
     def sync_packs(self) -> None:
         """Copy the model's Q/K/V into the packed tensors again where one changed in place since: an optimizer
@@ -183,11 +196,7 @@ class _Build:
             self.pack_stamps = stamps
 
     def stale(self) -> bool:
-        if not all(map(operator.is_, map(dict.get, self.containers, self.keys), self.objects)):
-            return True
-        if tuple(map(type, self.submodules)) != self.types:
-            return True
-        if tuple(map(getattr, self.watched_objects, self.watched_names)) != self.watched_values:
+        if self.reshaped():
             return True
         if self.quantized_stamps is not None and _coarse_stamps(self.tensors) != self.quantized_stamps:
             return True
@@ -925,7 +934,7 @@ class OptimizedState:
         first position is padding (`_first_position_padded`)."""
         if build.unsupported:
             return build.unsupported
-        if not torch.compiler.is_compiling():  # dynamo guards on hooks itself
+        if not torch.compiler.is_compiling() or _is_exporting():  # (compiled: checked outside the graph, `_eager`)
             reason = _hook_reason(base, build)
             if reason is not None:
                 return reason
@@ -958,6 +967,7 @@ class OptimizedState:
                                    "model.eval(), or fastbert.optimize(model) without dtype to train it")
             with torch.no_grad():
                 out = _run_encoder(build.fast, inputs, bool(output_hidden_states))
+            out = _without_gradient(out, build, inputs.get("inputs_embeds"))
         else:
             out = _run_encoder(build.fast, inputs, bool(output_hidden_states))
         fields = {"last_hidden_state": out.last_hidden_state}
@@ -967,6 +977,38 @@ class OptimizedState:
             fields["hidden_states"] = _selected_states(out.hidden_states, output_hidden_states)
         result = build.output_class(**fields)
         return result if return_dict else result.to_tuple()
+
+
+class _NoInt8Gradient(torch.autograd.Function):
+    """Identity on an int8 encoder's output whose backward raises: the int8 GEMMs have no gradient, and without it a
+    loss's backward would leave the encoder's parameters (or the inputs_embeds) without gradients, silently."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError("fastbert: a model optimized with dtype='int8' computes no gradient through its encoder: "
+                           "freeze it (requires_grad_(False) on the encoder's parameters and inputs_embeds) to train "
+                           "the head alone, or fastbert.optimize(model) without dtype to train it")
+
+
+def _without_gradient(out, build: _Build, inputs_embeds: torch.Tensor | None):
+    """An int8 encoder's outputs, marked (`_NoInt8Gradient`) where autograd would expect a gradient through them:
+    an encoder parameter or the inputs_embeds requires one."""
+    if not torch.is_grad_enabled():
+        return out
+    anchors = [t for t in (*build.tensors, inputs_embeds) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not anchors:
+        return out
+    anchors = anchors[:1]  # one is enough for autograd to record the node
+    out.last_hidden_state = _NoInt8Gradient.apply(out.last_hidden_state, *anchors)
+    if getattr(out, "pooler_output", None) is not None:
+        out.pooler_output = _NoInt8Gradient.apply(out.pooler_output, *anchors)
+    if out.hidden_states is not None:
+        out.hidden_states = tuple(_NoInt8Gradient.apply(h, *anchors) for h in out.hidden_states)
+    return out
 
 
 def _selected_states(states: tuple[torch.Tensor, ...], selection) -> tuple[torch.Tensor | None, ...]:
@@ -1008,7 +1050,8 @@ def _current_outside_graph(state: OptimizedState, base: nn.Module) -> tuple[_Bui
     if build.fast is not None:
         build.dropout.apply(build.fast)
         backends.preload(build.fast.backend, build.fast.embeddings.word_embeddings.device.type)
-    return build, _attention_reason(base)
+    # dynamo does not trace the submodules fastbert's encoder replaces, so it would not see their hooks
+    return build, _attention_reason(base) or (None if build.unsupported else _hook_reason(base, build))
 
 
 _eager_current: Callable | None = None
@@ -1093,6 +1136,10 @@ def _forward(base: nn.Module, args: tuple, kwargs: dict):
             raise RuntimeError("fastbert: this copy of the model has not run yet, and torch.export cannot build "
                                "fastbert's encoder over fake tensors: call the model once (or fastbert.optimize "
                                "it again) before exporting it")
+        if build.reshaped(tensors=False):
+            raise RuntimeError("fastbert: the model changed since its last call (a module replaced, or an attribute "
+                               "such as eps changed), and torch.export cannot rebuild fastbert's "
+                               "encoder over fake tensors: call the model once before exporting it")
     elif torch.compiler.is_compiling():
         build, reason = _eager(state, base)
         if reason is not None:

@@ -441,7 +441,6 @@ def test_optimize_int8_matches_from_pretrained_and_refuses_training():
     ref = fastbert.from_pretrained(MINILM, dtype="int8")(input_ids=ids, attention_mask=mask).last_hidden_state
     fastbert.optimize(hf, dtype="int8")
     out = hf(input_ids=ids, attention_mask=mask).last_hidden_state
-    assert not out.requires_grad
     assert float((out - ref)[mask.bool()].abs().max()) < 1e-4
     assert all(p.requires_grad for p in hf.parameters())  # the user's model is left trainable
     copy = pickle.loads(pickle.dumps(hf))
@@ -451,6 +450,25 @@ def test_optimize_int8_matches_from_pretrained_and_refuses_training():
         hf(input_ids=ids, attention_mask=mask)
     with pytest.raises(ValueError, match="dtype must be None or 'int8'"):
         fastbert.optimize(hf, dtype="float16")
+
+
+def test_optimize_int8_backward_through_the_encoder_raises_and_a_frozen_encoder_trains_its_head():
+    """In eval mode with autograd on, a loss's backward gave the classifier a gradient and the encoder none, without
+    a word (the int8 encoder ran under no_grad); inputs_embeds that require grad likewise."""
+    hf = tiny_model("bert", "ForSequenceClassification").eval()
+    fastbert.optimize(hf, dtype="int8")
+    ids, mask = padded_batch(3, 9)
+    labels = torch.tensor([0, 1, 0])
+    loss = hf(input_ids=ids, attention_mask=mask, labels=labels).loss
+    with pytest.raises(RuntimeError, match="computes no gradient through its encoder: freeze it"):
+        loss.backward()
+    embeds = hf.bert.embeddings.word_embeddings(ids).detach().requires_grad_()
+    for parameter in hf.bert.parameters():
+        parameter.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="computes no gradient through its encoder"):
+        hf(inputs_embeds=embeds, attention_mask=mask, labels=labels).loss.backward()
+    hf(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()  # the encoder frozen: the head trains
+    assert hf.classifier.weight.grad is not None and all(p.grad is None for p in hf.bert.parameters())
 
 
 def test_optimize_int8_follows_load_state_dict_and_in_place_edits():

@@ -42,8 +42,10 @@ from fastbert.ops.spec import OpCost, OpSpec, declare
 
 
 def window_half_width(window: int | None, seqlen: int) -> int | None:
-    """The largest |i - j| a query may attend, or None when the window is global for sequences of ``seqlen``."""
-    if window is None or window // 2 >= seqlen - 1:
+    """The largest |i - j| a query may attend, or None when the window is global for sequences of ``seqlen``. A
+    trace keeps the band at any length: torch.jit.trace records the branch taken, and a trace made at a length the
+    window covers would drop the window at longer ones."""
+    if window is None or (window // 2 >= seqlen - 1 and not torch.jit.is_tracing()):
         return None
     return window // 2
 
