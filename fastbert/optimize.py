@@ -899,6 +899,9 @@ class OptimizedState:
         if arguments is None:
             return "arguments that do not match the forward signature"
         config = base.config
+        if _is_onnx_exporting():
+            return ("torch.onnx.export records transformers' code: fastbert's ops are PyTorch custom ops that ONNX "
+                    "does not know (ONNX Runtime then runs its own kernels)")
         if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
             return "config.is_decoder / config.add_cross_attention is set"
         for name, value in arguments.items():
@@ -1064,6 +1067,10 @@ def _eager(state: OptimizedState, base: nn.Module) -> tuple[_Build, str | None]:
     if _eager_current is None:
         _eager_current = torch.compiler.disable(_current_outside_graph)
     return _eager_current(state, base)
+
+
+def _is_onnx_exporting() -> bool:
+    return bool(getattr(torch.onnx, "is_in_onnx_export", lambda: False)())
 
 
 def _is_exporting() -> bool:

@@ -474,6 +474,17 @@ def test_torch_export_runs_submodule_hooks_and_refuses_a_model_changed_since_its
         torch.export.export(model, (), dict(batch))
 
 
+def test_onnx_export_records_transformers_code(batch, monkeypatch):
+    """fastbert's ops are PyTorch custom ops ONNX does not know: torch.onnx.export failed on them ("unrecognized
+    namespace fastbert") where it would export transformers' code."""
+    reference, model = pair()
+    monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)  # what torch.onnx.export sets while it runs
+    with pytest.warns(UserWarning, match="torch.onnx.export records transformers' code"):
+        out, seen = run(model, **batch)
+    assert seen == {}
+    assert_agree(out, run(reference, **batch)[0], batch["attention_mask"])
+
+
 def test_torch_export_of_a_copy_says_to_run_it_first(batch):
     copied = copy.deepcopy(pair()[1])
     with torch.no_grad(), pytest.raises(RuntimeError, match="call the model once"):
