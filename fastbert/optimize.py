@@ -152,7 +152,8 @@ class _Build:
         self.containers = [container for container, _, _ in self.links]
         self.keys = [key for _, key, _ in self.links]
         self.objects = [obj for _, _, obj in self.links]
-        self.module_links = [link for link in self.links if isinstance(link[2], nn.Module)]
+        # what torch.export leaves in place: modules, and the absent ones (a layer appended, a pooler set later)
+        self.module_links = [link for link in self.links if not isinstance(link[2], torch.Tensor)]
         self.types = tuple(map(type, self.submodules))  # a class swapped in (`module.__class__ = ...`) rebuilds
         self.hook_dicts = [d for m in self.submodules
                            for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
@@ -988,13 +989,14 @@ class _NoInt8Gradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
-        return output.view_as(output)
+        return output.clone()  # (a view could not be edited in place, as transformers' outputs can)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         raise RuntimeError("fastbert: a model optimized with dtype='int8' computes no gradient through its encoder: "
-                           "freeze it (requires_grad_(False) on the encoder's parameters and inputs_embeds) to train "
-                           "the head alone, or fastbert.optimize(model) without dtype to train it")
+                           "freeze it (requires_grad_(False) on the encoder's parameters, its pooler's included, and "
+                           "on inputs_embeds) to train the head alone, or fastbert.optimize(model) without dtype to "
+                           "train it")
 
 
 def _without_gradient(out, build: _Build, inputs_embeds: torch.Tensor | None):

@@ -54,16 +54,17 @@ class Parser(argparse.ArgumentParser):
     """argparse, with usage errors as one line on stderr (exit status 2, no usage text)."""
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        sys.stderr.write(f"fastbert: error: {message}{_model_hint(message)}\n")
+        sys.stderr.write(f"fastbert: error: {message}\n")
         sys.exit(2)
 
 
-def _model_hint(message: str) -> str:
-    """For ``fastbert check DIR``: a directory among the unrecognized arguments is likely a checkpoint."""
-    if not message.startswith("unrecognized arguments: "):
+def _model_hint(args: argparse.Namespace, extras: list[str]) -> str:
+    """For ``fastbert check DIR``: a directory among the unrecognized arguments of a command that takes --model is
+    likely its checkpoint."""
+    directories = [word for word in extras if os.path.isdir(word)]
+    if not directories or not hasattr(args, "model"):
         return ""
-    directories = [word for word in message.removeprefix("unrecognized arguments: ").split() if os.path.isdir(word)]
-    return f" (a checkpoint directory is given as --model {directories[0]})" if directories else ""
+    return f" (a checkpoint directory is given as --model {directories[0]})"
 
 
 def command_module(name: str) -> ModuleType:
@@ -122,7 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run_command(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     name = _chosen(argv)
-    args = build_parser([name] if name in SUMMARIES else ()).parse_args(argv)
+    parser = build_parser([name] if name in SUMMARIES else ())
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # what parse_args says, and where a directory was likely meant as --model, so
+        parser.error(f"unrecognized arguments: {' '.join(extras)}{_model_hint(args, extras)}")
     if args.command is None:
         args = build_parser(["demo"]).parse_args(["demo"])
     from fastbert.backends import BackendUnavailable

@@ -33,15 +33,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give --output or --output-dir, not both")
     if args.output == "-":  # stdout, as '-' is stdin for --input (a file named '-' is ./-)
         args.output = None
-    check_options(args)
-    output_format = output_format_of(args)
     try:
+        check_options(args)
+        output_format = output_format_of(args)
         embedder, window_rows = build_embedder(args)
         if args.similarity:
             return print_similarity(args, embedder)
         rows, counter, size, stream = input_rows(args)
         output = open_output(args, embedder, output_format, window_rows)
-    except BaseException:  # the model did not load, or the input did not open: a reader of -o FIFO sees its end
+    except BaseException:  # refused options, a model or an input that did not load: a reader of -o FIFO sees its end
         if args.output is not None:
             embedding.release_reader(args.output)
         raise

@@ -743,7 +743,9 @@ class TrainingRun:
             self.save(final=False)
         if self.stops.requested:
             self.stops.deliver()
-            if self.dist.world_size == 1:
+            if self.dist.world_size == 1:  # the handler returned: the run goes on, with the evaluation it skipped
+                if self.evaluation_missed():
+                    self.evaluate()
                 return
         raise KeyboardInterrupt  # another rank was signalled, this one was not (yet)
 

@@ -472,6 +472,9 @@ def test_torch_export_runs_submodule_hooks_and_refuses_a_model_changed_since_its
     run(model, **batch)
     with torch.no_grad():
         torch.export.export(model, (), dict(batch))
+    model.encoder.layer.append(copy.deepcopy(model.encoder.layer[0]))  # a link that held nothing
+    with torch.no_grad(), pytest.raises(RuntimeError, match="the model changed since its last call"):
+        torch.export.export(model, (), dict(batch))
 
 
 def test_onnx_export_records_transformers_code(batch, monkeypatch):

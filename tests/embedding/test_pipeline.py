@@ -345,15 +345,16 @@ def test_cli_refuses_what_a_stream_cannot_take_before_loading_the_model(tmp_path
     assert out.read_text() == "one line\n" and not (tmp_path / "run").exists()
 
 
-def test_cli_a_named_pipes_reader_sees_its_end_when_the_model_does_not_load(tmp_path):
-    """The pipe was released only by a run that failed after opening its output: a model that did not load left
-    the reader waiting for ever."""
+@pytest.mark.parametrize("options", ["--model MISSING", "--format npy"], ids=["model-missing", "refused-option"])
+def test_cli_a_named_pipes_reader_sees_its_end_when_the_run_does_not_start(tmp_path, options):
+    """The pipe was released only by a run that failed after opening its output: a model that did not load, or an
+    option refused before it, left the reader waiting for ever."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(0.2)  # the reader waits on the pipe before the run checks it
-        proc = _shell(f"embed one two --model {tmp_path}/missing -o {fifo}")
+        proc = _shell(f"embed one two {options.replace('MISSING', str(tmp_path / 'missing'))} -o {fifo}")
         received = reader.communicate(timeout=20)[0]
     finally:
         reader.kill()

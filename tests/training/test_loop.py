@@ -343,14 +343,20 @@ def test_sigterm_is_held_to_the_step_boundary_then_its_own_handler_runs(tmp_path
 def test_a_callers_handler_that_returns_runs_at_the_step_boundary_and_the_run_goes_on(tmp_path, capsys):
     """A handler of the caller's that only sets a flag was turned into a KeyboardInterrupt that stopped the run."""
     calls = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+
+    def handler(signum, frame):
+        calls.append(signum)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    task = _Evaluating(at_calls=(4,))  # in step 4, whose evaluation is due (eval_every 2)
     try:
-        result = train(_model(), _Signalling(at_calls=(3,)), _args(tmp_path, save_every=0))
-        assert signal.getsignal(signal.SIGINT) is not previous and calls == [signal.SIGINT]
+        result = train(_model(), task, _args(tmp_path, save_every=0, eval_every=2))
+        assert signal.getsignal(signal.SIGINT) is handler and calls == [signal.SIGINT]  # put back
     finally:
         signal.signal(signal.SIGINT, previous)
     assert result.step == 7 and result.steps_run == 7
-    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-0000003", "checkpoint-0000007"]
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-0000004", "checkpoint-0000007"]
+    assert [r["step"] for r in _records(tmp_path / "run") if r.get("eval")] == [0, 2, 4, 6, 7]  # none skipped
     err = capsys.readouterr().err
     assert "the SIGINT handler returned: the run goes on" in err and "stopped after" not in err
 
