@@ -145,6 +145,7 @@ class _Build:
     # dtype="int8": `_coarse_stamps` of the mapped tensors when their int8 copies were made (`_quantize`); an
     # in-place change since (load_state_dict, an edit under no_grad) rebuilds. None: not int8, or inference tensors.
     quantized_stamps: tuple[int, ...] | None = None
+    quantized_sources: tuple[int, ...] | None = None  # `_stamps` then: what a step of another model's optimizer keeps
 
     def __post_init__(self) -> None:
         # Flat columns for C-level loops: this check runs on every call (about 20 us for 12 layers; reading the
@@ -200,7 +201,9 @@ class _Build:
         if self.reshaped():
             return True
         if self.quantized_stamps is not None and _coarse_stamps(self.tensors) != self.quantized_stamps:
-            return True
+            if _stamps(self.tensors) != self.quantized_sources:
+                return True
+            self.quantized_stamps = _coarse_stamps(self.tensors)  # another model's optimizer stepped: not stale
         return tuple(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
 
 
@@ -1312,6 +1315,7 @@ def _quantize(build: _Build) -> None:
         return
     if not any(tensor.is_inference() for tensor in build.tensors):
         build.quantized_stamps = _coarse_stamps(build.tensors)
+        build.quantized_sources = _stamps(build.tensors)
     else:
         warnings.warn("fastbert.optimize(dtype='int8'): the model's weights are inference tensors (made under "
                       "torch.inference_mode()), whose in-place changes cannot be seen: call fastbert.optimize "

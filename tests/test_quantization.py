@@ -507,6 +507,22 @@ def test_optimize_int8_follows_load_state_dict_and_in_place_edits():
     assert cosine(model, second) > 0.99 and cosine(model, first) < 0.9
 
 
+def test_optimize_int8_keeps_its_build_when_another_models_optimizer_steps():
+    """An int8 teacher beside a training student was requantized on every call after each of the student's steps."""
+    teacher = fastbert.optimize(tiny_model("bert").eval(), dtype="int8")
+    student = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.1)
+    ids, mask = padded_batch(3, 9)
+    with torch.no_grad():
+        teacher(input_ids=ids, attention_mask=mask)
+    build = teacher.__dict__["_fastbert"].build
+    student(torch.ones(4)).sum().backward()
+    optimizer.step()
+    with torch.no_grad():
+        teacher(input_ids=ids, attention_mask=mask)
+    assert teacher.__dict__["_fastbert"].build is build
+
+
 def test_optimize_int8_of_inference_tensors_warns_that_changes_are_not_seen():
     with torch.inference_mode():
         model = tiny_model("bert")
